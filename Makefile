@@ -1,0 +1,43 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; any other torch spec pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+RUN_ARGS ?=
+
+.PHONY: setup system-deps run test lint docs bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+# System packages the tests use (one-node Slurm, munge, iproute2); skipped where not root.
+system-deps:
+	@bash scripts/setup_system_deps.sh
+
+run: setup
+	$(BIN)/python scripts/performance/run_script.py -m qwen -mr qwen3_30b_a3b --task pretrain -g cpu -ng 2 --ab ep_overlap $(RUN_ARGS)
+
+test: setup system-deps
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check . || true
+
+docs: setup
+	$(BIN)/python scripts/generate_docs.py
+
+bench: setup
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

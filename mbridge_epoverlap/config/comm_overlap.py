@@ -1,0 +1,117 @@
+"""`CommOverlapConfig`: Megatron-Bridge's communication-overlap settings and their validator.
+
+`validate` checks every rule of `mbridge_epoverlap.config.rules` and returns all violations at once;
+`finalize` raises `ConfigValidationError` carrying every error. Nothing here imports torch or
+Megatron-Core: a config can be checked for a cluster from a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from mbridge_epoverlap.config.environment import Environment
+from mbridge_epoverlap.config.model import model_attr
+from mbridge_epoverlap.config.rules import RuleContext, all_rules
+from mbridge_epoverlap.config.versions import core_rules
+from mbridge_epoverlap.config.violations import ConfigValidationError, Violation, errors_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CommOverlapConfig:
+    """Communication-overlap settings, with Megatron-Bridge's field names.
+
+    Every field is optional: None keeps what the model or DDP config already says. The two EP fields
+    are independent switches; turning overlap off never turns delayed wgrad on or off by itself.
+    """
+
+    tp_comm_overlap: bool = False
+    tp_comm_overlap_cfg: Any = None
+    tp_comm_bootstrap_backend: str | None = None
+    overlap_p2p_comm: bool | None = None
+    batch_p2p_comm: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
+    overlap_param_gather_with_optimizer_step: bool | None = None
+    align_param_gather: bool | None = None
+    bucket_size: int | None = None
+    defer_embedding_wgrad_compute: bool | None = None
+    wgrad_deferral_limit: int | None = None
+    data_parallel_size: int | None = None
+    overlap_moe_expert_parallel_comm: bool | None = None
+    delay_wgrad_compute: bool | None = None
+
+    def effective_overlap(self, model_cfg: Any) -> bool:
+        """EP overlap as the job will run it: this config's switch, else the model's."""
+        if self.overlap_moe_expert_parallel_comm is not None:
+            return bool(self.overlap_moe_expert_parallel_comm)
+        return bool(model_attr(model_cfg, "overlap_moe_expert_parallel_comm"))
+
+    def effective_delay_wgrad(self, model_cfg: Any) -> bool:
+        if self.delay_wgrad_compute is not None:
+            return bool(self.delay_wgrad_compute)
+        return bool(model_attr(model_cfg, "delay_wgrad_compute"))
+
+    def effective_overlap_grad_reduce(self, ddp_config: Any) -> bool:
+        if self.overlap_grad_reduce is not None:
+            return bool(self.overlap_grad_reduce)
+        if ddp_config is None:
+            return False
+        if isinstance(ddp_config, dict):
+            return bool(ddp_config.get("overlap_grad_reduce", False))
+        return bool(getattr(ddp_config, "overlap_grad_reduce", False))
+
+    def validate(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None) -> list[Violation]:
+        """Every violated rule for this overlap config on `model_cfg`, errors and warnings.
+
+        Args:
+            model_cfg: any object with Megatron-Core `TransformerConfig` attribute names (a real
+                TransformerConfig, a Megatron-Bridge model provider, a namespace, a dict); absent
+                attributes take Megatron-Core's defaults.
+            ddp_config: the DDP config (reads `overlap_grad_reduce`), or None.
+            env: versions and GPU to check for; None means this machine (`Environment.detect()`).
+        """
+        env = env if env is not None else Environment.detect()
+        ctx = RuleContext(
+            model=model_cfg,
+            overlap=self.effective_overlap(model_cfg),
+            delay_wgrad=self.effective_delay_wgrad(model_cfg),
+            overlap_grad_reduce=self.effective_overlap_grad_reduce(ddp_config),
+            env=env,
+            core=core_rules(env.mcore_version),
+        )
+        found = []
+        for registered in all_rules():
+            if registered.applies(ctx):
+                violation = registered.check(ctx)
+                if violation is not None:
+                    found.append(violation)
+        return found
+
+    def finalize(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None) -> list[Violation]:
+        """Validate, raise `ConfigValidationError` with every error, then write the EP switches to the model.
+
+        Returns the warnings (also logged). The model gets `overlap_moe_expert_parallel_comm` and
+        `delay_wgrad_compute` as they will run, as Megatron-Bridge does when it sets up the model.
+        """
+        violations = self.validate(model_cfg, ddp_config, env)
+        errors = errors_of(violations)
+        if errors:
+            raise ConfigValidationError(errors)
+        warnings_found = [v for v in violations if v.severity == "warning"]
+        for v in warnings_found:
+            logger.warning("[%s] %s (fix: %s)", v.rule, v.message, v.fix)
+        overlap, delay = self.effective_overlap(model_cfg), self.effective_delay_wgrad(model_cfg)
+        for name, value in (("overlap_moe_expert_parallel_comm", overlap), ("delay_wgrad_compute", delay)):
+            if isinstance(model_cfg, dict):
+                model_cfg[name] = value
+            else:
+                setattr(model_cfg, name, value)
+        return warnings_found
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -1,0 +1,102 @@
+"""The run config a recipe returns: model, comm_overlap, train, ddp, launch environment.
+
+Its top-level keys are the prefixes of dotted overrides (`model.bf16=true`,
+`comm_overlap.delay_wgrad_compute=false`, `train.global_batch_size=512`, `env_vars.NCCL_DEBUG=INFO`),
+as in Megatron-Bridge's ConfigContainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
+from mbridge_epoverlap.config.environment import Environment
+from mbridge_epoverlap.config.model import MoEModelConfig
+from mbridge_epoverlap.config.violations import Violation
+
+
+@dataclass
+class TrainConfig:
+    """Batch shape and iteration count."""
+
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    train_iters: int = 10
+    seed: int = 1234
+    lr: float = 1.0e-4
+
+
+@dataclass
+class DDPConfig:
+    """The data-parallel settings the overlap rules read."""
+
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = True
+    bucket_size: int | None = None
+    grad_reduce_in_fp32: bool = True
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs; recipes return it, overrides edit it, the harness launches it.
+
+    Attributes:
+        recipe: recipe name (e.g. "qwen3_30b_a3b").
+        task: "pretrain" or "sft".
+        num_gpus: total GPUs (or CPU processes for `-g cpu`).
+        gpus_per_node: GPUs per node.
+        model, comm_overlap, train, ddp: the sections overrides address.
+        env_vars: launch environment (set before the processes start; setting them from Python at run
+            time is too late for CUDA_DEVICE_MAX_CONNECTIONS).
+    """
+
+    recipe: str = "custom"
+    task: str = "pretrain"
+    num_gpus: int = 1
+    gpus_per_node: int = 8
+    model: MoEModelConfig = field(default_factory=MoEModelConfig)
+    comm_overlap: CommOverlapConfig = field(default_factory=CommOverlapConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+    def validate(self, env: Environment | None = None) -> list[Violation]:
+        """Every EP-overlap and layout violation of this run, errors and warnings."""
+        from mbridge_epoverlap.config.layout import layout_violations
+
+        return self.comm_overlap.validate(self.model, self.ddp, env) + layout_violations(self)
+
+    def copy(self) -> RunConfig:
+        return copy.deepcopy(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON-ready) with `model.*`, `comm_overlap.*`, ... keys."""
+        data = dataclasses.asdict(self)
+        data["comm_overlap"]["tp_comm_overlap_cfg"] = _plain(self.comm_overlap.tp_comm_overlap_cfg)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Inverse of `to_dict` (unknown keys are an error, via the override machinery)."""
+        from mbridge_epoverlap.config.overrides import apply_mapping
+
+        cfg = cls()
+        apply_mapping(cfg, data)
+        return cfg
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
+        return value
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return str(value)

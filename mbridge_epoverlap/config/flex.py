@@ -1,0 +1,118 @@
+"""Switching the MoE token dispatcher to flex (DeepEP or HybridEP) only where the GPU supports it.
+
+Setting `moe_flex_dispatcher_backend` alone does not enable flex: `apply_flex_dispatcher_backend` must
+also set the dispatcher type. On an unsupported GPU it says so (a `FlexDispatcherWarning`) and keeps
+alltoall, or raises with `strict=True`; it never falls back silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+from mbridge_epoverlap.config.environment import Environment
+from mbridge_epoverlap.config.model import model_attr
+from mbridge_epoverlap.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+FLEX_BACKENDS = ("deepep", "hybridep")
+
+
+class FlexDispatcherWarning(UserWarning):
+    """The flex dispatcher was requested but not applied (unsupported GPU, non-MoE model, bad backend)."""
+
+
+def backend_supports_gpu(backend: str, env: Environment) -> bool:
+    """DeepEP: Ampere/Hopper (sm8x, sm9x), B200, B300. HybridEP: sm8x, sm9x, sm10x (incl. GB200/GB300)."""
+    major = env.compute_capability[0] if env.compute_capability else None
+    name = env.gpu_name or ""
+    if backend == "deepep":
+        return major in (8, 9) or name.startswith(("NVIDIA B200", "NVIDIA B300"))
+    if backend == "hybridep":
+        return major in (8, 9, 10)
+    return False
+
+
+def flex_backend_problem(backend: str | None, env: Environment) -> str | None:
+    """Why `backend` cannot run on the environment's GPU, or None when it can (or no GPU is known)."""
+    if backend not in FLEX_BACKENDS:
+        return f"moe_flex_dispatcher_backend={backend!r} is not one of {', '.join(FLEX_BACKENDS)}"
+    if not env.has_gpu or backend_supports_gpu(backend, env):
+        return None
+    gpu = env.gpu_name or f"compute capability {env.compute_capability}"
+    if backend == "deepep":
+        supported = "Ampere, Hopper, B200, B300"
+    else:
+        supported = "Ampere, Hopper, Blackwell (B200/B300/GB200/GB300)"
+    return f"the {backend} flex dispatcher does not support {gpu} (supported: {supported})"
+
+
+def _set(model_cfg: Any, name: str, value: Any) -> None:
+    if isinstance(model_cfg, dict):
+        model_cfg[name] = value
+    else:
+        setattr(model_cfg, name, value)
+
+
+def _warn(message: str) -> None:
+    logger.warning(message)
+    warnings.warn(message, FlexDispatcherWarning, stacklevel=3)
+
+
+def apply_flex_dispatcher_backend(model_cfg: Any, backend: str | None, *, env: Environment | None = None,
+                                  strict: bool = False) -> Any:
+    """Switch the token dispatcher to flex with `backend` where the target GPU supports it.
+
+    Args:
+        model_cfg: a TransformerConfig-like object (changed in place and returned).
+        backend: "deepep", "hybridep", or None (no change).
+        env: the target environment; None means this machine (`Environment.detect()`). With no GPU
+            known (a recipe built on a CPU machine for a cluster) flex is set without probing.
+        strict: raise instead of warning and keeping alltoall on an unsupported GPU.
+
+    Returns:
+        `model_cfg`. On success its dispatcher is "flex", its backend `backend` and
+        `moe_shared_expert_overlap` is False (flex and shared-expert overlap are exclusive).
+
+    Raises:
+        UsageError (a ValueError): unsupported GPU with `strict`, or an invalid backend with `strict`.
+    """
+    if backend is None or str(backend).lower() in ("none", "null", ""):
+        return model_cfg
+    backend = str(backend).lower()
+    if backend not in FLEX_BACKENDS:
+        message = (f"moe_flex_dispatcher_backend={backend!r} is not one of {', '.join(FLEX_BACKENDS)}; "
+                   "dispatcher unchanged")
+        if strict:
+            raise UsageError(message)
+        _warn(message)
+        return model_cfg
+    experts = model_attr(model_cfg, "num_moe_experts")
+    if not experts or experts <= 1:
+        _warn(f"flex dispatcher ({backend}) requested for a model without experts (num_moe_experts={experts}); "
+              "dispatcher unchanged")
+        return model_cfg
+    env = env or Environment.detect()
+    problem = flex_backend_problem(backend, env)
+    if problem is not None:
+        if strict:
+            raise UsageError(f"{problem}; use --moe_flex_dispatcher_backend hybridep or the alltoall dispatcher")
+        _warn(f"{problem}; keeping the alltoall dispatcher")
+        _set(model_cfg, "moe_token_dispatcher_type", "alltoall")
+        return model_cfg
+    _set(model_cfg, "moe_token_dispatcher_type", "flex")
+    _set(model_cfg, "moe_flex_dispatcher_backend", backend)
+    _set(model_cfg, "moe_shared_expert_overlap", False)
+    return model_cfg
+
+
+def validate_flex_dispatcher_backend(model_cfg: Any, env: Environment | None = None) -> None:
+    """Raise UsageError (a ValueError) when the model uses flex with a backend its GPU cannot run."""
+    if model_attr(model_cfg, "moe_token_dispatcher_type") != "flex":
+        return
+    problem = flex_backend_problem(model_attr(model_cfg, "moe_flex_dispatcher_backend"), env or Environment.detect())
+    if problem is not None:
+        raise UsageError(f"{problem}; use --moe_flex_dispatcher_backend hybridep or "
+                         "model.moe_token_dispatcher_type=alltoall")

@@ -1,0 +1,162 @@
+"""The model part of a run config: Megatron-Core `TransformerConfig` attribute names and defaults.
+
+`MoEModelConfig` carries the fields this project reads, under the names Megatron-Core and
+Megatron-Bridge model providers use, so the validator treats it, a real `TransformerConfig` and a
+Megatron-Bridge provider alike. `model_attr` reads any such object and falls back to Megatron-Core's
+default for an attribute the object does not have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Megatron-Core 0.16 TransformerConfig defaults for the attributes the rules read.
+MCORE_DEFAULTS: dict[str, Any] = {
+    "num_moe_experts": None,
+    "moe_router_topk": 2,
+    "moe_token_dispatcher_type": "allgather",
+    "moe_flex_dispatcher_backend": "deepep",
+    "moe_shared_expert_overlap": False,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_use_legacy_grouped_gemm": False,
+    "moe_layer_freq": 1,
+    "bf16": False,
+    "fp16": False,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None,
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "recompute_modules": None,
+    "mtp_num_layers": None,
+    "cuda_graph_impl": "none",
+    "cuda_graph_scope": "full",
+    "gradient_accumulation_fusion": False,
+    "add_bias_linear": True,
+    "add_qkv_bias": False,
+    "overlap_moe_expert_parallel_comm": False,
+    "delay_wgrad_compute": False,
+    "ep_overlap_early_attn_memory_release": False,
+}
+
+_MISSING = object()
+
+
+def model_attr(model_cfg: Any, name: str) -> Any:
+    """Attribute `name` of any TransformerConfig-like object, or Megatron-Core's default."""
+    if isinstance(model_cfg, dict):
+        value = model_cfg.get(name, _MISSING)
+    else:
+        value = getattr(model_cfg, name, _MISSING)
+    if value is _MISSING:
+        return MCORE_DEFAULTS.get(name)
+    return value
+
+
+@dataclass
+class MoEModelConfig:
+    """A MoE GPT model as Megatron-Core describes it (a subset of `TransformerConfig` plus vocab/seq).
+
+    Field names match `megatron.core.transformer.transformer_config.TransformerConfig` so overrides
+    such as `model.moe_shared_expert_overlap=false` mean the same thing as in Megatron-Bridge.
+    """
+
+    # Architecture
+    num_layers: int = 2
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 1024
+    seq_length: int = 128
+    normalization: str = "RMSNorm"
+    gated_linear_unit: bool = True
+    qk_layernorm: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    multi_latent_attention: bool = False
+    # MoE
+    num_moe_experts: int | None = 8
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | list[int] = 1
+    moe_router_score_function: str = "softmax"
+    moe_router_force_load_balancing: bool = False
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_grouped_gemm: bool = True
+    moe_permute_fusion: bool = False
+    moe_use_legacy_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_flex_dispatcher_backend: str | None = None
+    moe_shared_expert_overlap: bool = False
+    mtp_num_layers: int | None = None
+    # Precision
+    bf16: bool = True
+    fp16: bool = False
+    # Parallelism (Megatron-Bridge keeps these on the model provider)
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = 1
+    sequence_parallel: bool = False
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+    # Recompute
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
+    # CUDA graphs
+    cuda_graph_impl: str = "none"
+    cuda_graph_scope: list[str] = field(default_factory=list)
+    # Fusions
+    gradient_accumulation_fusion: bool = False
+    # EP overlap (mirrored from comm_overlap when the config is finalized)
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    ep_overlap_early_attn_memory_release: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_transformer_config(self) -> Any:
+        """Build a real Megatron-Core `TransformerConfig` (imports megatron.core; call after validation).
+
+        Its constructor stops at the first failed assertion; validate with `CommOverlapConfig.validate`
+        first to see every problem at once.
+        """
+        import torch
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        names = {f.name for f in dataclasses.fields(TransformerConfig)}
+        kwargs = {k: v for k, v in self.to_dict().items() if k in names}
+        kwargs["cuda_graph_scope"] = list(self.cuda_graph_scope)
+        kwargs["params_dtype"] = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+        if self.moe_flex_dispatcher_backend is None:
+            kwargs.pop("moe_flex_dispatcher_backend", None)
+        kwargs["moe_enable_deepep"] = False
+        return TransformerConfig(**kwargs)
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Per-expert FFN width (falls back to ffn_hidden_size, then 4*hidden)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) is a MoE layer under `moe_layer_freq`."""
+        if not self.num_moe_experts:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.moe_layer_freq[layer])
+        return layer % self.moe_layer_freq == 0

@@ -1,0 +1,95 @@
+"""Shrinking a recipe's model so it trains in a few CPU processes, keeping its structure.
+
+Kept: the expert-count to top-k ratio (top-k capped), shared experts, dense-then-MoE layer pattern,
+precision, dispatcher family and every overlap-related setting (so validation means the same thing).
+Changed: widths, depth, sequence, vocabulary, and the parallel layout, which is fitted to the
+process count (EP = processes unless given; TP = PP = CP = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.errors import UsageError
+
+
+@dataclass(frozen=True)
+class CpuShape:
+    """Sizes of the CPU model; the defaults make dispatch/combine and expert compute take similar time
+    on a 2-core machine over loopback gloo."""
+
+    num_layers: int = 2
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    expert_ffn_hidden_size: int = 512
+    seq_length: int = 256
+    vocab_size: int = 1024
+    micro_batch_size: int = 2
+    num_micro_batches: int = 4
+    max_topk: int = 2
+
+
+def shrink_for_cpu(
+    cfg: RunConfig, num_procs: int, *, ep: int | None = None, shape: CpuShape | None = None
+) -> RunConfig:
+    """A copy of `cfg` sized for `num_procs` CPU processes.
+
+    Raises:
+        UsageError: a layout that cannot fit (EP not dividing the processes or the experts, EP larger
+            than the expert count, a non-MoE recipe).
+    """
+    shape = shape or CpuShape()
+    if num_procs < 1:
+        raise UsageError(f"-ng {num_procs}: need at least one process")
+    out = cfg.copy()
+    m = out.model
+    experts, topk = m.num_moe_experts or 0, m.moe_router_topk
+    if experts <= 1:
+        raise UsageError(f"recipe {cfg.recipe} is not a MoE model (num_moe_experts={experts}); "
+                         "EP overlap needs experts")
+    ep = num_procs if ep is None else ep
+    if ep < 1 or num_procs % ep:
+        raise UsageError(f"-ep {ep} does not divide -ng {num_procs}; use -ep {_divisor(num_procs)} or change -ng")
+    new_topk = min(topk, shape.max_topk)
+    new_experts = max(new_topk * max(experts // topk, 1), new_topk + 1) if experts > topk else experts
+    if ep > new_experts:
+        raise UsageError(f"-ep {ep} is larger than the {new_experts} experts of the CPU-sized {cfg.recipe}; "
+                         f"use -ep {_divisor(new_experts, limit=num_procs)} or fewer processes")
+    if new_experts % ep:
+        raise UsageError(f"the CPU-sized {cfg.recipe} has {new_experts} experts, not divisible by -ep {ep}; "
+                         f"use -ep {_divisor(new_experts, limit=ep)}")
+    dense_prefix = 1 if isinstance(m.moe_layer_freq, list) and m.moe_layer_freq and m.moe_layer_freq[0] == 0 else 0
+    m.num_layers = dense_prefix + shape.num_layers
+    m.moe_layer_freq = [0] * dense_prefix + [1] * shape.num_layers if dense_prefix else 1
+    m.hidden_size = shape.hidden_size
+    m.num_attention_heads = shape.num_attention_heads
+    m.num_query_groups = shape.num_attention_heads if m.num_query_groups is None else min(
+        m.num_query_groups, shape.num_attention_heads)
+    m.kv_channels = shape.hidden_size // shape.num_attention_heads
+    m.ffn_hidden_size = 2 * shape.expert_ffn_hidden_size
+    m.moe_ffn_hidden_size = shape.expert_ffn_hidden_size
+    if m.moe_shared_expert_intermediate_size:
+        m.moe_shared_expert_intermediate_size = shape.expert_ffn_hidden_size
+    m.num_moe_experts, m.moe_router_topk = new_experts, new_topk
+    m.seq_length, m.vocab_size = shape.seq_length, shape.vocab_size
+    m.multi_latent_attention = False
+    m.mtp_num_layers = None
+    m.tensor_model_parallel_size = m.pipeline_model_parallel_size = m.context_parallel_size = 1
+    m.virtual_pipeline_model_parallel_size = None
+    m.account_for_embedding_in_pipeline_split = m.account_for_loss_in_pipeline_split = False
+    m.expert_model_parallel_size, m.expert_tensor_parallel_size = ep, 1
+    m.sequence_parallel = False
+    if m.moe_token_dispatcher_type == "flex":
+        m.moe_token_dispatcher_type = "alltoall"  # DeepEP/HybridEP need GPUs; alltoall is their CPU stand-in
+    m.cuda_graph_impl, m.cuda_graph_scope = "none", []
+    m.gradient_accumulation_fusion = False
+    out.num_gpus, out.gpus_per_node = num_procs, num_procs
+    out.train.micro_batch_size = shape.micro_batch_size
+    out.train.global_batch_size = shape.micro_batch_size * shape.num_micro_batches * num_procs
+    return out
+
+
+def _divisor(n: int, limit: int | None = None) -> int:
+    limit = n if limit is None else min(n, limit)
+    return next(d for d in range(limit, 0, -1) if n % d == 0)

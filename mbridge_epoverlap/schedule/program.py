@@ -1,0 +1,265 @@
+"""The stage program of a MoE layer and the step vocabulary that schedules are written in.
+
+A MoE layer is a short program of stages, each either COMPUTE or COMM. A schedule is an ordered
+list of `Step`s over several micro-batches; the reference runtime executes a schedule for real and
+the simulator turns the same list plus stage costs into a timeline. Neither executor reorders
+steps, so a schedule is defined once and means the same thing to both.
+
+A COMM stage is split in two steps: ISSUE starts the collective asynchronously, WAIT blocks until
+it finished. Whatever runs between the two is overlapped with that communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    COMPUTE = "compute"
+    COMM = "comm"
+
+
+class Phase(str, Enum):
+    RUN = "run"  # a compute stage, start to end
+    ISSUE = "issue"  # start an asynchronous collective
+    WAIT = "wait"  # block until the issued collective finished
+
+
+class Direction(str, Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a layer program."""
+
+    name: str
+    kind: Kind
+    direction: Direction
+
+
+F, B = Direction.FORWARD, Direction.BACKWARD
+
+# Forward: attention + router + permute | dispatch A2A | grouped experts | combine A2A | unpermute + residual.
+FORWARD_STAGES: tuple[Stage, ...] = (
+    Stage("attn", Kind.COMPUTE, F),
+    Stage("dispatch", Kind.COMM, F),
+    Stage("experts", Kind.COMPUTE, F),
+    Stage("combine", Kind.COMM, F),
+    Stage("post", Kind.COMPUTE, F),
+)
+
+# Backward runs the program in reverse. The backward of combine is a dispatch-shaped A2A and the
+# backward of dispatch a combine-shaped one. Weight gradients are separate stages so they can be
+# delayed into a communication window.
+BACKWARD_STAGES: tuple[Stage, ...] = (
+    Stage("post_bwd", Kind.COMPUTE, B),
+    Stage("combine_bwd", Kind.COMM, B),
+    Stage("experts_dgrad", Kind.COMPUTE, B),
+    Stage("experts_wgrad", Kind.COMPUTE, B),
+    Stage("dispatch_bwd", Kind.COMM, B),
+    Stage("attn_dgrad", Kind.COMPUTE, B),
+    Stage("attn_wgrad", Kind.COMPUTE, B),
+)
+
+STAGES: dict[str, Stage] = {stage.name: stage for stage in FORWARD_STAGES + BACKWARD_STAGES}
+COMM_STAGE_NAMES: frozenset[str] = frozenset(s.name for s in STAGES.values() if s.kind is Kind.COMM)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One instruction of a schedule: do `phase` of `stage` of `layer` for `micro_batch`."""
+
+    micro_batch: int
+    layer: int
+    stage: str
+    phase: Phase
+
+    @property
+    def kind(self) -> Kind:
+        return STAGES[self.stage].kind
+
+    @property
+    def direction(self) -> Direction:
+        return STAGES[self.stage].direction
+
+    def __str__(self) -> str:
+        return f"mb{self.micro_batch}.L{self.layer}.{self.stage}.{self.phase.value}"
+
+
+def run(mb: int, layer: int, stage: str) -> Step:
+    return Step(mb, layer, stage, Phase.RUN)
+
+
+def issue(mb: int, layer: int, stage: str) -> Step:
+    return Step(mb, layer, stage, Phase.ISSUE)
+
+
+def wait(mb: int, layer: int, stage: str) -> Step:
+    return Step(mb, layer, stage, Phase.WAIT)
+
+
+def stage_steps(mb: int, layer: int, stage: Stage) -> list[Step]:
+    """A stage run on its own: compute runs, communication is issued and waited back to back."""
+    if stage.kind is Kind.COMM:
+        return [issue(mb, layer, stage.name), wait(mb, layer, stage.name)]
+    return [run(mb, layer, stage.name)]
+
+
+def forward_steps(mb: int, num_layers: int) -> list[Step]:
+    """Forward of one micro-batch through every layer with no overlap."""
+    return [step for layer in range(num_layers) for stage in FORWARD_STAGES for step in stage_steps(mb, layer, stage)]
+
+
+def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> list[Step]:
+    """Backward of one micro-batch through every layer (last layer first) with no overlap.
+
+    With `delay_wgrad`, each layer's expert weight gradient runs after its dispatch backward has been
+    issued, and the attention weight gradient after the next layer's dgrad; with no other micro-batch
+    to overlap, this only moves work, it never changes a value.
+    """
+    steps: list[Step] = []
+    for layer in reversed(range(num_layers)):
+        for stage in BACKWARD_STAGES:
+            if delay_wgrad and stage.name == "experts_wgrad":
+                continue
+            if delay_wgrad and stage.name == "dispatch_bwd":
+                steps += [
+                    issue(mb, layer, "dispatch_bwd"),
+                    run(mb, layer, "experts_wgrad"),
+                    wait(mb, layer, "dispatch_bwd"),
+                ]
+                continue
+            steps += stage_steps(mb, layer, stage)
+    return steps
+
+
+def combined_layer_pair(f_mb: int, f_layer: int, b_mb: int, b_layer: int, *, delay_wgrad: bool) -> list[Step]:
+    """Forward of one layer of `f_mb` interleaved with backward of one layer of `b_mb`.
+
+    Megatron-Core's issue order: each COMM stage of one micro-batch is issued, a COMPUTE stage of the
+    other runs, and the wait comes at the latest point the next stage needs the result. With
+    `delay_wgrad`, the expert weight gradient fills the dispatch-backward window instead of running
+    right after the expert data gradient.
+    """
+    steps = [
+        run(b_mb, b_layer, "post_bwd"),
+        issue(b_mb, b_layer, "combine_bwd"),
+        run(f_mb, f_layer, "attn"),
+        wait(b_mb, b_layer, "combine_bwd"),
+        issue(f_mb, f_layer, "dispatch"),
+        run(b_mb, b_layer, "experts_dgrad"),
+    ]
+    if not delay_wgrad:
+        steps.append(run(b_mb, b_layer, "experts_wgrad"))
+    steps += [
+        wait(f_mb, f_layer, "dispatch"),
+        issue(b_mb, b_layer, "dispatch_bwd"),
+    ]
+    if delay_wgrad:
+        steps.append(run(b_mb, b_layer, "experts_wgrad"))
+    steps += [
+        run(f_mb, f_layer, "experts"),
+        wait(b_mb, b_layer, "dispatch_bwd"),
+        issue(f_mb, f_layer, "combine"),
+        run(b_mb, b_layer, "attn_dgrad"),
+        run(b_mb, b_layer, "attn_wgrad"),
+        wait(f_mb, f_layer, "combine"),
+        run(f_mb, f_layer, "post"),
+    ]
+    return steps
+
+
+def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay_wgrad: bool = False) -> list[Step]:
+    """The 1F1B order for one pipeline stage (PP=1): F0, then (F_i, B_{i-1}) pairs, then the last B.
+
+    Args:
+        num_micro_batches: micro-batches per iteration (>= 1).
+        num_layers: MoE layers in the model (>= 1).
+        overlap: False runs each F and B whole, one after the other (the baseline); True interleaves
+            F_i with B_{i-1} layer pair by layer pair (combined 1F1B), F going up while B comes down.
+        delay_wgrad: delay expert weight gradients into the dispatch-backward window (needs overlap
+            to hide anything; allowed without it for testing).
+
+    Both orders visit micro-batches in the same sequence, so gradients accumulate in the same order
+    and the losses and gradients are bitwise identical.
+    """
+    if num_micro_batches < 1 or num_layers < 1:
+        raise ValueError(f"need num_micro_batches >= 1 and num_layers >= 1, got {num_micro_batches}, {num_layers}")
+    steps = forward_steps(0, num_layers)
+    for mb in range(1, num_micro_batches):
+        if not overlap:
+            steps += forward_steps(mb, num_layers)
+            steps += backward_steps(mb - 1, num_layers, delay_wgrad=delay_wgrad)
+            continue
+        # F walks layers upwards while B walks them downwards: pair F layer i with B layer L-1-i.
+        for i in range(num_layers):
+            steps += combined_layer_pair(mb, i, mb - 1, num_layers - 1 - i, delay_wgrad=delay_wgrad)
+    steps += backward_steps(num_micro_batches - 1, num_layers, delay_wgrad=delay_wgrad)
+    return steps
+
+
+def check_schedule(steps: list[Step]) -> None:
+    """Raise ValueError unless every stage of every (micro-batch, layer) appears in a valid order.
+
+    Checks: each COMM is issued once before its single wait; every stage's predecessor in its
+    direction's program finished (ran, or was waited) before it starts; forward of a layer follows
+    forward of the previous layer; backward of a layer starts after the forward of the last layer and
+    after the backward of the layer above it.
+    """
+    done: set[tuple[int, int, str]] = set()
+    issued: set[tuple[int, int, str]] = set()
+    layers_of: dict[int, set[int]] = {}
+    for step in steps:
+        layers_of.setdefault(step.micro_batch, set()).add(step.layer)
+    for step in steps:
+        key = (step.micro_batch, step.layer, step.stage)
+        if step.phase is Phase.WAIT:
+            if key not in issued or key in done:
+                raise ValueError(f"{step}: wait without a pending issue")
+            done.add(key)
+            continue
+        for need in _predecessors(step, max(layers_of[step.micro_batch]) + 1):
+            if need not in done:
+                raise ValueError(f"{step}: runs before {need} finished")
+        if step.phase is Phase.ISSUE:
+            if key in issued:
+                raise ValueError(f"{step}: issued twice")
+            issued.add(key)
+        else:
+            if key in done:
+                raise ValueError(f"{step}: ran twice")
+            done.add(key)
+    missing = issued - done
+    if missing:
+        raise ValueError(f"issued but never waited: {sorted(missing)}")
+
+
+def predecessors(step: Step, num_layers: int) -> list[tuple[int, int, str]]:
+    """The (micro_batch, layer, stage) keys that must have finished before `step` may start.
+
+    This is the dependency relation `check_schedule` enforces; executors that time steps (the
+    simulator) use it to know when a step's inputs are ready.
+    """
+    return _predecessors(step, num_layers)
+
+
+def _predecessors(step: Step, num_layers: int) -> list[tuple[int, int, str]]:
+    mb, layer = step.micro_batch, step.layer
+    program = FORWARD_STAGES if step.direction is Direction.FORWARD else BACKWARD_STAGES
+    names = [s.name for s in program]
+    index = names.index(step.stage)
+    if step.stage == "attn_wgrad":
+        return [(mb, layer, "attn_dgrad")]
+    if step.stage == "dispatch_bwd":
+        return [(mb, layer, "experts_dgrad")]
+    if index > 0:
+        previous = names[index - 1]
+        return [(mb, layer, previous)]
+    if step.direction is Direction.FORWARD:
+        return [(mb, layer - 1, "post")] if layer > 0 else []
+    if layer == num_layers - 1:
+        return [(mb, num_layers - 1, "post")]
+    return [(mb, layer + 1, "attn_dgrad")]
