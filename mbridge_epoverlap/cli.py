@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from mbridge_epoverlap import __version__
-from mbridge_epoverlap.errors import EXIT_USAGE, UsageError
+from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_USAGE, UsageError
 
 # (module, description) per subcommand; the module provides register(subparsers).
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -58,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`... --json | head`); silence the flush at exit too.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

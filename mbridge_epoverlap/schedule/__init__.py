@@ -1,0 +1,10 @@
+"""Stage programs, schedules and the simulator that times them.
+
+- `program`: the stage program of a MoE layer, the `Step` vocabulary, training 1F1B orders, `check_schedule`.
+- `serving_orders`: decode orders (ping-pong between attention and expert workers, two-batch overlap).
+- `resources`: which stream runs each step and which channel carries each collective.
+- `costs`, `simulator`, `timeline`, `gantt`: stage costs -> timed events -> utilization, idle time, PNG.
+- `presets`, `cli`: named schedules and `mbridge-epoverlap simulate`.
+
+Nothing is imported here, so importing the package stays cheap.
+"""

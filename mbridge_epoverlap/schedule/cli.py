@@ -1,0 +1,156 @@
+"""`mbridge-epoverlap simulate`: time an overlap schedule and show where the idle time is.
+
+`register` only touches argparse so `mbridge-epoverlap --help` stays fast; the simulator, rich and
+matplotlib are imported by the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from mbridge_epoverlap.errors import UsageError
+
+SCHEDULE_CHOICES = ("pingpong", "1f1b", "two-batch")
+
+
+def register(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `simulate` subcommand to `subparsers`."""
+    parser = subparsers.add_parser(
+        "simulate",
+        help="time an overlap schedule (ping-pong, combined 1F1B, two-batch overlap) from stage costs",
+        description=(
+            "Simulate a schedule from per-stage times (all in one unit, e.g. ms) and report makespan, "
+            "utilization and idle time per resource, optionally as a Gantt PNG."
+        ),
+    )
+    parser.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES, help="which schedule to simulate")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="micro-batches (default: pingpong 3, 1f1b 4, two-batch 2)",
+    )
+    parser.add_argument("--layers", type=int, default=2, metavar="L", help="MoE layers (default 2)")
+    parser.add_argument(
+        "--t-attn", type=float, default=1.0, metavar="A", help="attention time per micro-batch and layer"
+    )
+    parser.add_argument(
+        "--t-expert", type=float, default=1.0, metavar="E", help="expert time per micro-batch and layer"
+    )
+    parser.add_argument("--t-comm", type=float, default=0.5, metavar="C", help="time of one all-to-all / M2N transfer")
+    parser.add_argument("--t-post", type=float, default=0.0, metavar="P", help="unpermute + residual time (default 0)")
+    parser.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="1f1b: combined 1F1B (default) or plain 1F1B with --no-overlap",
+    )
+    parser.add_argument("--delay-wgrad", action="store_true", help="1f1b: delay expert weight gradients")
+    parser.add_argument(
+        "--backward-factor", type=float, default=None, help="1f1b: backward over forward compute time (default 2)"
+    )
+    parser.add_argument("--unit", default="ms", help="unit of the times, for labels only (default ms)")
+    parser.add_argument("--png", metavar="PATH", default=None, help="write a Gantt chart to PATH")
+    parser.add_argument("--events", action="store_true", help="with --json, include every timed event")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(handler=handle)
+    return parser
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Run `simulate` for parsed `args`; return the exit code."""
+    from mbridge_epoverlap.schedule.presets import (
+        DEFAULT_MICRO_BATCHES,
+        min_micro_batches,
+        ping_pong_makespan,
+        simulate_schedule,
+    )
+
+    if args.schedule != "1f1b":
+        # Training-only flags on a serving schedule would be silently ignored; say so instead.
+        given = [
+            flag
+            for flag, value in (
+                ("--overlap/--no-overlap", args.overlap),
+                ("--delay-wgrad", args.delay_wgrad or None),
+                ("--backward-factor", args.backward_factor),
+            )
+            if value is not None
+        ]
+        if given:
+            verb, obj = ("applies", "it") if len(given) == 1 else ("apply", "them")
+            raise UsageError(f"{', '.join(given)} {verb} only to --schedule 1f1b; drop {obj} or use --schedule 1f1b")
+    overlap = True if args.overlap is None else args.overlap
+    timeline = simulate_schedule(
+        args.schedule,
+        micro_batches=args.micro_batches,
+        layers=args.layers,
+        t_attn=args.t_attn,
+        t_expert=args.t_expert,
+        t_comm=args.t_comm,
+        t_post=args.t_post,
+        overlap=overlap,
+        delay_wgrad=args.delay_wgrad,
+        backward_factor=2.0 if args.backward_factor is None else args.backward_factor,
+    )
+    m = args.micro_batches if args.micro_batches is not None else DEFAULT_MICRO_BATCHES[args.schedule]
+    result: dict[str, Any] = {"schedule": args.schedule, "micro_batches": m, "layers": args.layers}
+    result.update(timeline.to_dict(events=args.events))
+    if args.schedule == "1f1b":
+        result.update(overlap=overlap, delay_wgrad=args.delay_wgrad)
+    if args.schedule == "pingpong":
+        # The closed form folds the residual into attention, so it only applies when that is free.
+        if args.t_post == 0:
+            result["closed_form"] = ping_pong_makespan(args.t_attn, args.t_expert, args.t_comm, m, args.layers)
+        result["min_micro_batches"] = min_micro_batches(args.t_attn, args.t_expert, args.t_comm)
+    result["summary"] = timeline.summary()
+    if args.png:
+        from mbridge_epoverlap.schedule.gantt import save_gantt
+
+        title = f"{args.schedule}, m={m}, L={args.layers}: {timeline.summary()}"
+        result["png"] = str(save_gantt(timeline, args.png, title=title, unit=args.unit))
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    _print_table(result, args.unit)
+    return 0
+
+
+def _print_table(result: dict[str, Any], unit: str) -> None:
+    from rich.table import Table
+
+    console = _console()
+    table = Table(title=f"{result['schedule']}: m={result['micro_batches']}, L={result['layers']}")
+    table.add_column("resource")
+    table.add_column(f"busy ({unit})", justify="right")
+    table.add_column(f"idle ({unit})", justify="right")
+    table.add_column("utilization", justify="right")
+    for name in result["resources"]:
+        table.add_row(
+            name,
+            f"{result['busy'][name]:.4g}",
+            f"{result['idle'][name]:.4g}",
+            f"{result['utilization'][name]:.1%}",
+        )
+    console.print(table)
+    console.print(f"makespan {result['makespan']:.4g} {unit}; exposed comm {result['exposed_comm']:.4g} {unit}")
+    if "closed_form" in result:
+        console.print(f"closed form {result['closed_form']:.4g} {unit}")
+    if "min_micro_batches" in result:
+        console.print(f"smallest m that keeps the busiest worker busy: {result['min_micro_batches']}")
+    if "png" in result:
+        console.print(f"Gantt chart: {result['png']}")
+
+
+def _console() -> Any:
+    """A rich console; 200 columns wide when the output is not a terminal."""
+    from rich.console import Console
+
+    console = Console()
+    # Piped output has no terminal width; rich would squeeze wide tables into 80 columns.
+    return console if console.is_terminal else Console(width=200)

@@ -1,0 +1,109 @@
+"""Serving (decode) schedules written in the same step vocabulary as training.
+
+Decode runs only the forward program of each layer: attn | dispatch | experts | combine | post.
+Every ordering here is a plain list of `Step`s, valid under `check_schedule`, that the runtime can
+execute and the simulator can time; which worker runs a step is a separate `Resources` mapping
+(`COLOCATED` or `DISAGGREGATED`).
+"""
+
+from __future__ import annotations
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.schedule.program import Step, forward_steps, issue, run, wait
+
+
+def _check_sizes(num_micro_batches: int, num_layers: int) -> None:
+    if num_micro_batches < 1:
+        raise UsageError(f"micro-batches must be >= 1, got {num_micro_batches}; use at least 1")
+    if num_layers < 1:
+        raise UsageError(f"layers must be >= 1, got {num_layers}; use at least 1")
+
+
+def _attention_segment(mb: int, layer: int) -> list[Step]:
+    """What an attention worker does for one micro-batch entering `layer`.
+
+    It first finishes the previous layer (wait for combine, residual), then runs attention and hands
+    the tokens to the experts.
+    """
+    steps: list[Step] = []
+    if layer > 0:
+        steps += [wait(mb, layer - 1, "combine"), run(mb, layer - 1, "post")]
+    return steps + [run(mb, layer, "attn"), issue(mb, layer, "dispatch")]
+
+
+def _expert_segment(mb: int, layer: int) -> list[Step]:
+    """What an expert worker does for one micro-batch of `layer`: receive, compute, send back."""
+    return [wait(mb, layer, "dispatch"), run(mb, layer, "experts"), issue(mb, layer, "combine")]
+
+
+def _tail(mb: int, num_layers: int) -> list[Step]:
+    return [wait(mb, num_layers - 1, "combine"), run(mb, num_layers - 1, "post")]
+
+
+def ping_pong(num_micro_batches: int, num_layers: int) -> list[Step]:
+    """MegaScale-Infer's ping-pong pipeline of `m` micro-batches between attention and expert workers.
+
+    Per layer the attention worker handles micro-batches 0..m-1 in turn, each sent to the experts as
+    soon as its attention finished; the expert worker handles them in the same order and sends each
+    back. While micro-batch i is on the expert side (or in flight), the attention worker computes
+    the others, which is what hides the M2N transfers. Run it with `DISAGGREGATED` resources.
+
+    Args:
+        num_micro_batches: micro-batches in flight (m >= 1); m = 1 is the no-overlap baseline.
+        num_layers: MoE layers (L >= 1).
+
+    Returns:
+        The step list. Each worker's own steps appear in the order it executes them, and every step
+        comes after the steps it depends on, so the list is a valid global order too.
+    """
+    _check_sizes(num_micro_batches, num_layers)
+    mbs = range(num_micro_batches)
+    steps: list[Step] = []
+    for layer in range(num_layers):
+        for mb in mbs:
+            steps += _attention_segment(mb, layer)
+        for mb in mbs:
+            steps += _expert_segment(mb, layer)
+    for mb in mbs:
+        steps += _tail(mb, num_layers)
+    return steps
+
+
+def _segments(mb: int, num_layers: int) -> list[list[Step]]:
+    """One micro-batch's forward as compute segments split at communication yield points.
+
+    A segment waits for the collective issued by the previous segment, computes, and issues the next
+    collective; between two segments of one micro-batch another micro-batch can compute.
+    """
+    segments: list[list[Step]] = []
+    for layer in range(num_layers):
+        segments.append(_attention_segment(mb, layer))
+        segments.append(_expert_segment(mb, layer))
+    segments.append(_tail(mb, num_layers))
+    return segments
+
+
+def two_batch_overlap(num_layers: int, num_micro_batches: int = 2) -> list[Step]:
+    """SGLang-style two-batch overlap on one worker, communication on a side channel.
+
+    Micro-batches advance segment by segment in turn, micro-batch i+1 one segment behind micro-batch
+    i: while one waits for its dispatch or combine, the other computes. With more than two
+    micro-batches the same round-robin applies. Run it with `COLOCATED` resources.
+
+    Args:
+        num_layers: MoE layers (L >= 1).
+        num_micro_batches: micro-batches interleaved (>= 1; 2 is the usual choice).
+    """
+    _check_sizes(num_micro_batches, num_layers)
+    per_mb = [_segments(mb, num_layers) for mb in range(num_micro_batches)]
+    steps: list[Step] = []
+    for index in range(len(per_mb[0])):
+        for segments in per_mb:
+            steps += segments[index]
+    return steps
+
+
+def sequential(num_micro_batches: int, num_layers: int) -> list[Step]:
+    """Colocated serving with no overlap: each micro-batch's forward runs whole, one after the other."""
+    _check_sizes(num_micro_batches, num_layers)
+    return [step for mb in range(num_micro_batches) for step in forward_steps(mb, num_layers)]

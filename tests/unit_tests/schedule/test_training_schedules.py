@@ -1,0 +1,92 @@
+"""Combined 1F1B against plain 1F1B in the simulator."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mbridge_epoverlap.schedule.costs import training_costs
+from mbridge_epoverlap.schedule.program import check_schedule, one_f_one_b
+from mbridge_epoverlap.schedule.simulator import simulate
+
+times = st.floats(min_value=0.0, max_value=5.0, allow_nan=False)
+positive = st.floats(min_value=0.05, max_value=5.0, allow_nan=False)
+micro_batches = st.integers(min_value=2, max_value=5)
+layers = st.integers(min_value=1, max_value=4)
+
+
+def _compute_total(steps, costs) -> float:
+    return sum(costs[s.stage] for s in steps if s.phase.value == "run")
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(t_a=times, t_e=times, t_p=times, m=micro_batches, num_layers=layers)
+def test_without_communication_both_orders_take_the_sum_of_compute(t_a, t_e, t_p, m, num_layers):
+    costs = training_costs(t_a, t_e, 0.0, t_post=t_p)
+    for overlap in (False, True):
+        steps = one_f_one_b(m, num_layers, overlap=overlap)
+        timeline = simulate(steps, costs)
+        assert timeline.makespan == pytest.approx(_compute_total(steps, costs), abs=1e-9)
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(t_a=positive, t_e=positive, t_c=positive, t_p=times, m=micro_batches, num_layers=layers)
+def test_with_communication_combined_order_is_faster_and_hides_more(t_a, t_e, t_c, t_p, m, num_layers):
+    # Some compute is needed to hide anything behind.
+    costs = training_costs(t_a, t_e, t_c, t_post=t_p)
+    plain = simulate(one_f_one_b(m, num_layers, overlap=False), costs)
+    combined = simulate(one_f_one_b(m, num_layers, overlap=True), costs)
+    assert combined.makespan < plain.makespan
+    assert combined.exposed_comm() < plain.exposed_comm()
+    # Plain 1F1B hides nothing: every collective is waited for right after it is issued.
+    assert plain.exposed_comm() == pytest.approx(plain.busy()["comm"])
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(t_a=times, t_e=times, t_c=times, t_p=times, m=micro_batches, num_layers=layers, overlap=st.booleans())
+def test_delayed_wgrad_is_never_slower(t_a, t_e, t_c, t_p, m, num_layers, overlap):
+    # Costs from `training_costs`: backward = 2x forward, split evenly between dgrad and wgrad.
+    costs = training_costs(t_a, t_e, t_c, t_post=t_p)
+    eager = simulate(one_f_one_b(m, num_layers, overlap=overlap), costs).makespan
+    delayed = simulate(one_f_one_b(m, num_layers, overlap=overlap, delay_wgrad=True), costs).makespan
+    assert delayed <= eager + 1e-9
+
+
+def test_delayed_wgrad_hides_the_last_backward_dispatch():
+    # With no other micro-batch left, only the delayed expert wgrad can fill the dispatch-backward window.
+    costs = training_costs(1.0, 1.0, 1.0)
+    eager = simulate(one_f_one_b(1, 2, overlap=False), costs)
+    delayed = simulate(one_f_one_b(1, 2, overlap=False, delay_wgrad=True), costs)
+    assert delayed.makespan == pytest.approx(eager.makespan - 2 * 1.0)
+    assert delayed.exposed_comm() < eager.exposed_comm()
+
+
+def test_combined_order_speedup_on_balanced_costs():
+    costs = training_costs(1.0, 1.0, 1.0)
+    plain = simulate(one_f_one_b(8, 4, overlap=False), costs).makespan
+    combined = simulate(one_f_one_b(8, 4, overlap=True), costs).makespan
+    assert 1.3 < plain / combined < 2.0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("delay_wgrad", [False, True])
+@pytest.mark.parametrize("m,num_layers", [(1, 1), (2, 3), (4, 2)])
+def test_every_simulated_training_schedule_passes_check_schedule(overlap, delay_wgrad, m, num_layers):
+    steps = one_f_one_b(m, num_layers, overlap=overlap, delay_wgrad=delay_wgrad)
+    check_schedule(steps)
+    timeline = simulate(steps, training_costs(1.0, 1.5, 0.7))
+    runs = sum(1 for s in steps if s.phase.value == "run")
+    issues = sum(1 for s in steps if s.phase.value == "issue")
+    assert len(timeline.events) == runs + issues
+    assert timeline.resources == ("compute", "comm")
+
+
+def test_backward_follows_the_last_forward_layer_in_time():
+    timeline = simulate(one_f_one_b(2, 3, overlap=True), training_costs(1.0, 1.0, 0.5))
+    for mb in (0, 1):
+        last_forward = max(
+            e.end for e in timeline.events if e.micro_batch == mb and not e.stage.endswith(("bwd", "grad"))
+        )
+        first_backward = min(e.start for e in timeline.events if e.micro_batch == mb and e.stage == "post_bwd")
+        assert first_backward >= last_forward
