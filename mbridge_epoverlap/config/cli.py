@@ -26,10 +26,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--gpu", "-g", default=None,
                         help="target GPU family (a100, h100, h200, h20, l40s, b200, b300, gb200, gb300, cpu); "
                         "default: this machine")
-    parser.add_argument("--te-version", default=None,
+    parser.add_argument("--te-version", "--te_version", default=None,
                         help="Transformer Engine version of the job (default: installed)")
-    parser.add_argument("--torch-version", default=None, help="PyTorch version of the job (default: installed)")
-    parser.add_argument("--mcore-version", default=None,
+    parser.add_argument("--torch-version", "--torch_version", default=None,
+                        help="PyTorch version of the job (default: installed)")
+    parser.add_argument("--mcore-version", "--mcore_version", default=None,
                         help="Megatron-Core version whose rules apply (default: installed, else newest)")
     parser.add_argument("--json", action="store_true", help="print a JSON report on stdout")
     parser.add_argument("--list-rules", action="store_true", help="list every rule id and exit")

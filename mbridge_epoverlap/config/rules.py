@@ -280,8 +280,8 @@ def _delay_te_grad_reduce(ctx: RuleContext) -> Violation | None:
     return _v("delay_te_grad_reduce",
               "delay_wgrad_compute with overlap_grad_reduce needs Transformer Engine >= 2.7.0 "
               f"({_te_text(ctx.env.te_version)})",
-              "use TE >= 2.7 (--te-version to check for it), or comm_overlap.overlap_grad_reduce=false "
-              "ddp.overlap_grad_reduce=false, or " + f"{DELAY_KEY}=false")
+              "use TE >= 2.7 in the job (give its version with --te_version), or "
+              "comm_overlap.overlap_grad_reduce=false ddp.overlap_grad_reduce=false, or " + f"{DELAY_KEY}=false")
 
 
 @rule("delay_te_grad_accum", "delay_wgrad", "Megatron-Bridge", "TE >= 2.7.0 when gradient_accumulation_fusion")
