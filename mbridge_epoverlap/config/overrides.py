@@ -142,23 +142,18 @@ def _type_name(annotation: Any) -> str:
 
 def apply_overrides(cfg: Any, items: Iterable[str]) -> Any:
     """Apply dotted `key=value` overrides to a run config (all checked first, then all applied)."""
-    planned = []
-    for item in items:
-        key, value = parse_override(item)
-        owner, name, annotation = _resolve(cfg, key)
-        planned.append((owner, name, coerce(value, annotation, key)))
-    for owner, name, value in planned:
-        if isinstance(owner, dict):
-            owner[name] = str(value)
-        else:
-            setattr(owner, name, value)
-    return cfg
+    return _apply(cfg, [parse_override(item) for item in items])
 
 
 def apply_mapping(cfg: Any, data: Mapping[str, Any], prefix: str = "") -> Any:
     """Apply a nested mapping (e.g. a saved YAML config) as overrides."""
+    return _apply(cfg, _flatten(data, prefix))
+
+
+def _apply(cfg: Any, pairs: list[tuple[str, Any]]) -> Any:
+    # Resolve and type-check every pair before setting any, so a bad item leaves cfg untouched.
     planned = []
-    for key, value in _flatten(data, prefix):
+    for key, value in pairs:
         owner, name, annotation = _resolve(cfg, key)
         planned.append((owner, name, coerce(value, annotation, key)))
     for owner, name, value in planned:

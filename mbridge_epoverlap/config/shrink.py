@@ -28,6 +28,7 @@ class CpuShape:
     micro_batch_size: int = 2
     num_micro_batches: int = 4
     max_topk: int = 2
+    max_experts: int | None = None
 
 
 def shrink_for_cpu(
@@ -53,6 +54,8 @@ def shrink_for_cpu(
         raise UsageError(f"-ep {ep} does not divide -ng {num_procs}; use -ep {_divisor(num_procs)} or change -ng")
     new_topk = min(topk, shape.max_topk)
     new_experts = max(new_topk * max(experts // topk, 1), new_topk + 1) if experts > topk else experts
+    if shape.max_experts is not None and new_experts > shape.max_experts:
+        new_experts = max(shape.max_experts, new_topk + 1)
     if ep > new_experts:
         raise UsageError(f"-ep {ep} is larger than the {new_experts} experts of the CPU-sized {cfg.recipe}; "
                          f"use -ep {_divisor(new_experts, limit=num_procs)} or fewer processes")
