@@ -3,7 +3,8 @@
 Kept: the expert-count to top-k ratio (top-k capped), shared experts, dense-then-MoE layer pattern,
 precision, dispatcher family and every overlap-related setting (so validation means the same thing).
 Changed: widths, depth, sequence, vocabulary, and the parallel layout, which is fitted to the
-process count (EP = processes unless given; TP = PP = CP = 1).
+process count (EP = processes unless given; TP = PP = CP = 1); routing is forced balanced unless
+`CpuShape.force_balanced_routing` is off (see `CpuShape`).
 """
 
 from __future__ import annotations
@@ -16,19 +17,27 @@ from mbridge_epoverlap.errors import UsageError
 
 @dataclass(frozen=True)
 class CpuShape:
-    """Sizes of the CPU model; the defaults make dispatch/combine and expert compute take similar time
-    on a 2-core machine over loopback gloo."""
+    """Sizes of the CPU model.
+
+    The defaults are tuned for a 2-core machine running EP=2 over gloo: top-k 8 (Qwen3's own, so each
+    token is sent to 8 experts), small experts (FFN 32) and a short sequence, so that an all-to-all takes
+    about as long as the compute stage that hides it; 8 micro-batches so most of an iteration runs in
+    overlappable (forward, backward) pairs. `force_balanced_routing` sets Megatron's
+    `moe_router_force_load_balancing`: without an auxiliary loss, the randomly initialized router of a
+    shrunk model sends up to ~60 % of the rows to one rank's experts, and that rank's extra compute, not
+    communication, then sets the step time (Megatron's own EP benchmarks force balanced routing too).
+    """
 
     num_layers: int = 2
     hidden_size: int = 256
     num_attention_heads: int = 4
-    expert_ffn_hidden_size: int = 512
+    expert_ffn_hidden_size: int = 96
     seq_length: int = 256
-    vocab_size: int = 1024
-    micro_batch_size: int = 2
-    num_micro_batches: int = 4
-    max_topk: int = 2
-    max_experts: int | None = None
+    vocab_size: int = 256
+    micro_batch_size: int = 1
+    num_micro_batches: int = 8
+    max_topk: int = 8
+    force_balanced_routing: bool = True
 
 
 def shrink_for_cpu(
@@ -54,8 +63,6 @@ def shrink_for_cpu(
         raise UsageError(f"-ep {ep} does not divide -ng {num_procs}; use -ep {_divisor(num_procs)} or change -ng")
     new_topk = min(topk, shape.max_topk)
     new_experts = max(new_topk * max(experts // topk, 1), new_topk + 1) if experts > topk else experts
-    if shape.max_experts is not None and new_experts > shape.max_experts:
-        new_experts = max(shape.max_experts, new_topk + 1)
     if ep > new_experts:
         raise UsageError(f"-ep {ep} is larger than the {new_experts} experts of the CPU-sized {cfg.recipe}; "
                          f"use -ep {_divisor(new_experts, limit=num_procs)} or fewer processes")
@@ -75,6 +82,8 @@ def shrink_for_cpu(
     if m.moe_shared_expert_intermediate_size:
         m.moe_shared_expert_intermediate_size = shape.expert_ffn_hidden_size
     m.num_moe_experts, m.moe_router_topk = new_experts, new_topk
+    if shape.force_balanced_routing:
+        m.moe_router_force_load_balancing = True
     m.seq_length, m.vocab_size = shape.seq_length, shape.vocab_size
     m.multi_latent_attention = False
     m.mtp_num_layers = None

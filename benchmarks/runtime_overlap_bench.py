@@ -1,0 +1,235 @@
+"""EP overlap on the reference runtime: plain 1F1B vs combined 1F1B (vs + delayed wgrad), side by side.
+
+Runs the CPU-shrunk recipe (default qwen3_30b_a3b, EP = processes = 2) for each case, interleaved
+A B C A B C ... `--repeats` times, on loopback gloo or behind an emulated link (`--emulate-link-gbps`,
+root only). Reports, per case, the median over repeats of the stable-window mean step time
+(iterations `--window` A..B, 1-based, inclusive), the speedup against overlap off (ratio of medians and
+median of the per-repeat ratios), whether every run's losses are bitwise identical per iteration and
+finite, and from one extra profiled run per case the share of communication time the profile shows
+overlapped with compute (union of `gloo:` intervals against union of compute intervals, via
+`mbridge_epoverlap.profiling.analyze_trace`). Also prints where the time goes per stage on rank 0.
+
+    python benchmarks/runtime_overlap_bench.py                          # loopback, ~2-3 minutes
+    python benchmarks/runtime_overlap_bench.py --emulate-link-gbps 1    # 1 Gbit/s link (root)
+    python benchmarks/runtime_overlap_bench.py --shape hidden_size=128  # try another CpuShape
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
+from mbridge_epoverlap.config.recipes import load_recipe  # noqa: E402
+from mbridge_epoverlap.config.shrink import CpuShape, shrink_for_cpu  # noqa: E402
+from mbridge_epoverlap.runtime import CaseMetrics, run_local  # noqa: E402
+
+CASES = {
+    "ep_overlap_off": (False, False),
+    "ep_overlap_on": (True, False),
+    "ep_overlap_on_delay_wgrad": (True, True),
+}
+STAGES = ("attn", "experts", "post", "post_bwd", "experts_dgrad", "experts_wgrad", "attn_dgrad", "attn_wgrad")
+
+
+def make_config(recipe: str, procs: int, ep: int | None, overlap: bool, delay: bool, shape: CpuShape) -> RunConfig:
+    cfg = load_recipe(recipe, "pretrain")
+    cfg.comm_overlap.overlap_moe_expert_parallel_comm = overlap
+    cfg.comm_overlap.delay_wgrad_compute = delay
+    # Matched A/B: the same DDP settings in every case. Delayed wgrad with overlapped grad reduce needs
+    # Transformer Engine >= 2.7, which a CPU machine lacks; the runtime reduces gradients after the
+    # last micro-batch either way.
+    cfg.comm_overlap.overlap_grad_reduce = False
+    cfg.ddp.overlap_grad_reduce = False
+    cfg = shrink_for_cpu(cfg, procs, ep=ep, shape=shape)
+    cfg.comm_overlap.finalize(cfg.model, cfg.ddp)
+    return cfg
+
+
+def parse_shape(items: list[str]) -> CpuShape:
+    fields = {f.name: f.type for f in dataclasses.fields(CpuShape)}
+    values = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--shape {item}: unknown CpuShape field; fields: {', '.join(fields)}")
+        values[key] = None if value.lower() == "none" else int(value)
+    return CpuShape(**values)
+
+
+def machine() -> dict[str, str]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform()}
+
+
+def window_mean(metrics: CaseMetrics, first: int, last: int) -> float:
+    times = metrics.step_times_s[first - 1:last]
+    return statistics.fmean(times)
+
+
+def hidden_share(trace_dir: Path) -> dict[str, float | None]:
+    """Overlap of communication with compute in the traces, summed over ranks."""
+    try:
+        from mbridge_epoverlap.profiling import analyze_trace
+    except ImportError:
+        return _hidden_share_fallback(trace_dir)
+    totals = analyze_trace(str(trace_dir)).totals()
+    return {"comm_ms": totals["comm_ns"] / 1e6, "overlap_ms": totals["overlap_ns"] / 1e6,
+            "exposed_ms": totals["exposed_comm_ns"] / 1e6,
+            "hidden_pct": totals["overlap_pct"]}
+
+
+def _hidden_share_fallback(trace_dir: Path) -> dict[str, float | None]:
+    import numpy as np
+
+    from mbridge_epoverlap.profiling.intervals import intersection_length, union
+
+    comm_ns = overlap_ns = 0
+    for path in sorted(trace_dir.glob("*.json")):
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        comm = [e for e in events if e["name"].startswith("gloo:")]
+        main_tid = next((e["tid"] for e in events if e["name"].startswith("iteration")), None)
+        comp = [e for e in events if e["tid"] == main_tid and e["name"] in STAGES]
+
+        def u(evs: list[dict]) -> object:
+            return union(np.array([e["ts"] * 1e3 for e in evs]), np.array([(e["ts"] + e["dur"]) * 1e3 for e in evs]))
+
+        c, k = u(comm), u(comp)
+        comm_ns += c.length
+        overlap_ns += intersection_length(c, k)
+    pct = 100.0 * overlap_ns / comm_ns if comm_ns else None
+    return {"comm_ms": comm_ns / 1e6, "overlap_ms": overlap_ns / 1e6, "exposed_ms": (comm_ns - overlap_ns) / 1e6,
+            "hidden_pct": pct}
+
+
+def stage_times(trace: Path) -> dict[str, float]:
+    """Mean duration (ms) per stage range on one rank's trace."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for e in json.loads(trace.read_text())["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        name = e["name"]
+        if name in STAGES or name.endswith((".issue", ".wait")) or name == "gloo:all_to_all":
+            sums[name].append(e["dur"] / 1e3)
+    return {k: statistics.fmean(v) for k, v in sorted(sums.items())}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="qwen3_30b_a3b")
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--ep", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--window", type=int, nargs=2, default=(3, 8), metavar=("FIRST", "LAST"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--emulate-link-gbps", type=float, default=None)
+    parser.add_argument("--profile-steps", type=int, default=4, help="iterations of the profiled run (0: none)")
+    parser.add_argument("--shape", nargs="*", default=[], metavar="FIELD=VALUE", help="CpuShape overrides")
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    first, last = args.window
+    if not 1 <= first <= last <= args.iters:
+        raise SystemExit(f"--window {first} {last} must lie within 1..{args.iters}")
+    shape = parse_shape(args.shape)
+    configs = {case: make_config(args.recipe, args.procs, args.ep, *CASES[case], shape) for case in args.cases}
+    info = machine()
+    link = f"emulated {args.emulate_link_gbps:g} Gbit/s (netns + tbf)" if args.emulate_link_gbps else "loopback"
+    m = configs[args.cases[0]].model
+    print(f"machine: {info['nproc']} CPUs, {info['cpu']}, Python {info['python']}, torch {info['torch']}")
+    print(f"run: {args.recipe} CPU-shrunk, {args.procs} processes, EP {m.expert_model_parallel_size}, link {link}, "
+          f"{args.iters} iterations, window {first}-{last}, {args.repeats} repeats interleaved")
+    print(f"shape: {dataclasses.asdict(shape)}; model: layers {m.num_layers}, hidden {m.hidden_size}, "
+          f"experts {m.num_moe_experts} top-{m.moe_router_topk}, expert ffn {m.moe_ffn_hidden_size}, "
+          f"seq {m.seq_length}, bf16 {m.bf16}")
+    runs: dict[str, list[CaseMetrics]] = {case: [] for case in args.cases}
+    start = time.monotonic()
+    for repeat in range(args.repeats):
+        for case in args.cases:
+            metrics = run_local(configs[case], max_steps=args.iters, emulate_link_gbps=args.emulate_link_gbps,
+                                timeout_s=args.timeout)
+            runs[case].append(metrics)
+            print(f"  repeat {repeat + 1} {case:28s} window mean {window_mean(metrics, first, last) * 1e3:8.1f} ms",
+                  flush=True)
+    profiles: dict[str, dict] = {}
+    stages: dict[str, dict[str, float]] = {}
+    if args.profile_steps > 0:
+        with tempfile.TemporaryDirectory(prefix="mbe-bench-") as tmp:
+            for case in args.cases:
+                trace_dir = Path(tmp) / case
+                run_local(configs[case], max_steps=args.profile_steps, profile_dir=trace_dir,
+                          emulate_link_gbps=args.emulate_link_gbps, timeout_s=args.timeout)
+                profiles[case] = hidden_share(trace_dir)
+                stages[case] = stage_times(trace_dir / "rank0.json")
+    elapsed = time.monotonic() - start
+
+    base = args.cases[0]
+    medians = {case: statistics.median(window_mean(r, first, last) for r in rs) for case, rs in runs.items()}
+    reference_losses = runs[base][0].losses
+    all_equal = all(r.losses == reference_losses for rs in runs.values() for r in rs)
+    finite = all(math.isfinite(x) for rs in runs.values() for r in rs for x in r.losses)
+    print()
+    print("| case | stable-window mean | speedup (ratio of medians) | speedup (median of paired ratios) "
+          "| comm hidden (profile) | peak mem |")
+    print("|---|---|---|---|---|---|")
+    summary = {}
+    for case in args.cases:
+        paired = statistics.median(window_mean(a, first, last) / window_mean(b, first, last)
+                                   for a, b in zip(runs[base], runs[case], strict=True))
+        hidden = profiles.get(case, {}).get("hidden_pct")
+        peak = max(r.peak_mem_bytes for r in runs[case]) / 2**20
+        print(f"| {case} | {medians[case] * 1e3:.1f} ms | {medians[base] / medians[case]:.3f}x | {paired:.3f}x | "
+              f"{'n/a' if hidden is None else f'{hidden:.1f} %'} | {peak:.0f} MiB |")
+        summary[case] = {"window_mean_s": medians[case], "speedup": medians[base] / medians[case],
+                         "paired_speedup": paired, "profile": profiles.get(case),
+                         "step_times_s": [r.step_times_s for r in runs[case]], "peak_mem_mib": peak}
+    print()
+    print(f"losses bitwise identical across all {sum(len(r) for r in runs.values())} runs: {all_equal}; "
+          f"finite: {finite}; skipped/NaN iterations: "
+          f"{sum(r.skipped_iters for rs in runs.values() for r in rs)}/"
+          f"{sum(r.nan_iters for rs in runs.values() for r in rs)}")
+    print(f"loss per iteration: {' '.join(f'{x:.4f}' for x in reference_losses)}")
+    if stages:
+        names = sorted({n for s in stages.values() for n in s})
+        print("\nrank-0 mean time per range (ms), from the profiled runs:")
+        print("| range | " + " | ".join(args.cases) + " |")
+        print("|---|" + "---|" * len(args.cases))
+        for n in names:
+            print(f"| {n} | " + " | ".join(f"{stages[c].get(n, float('nan')):.2f}" for c in args.cases) + " |")
+        for case, p in profiles.items():
+            if p.get("comm_ms") is not None:
+                print(f"{case}: comm {p['comm_ms']:.1f} ms, overlapped {p['overlap_ms']:.1f} ms, "
+                      f"exposed {p['exposed_ms']:.1f} ms (all ranks, profiled iterations)")
+    print(f"\nbenchmark wall time {elapsed:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "link": link, "shape": dataclasses.asdict(shape),
+                                         "cases": summary, "losses_equal": all_equal, "finite": finite}, indent=1))
+    return 0 if all_equal and finite else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

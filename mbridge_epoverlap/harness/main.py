@@ -1,0 +1,256 @@
+"""The perf harness command: resolve, validate, launch, report.
+
+Order: recipe -> dotted overrides -> flags -> (-g cpu) shrink -> validation of every case for the
+target (any error stops before anything is launched) -> launch environment -> executor -> report.
+Exit status: 0 done, 1 invalid configuration or failed run, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunFailedError, UsageError
+from mbridge_epoverlap.harness.flags import build_parser
+
+if TYPE_CHECKING:  # imported lazily at run time so `--help` and errors stay fast
+    from mbridge_epoverlap.harness.cases import Case
+    from mbridge_epoverlap.harness.experiment import Experiment
+    from mbridge_epoverlap.harness.resolve import Resolved
+    from mbridge_epoverlap.harness.stats import Window
+
+
+def _err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "run_script.py") -> int:
+    """Run the harness; return the exit status (errors are printed, never raised)."""
+    args = build_parser(prog).parse_intermixed_args(argv)  # --help and flag errors exit here, before imports
+    from mbridge_epoverlap.harness.cases import ValidationFailed
+
+    try:
+        if args.from_logs:
+            return report_logs(args)
+        return run(args)
+    except ValidationFailed as exc:
+        _err(f"error: {exc.report()}")
+        return EXIT_FAILED
+    except UsageError as exc:
+        _err(f"error: {exc}")
+        return EXIT_USAGE
+    except RunFailedError as exc:
+        _err(f"error: {exc}")
+        return EXIT_FAILED
+    except OSError as exc:  # results, configs or job files that cannot be written
+        where = f" {exc.filename}" if exc.filename else ""
+        _err(f"error: cannot write{where}: {exc.strerror or exc}")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _err("interrupted; nothing was written to the results path")
+        return 130
+
+
+def _check_combinations(args: argparse.Namespace, executor: str) -> None:
+    is_cpu = args.gpu == "cpu"
+    if executor == "local" and not is_cpu and not args.dryrun:
+        raise UsageError(f"the local executor runs the CPU reference runtime; -g {args.gpu} runs on a cluster: "
+                         "use --executor slurm (or -g cpu)")
+    if args.detach and executor != "slurm":
+        raise UsageError("--detach needs --executor slurm")
+    if args.emulate_link_gbps is not None and executor != "local":
+        raise UsageError("--emulate_link_gbps shapes links between local ranks; use it with --executor local")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+
+
+def default_results_path(recipe: str, task: str, gpu: str, num_gpus: int, ab: str | None) -> Path:
+    return Path("results") / f"{_slug(recipe)}_{task}_{gpu}_ng{num_gpus}_{_slug(ab or 'single')}.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.harness.cases import build_cases, case_specs, same_except_switches
+    from mbridge_epoverlap.harness.resolve import resolve
+    from mbridge_epoverlap.harness.stats import clip_window, parse_window
+
+    args.gpu = args.gpu or "cpu"
+    executor = args.executor or ("local" if args.gpu == "cpu" else "slurm")
+    _check_combinations(args, executor)
+    window = parse_window(args.stable_window)
+    resolved = resolve(args)
+    for note in resolved.notes:
+        _err(f"note: {note}")
+    cfg = resolved.cfg
+    if executor == "slurm":
+        from mbridge_epoverlap.harness.executors.slurm import job_shape
+
+        job_shape(cfg.num_gpus, cfg.gpus_per_node, gpus=args.gpu != "cpu")  # a layout Slurm cannot place
+    cases, warnings = build_cases(resolved, case_specs(args.ab, cfg, resolved.explicit))
+    stray = same_except_switches(cases)
+    if stray:
+        warnings.append(f"cases also differ in {', '.join(stray)}; the comparison is not matched")
+    window, clip_warning = clip_window(window, resolved.max_steps)
+    if clip_warning:
+        warnings.append(clip_warning)
+    for warning in warnings:
+        _err(f"warning: {warning}")
+    results_path = Path(args.results_json or default_results_path(
+        cfg.recipe, cfg.task, args.gpu, cfg.num_gpus, args.ab)).resolve()
+    if args.save_config_filepath:
+        for path in save_configs(Path(args.save_config_filepath), cases):
+            _err(f"resolved config written to {path}")
+    exp = _experiment(args, resolved, cases, window, results_path, executor, warnings)
+    if executor == "local":
+        return _run_local(args, exp, cases, results_path)
+    return _run_slurm(args, resolved, exp, cases, results_path)
+
+
+def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case], window: Window,
+                results_path: Path, executor: str, warnings: list[str]) -> Experiment:
+    from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment, machine_info
+    from mbridge_epoverlap.harness.flops import model_flops_per_iteration
+
+    cfg = resolved.cfg
+    environment: dict[str, Any] = {"target": args.gpu, **resolved.target.env.to_dict()}
+    if executor == "local":
+        environment["machine"] = machine_info()
+    records = [CaseRecord(case.name, list(case.overrides), dict(case.launch_env),
+                          model_flops_per_iteration=model_flops_per_iteration(case.cfg)) for case in cases]
+    return Experiment(
+        recipe=cfg.recipe, task=cfg.task, gpu=args.gpu, num_gpus=cfg.num_gpus, gpus_per_node=cfg.gpus_per_node,
+        environment=environment, cases=records, repeats=args.repeats, max_steps=resolved.max_steps, window=window,
+        results_json=str(results_path), ab=args.ab, executor=executor, profile=args.profile, warnings=list(warnings))
+
+
+def save_configs(path: Path, cases: list[Case]) -> list[Path]:
+    """The resolved YAML of each case: `path` for the first, `path.<case>.yaml` style siblings for the rest."""
+    from mbridge_epoverlap.harness.results import atomic_write
+
+    written = []
+    for index, case in enumerate(cases):
+        target = path if index == 0 else path.with_name(f"{path.stem}.{case.name}{path.suffix or '.yaml'}")
+        text = case.cfg.to_yaml()
+        atomic_write(target, lambda tmp, text=text: tmp.write_text(text))
+        written.append(target)
+    return written
+
+
+def _progress(line: str) -> None:
+    _err(line)
+
+
+def _run_local(args: argparse.Namespace, exp: Experiment, cases: list[Case], results_path: Path) -> int:
+    from mbridge_epoverlap.harness.executors.local import LocalExecutor
+    from mbridge_epoverlap.harness.results import write_outputs
+
+    if args.dryrun:
+        _err(f"dry run: {len(cases)} case(s) resolved and validated for -g {args.gpu}; nothing launched")
+        if not args.save_config_filepath:
+            for case in cases:
+                print(f"# case {case.name}" + (f" ({', '.join(case.overrides)})" if case.overrides else ""))
+                print(case.cfg.to_yaml())
+        return EXIT_OK
+    executor = LocalExecutor(timeout_s=float(args.time_limit.seconds), emulate_link_gbps=args.emulate_link_gbps,
+                             trace_root=results_path.with_suffix(".traces"), progress=_progress)
+    results = executor.run(exp, cases)
+    paths = write_outputs(results, results_path)
+    _finish(results, paths)
+    return EXIT_OK
+
+
+def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, cases: list[Case],
+               results_path: Path) -> int:
+    from mbridge_epoverlap.harness.executors.slurm import SlurmExecutor, job_shape, require_tool
+    from mbridge_epoverlap.harness.executors.slurm_script import ScriptOptions
+    from mbridge_epoverlap.harness.results import sibling
+
+    cfg = resolved.cfg
+    if not args.dryrun:
+        require_tool("sbatch")  # before writing anything
+    repo_root = Path(__file__).resolve().parents[2]
+    options = ScriptOptions(
+        job_dir=results_path.with_suffix(".slurm"), repo_root=repo_root,
+        python=sys.executable if args.gpu == "cpu" else "python3", time_limit=args.time_limit,
+        account=args.account, partition=args.partition, mixed_precision=resolved.mixed_precision,
+        tokenizer_type=resolved.tokenizer_type)
+    shape = job_shape(cfg.num_gpus, cfg.gpus_per_node, gpus=args.gpu != "cpu")
+    executor = SlurmExecutor(options, shape, detach=args.detach, poll_s=2.0 if args.gpu == "cpu" else 10.0,
+                             progress=_progress)
+    files = executor.prepare(exp, cases)
+    if args.dryrun:
+        print(files.script_text, end="")
+        _err(f"dry run: sbatch script written to {files.script} (not submitted); submit it with "
+             f"`sbatch {files.script}`")
+        return EXIT_OK
+    results = executor.run(exp, files)
+    if results is None:
+        print(f"submitted; results will appear at {results_path} (table {sibling(results_path, '.md')}, chart "
+              f"{sibling(results_path, '.png')}) when the job ends; job files in {files.job_dir}")
+        return EXIT_OK
+    _finish(results, {"json": results_path, "markdown": sibling(results_path, ".md"),
+                      "chart": sibling(results_path, ".png")})
+    return EXIT_OK
+
+
+def _finish(results: dict[str, Any], paths: dict[str, Path]) -> None:
+    from mbridge_epoverlap.harness.report import markdown_report
+
+    for case in results["cases"][1:]:
+        if case.get("loss_match_baseline") is False:
+            _err(f"warning: {case['name']}: losses differ from {results['cases'][0]['name']} from iteration "
+                 f"{case['loss_mismatch_iters'][0]} (overlap must not change the loss; check the run)")
+    for case in results["cases"]:
+        if not case.get("finite_loss") or case.get("nan_iters") or case.get("skipped_iters"):
+            _err(f"warning: {case['name']}: non-finite loss or skipped/NaN iterations")
+    print(markdown_report(results))
+    print(f"results: {paths['json']}\ntable:   {paths['markdown']}\nchart:   {paths['chart']}")
+
+
+def report_logs(args: argparse.Namespace) -> int:
+    """--from_logs: training logs of finished runs -> the same results JSON, table and chart."""
+    from mbridge_epoverlap.config.environment import GPU_CATALOG, Environment
+    from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
+    from mbridge_epoverlap.harness.flags import given
+    from mbridge_epoverlap.harness.mbridge_logs import LogParseError, parse_log_file
+    from mbridge_epoverlap.harness.metrics import RunMetrics
+    from mbridge_epoverlap.harness.results import build_results, write_outputs
+    from mbridge_epoverlap.harness.stats import clip_window, parse_window
+
+    if args.ab or args.dryrun:
+        raise UsageError("--from_logs reports finished runs; it takes no --ab or --dryrun")
+    runs: dict[str, list[RunMetrics]] = {}
+    for name, path in args.from_logs:
+        if not Path(path).is_file():
+            raise UsageError(f"--from_logs {name}={path}: no such file")
+        try:
+            runs.setdefault(name, []).append(parse_log_file(path))
+        except LogParseError as exc:
+            raise UsageError(f"--from_logs {name}={path}: {exc}") from None
+    last = max(max(run.iteration_numbers()) for group in runs.values() for run in group)
+    window, warning = clip_window(parse_window(args.stable_window), last)
+    warnings = [warning] if warning else []
+    for line in warnings:
+        _err(f"warning: {line}")
+    gpu = args.gpu or "unknown"
+    environment: dict[str, Any] = {"target": gpu, "source": "training logs"}
+    if gpu in GPU_CATALOG:
+        environment.update(Environment.for_gpu(gpu, te_version=args.te_version, torch_version=args.torch_version,
+                                               mcore_version=args.mcore_version).to_dict())
+    recipe = args.model_recipe_name or "unknown"
+    results_path = Path(args.results_json or Path("results") / f"{_slug(recipe)}_from_logs.json").resolve()
+    exp = Experiment(
+        recipe=recipe, task=args.task, gpu=gpu, num_gpus=args.num_gpus if given(args, "num_gpus") else None,
+        gpus_per_node=args.gpus_per_node if given(args, "gpus_per_node") else None, environment=environment,
+        cases=[CaseRecord(name) for name in runs], repeats=max(len(group) for group in runs.values()),
+        max_steps=last, window=window, results_json=str(results_path), ab="from_logs", executor="logs",
+        warnings=warnings)
+    results = build_results(exp, runs)
+    paths = write_outputs(results, results_path)
+    _finish(results, paths)
+    return EXIT_OK

@@ -1,0 +1,79 @@
+"""The A/B report as a markdown table, in the skill card's shape (case | stable-window mean | relative)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def fmt_seconds(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if value >= 1.0:
+        return f"{value:.2f} s"
+    return f"{value * 1000:.1f} ms"
+
+
+def fmt_bytes(value: int | None) -> str:
+    if value is None:
+        return "n/a"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value} B"
+
+
+def _loss_cell(case: dict[str, Any]) -> str:
+    match = case.get("loss_match_baseline")
+    if match is None:
+        return "baseline"
+    if match:
+        return "bitwise"
+    diff = case.get("loss_max_abs_diff")
+    first = (case.get("loss_mismatch_iters") or ["?"])[0]
+    return f"DIFFERS from iter {first}" + (f" (max {diff:.3g})" if diff is not None else "")
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    window = results.get("stable_window") or ["?", "?"]
+    header = (f"| case | stable-window mean (iters {window[0]}-{window[1]}) | relative | loss vs baseline "
+              "| finite loss | skipped / NaN iters | peak mem | TFLOP/s/GPU |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for case in results["cases"]:
+        relative = case.get("relative")
+        tflops = case.get("tflops_per_gpu")
+        lines.append(
+            f"| {case['name']} | {fmt_seconds(case.get('stable_mean_s'))} | "
+            f"{'n/a' if relative is None else f'{relative:.3f}x'} | {_loss_cell(case)} | "
+            f"{'yes' if case.get('finite_loss') else 'NO'} | {case.get('skipped_iters')} / {case.get('nan_iters')} | "
+            f"{fmt_bytes(case.get('peak_mem_bytes'))} | {'n/a' if tflops is None else f'{tflops:.3g}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_report(results: dict[str, Any]) -> str:
+    """Title, context line, the table and the switches of each case."""
+    env = results.get("environment") or {}
+    machine = env.get("machine") or {}
+    where = machine.get("hostname")
+    context = [
+        f"recipe {results.get('recipe')} ({results.get('task')})",
+        f"gpu {results.get('gpu')} x {results.get('num_gpus')}",
+        f"{results.get('max_steps')} steps",
+        f"{results.get('repeats')} repeat(s), interleaved",
+    ]
+    if where:
+        context.append(f"on {where} ({machine.get('cpus')} CPUs)")
+    lines = [f"## A/B: {results.get('ab') or 'single run'}", "", "; ".join(context), "",
+             markdown_table(results).rstrip()]
+    switched = [c for c in results["cases"] if c.get("overrides")]
+    if switched:
+        lines.append("")
+        for case in switched:
+            lines.append(f"- `{case['name']}`: " + ", ".join(f"`{o}`" for o in case["overrides"]))
+    notes = list(results.get("warnings") or [])
+    for case in results["cases"]:
+        if not case.get("losses_repeat_consistent", True):
+            notes.append(f"{case['name']}: losses differ between repeats (non-deterministic run)")
+    if notes:
+        lines.append("")
+        lines += [f"> note: {n}" for n in notes]
+    return "\n".join(lines).rstrip() + "\n"

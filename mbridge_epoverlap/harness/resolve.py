@@ -1,0 +1,269 @@
+"""From command-line flags to one run config: recipe -> dotted overrides -> flags -> (-g cpu) shrink.
+
+Validation and the A/B cases come after this (see `cases.py`); nothing here launches anything.
+A flag and a dotted override that set the same setting to different values are a usage error, so
+the order between them never decides silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.environment import Environment
+from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides, parse_override
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.harness.flags import DEFAULT_CPU_PROCS, DEFAULT_MAX_STEPS, MODEL_FLAGS, given
+
+# Megatron-Bridge mixed-precision recipe names per -c value (GPU jobs).
+MIXED_PRECISION = {
+    "bf16": "bf16_mixed",
+    "fp16": "fp16_mixed",
+    "fp8_cs": "bf16_with_fp8_current_scaling_mixed",
+    "fp8_mx": "bf16_with_mxfp8_mixed",
+    "fp8_sc": "bf16_with_fp8_subchannel_scaling_mixed",
+    "nvfp4": "bf16_with_nvfp4_mixed",
+}
+LOW_PRECISION = ("fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
+# Flags that write settings outside MODEL_FLAGS, by the dotted key they write.
+FLAG_OF_KEY = {
+    "comm_overlap.overlap_moe_expert_parallel_comm": "--moe_a2a_overlap",
+    "comm_overlap.delay_wgrad_compute": "--delay_wgrad_compute",
+    "model.bf16": "-c/--compute_dtype",
+    "model.fp16": "-c/--compute_dtype",
+    "model.moe_token_dispatcher_type": "--moe_flex_dispatcher_backend",
+    "model.moe_flex_dispatcher_backend": "--moe_flex_dispatcher_backend",
+    "model.moe_shared_expert_overlap": "--moe_flex_dispatcher_backend",
+    "num_gpus": "-ng/--num_gpus",
+    "gpus_per_node": "-gn/--gpus_per_node",
+    "train.global_batch_size": "-gb/--global_batch_size",
+    "train.micro_batch_size": "-mb/--micro_batch_size",
+    "train.train_iters": "-ms/--max_steps",
+}
+# Keys -g cpu keeps from the user after shrinking: the batch shape is the CPU run's own choice.
+CPU_KEPT_KEYS = ("train.global_batch_size", "train.micro_batch_size", "model.seq_length")
+
+
+@dataclass
+class Target:
+    """Where the run goes: the GPU family (or cpu) and the environment the validator checks for."""
+
+    gpu: str
+    env: Environment
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.gpu == "cpu"
+
+
+@dataclass
+class Resolved:
+    """The resolved base config (before A/B case switches) and what the launch needs besides it.
+
+    Attributes:
+        cfg: recipe + overrides + flags (+ CPU shrink); not finalized.
+        target: GPU family and validation environment.
+        max_steps: iterations per run.
+        mixed_precision: Megatron-Bridge precision recipe for GPU jobs (None: fp32).
+        tokenizer_type: tokenizer of GPU jobs, or None for the recipe's.
+        explicit: dotted keys the user set (overrides and flags).
+        notes: things the user should know (printed on stderr).
+    """
+
+    cfg: RunConfig
+    target: Target
+    max_steps: int
+    mixed_precision: str | None
+    tokenizer_type: str | None
+    explicit: set[str] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
+
+
+def pick_recipe(family: str | None, recipe: str | None) -> str:
+    """The recipe to load from -m/-mr; a family that does not match a named recipe is a usage error."""
+    from mbridge_epoverlap.config.recipes import family_of, recipe_names
+    from mbridge_epoverlap.recipes import DEFAULT_RECIPE, FAMILIES
+
+    if family is not None and family not in FAMILIES:
+        raise UsageError(f"unknown model family {family!r} (-m); known: {', '.join(FAMILIES)}")
+    if recipe is None:
+        return FAMILIES[family][0] if family else DEFAULT_RECIPE
+    if family is not None and recipe in recipe_names() and family_of(recipe) != family:
+        raise UsageError(f"recipe {recipe!r} belongs to family {family_of(recipe)!r}, not {family!r}; "
+                         f"use -m {family_of(recipe)} or one of {', '.join(FAMILIES[family])}")
+    return recipe
+
+
+def target_environment(args: argparse.Namespace) -> Target:
+    """`Environment.detect()` for cpu (with any versions given), `Environment.for_gpu` for a GPU family."""
+    versions = {"te_version": args.te_version, "torch_version": args.torch_version,
+                "mcore_version": args.mcore_version}
+    if args.gpu == "cpu":
+        return Target("cpu", Environment.detect().with_versions(**versions))
+    return Target(args.gpu, Environment.for_gpu(args.gpu, **versions))
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    owner = cfg
+    for part in key.split("."):
+        owner = owner[part] if isinstance(owner, dict) else getattr(owner, part)
+    return owner
+
+
+def resolve(args: argparse.Namespace) -> Resolved:
+    """Build the base run config from parsed flags.
+
+    Raises:
+        UsageError: unknown recipe/family, malformed or unknown override, conflicting flag and
+            override, a precision the target cannot run, an impossible CPU layout.
+    """
+    from mbridge_epoverlap.config.recipes import load_recipe
+
+    target = target_environment(args)
+    cfg = load_recipe(pick_recipe(args.model_family_name, args.model_recipe_name), args.task)
+    apply_overrides(cfg, args.overrides)
+    override_keys = [parse_override(item)[0] for item in args.overrides]
+    before = {key: get_key(cfg, key) for key in override_keys}
+    explicit = set(override_keys)
+    notes: list[str] = []
+
+    explicit |= _apply_flags(cfg, args, target, explicit)
+    conflicts = [f"{key}: the override says {before[key]!r}, {_flag_of(key)} says {get_key(cfg, key)!r}"
+                 for key in override_keys if get_key(cfg, key) != before[key]]
+    if conflicts:
+        raise UsageError("a flag and a dotted override set the same setting differently (" + "; ".join(conflicts)
+                         + "); give each setting once")
+
+    max_steps = args.max_steps if given(args, "max_steps") else (
+        cfg.train.train_iters if "train.train_iters" in explicit else DEFAULT_MAX_STEPS)
+    cfg.train.train_iters = max_steps
+    if target.is_cpu:
+        cfg = _shrink(cfg, args, explicit, notes)
+    mixed = _mixed_precision(cfg, args)
+    return Resolved(cfg, target, max_steps, mixed, args.tokenizer_type, explicit, notes)
+
+
+def _flag_of(key: str) -> str:
+    """The flag that writes a dotted key (for messages)."""
+    for dest, name in MODEL_FLAGS:
+        if key == f"model.{name}":
+            return f"--{dest}"
+    return FLAG_OF_KEY.get(key, "a flag")
+
+
+def _apply_flags(cfg: RunConfig, args: argparse.Namespace, target: Target, overridden: set[str]) -> set[str]:
+    """Apply every given flag (and the target's defaults for keys nobody set); return the keys flags set."""
+    from mbridge_epoverlap.config.overrides import set_moe_a2a_overlap_overrides
+
+    keys: set[str] = set()
+    m = cfg.model
+    if given(args, "compute_dtype"):
+        _apply_compute_dtype(cfg, args.compute_dtype, target)
+        keys |= {"model.bf16", "model.fp16"}
+    if given(args, "num_gpus"):
+        cfg.num_gpus = args.num_gpus
+        keys.add("num_gpus")
+    elif target.is_cpu and "num_gpus" not in overridden:
+        cfg.num_gpus = DEFAULT_CPU_PROCS
+    if given(args, "gpus_per_node"):
+        cfg.gpus_per_node = args.gpus_per_node
+        keys.add("gpus_per_node")
+    elif target.gpu in ("gb200", "gb300") and "gpus_per_node" not in overridden:
+        cfg.gpus_per_node = 4  # one GB200/GB300 compute tray holds four GPUs
+    for dest, key in (("global_batch_size", "train.global_batch_size"), ("micro_batch_size", "train.micro_batch_size"),
+                      ("max_steps", "train.train_iters")):
+        if given(args, dest):
+            setattr(cfg.train, key.split(".")[1], getattr(args, dest))
+            keys.add(key)
+    for dest, name in MODEL_FLAGS:
+        if given(args, dest):
+            setattr(m, name, getattr(args, dest))
+            keys.add(f"model.{name}")
+    if given(args, "moe_flex_dispatcher_backend"):
+        _apply_flex(cfg, args.moe_flex_dispatcher_backend, target)
+        keys |= {"model.moe_token_dispatcher_type", "model.moe_flex_dispatcher_backend"}
+    overlap = args.moe_a2a_overlap if given(args, "moe_a2a_overlap") else None
+    delay = args.delay_wgrad_compute if given(args, "delay_wgrad_compute") else None
+    set_moe_a2a_overlap_overrides(cfg, overlap, delay)
+    if overlap is not None:
+        keys.add(f"comm_overlap.{OVERLAP_FIELD}")
+    if delay is not None:
+        keys.add(f"comm_overlap.{DELAY_FIELD}")
+    return keys
+
+
+def _apply_compute_dtype(cfg: RunConfig, dtype: str, target: Target) -> None:
+    m = cfg.model
+    if dtype == "fp32":
+        if not target.is_cpu:
+            raise UsageError(f"-c fp32 is for -g cpu only; Megatron-Bridge GPU runs use bf16 or fp16 "
+                             f"(EP overlap needs one of them) — use -c bf16 with -g {target.gpu}")
+        m.bf16 = m.fp16 = False
+    elif dtype in LOW_PRECISION:
+        if target.is_cpu:
+            raise UsageError(f"-c {dtype} needs Transformer Engine on a GPU; the CPU reference runtime runs "
+                             "bf16, fp16 or fp32 — use -c bf16 with -g cpu")
+        # FP8/FP4 recipes keep bf16 parameters; Transformer Engine quantizes the GEMMs.
+        m.bf16, m.fp16 = True, False
+    else:
+        m.bf16, m.fp16 = dtype == "bf16", dtype == "fp16"
+
+
+def _apply_flex(cfg: RunConfig, backend: str | None, target: Target) -> None:
+    from mbridge_epoverlap.config.flex import apply_flex_dispatcher_backend
+
+    m = cfg.model
+    if backend is None:
+        if m.moe_token_dispatcher_type == "flex":
+            m.moe_token_dispatcher_type = "alltoall"
+        m.moe_flex_dispatcher_backend = None
+        return
+    try:
+        apply_flex_dispatcher_backend(m, backend, env=target.env, strict=True)
+    except UsageError:
+        # Asked for explicitly on a GPU that cannot run it: keep the request so the validator reports it
+        # (rule flag flex_backend_gpu, with its fix) instead of silently keeping alltoall.
+        m.moe_token_dispatcher_type, m.moe_flex_dispatcher_backend = "flex", backend
+        m.moe_shared_expert_overlap = False
+
+
+def _shrink(cfg: RunConfig, args: argparse.Namespace, explicit: set[str], notes: list[str]) -> RunConfig:
+    """-g cpu: fit the recipe into CPU processes, keep the user's batch shape, say what was replaced."""
+    from mbridge_epoverlap.config.shrink import shrink_for_cpu
+
+    ep = args.expert_model_parallel_size if given(args, "expert_model_parallel_size") else None
+    was_flex = cfg.model.moe_token_dispatcher_type == "flex"
+    shrunk = shrink_for_cpu(cfg, cfg.num_gpus, ep=ep)
+    for key in sorted(explicit):
+        if key in CPU_KEPT_KEYS:
+            section, name = key.split(".")
+            setattr(getattr(shrunk, section), name, get_key(cfg, key))
+        elif key.startswith("model.") and key != "model.expert_model_parallel_size" \
+                and get_key(shrunk, key) != get_key(cfg, key):
+            notes.append(f"-g cpu replaced {key}={get_key(cfg, key)!r} with {get_key(shrunk, key)!r} (CPU shape)")
+    if given(args, "gpus_per_node"):
+        shrunk.gpus_per_node = args.gpus_per_node
+    if was_flex:
+        notes.append("-g cpu runs the flex dispatcher (DeepEP/HybridEP need GPUs) as alltoall")
+    # The CPU reference runtime has no Transformer Engine, whose grad-reduce hooks are what the
+    # delayed-wgrad TE-version rule guards; it reduces gradients after backward, so the recipe's
+    # overlap_grad_reduce is turned off here (equally in every A/B case) unless the user set it.
+    user_set = {"ddp.overlap_grad_reduce", "comm_overlap.overlap_grad_reduce"} & explicit
+    if not user_set and (shrunk.ddp.overlap_grad_reduce or shrunk.comm_overlap.overlap_grad_reduce):
+        shrunk.ddp.overlap_grad_reduce = False
+        shrunk.comm_overlap.overlap_grad_reduce = None
+        notes.append("-g cpu: ddp.overlap_grad_reduce=false (the CPU runtime reduces gradients after backward)")
+    return shrunk
+
+
+def _mixed_precision(cfg: RunConfig, args: argparse.Namespace) -> str | None:
+    if given(args, "compute_dtype") and args.compute_dtype in MIXED_PRECISION:
+        return MIXED_PRECISION[args.compute_dtype]
+    if cfg.model.bf16:
+        return MIXED_PRECISION["bf16"]
+    if cfg.model.fp16:
+        return MIXED_PRECISION["fp16"]
+    return None
+

@@ -1,0 +1,185 @@
+"""The results JSON of an A/B: per-case medians, stable-window means, speedups and health checks.
+
+Layout (extra keys beyond these are informational)::
+
+    {"recipe", "task", "gpu", "num_gpus", "environment",
+     "cases": [{"name", "overrides", "step_times_s", "stable_window", "stable_mean_s", "relative",
+                "losses", "finite_loss", "skipped_iters", "nan_iters", "peak_mem_bytes",
+                "tflops_per_gpu"}, ...]}
+
+`step_times_s` are per-iteration medians across repeats; `relative` is the baseline's (first case's)
+stable mean over this case's; `losses` are the first repeat's, one per iteration (null where not finite).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
+from mbridge_epoverlap.harness.metrics import RunMetrics, float_or_none
+from mbridge_epoverlap.harness.stats import (
+    all_finite,
+    loss_mismatches,
+    max_abs_diff,
+    median_by_iteration,
+    window_mean,
+)
+
+REQUIRED_CASE_KEYS = ("name", "overrides", "step_times_s", "stable_window", "stable_mean_s", "relative", "losses",
+                      "finite_loss", "skipped_iters", "nan_iters", "peak_mem_bytes", "tflops_per_gpu")
+
+
+def build_results(exp: Experiment, runs: dict[str, list[RunMetrics]],
+                  traces: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """Aggregate the runs of every case (in `exp.cases` order; the first case is the baseline)."""
+    traces = traces or {}
+    cases = [_case(exp, record, runs[record.name], traces.get(record.name)) for record in exp.cases]
+    base = cases[0]
+    for case in cases:
+        case["relative"] = (base["stable_mean_s"] / case["stable_mean_s"]
+                            if base["stable_mean_s"] and case["stable_mean_s"] else None)
+    base_losses = runs[exp.cases[0].name][0].losses
+    for record, case in zip(exp.cases[1:], cases[1:], strict=True):
+        losses = runs[record.name][0].losses
+        mismatches = loss_mismatches(base_losses, losses)
+        case["loss_match_baseline"] = not mismatches
+        case["loss_mismatch_iters"] = mismatches
+        case["loss_max_abs_diff"] = max_abs_diff(base_losses, losses)
+    base["loss_match_baseline"] = None
+    return {
+        "recipe": exp.recipe,
+        "task": exp.task,
+        "gpu": exp.gpu,
+        "num_gpus": exp.num_gpus,
+        "gpus_per_node": exp.gpus_per_node,
+        "environment": exp.environment,
+        "ab": exp.ab,
+        "executor": exp.executor,
+        "max_steps": exp.max_steps,
+        "repeats": exp.repeats,
+        "stable_window": exp.window.to_list(),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "warnings": list(exp.warnings),
+        "cases": cases,
+    }
+
+
+def _case(exp: Experiment, record: CaseRecord, runs: list[RunMetrics], trace_dir: str | None) -> dict[str, Any]:
+    iterations, medians = median_by_iteration(runs)
+    stable = window_mean(iterations, medians, exp.window)
+    first = runs[0]
+    repeat_means = [window_mean(r.iteration_numbers(), r.step_times_s, exp.window) for r in runs]
+    tflops, source = _tflops(exp, record, runs, stable)
+    peaks = [r.peak_mem_bytes for r in runs if r.peak_mem_bytes is not None]
+    return {
+        "name": record.name,
+        "overrides": list(record.overrides),
+        "iterations": iterations,
+        "step_times_s": medians,
+        "stable_window": exp.window.to_list(),
+        "stable_mean_s": stable,
+        "repeat_stable_means_s": repeat_means,
+        "relative": None,
+        "losses": [float_or_none(x) for x in first.losses],
+        "losses_repeat_consistent": all(not loss_mismatches(first.losses, r.losses) for r in runs[1:]),
+        "finite_loss": all(all_finite(r.losses) for r in runs),
+        "skipped_iters": max(r.skipped_iters for r in runs),
+        "nan_iters": max(r.nan_iters for r in runs),
+        "peak_mem_bytes": max(peaks) if peaks else None,
+        "tflops_per_gpu": tflops,
+        "tflops_source": source,
+        "repeats": len(runs),
+        "launch_env": dict(record.launch_env),
+        "trace_dir": trace_dir,
+    }
+
+
+def _tflops(exp: Experiment, record: CaseRecord, runs: list[RunMetrics],
+            stable: float | None) -> tuple[float | None, str | None]:
+    """Trainer-printed per-step values in the window, else the model estimate at the stable-window mean (the
+    same window the comparison uses), else the trainer's single figure."""
+    per_step = [r for r in runs if r.tflops_per_step]
+    if per_step:
+        values = []
+        for r in per_step:
+            its = r.iteration_numbers()[: len(r.tflops_per_step or [])]
+            mean = window_mean(its, r.tflops_per_step or [], exp.window)
+            if mean is not None:
+                values.append(mean)
+        if values:
+            return statistics.median(values), "trainer"
+    if record.model_flops_per_iteration and stable and exp.num_gpus:
+        return record.model_flops_per_iteration / stable / exp.num_gpus / 1e12, "model_flops_estimate"
+    reported = [r.tflops_per_gpu for r in runs if r.tflops_per_gpu is not None and math.isfinite(r.tflops_per_gpu)]
+    if reported:
+        return statistics.median(reported), "trainer"
+    return None, None
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temporary file in the same directory and rename it into place.
+
+    A reader sees the old file or the complete new one, never a half-written one; on failure the
+    temporary file is removed and `path` is untouched.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    def write(tmp: Path) -> None:
+        with tmp.open("w") as fh:
+            json.dump(data, fh, indent=2, allow_nan=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    atomic_write(path, write)
+
+
+def sibling(path: Path, suffix: str) -> Path:
+    """`results.json` -> `results.md`, `results.png`."""
+    return path.with_suffix(suffix)
+
+
+def write_outputs(results: dict[str, Any], path: Path) -> dict[str, Path]:
+    """The results JSON, its markdown table and its chart, side by side; returns their paths.
+
+    The markdown and chart are written first, the JSON last, so a present JSON means a complete set.
+    """
+    from mbridge_epoverlap.harness.chart import write_chart
+    from mbridge_epoverlap.harness.report import markdown_report
+
+    md_path, png_path = sibling(path, ".md"), sibling(path, ".png")
+    text = markdown_report(results)
+    atomic_write(md_path, lambda tmp: tmp.write_text(text))
+    atomic_write(png_path, lambda tmp: write_chart(results, tmp))
+    write_json(path, _json_safe(results))
+    return {"json": path, "markdown": md_path, "chart": png_path}
+
+
+def _json_safe(value: Any) -> Any:
+    """Replace non-finite floats by null anywhere in the structure (strict JSON)."""
+    if isinstance(value, float):
+        return float_or_none(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value

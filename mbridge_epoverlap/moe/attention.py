@@ -1,0 +1,42 @@
+"""Causal self-attention with grouped query heads and optional q/k RMSNorm (Qwen3 style)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mbridge_epoverlap.moe.norm import RMSNorm
+from mbridge_epoverlap.moe.wgrad import Linear
+
+
+class SelfAttention(torch.nn.Module):
+    """`scaled_dot_product_attention(causal)` between a fused QKV projection and an output projection.
+
+    Both projections defer their weight gradients (see `moe.wgrad`), so attention backward splits into
+    dgrad and wgrad like the experts.
+    """
+
+    def __init__(self, hidden: int, heads: int, groups: int, head_dim: int, *, qk_norm: bool,
+                 dtype: torch.dtype, device: torch.device | None = None) -> None:
+        super().__init__()
+        if heads % groups:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_query_groups={groups}")
+        self.heads, self.groups, self.head_dim = heads, groups, head_dim
+        self.qkv = Linear(hidden, (heads + 2 * groups) * head_dim, dtype=dtype, device=device)
+        self.proj = Linear(heads * head_dim, hidden, dtype=dtype, device=device)
+        self.q_norm = RMSNorm(head_dim, dtype=dtype, device=device) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, dtype=dtype, device=device) if qk_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [batch, seq, hidden] -> [batch, seq, hidden]."""
+        b, s, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv(x).split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
+        q = q.view(b, s, self.heads, d)
+        k = k.view(b, s, self.groups, d)
+        v = v.view(b, s, self.groups, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+        return self.proj(out.transpose(1, 2).reshape(b, s, self.heads * d))

@@ -1,0 +1,139 @@
+"""SwiGLU feed-forward blocks: grouped experts (one GEMM pair per local expert) and a plain MLP.
+
+Both split their backward into dgrad and wgrad through `moe.wgrad`: the grouped experts with a hand-written
+backward (the dgrad pass keeps what wgrad needs: inputs, output gradients, activations and the gradient of
+the first projection), the MLP through deferrable linears.
+
+When every local expert received the same number of rows (balanced routing) the experts run as batched
+GEMMs over a [experts, rows, hidden] view; otherwise one GEMM pair per expert. The choice depends only on
+the counts, so every schedule makes the same one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mbridge_epoverlap.moe.wgrad import Linear, WeightGradStore, accumulate_weight_grad, default_store
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(pre: torch.Tensor, grad_act: torch.Tensor, act: torch.Tensor, grad_pre: torch.Tensor) -> None:
+    """Fill `act` = swiglu(pre) and `grad_pre` = d swiglu / d pre applied to `grad_act`."""
+    gate, up = pre.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    torch.mul(silu, up, out=act)
+    grad_gate, grad_up = grad_pre.chunk(2, dim=-1)
+    torch.mul(grad_act * up, sig * (1 + gate * (1 - sig)), out=grad_gate)
+    torch.mul(grad_act, silu, out=grad_up)
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """out[rows of e] = swiglu(x_e W1_e^T) W2_e^T for each local expert e."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int],
+                store: WeightGradStore) -> torch.Tensor:
+        experts = w1.shape[0]
+        uniform = len(set(counts)) == 1
+        if uniform:
+            rows = counts[0]
+            pre = torch.bmm(x.view(experts, rows, x.shape[1]), w1.transpose(1, 2))
+            out = torch.bmm(_swiglu(pre), w2.transpose(1, 2)).view(x.shape[0], w2.shape[1])
+            pre = pre.view(x.shape[0], w1.shape[1])
+        else:
+            out = x.new_empty(x.shape[0], w2.shape[1])
+            pre = x.new_empty(x.shape[0], w1.shape[1])
+            for e, sl in enumerate(_slices(counts)):
+                torch.matmul(x[sl], w1[e].t(), out=pre[sl])
+                torch.matmul(_swiglu(pre[sl]), w2[e].t(), out=out[sl])
+        ctx.save_for_backward(x, w1, w2, pre)
+        ctx.counts, ctx.store, ctx.uniform = counts, store, uniform
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, w1, w2, pre = ctx.saved_tensors
+        counts, uniform, experts = ctx.counts, ctx.uniform, w1.shape[0]
+        grad_out = grad_out.contiguous()
+        grad_pre = torch.empty_like(pre)
+        act = x.new_empty(x.shape[0], w2.shape[2])
+        if uniform:
+            def view(t: torch.Tensor) -> torch.Tensor:
+                return t.view(experts, counts[0], t.shape[-1])
+
+            grad_act = torch.bmm(view(grad_out), w2)
+            _swiglu_backward(view(pre), grad_act, view(act), view(grad_pre))
+            grad_x = torch.bmm(view(grad_pre), w1).view_as(x)
+        else:
+            grad_x = torch.empty_like(x)
+            for e, sl in enumerate(_slices(counts)):
+                _swiglu_backward(pre[sl], grad_out[sl].matmul(w2[e]), act[sl], grad_pre[sl])
+                torch.matmul(grad_pre[sl], w1[e], out=grad_x[sl])
+
+        def wgrad() -> None:
+            if uniform:
+                g1 = torch.bmm(view(grad_pre).transpose(1, 2), view(x))
+                g2 = torch.bmm(view(grad_out).transpose(1, 2), view(act))
+            else:
+                g1, g2 = torch.zeros_like(w1), torch.zeros_like(w2)
+                for e, sl in enumerate(_slices(counts)):
+                    torch.matmul(grad_pre[sl].t(), x[sl], out=g1[e])
+                    torch.matmul(grad_out[sl].t(), act[sl], out=g2[e])
+            accumulate_weight_grad(w1, g1)
+            accumulate_weight_grad(w2, g2)
+
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            ctx.store.put(wgrad)
+        return grad_x, None, None, None, None
+
+
+def _slices(counts: list[int]) -> list[slice]:
+    out, start = [], 0
+    for n in counts:
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+class GroupedExperts(torch.nn.Module):
+    """The local experts of one MoE layer, SwiGLU, weights stacked per expert.
+
+    Attributes:
+        w1: [local_experts, 2*ffn, hidden] gate and up projections.
+        w2: [local_experts, hidden, ffn] down projection.
+    """
+
+    def __init__(self, local_experts: int, hidden: int, ffn: int, *, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.empty(local_experts, 2 * ffn, hidden, dtype=dtype, device=device))
+        self.w2 = torch.nn.Parameter(torch.empty(local_experts, hidden, ffn, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int], store: WeightGradStore | None = None
+                ) -> torch.Tensor:
+        """x: [rows, hidden] grouped by local expert (`tokens_per_expert` rows each) -> [rows, hidden]."""
+        if sum(tokens_per_expert) != x.shape[0] or len(tokens_per_expert) != self.w1.shape[0]:
+            raise ValueError(f"tokens_per_expert {tokens_per_expert} does not match {x.shape[0]} rows and "
+                             f"{self.w1.shape[0]} local experts")
+        return _GroupedSwiGLU.apply(x.contiguous(), self.w1, self.w2, list(tokens_per_expert),
+                                    store or default_store())
+
+
+class SwiGLUMLP(torch.nn.Module):
+    """A dense SwiGLU MLP (shared expert, or the MLP of a dense layer)."""
+
+    def __init__(self, hidden: int, ffn: int, *, dtype: torch.dtype, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.fc1 = Linear(hidden, 2 * ffn, dtype=dtype, device=device)
+        self.fc2 = Linear(ffn, hidden, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(_swiglu(self.fc1(x)))

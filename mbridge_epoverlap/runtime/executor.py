@@ -1,0 +1,304 @@
+"""Runs a schedule (a list of `schedule.program.Step`) on a `MoEGPT`, stage by stage.
+
+Each compute stage of each (micro-batch, layer) is its own autograd island: its inputs are detached
+leaves that require grad, so its backward can run on its own, at the step the schedule says, and hand
+the input gradients on to the island (or the all-to-all) that produced them. Communication steps are an
+issue (start the all-to-all asynchronously) and a wait; forward all-to-alls move tokens, backward ones
+move gradients the inverse way.
+
+Backward compute is split the way the schedule splits it: `*_dgrad` runs autograd through the island
+while a `WeightGradStore` captures the weight-gradient closures of the deferrable GEMMs (attention
+projections, experts, shared expert); `*_wgrad` runs them. Small weights (norms, router, embedding,
+output head) get their gradients during dgrad or `post_bwd`.
+
+The executor runs steps in exactly the given order and never reorders them: the simulator executes the
+same lists with costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mbridge_epoverlap.moe.dispatcher import DispatchHandle
+from mbridge_epoverlap.moe.model import MoEGPT
+from mbridge_epoverlap.moe.wgrad import WeightGradStore, default_store
+from mbridge_epoverlap.runtime.ranges import Ranges
+from mbridge_epoverlap.schedule.program import Phase, Step, check_schedule
+
+Tensors = dict[str, torch.Tensor]
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each [micro_batch_size, seq]
+
+
+@dataclass
+class Island:
+    """One stage's autograd graph: detached input leaves, outputs, and gradients arriving for the outputs."""
+
+    leaves: Tensors
+    outputs: Tensors
+    grads: Tensors = field(default_factory=dict)
+
+    def add_grad(self, name: str, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        self.grads[name] = self.grads[name] + grad if name in self.grads else grad
+
+    def backward(self) -> Tensors:
+        """Backpropagate the collected output gradients; return the gradients of the input leaves."""
+        # Sorted roots: the same graph gets its roots in the same order whatever the schedule.
+        names = sorted(n for n in self.grads if self.outputs[n].requires_grad)
+        if names:
+            torch.autograd.backward([self.outputs[n] for n in names], [self.grads[n] for n in names])
+        return {name: leaf.grad for name, leaf in self.leaves.items() if leaf.grad is not None}
+
+
+class _Ready:
+    """A finished 'communication' (dense layers move nothing)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self._tensor
+
+
+@dataclass
+class _LayerState:
+    """Everything in flight for one (micro-batch, layer)."""
+
+    handle: DispatchHandle | None = None
+    attn: Island | None = None
+    experts: Island | None = None
+    post: Island | None = None
+    pending: dict[str, Any] = field(default_factory=dict)
+    received: torch.Tensor | None = None
+    combined: torch.Tensor | None = None
+    grad_combined: torch.Tensor | None = None
+    grad_received: torch.Tensor | None = None
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
+class ScheduleExecutor:
+    """Executes schedules on one rank.
+
+    Args:
+        model: the rank's model (its layers provide the stages).
+        store: where deferred weight gradients queue (the default store if None).
+        ranges: profiler/NVTX ranges around every step (none if None).
+        on_step: called with (index, step) before each step (heartbeats, fault injection).
+    """
+
+    def __init__(self, model: MoEGPT, *, store: WeightGradStore | None = None, ranges: Ranges | None = None,
+                 on_step: Callable[[int, Step], None] | None = None) -> None:
+        self.model = model
+        self.store = store or default_store()
+        self.ranges = ranges
+        self.on_step = on_step
+        self._states: dict[tuple[int, int], _LayerState] = {}
+        self._losses: dict[int, torch.Tensor] = {}
+        self._batches: Sequence[MicroBatch] = ()
+        self._loss_scale = 1.0
+        self._validated: Sequence[Step] | None = None
+        self._handlers: dict[tuple[str, Phase], Callable[[int, int], None]] = {
+            ("attn", Phase.RUN): self._attn,
+            ("dispatch", Phase.ISSUE): self._dispatch_issue,
+            ("dispatch", Phase.WAIT): self._dispatch_wait,
+            ("experts", Phase.RUN): self._experts,
+            ("combine", Phase.ISSUE): self._combine_issue,
+            ("combine", Phase.WAIT): self._combine_wait,
+            ("post", Phase.RUN): self._post,
+            ("post_bwd", Phase.RUN): self._post_bwd,
+            ("combine_bwd", Phase.ISSUE): self._combine_bwd_issue,
+            ("combine_bwd", Phase.WAIT): self._combine_bwd_wait,
+            ("experts_dgrad", Phase.RUN): self._experts_dgrad,
+            ("experts_wgrad", Phase.RUN): self._experts_wgrad,
+            ("dispatch_bwd", Phase.ISSUE): self._dispatch_bwd_issue,
+            ("dispatch_bwd", Phase.WAIT): self._dispatch_bwd_wait,
+            ("attn_dgrad", Phase.RUN): self._attn_dgrad,
+            ("attn_wgrad", Phase.RUN): self._attn_wgrad,
+        }
+
+    def run(self, steps: Sequence[Step], batches: Sequence[MicroBatch], *,
+            loss_scale: float = 1.0) -> list[torch.Tensor]:
+        """Run forward and backward of every micro-batch as `steps` order them.
+
+        Args:
+            steps: a complete schedule over `len(batches)` micro-batches and the model's layers.
+            batches: (tokens, labels) per micro-batch.
+            loss_scale: each micro-batch's loss is multiplied by this before backward (1/num_micro_batches
+                for a mean over micro-batches).
+
+        Returns:
+            Each micro-batch's loss (fp32 scalar, detached, unscaled), in micro-batch order.
+        """
+        if steps is not self._validated:
+            check_schedule(list(steps))
+            self._validated = steps
+        self._batches, self._loss_scale = batches, loss_scale
+        self._states.clear()
+        self._losses.clear()
+        try:
+            for index, step in enumerate(steps):
+                if self.on_step is not None:
+                    self.on_step(index, step)
+                handler = self._handlers[(step.stage, step.phase)]
+                if self.ranges is None:
+                    handler(step.micro_batch, step.layer)
+                else:
+                    name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
+                    with self.ranges(name):
+                        handler(step.micro_batch, step.layer)
+            if self._states or self.store.pending():
+                raise RuntimeError(f"schedule left work behind: layers {sorted(self._states)}, "
+                                   f"weight gradients {self.store.pending()}")
+            return [self._losses[mb] for mb in range(len(batches))]
+        finally:
+            self._states.clear()
+            self.store.clear()
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def _state(self, mb: int, layer: int) -> _LayerState:
+        return self._states.setdefault((mb, layer), _LayerState())
+
+    def _last(self, layer: int) -> bool:
+        return layer == len(self.model.layers) - 1
+
+    def _dispatcher(self, layer: int) -> Any:
+        return self.model.layers[layer].dispatcher
+
+    @staticmethod
+    def _need(value: Any, what: str, mb: int, layer: int) -> Any:
+        if value is None:
+            raise RuntimeError(f"micro-batch {mb} layer {layer}: {what} is not available at this step")
+        return value
+
+    # --- forward ---------------------------------------------------------------------------------
+    def _attn(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        leaves: Tensors = {}
+        if layer == 0:
+            x = self.model.embed(self._batches[mb][0])
+        else:
+            prev = self._need(self._state(mb, layer - 1).post, "the previous layer's output", mb, layer)
+            x = leaves["x"] = _leaf(prev.outputs["z"])
+        outputs, st.handle = self.model.layers[layer].attn_stage(x)
+        st.attn = Island(leaves, outputs)
+
+    def _dispatch_issue(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        tokens = self._need(st.attn, "the attention output", mb, layer).outputs["tokens"].detach()
+        d = self._dispatcher(layer)
+        st.pending["dispatch"] = _Ready(tokens) if d is None else d.dispatch_async(st.handle, tokens)
+
+    def _dispatch_wait(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        st.received = st.pending.pop("dispatch").wait()
+
+    def _experts(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        attn = self._need(st.attn, "the attention output", mb, layer)
+        leaves = {"received": _leaf(self._need(st.received, "the dispatched tokens", mb, layer))}
+        if "y" in attn.outputs:
+            leaves["y"] = _leaf(attn.outputs["y"])
+        outputs = self.model.layers[layer].experts_stage(leaves["received"], st.handle, leaves.get("y"))
+        st.experts, st.received = Island(leaves, outputs), None
+
+    def _combine_issue(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        out = self._need(st.experts, "the expert output", mb, layer).outputs["expert_out"].detach()
+        d = self._dispatcher(layer)
+        st.pending["combine"] = _Ready(out) if d is None else d.combine_async(st.handle, out)
+
+    def _combine_wait(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        st.combined = st.pending.pop("combine").wait()
+
+    def _post(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        attn = self._need(st.attn, "the attention output", mb, layer)
+        experts = self._need(st.experts, "the expert output", mb, layer)
+        leaves = {"combined": _leaf(self._need(st.combined, "the combined tokens", mb, layer)),
+                  "resid": _leaf(attn.outputs["resid"])}
+        if "probs" in attn.outputs:
+            leaves["probs"] = _leaf(attn.outputs["probs"])
+        if "shared_out" in experts.outputs:
+            leaves["shared_out"] = _leaf(experts.outputs["shared_out"])
+        z = self.model.layers[layer].post_stage(leaves["combined"], leaves["resid"], st.handle, leaves.get("probs"),
+                                                leaves.get("shared_out"))
+        st.combined = None
+        if self._last(layer):
+            loss = self.model.loss(z, self._batches[mb][1])
+            self._losses[mb] = loss.detach().float()
+            st.post = Island(leaves, {"loss": loss * self._loss_scale})
+        else:
+            st.post = Island(leaves, {"z": z})
+
+    # --- backward --------------------------------------------------------------------------------
+    def _post_bwd(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        post = self._need(st.post, "the post stage", mb, layer)
+        if self._last(layer):
+            post.add_grad("loss", torch.ones_like(post.outputs["loss"]))
+        grads = post.backward()
+        attn, experts = self._need(st.attn, "attention", mb, layer), self._need(st.experts, "experts", mb, layer)
+        st.grad_combined = grads.get("combined")
+        attn.add_grad("resid", grads.get("resid"))
+        attn.add_grad("probs", grads.get("probs"))
+        experts.add_grad("shared_out", grads.get("shared_out"))
+        st.post = None
+
+    def _combine_bwd_issue(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        grad = self._need(st.grad_combined, "the gradient of the combined tokens", mb, layer)
+        d = self._dispatcher(layer)
+        st.pending["combine_bwd"] = _Ready(grad) if d is None else d.combine_grad_async(st.handle, grad)
+        st.grad_combined = None
+
+    def _combine_bwd_wait(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        self._need(st.experts, "experts", mb, layer).add_grad("expert_out", st.pending.pop("combine_bwd").wait())
+
+    def _experts_dgrad(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        experts = self._need(st.experts, "experts", mb, layer)
+        with self.store.capture((mb, layer, "experts")):
+            grads = experts.backward()
+        st.grad_received = grads.get("received")
+        self._need(st.attn, "attention", mb, layer).add_grad("y", grads.get("y"))
+        st.experts = None
+
+    def _experts_wgrad(self, mb: int, layer: int) -> None:
+        self.store.flush((mb, layer, "experts"))
+
+    def _dispatch_bwd_issue(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        grad = self._need(st.grad_received, "the gradient of the dispatched tokens", mb, layer)
+        d = self._dispatcher(layer)
+        st.pending["dispatch_bwd"] = _Ready(grad) if d is None else d.dispatch_grad_async(st.handle, grad)
+        st.grad_received = None
+
+    def _dispatch_bwd_wait(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        self._need(st.attn, "attention", mb, layer).add_grad("tokens", st.pending.pop("dispatch_bwd").wait())
+
+    def _attn_dgrad(self, mb: int, layer: int) -> None:
+        st = self._state(mb, layer)
+        attn = self._need(st.attn, "attention", mb, layer)
+        with self.store.capture((mb, layer, "attn")):
+            grads = attn.backward()
+        if layer > 0:
+            below = self._need(self._state(mb, layer - 1).post, "the previous layer's post stage", mb, layer)
+            below.add_grad("z", grads.get("x"))
+        st.attn = None
+
+    def _attn_wgrad(self, mb: int, layer: int) -> None:
+        self.store.flush((mb, layer, "attn"))
+        st = self._states.get((mb, layer))
+        if st is not None and st.attn is None and st.experts is None and st.post is None and not st.pending:
+            del self._states[(mb, layer)]

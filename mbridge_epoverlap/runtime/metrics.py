@@ -1,0 +1,82 @@
+"""What a run reports (`CaseMetrics`) and the model-FLOPs estimate behind its TFLOP/s.
+
+Torch-free, so the harness can read and write results without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from mbridge_epoverlap.config.container import RunConfig
+
+
+@dataclass
+class CaseMetrics:
+    """One run's results, as rank 0 reports them.
+
+    Attributes:
+        step_times_s: wall time of each iteration (slowest rank), seconds.
+        losses: loss of each iteration, mean over all ranks and micro-batches.
+        skipped_iters: iterations whose optimizer step was skipped (non-finite gradients).
+        nan_iters: iterations whose loss was NaN or infinite.
+        peak_mem_bytes: highest peak memory of any rank (RSS high-water mark on CPU,
+            `torch.cuda.max_memory_allocated` on GPU).
+        tflops_per_gpu: model TFLOP/s per process at the median step time (first iteration excluded when
+            there are more), or None when not computable.
+        trace_dir: folder with one PyTorch profiler chrome trace per rank, or None.
+    """
+
+    step_times_s: list[float]
+    losses: list[float]
+    skipped_iters: int
+    nan_iters: int
+    peak_mem_bytes: int
+    tflops_per_gpu: float | None
+    trace_dir: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CaseMetrics:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def model_flops_per_iteration(cfg: RunConfig) -> float:
+    """Training FLOPs of one iteration: 3x (forward + 2x backward) the forward matmul FLOPs of every token.
+
+    Counts the active parameters' GEMMs (2 FLOPs per multiply-add: QKV and output projections, router,
+    top-k experts, shared expert, dense MLPs, output head) and causal attention (half of the full
+    seq x seq products).
+    """
+    m = cfg.model
+    hidden, heads = m.hidden_size, m.num_attention_heads
+    groups = m.num_query_groups or heads
+    head_dim = m.kv_channels or hidden // heads
+    seq = m.seq_length
+    per_token = 2.0 * hidden * m.vocab_size
+    for layer in range(m.num_layers):
+        per_token += 2.0 * hidden * (heads + 2 * groups) * head_dim + 2.0 * heads * head_dim * hidden
+        per_token += 2.0 * seq * heads * head_dim  # QK^T and AV, causal half of 2 * 2 * seq * d per head
+        if m.is_moe_layer(layer):
+            per_token += 2.0 * hidden * (m.num_moe_experts or 0)
+            per_token += m.moe_router_topk * 6.0 * hidden * m.moe_ffn_size
+            per_token += 6.0 * hidden * (m.moe_shared_expert_intermediate_size or 0)
+        else:
+            per_token += 6.0 * hidden * (m.ffn_hidden_size or 4 * hidden)
+    return 3.0 * per_token * cfg.train.global_batch_size * seq
+
+
+def tflops_per_gpu(cfg: RunConfig, step_times_s: list[float]) -> float | None:
+    """Model TFLOP/s per process at the median step time (first iteration left out when there are more)."""
+    times = step_times_s[1:] if len(step_times_s) > 1 else step_times_s
+    if not times or cfg.num_gpus < 1:
+        return None
+    median = statistics.median(times)
+    if median <= 0:
+        return None
+    return model_flops_per_iteration(cfg) / median / cfg.num_gpus / 1e12

@@ -1,0 +1,80 @@
+"""Run-time options that are not part of the model config, read from the environment.
+
+They travel as environment variables so that the same settings reach ranks started by `run_local` (via
+`RunConfig.env_vars`) and by Slurm `srun`:
+
+    MBRIDGE_EPOVERLAP_DTYPE           fp32 | bf16: override the config's precision (fp32 for exact tests)
+    MBRIDGE_EPOVERLAP_OPTIMIZER       adam (default) | sgd
+    MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S  seconds any collective may take before the run fails (default 120)
+    MBRIDGE_EPOVERLAP_DEVICE          auto (default) | cpu | cuda
+    MBRIDGE_EPOVERLAP_COMM_NICE       nice value for the CPU communication threads (default -10; 0 leaves
+                                      them alone; lowering it needs root)
+    MBRIDGE_EPOVERLAP_FAULT           RANK:MODE:ITERATION, a test hook: at the start of ITERATION (1-based)
+                                      rank RANK exits (exit), raises (raise) or stops responding (hang)
+    MBRIDGE_EPOVERLAP_HEARTBEAT_DIR   where ranks leave heartbeat files for the launcher's watchdog
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mbridge_epoverlap.errors import UsageError
+
+PREFIX = "MBRIDGE_EPOVERLAP_"
+FAULT_MODES = ("exit", "raise", "hang")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected failure (tests of the failure handling)."""
+
+    rank: int
+    mode: str
+    iteration: int
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        parts = text.split(":")
+        if len(parts) != 3 or parts[1] not in FAULT_MODES or not parts[0].isdigit() or not parts[2].isdigit():
+            raise UsageError(f"{PREFIX}FAULT={text!r}: expected RANK:MODE:ITERATION with MODE in {FAULT_MODES}")
+        return cls(rank=int(parts[0]), mode=parts[1], iteration=int(parts[2]))
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """See the module docstring for the environment variable of each field."""
+
+    dtype: str | None = None
+    optimizer: str = "adam"
+    comm_timeout_s: float = 120.0
+    device: str = "auto"
+    comm_nice: int = -10
+    fault: Fault | None = None
+    heartbeat_dir: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeOptions:
+        env = os.environ if env is None else env
+        dtype = env.get(PREFIX + "DTYPE") or None
+        if dtype not in (None, "fp32", "bf16"):
+            raise UsageError(f"{PREFIX}DTYPE={dtype!r}: use fp32 or bf16")
+        optimizer = env.get(PREFIX + "OPTIMIZER", "adam")
+        if optimizer not in ("adam", "sgd"):
+            raise UsageError(f"{PREFIX}OPTIMIZER={optimizer!r}: use adam or sgd")
+        device = env.get(PREFIX + "DEVICE", "auto")
+        if device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"{PREFIX}DEVICE={device!r}: use auto, cpu or cuda")
+        try:
+            timeout = float(env.get(PREFIX + "COMM_TIMEOUT_S", "120"))
+        except ValueError:
+            raise UsageError(f"{PREFIX}COMM_TIMEOUT_S={env[PREFIX + 'COMM_TIMEOUT_S']!r} is not a number") from None
+        try:
+            nice = int(env.get(PREFIX + "COMM_NICE", "-10"))
+        except ValueError:
+            raise UsageError(f"{PREFIX}COMM_NICE={env[PREFIX + 'COMM_NICE']!r} is not an integer") from None
+        fault = env.get(PREFIX + "FAULT")
+        return cls(dtype=dtype, optimizer=optimizer, comm_timeout_s=timeout, device=device, comm_nice=nice,
+                   fault=Fault.parse(fault) if fault else None,
+                   heartbeat_dir=env.get(PREFIX + "HEARTBEAT_DIR") or None)

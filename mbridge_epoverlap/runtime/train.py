@@ -1,0 +1,204 @@
+"""The training loop of one rank: mock data, the schedule, gradient reduction, optimizer, measurements.
+
+The schedule comes from the model config: plain 1F1B when `overlap_moe_expert_parallel_comm` is off,
+combined 1F1B (forward of one micro-batch interleaved with backward of the previous) when it is on, with
+expert weight gradients delayed into the dispatch-backward window when `delay_wgrad_compute` is on.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce
+from mbridge_epoverlap.comm.groups import ParallelGroups
+from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.moe.model import MoEGPT
+from mbridge_epoverlap.runtime import heartbeat as hb
+from mbridge_epoverlap.runtime.data import mock_micro_batches
+from mbridge_epoverlap.runtime.executor import ScheduleExecutor
+from mbridge_epoverlap.runtime.metrics import CaseMetrics, tflops_per_gpu
+from mbridge_epoverlap.runtime.optim import (
+    Optimizer,
+    attach_main_grads,
+    grads_finite,
+    reduce_main_grads,
+    zero_main_grads,
+)
+from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
+from mbridge_epoverlap.runtime.ranges import Ranges
+from mbridge_epoverlap.schedule.program import Phase, Step, one_f_one_b
+
+
+@dataclass
+class RankContext:
+    """What one rank runs with: its groups, communication settings, device and options."""
+
+    groups: ParallelGroups
+    comm: CommContext
+    device: torch.device
+    options: RuntimeOptions
+
+
+def resolve_dtype(cfg: RunConfig, options: RuntimeOptions) -> torch.dtype:
+    """bf16 when the config says bf16 (or fp16, which runs as bf16 here), unless the options force fp32."""
+    if options.dtype is not None:
+        return torch.float32 if options.dtype == "fp32" else torch.bfloat16
+    return torch.bfloat16 if (cfg.model.bf16 or cfg.model.fp16) else torch.float32
+
+
+def num_micro_batches(cfg: RunConfig, world: int) -> int:
+    """global_batch_size / (micro_batch_size * data-parallel size); every rank is data parallel here."""
+    per_step = cfg.train.micro_batch_size * world
+    if per_step < 1 or cfg.train.global_batch_size % per_step:
+        raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
+                         f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {world} data-parallel ranks")
+    return cfg.train.global_batch_size // per_step
+
+
+def schedule_for(cfg: RunConfig, micro_batches: int) -> list[Step]:
+    """The 1F1B step list the model config asks for."""
+    return one_f_one_b(micro_batches, cfg.model.num_layers, overlap=cfg.model.overlap_moe_expert_parallel_comm,
+                       delay_wgrad=cfg.model.delay_wgrad_compute)
+
+
+def build_model(cfg: RunConfig, ctx: RankContext, dtype: torch.dtype) -> MoEGPT:
+    """The rank's model, initialized from the seed, with fp32 gradient buffers."""
+    g = ctx.groups
+    model = MoEGPT(cfg.model, ep_size=g.ep_size, ep_rank=g.ep_rank, ep_group=g.ep_group, comm=ctx.comm, dtype=dtype,
+                   device=ctx.device)
+    model.init_parameters(cfg.train.seed)
+    attach_main_grads(model)
+    return model
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def inject_fault(fault: Fault | None, rank: int, iteration: int) -> None:
+    """The test hook of `MBRIDGE_EPOVERLAP_FAULT`: fail this rank at the start of `iteration`."""
+    if fault is None or fault.rank != rank or fault.iteration != iteration:
+        return
+    print(f"rank {rank}: injected fault '{fault.mode}' at iteration {iteration}", file=sys.stderr, flush=True)
+    if fault.mode == "exit":
+        os._exit(17)
+    if fault.mode == "raise":
+        raise RuntimeError(f"injected fault on rank {rank} at iteration {iteration}")
+    while True:  # hang: compute-side, outside any collective
+        time.sleep(3600)
+
+
+def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path | None = None,
+          progress: Callable[[str], None] | None = None) -> CaseMetrics:
+    """Train `max_steps` iterations; every rank returns the same `CaseMetrics` (global values).
+
+    Args:
+        cfg: the (CPU-shrunk, finalized) run config.
+        ctx: groups, communication context, device and options of this rank.
+        max_steps: iterations to run.
+        profile_dir: write a PyTorch profiler chrome trace per rank there (iteration 1 is left out as
+            warm-up when there is more than one).
+        progress: called on rank 0 with one line per iteration.
+    """
+    if max_steps < 1:
+        raise UsageError(f"max_steps={max_steps}: need at least one iteration")
+    g, device = ctx.groups, ctx.device
+    dtype = resolve_dtype(cfg, ctx.options)
+    micro_batches = num_micro_batches(cfg, g.world)
+    steps = schedule_for(cfg, micro_batches)
+    model = build_model(cfg, ctx, dtype)
+    optimizer = Optimizer(model, kind=ctx.options.optimizer, lr=cfg.train.lr)
+    beat = hb.Heartbeat(hb.heartbeat_path(ctx.options.heartbeat_dir, g.rank) if ctx.options.heartbeat_dir else None)
+    iteration = 0
+
+    def on_step(index: int, step: Step) -> None:
+        beat.beat(iteration, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
+
+    executor = ScheduleExecutor(model, ranges=Ranges(use_nvtx=device.type == "cuda"), on_step=on_step)
+    profiler = _profiler(device) if profile_dir is not None else None
+    step_times, losses, skipped, nans = [], [], 0, 0
+    try:
+        for iteration in range(1, max_steps + 1):
+            if profiler is not None and iteration == min(2, max_steps):
+                profiler.start()
+            beat.beat(iteration, 0, hb.OTHER)
+            inject_fault(ctx.options.fault, g.rank, iteration)
+            batches = mock_micro_batches(
+                seed=cfg.train.seed, iteration=iteration, dp_rank=g.rank, num_micro_batches=micro_batches,
+                micro_batch_size=cfg.train.micro_batch_size, seq_length=cfg.model.seq_length,
+                vocab_size=cfg.model.vocab_size, device=device,
+            )
+            _sync(device)
+            start = time.perf_counter()
+            with torch.profiler.record_function(f"iteration {iteration}"):
+                mb_losses = executor.run(steps, batches, loss_scale=1.0 / micro_batches)
+                beat.beat(iteration, len(steps), hb.COMM)
+                with torch.profiler.record_function("grad_allreduce"):
+                    reduce_main_grads(model, g, ctx.comm)
+                # One small all-reduce: the summed loss and whether any rank saw a non-finite gradient.
+                local_bad = 0.0 if grads_finite(model) else 1.0
+                stats = torch.stack([torch.stack(mb_losses).sum() / micro_batches,
+                                     torch.tensor(local_bad, device=device)]).to(device=device, dtype=torch.float64)
+                all_reduce(stats, g.world_group, ctx.comm, what="loss all-reduce")
+                beat.beat(iteration, len(steps), hb.OTHER)
+                if stats[1].item() > 0:
+                    skipped += 1
+                else:
+                    with torch.profiler.record_function("optimizer"):
+                        optimizer.step()
+                zero_main_grads(model)
+            _sync(device)
+            step_times.append(time.perf_counter() - start)
+            loss = float(stats[0].item()) / g.world
+            nans += 0 if math.isfinite(loss) else 1
+            losses.append(loss)
+            if progress is not None and g.rank == 0:
+                progress(f"iteration {iteration}/{max_steps} | loss {loss:.6f} | step {step_times[-1]:.3f} s")
+        beat.beat(iteration, 0, hb.DONE)
+    finally:
+        if profiler is not None and profile_dir is not None:
+            profiler.stop()
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(profile_dir / f"rank{g.rank}.json"))
+        beat.close()
+    # Slowest rank's time per iteration and highest peak memory, gathered once at the end.
+    times = torch.tensor(step_times, dtype=torch.float64, device=device)
+    peak = torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64, device=device)
+    all_reduce(times, g.world_group, ctx.comm, op=dist.ReduceOp.MAX, what="step-time all-reduce")
+    all_reduce(peak, g.world_group, ctx.comm, op=dist.ReduceOp.MAX, what="memory all-reduce")
+    step_times = [float(t) for t in times.tolist()]
+    return CaseMetrics(
+        step_times_s=step_times, losses=losses, skipped_iters=skipped, nan_iters=nans,
+        peak_mem_bytes=int(peak.item()), tflops_per_gpu=tflops_per_gpu(cfg, step_times),
+        trace_dir=str(profile_dir) if profile_dir is not None else None,
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _profiler(device: torch.device) -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        # Collectives are issued from the communication thread; record that thread too.
+        config = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):  # older torch
+        return torch.profiler.profile(activities=activities)
+    return torch.profiler.profile(activities=activities, experimental_config=config)

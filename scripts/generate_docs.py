@@ -1,0 +1,879 @@
+#!/usr/bin/env python3
+"""Write the parts of the docs that the code knows: rules, failure diagnosis, flags, results.
+
+Hand-written prose lives in README.md, the skill card (SKILL.md, card.yaml) and
+docs/training/communication-overlap.md; between marker comments
+
+    <!-- BEGIN GENERATED: NAME -->  ...  <!-- END GENERATED: NAME -->      (Markdown)
+    # BEGIN GENERATED: NAME  ...  # END GENERATED: NAME                    (YAML)
+
+this script writes blocks built from the code, so they cannot drift from it:
+
+- rules            every validator rule: `mbridge_epoverlap.config.rules.all_rules()` and `LAYOUT_RULES`.
+- diagnosis        the failure-diagnosis table: one row per rule id (the symptom and cause are written
+                   here in `DIAGNOSES`; the message and the fix are what the validator prints for a
+                   reproducer run at generation time) plus the failures no rule can catch.
+- failure_modes    the same rows as YAML, for card.yaml.
+- run_script_flags every flag of `scripts/performance/run_script.py`, from the harness's `build_parser()`.
+- cli              every `mbridge-epoverlap` subcommand and option, from `mbridge_epoverlap.cli.build_parser()`.
+- cli_summary      the subcommands only (one line each).
+- results          the CPU A/B table from docs/results/cpu_ab.json, or "not yet measured".
+- results_yaml     the same figures for card.yaml.
+- results_figure   the A/B chart next to the results JSON, else the simulator's Gantt picture.
+
+Usage:
+    python scripts/generate_docs.py           # rewrite the generated blocks in place
+    python scripts/generate_docs.py --check   # exit 1 when a file is out of date (nothing written)
+    python scripts/generate_docs.py --images  # also draw the Gantt pictures with `mbridge-epoverlap simulate`
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import json
+import pkgutil
+import re
+import shlex
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout without an installed package
+    sys.path.insert(0, str(ROOT))
+
+SKILL_DIR = ROOT / "skills" / "nemo-mbridge-perf-expert-parallel-overlap"
+README = ROOT / "README.md"
+SKILL_MD = SKILL_DIR / "SKILL.md"
+CARD_YAML = SKILL_DIR / "card.yaml"
+TRAINING_DOC = ROOT / "docs" / "training" / "communication-overlap.md"
+DOC_FILES: tuple[Path, ...] = (README, SKILL_MD, CARD_YAML, TRAINING_DOC)
+RESULTS_JSON = ROOT / "docs" / "results" / "cpu_ab.json"
+IMG_DIR = ROOT / "docs" / "training" / "img"
+GANTT_1F1B = IMG_DIR / "combined_1f1b_gantt.png"
+GANTT_PINGPONG = IMG_DIR / "pingpong_gantt.png"
+
+# The simulator commands that draw the pictures the docs show (the docs print the same commands and a
+# table computed with the same settings). Times are in ms: attention 1, experts 1, one all-to-all 1 (training)
+# or 0.3 (serving), two MoE layers.
+SIM_1F1B = {"micro_batches": 3, "layers": 2, "t_comm": 1.0}
+SIM_PINGPONG = {"micro_batches": 3, "layers": 2, "t_comm": 0.3}
+GANTT_COMMANDS: dict[Path, list[str]] = {
+    GANTT_1F1B: ["simulate", "--schedule", "1f1b", "--micro-batches", "3", "--layers", "2", "--t-comm", "1",
+                 "--png", "docs/training/img/combined_1f1b_gantt.png"],
+    GANTT_PINGPONG: ["simulate", "--schedule", "pingpong", "--micro-batches", "3", "--layers", "2", "--t-comm", "0.3",
+                     "--png", "docs/training/img/pingpong_gantt.png"],
+}
+
+_MD_BLOCK = re.compile(
+    r"(<!-- BEGIN GENERATED: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED: (?P=name) -->)", re.DOTALL)
+_YAML_BLOCK = re.compile(
+    r"(# BEGIN GENERATED: (?P<name>[\w-]+)\n)(?P<body>.*?)(# END GENERATED: (?P=name))", re.DOTALL)
+
+
+# ---- Failure diagnosis ---------------------------------------------------------------------------------
+
+# Reproducers run against this software unless a row says otherwise: new enough that only the
+# setting a row changes trips a rule, and pinned so the generated text does not depend on this machine.
+BASE_VERSIONS = {"--torch-version": "2.7.0", "--te-version": "2.12.0", "--mcore-version": "0.19.0"}
+OVERLAP_ON = "comm_overlap.overlap_moe_expert_parallel_comm=true"
+OVERLAP_OFF = "comm_overlap.overlap_moe_expert_parallel_comm=false"
+DELAY_ON = "comm_overlap.delay_wgrad_compute=true"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """One failure-diagnosis row for a validator rule.
+
+    Attributes:
+        rule: rule id.
+        symptom: what a job shows when the rule is broken and nobody validated first.
+        cause: why it happens.
+        check: where to look (settings, flags) besides the reproducer.
+        overrides: dotted overrides on the default recipe that break exactly this rule.
+        gpu: target GPU of the reproducer.
+        versions: version flags that differ from `BASE_VERSIONS`.
+    """
+
+    rule: str
+    symptom: str
+    cause: str
+    check: str
+    overrides: tuple[str, ...]
+    gpu: str = "h100"
+    versions: tuple[tuple[str, str], ...] = ()
+
+    def command(self) -> list[str]:
+        """`mbridge-epoverlap validate ...` arguments (after the program name) that reproduce the row."""
+        versions = dict(BASE_VERSIONS)
+        versions.update(dict(self.versions))
+        args = ["validate", "-g", self.gpu]
+        for flag, value in versions.items():
+            args += [flag, value]
+        return args + list(self.overrides)
+
+
+_MCORE_ASSERT = "Megatron-Core's `TransformerConfig` stops at start-up with an `AssertionError`"
+_BRIDGE_ASSERT = "the job stops in Megatron-Bridge's config validation"
+
+DIAGNOSES: tuple[Diagnosis, ...] = (
+    Diagnosis("ep_size", f"{_MCORE_ASSERT} about expert_model_parallel_size",
+              "EP overlap hides the expert all-to-all; with EP = 1 there is none to hide",
+              "`-ep` / `model.expert_model_parallel_size`",
+              (OVERLAP_ON, "model.expert_model_parallel_size=1")),
+    Diagnosis("num_experts", f"{_BRIDGE_ASSERT} (num_moe_experts)",
+              "overlap was switched on for a dense model or a recipe without experts",
+              "`model.num_moe_experts`", (OVERLAP_ON, "model.num_moe_experts=1")),
+    Diagnosis("dispatcher", f"{_MCORE_ASSERT} about moe_token_dispatcher_type",
+              "only the alltoall and flex dispatchers split dispatch/combine into overlappable stages",
+              "`model.moe_token_dispatcher_type`",
+              (OVERLAP_ON, "model.moe_token_dispatcher_type=allgather")),
+    Diagnosis("precision", f"{_MCORE_ASSERT} about bf16/fp16",
+              "the overlapped schedule is only implemented for bf16 and fp16 models",
+              "`-c` / `model.bf16`, `model.fp16`", (OVERLAP_ON, "model.bf16=false")),
+    Diagnosis("torch_version", "the job stops at start-up where Megatron-Core checks the version; where nothing "
+              "checks it, it hangs at the first overlapped layer with no error",
+              "PyTorch before 2.6 deadlocks the overlapped streams",
+              "`python -c 'import torch; print(torch.__version__)'` inside the job's container",
+              (OVERLAP_ON,), versions=(("--torch-version", "2.5.1"),)),
+    Diagnosis("pp_needs_vpp", f"{_MCORE_ASSERT} about virtual_pipeline_model_parallel_size",
+              "with pipeline parallelism the combined 1F1B schedule is built on the interleaved (virtual) pipeline",
+              "`-pp`, `-vp` / `model.virtual_pipeline_model_parallel_size`",
+              (OVERLAP_ON, "model.pipeline_model_parallel_size=2", "model.expert_model_parallel_size=8")),
+    Diagnosis("recompute_full", f"{_MCORE_ASSERT} about recompute_granularity",
+              "full recompute re-runs the layer inside backward, which the overlapped schedule cannot split",
+              "`--recompute_granularity` / `model.recompute_granularity`",
+              (OVERLAP_ON, "model.recompute_granularity=full")),
+    Diagnosis("recompute_method", f"{_MCORE_ASSERT} about recompute_method",
+              "a recompute method implies whole-layer recompute",
+              "`--recompute_method` / `model.recompute_method`", (OVERLAP_ON, "model.recompute_method=uniform")),
+    Diagnosis("recompute_layers", f"{_MCORE_ASSERT} about recompute_num_layers",
+              "a recompute layer count implies whole-layer recompute",
+              "`-rl` / `model.recompute_num_layers`", (OVERLAP_ON, "model.recompute_num_layers=1")),
+    Diagnosis("recompute_moe", f"{_MCORE_ASSERT} from Megatron-Core 0.17 on; older releases start and lose the "
+              "overlap (reported as a warning for them)",
+              "recomputing the MoE block repeats its all-to-alls inside backward",
+              "`--recompute_modules` / `model.recompute_modules`", (OVERLAP_ON, "model.recompute_modules=moe")),
+    Diagnosis("shared_expert_overlap", f"{_MCORE_ASSERT} about moe_shared_expert_overlap",
+              "shared-expert overlap and EP overlap both schedule the shared expert against the all-to-all",
+              "`model.moe_shared_expert_overlap` (a recipe may turn it on)",
+              (OVERLAP_ON, "model.moe_shared_expert_overlap=true")),
+    Diagnosis("mtp_layers", f"{_MCORE_ASSERT} about mtp_num_layers (which values pass depends on the "
+              "Megatron-Core release)",
+              "the overlapped schedule handles at most one multi-token-prediction layer; 0.16-0.17 also need PP > 1",
+              "`model.mtp_num_layers`, `model.pipeline_model_parallel_size`, `--mcore-version`",
+              (OVERLAP_ON, "model.mtp_num_layers=2")),
+    Diagnosis("cuda_graph_moe", f"{_MCORE_ASSERT} about cuda_graph_scope",
+              "a CUDA graph around the MoE block freezes the dispatch/compute order the overlap interleaves",
+              "`--cuda_graph_impl`, `--cuda_graph_scope`",
+              (OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe")),
+    Diagnosis("cuda_graph_local", f"{_MCORE_ASSERT} about cuda_graph_impl",
+              "local (full-iteration) graphs capture the whole step, overlap schedule included",
+              "`--cuda_graph_impl`", (OVERLAP_ON, "model.cuda_graph_impl=local")),
+    Diagnosis("delay_needs_overlap", f"{_MCORE_ASSERT} about delay_wgrad_compute",
+              "delayed wgrad fills the dispatch-backward window that only EP overlap creates",
+              "`--moe_a2a_overlap`, `--delay_wgrad_compute`", (OVERLAP_OFF, DELAY_ON)),
+    Diagnosis("delay_te_grad_reduce", f"{_BRIDGE_ASSERT} (Transformer Engine version)",
+              "before TE 2.7 the delayed weight gradients miss the grad-reduce hooks",
+              "`--te-version` (the job's container), `ddp.overlap_grad_reduce`",
+              (OVERLAP_ON, DELAY_ON), versions=(("--te-version", "2.6.0"),)),
+    Diagnosis("delay_te_grad_accum", f"{_BRIDGE_ASSERT} (Transformer Engine version)",
+              "before TE 2.7 fused gradient accumulation does not support delayed weight gradients",
+              "`--te-version`, `model.gradient_accumulation_fusion`",
+              (OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=false", "model.gradient_accumulation_fusion=true"),
+              versions=(("--te-version", "2.6.0"),)),
+    Diagnosis("delay_cuda_graph_te", f"{_MCORE_ASSERT} from Megatron-Core 0.16 on (Transformer Engine version)",
+              "TE graphs before 2.10 cannot replay a layer whose weight gradients run later",
+              "`--te-version`, `--cuda_graph_impl`",
+              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe_router"),
+              versions=(("--te-version", "2.9.0"),)),
+    Diagnosis("delay_graph_te", f"{_BRIDGE_ASSERT} (Transformer Engine version)",
+              "a weight gradient inside a captured graph (attn scope, or moe_router with an un-overlapped shared "
+              "expert) needs TE 2.12 to be split out",
+              "`--te-version`, `--cuda_graph_scope`",
+              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn",
+               "model.gradient_accumulation_fusion=true"), versions=(("--te-version", "2.11.0"),)),
+    Diagnosis("delay_graph_grad_accum", f"{_BRIDGE_ASSERT} (gradient_accumulation_fusion)",
+              "graphed weight gradients are delayed through the fused accumulation path only",
+              "`model.gradient_accumulation_fusion`, `--cuda_graph_scope`",
+              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn")),
+    Diagnosis("delay_graph_attn_bias", f"{_BRIDGE_ASSERT} (attention biases)",
+              "graphed attention with delayed wgrad does not handle bias gradients",
+              "`model.add_bias_linear`, `model.add_qkv_bias`, `--cuda_graph_scope`",
+              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn",
+               "model.gradient_accumulation_fusion=true", "model.add_qkv_bias=true")),
+    Diagnosis("delay_legacy_grouped_gemm", f"{_MCORE_ASSERT} about moe_use_legacy_grouped_gemm",
+              "the legacy grouped GEMM has no separate weight-gradient step",
+              "`model.moe_use_legacy_grouped_gemm`",
+              (OVERLAP_ON, DELAY_ON, "model.moe_use_legacy_grouped_gemm=true")),
+    Diagnosis("early_attn_release_needs_overlap", f"{_MCORE_ASSERT} about ep_overlap_early_attn_memory_release",
+              "the early attention-memory release is part of the overlapped schedule",
+              "`model.ep_overlap_early_attn_memory_release`",
+              (OVERLAP_OFF, "model.ep_overlap_early_attn_memory_release=true")),
+    Diagnosis("ep_divides_experts", f"{_MCORE_ASSERT} about num_moe_experts and the EP size",
+              "every EP rank must hold the same number of experts",
+              "`-ep`, `model.num_moe_experts`", ("model.num_moe_experts=120",)),
+    Diagnosis("flex_backend_gpu", "Megatron-Bridge warns and keeps alltoall (no flex, no error), or its "
+              "validation raises; the run is slower than expected",
+              "DeepEP runs on Ampere, Hopper, B200 and B300 only; HybridEP also on GB200/GB300",
+              "`-g`, `--moe_flex_dispatcher_backend`",
+              ("model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep"), gpu="gb200"),
+    Diagnosis("layout_world_size", "the launcher stops building process groups (world size not divisible)",
+              "the GPUs do not split into TP x PP x CP groups",
+              "`-ng`, `-tp`, `-pp`, `-cp`", ("num_gpus=12", "model.tensor_model_parallel_size=8")),
+    Diagnosis("layout_expert_parallel", "the launcher stops building expert process groups",
+              "EP x ETP must divide the GPUs of one pipeline stage",
+              "`-ng`, `-ep`, `-et`, `-pp`", ("num_gpus=8",)),
+    Diagnosis("layout_batch", "the job stops computing the number of micro-batches",
+              "the global batch must split evenly over data-parallel ranks and micro-batches",
+              "`-gb`, `-mb`, `-ng`", ("train.global_batch_size=1000",)),
+)
+
+
+@dataclass(frozen=True)
+class OtherFailure:
+    """A failure no validator rule can catch (it depends on the run, not on the config)."""
+
+    name: str
+    symptom: str
+    cause: str
+    check: str
+    fix: str
+
+
+OTHER_FAILURES: tuple[OtherFailure, ...] = (
+    OtherFailure(
+        "hang_old_torch",
+        "the job hangs at the first overlapped MoE layer; no error, no progress, until the Slurm time limit",
+        "PyTorch < 2.6 in the job's container, while validation ran against another (newer) torch",
+        "`python -c 'import torch; print(torch.__version__)'` inside the container; then "
+        "`mbridge-epoverlap validate --torch-version <that version>` reports `torch_version`",
+        "a container with torch >= 2.6, or `--moe_a2a_overlap false`"),
+    OtherFailure(
+        "flex_backend_field_only",
+        "flex was asked for, but the run is as slow as alltoall and shows no DeepEP/HybridEP kernels",
+        "only `model.moe_flex_dispatcher_backend` was set; the dispatcher type stayed `alltoall`, so the "
+        "backend field is ignored",
+        "the resolved config (`--dryrun --save_config_filepath cfg.yaml`) shows "
+        "`moe_token_dispatcher_type: alltoall`; `mbridge-epoverlap profile` finds no `deep_ep`/`hybrid_ep` kernels",
+        "use `--moe_flex_dispatcher_backend deepep` (or `hybridep`), or call "
+        "`apply_flex_dispatcher_backend(model_cfg, \"deepep\")` in the recipe: both set the type, the backend "
+        "and `moe_shared_expert_overlap=False` together"),
+    OtherFailure(
+        "flex_skipped_on_gpu",
+        "a `FlexDispatcherWarning` (\"... keeping the alltoall dispatcher\") in the log of a recipe that calls "
+        "`apply_flex_dispatcher_backend`",
+        "the target GPU does not support the backend (e.g. DeepEP on GB200)",
+        "`mbridge-epoverlap validate -g <gpu> model.moe_token_dispatcher_type=flex "
+        "model.moe_flex_dispatcher_backend=<backend>` reports `flex_backend_gpu`",
+        "`--moe_flex_dispatcher_backend hybridep`, or `strict=True` to make it an error"),
+    OtherFailure(
+        "summed_kernel_time_rises",
+        "after enabling overlap, the summed duration of communication or GEMM kernels goes up",
+        "expected: kernels that run concurrently share SMs and memory bandwidth, so each one takes longer "
+        "even when the step gets shorter",
+        "`mbridge-epoverlap profile off.sqlite on.sqlite --compare`: overlap should rise, exposed communication "
+        "and the active union should fall",
+        "none needed; judge by step time in a stable window and by the union of GPU-active intervals, "
+        "never by summed kernel time"),
+    OtherFailure(
+        "serialized_streams",
+        "overlap on, validation clean, but no speed-up and no communication/compute overlap in the profile",
+        "`CUDA_DEVICE_MAX_CONNECTIONS=1` in the launch environment (or set from Python after start-up, which "
+        "has no effect), so the comm stream queues behind the compute stream",
+        "the launch environment the harness prints or writes into the sbatch script; `run_script.py` warns when "
+        "`env_vars.CUDA_DEVICE_MAX_CONNECTIONS=1` meets EP overlap",
+        "drop the override; the harness exports 8 (32 for DeepEP/HybridEP or Blackwell) before the processes start"),
+    OtherFailure(
+        "no_gain_small_comm",
+        "overlap on, matched A/B shows no gain",
+        "dispatch/combine is a small share of the step (small EP, fast links, or large experts), so there is "
+        "little to hide",
+        "`mbridge-epoverlap profile` on the baseline: exposed communication as a share of the active union",
+        "keep overlap off for this shape, or move to flex (DeepEP/HybridEP) where the all-to-all is the bottleneck"),
+)
+
+
+# ---- Parsers -------------------------------------------------------------------------------------------
+
+
+def cli_parser() -> argparse.ArgumentParser:
+    """The `mbridge-epoverlap` parser, as the console script builds it."""
+    from mbridge_epoverlap.cli import build_parser
+
+    return build_parser()
+
+
+def harness_parser() -> argparse.ArgumentParser | None:
+    """`run_script.py`'s parser: the `build_parser()` of a module of `mbridge_epoverlap.harness`, or None."""
+    try:
+        import mbridge_epoverlap.harness as harness
+    except ModuleNotFoundError:
+        return None
+    preferred = ("flags", "cli", "args", "parser")
+    names = [n for n in preferred] + sorted(m.name for m in pkgutil.iter_modules(harness.__path__)
+                                            if m.name not in preferred)
+    for name in names:
+        path = Path(harness.__path__[0]) / f"{name}.py"
+        # Read before importing so modules that cannot hold the parser are never imported.
+        if not path.is_file() or "def build_parser" not in path.read_text(encoding="utf-8"):
+            continue
+        module = importlib.import_module(f"mbridge_epoverlap.harness.{name}")
+        build = getattr(module, "build_parser", None)
+        if callable(build):
+            parser = build()
+            parser.prog = "run_script.py"
+            return parser
+    return None
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[str, argparse.ArgumentParser]]:
+    """{name: (help, parser)} of a parser's subcommands, in registration order."""
+    found: dict[str, tuple[str, argparse.ArgumentParser]] = {}
+    for action in parser._actions:  # argparse keeps subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                found[name] = (helps.get(name, ""), sub)
+    return found
+
+
+# ---- Rendering helpers ---------------------------------------------------------------------------------
+
+
+def _cell(text: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    return f"`{text}`" if "`" not in text else f"``{text}``"
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[Any]]) -> str:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _help_text(action: argparse.Action, prog: str) -> str:
+    text = action.help or ""
+    if text == argparse.SUPPRESS:
+        return ""
+    return text.replace("%(prog)s", prog).replace("%(default)s", str(action.default)).replace("%%", "%")
+
+
+def _default_text(action: argparse.Action) -> str:
+    default = action.default
+    if action.nargs == 0 or default in (None, argparse.SUPPRESS, [], ()):
+        return ""
+    if type(default).__name__ == "_Unset":  # the harness's "keep the recipe's value" marker
+        return "recipe's"
+    return str(getattr(default, "text", default))
+
+
+# Names of argparse type converters as a reader would say them.
+_TYPE_WORDS = {"lower": "str", "str": "str", "int": "integer", "float": "number", "positive_int": "integer >= 1",
+               "positive_float": "number > 0", "bool_arg": "true, false"}
+
+
+def _values_text(action: argparse.Action) -> str:
+    if action.choices:
+        return ", ".join("None" if c is None else str(c) for c in action.choices)
+    if action.nargs == 0:
+        return "(switch)"
+    if action.metavar:
+        return str(action.metavar)
+    name = getattr(action.type, "__name__", "str") if action.type else "str"
+    return _TYPE_WORDS.get(name.lstrip("_"), name.lstrip("_").replace("_", " "))
+
+
+def _harness_meanings() -> dict[str, str]:
+    """{dest: meaning} for harness flags without help text: the setting a flag writes, or its sbatch option."""
+    keys = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size"}
+    try:
+        from mbridge_epoverlap.harness.flags import MODEL_FLAGS
+
+        keys.update({dest: f"model.{field}" for dest, field in MODEL_FLAGS})
+    except (ImportError, AttributeError):
+        pass
+    meanings = {dest: f"sets {_code(key)}" for dest, key in keys.items()}
+    meanings.update(account="Slurm account (`sbatch --account`)", partition="Slurm partition (`sbatch --partition`)")
+    return meanings
+
+
+def _option_rows(parser: argparse.ArgumentParser, meanings: dict[str, str] | None = None) -> list[list[str]]:
+    rows = []
+    meanings = meanings or {}
+    for action in parser._actions:
+        if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+            continue
+        if action.option_strings:
+            names = ", ".join(_code(s) for s in action.option_strings)
+        else:
+            names = _code(str(action.metavar or action.dest))
+        meaning = _help_text(action, parser.prog)
+        if not meaning:
+            meaning = meanings.get(action.dest, "")
+        rows.append([names, _values_text(action), _default_text(action), meaning])
+    return rows
+
+
+# ---- Blocks --------------------------------------------------------------------------------------------
+
+
+def render_rules() -> str:
+    from mbridge_epoverlap.config.layout import LAYOUT_RULES
+    from mbridge_epoverlap.config.rules import all_rules
+
+    when_text = {"overlap": "EP overlap on", "delay_wgrad": "delayed wgrad on", "always": "always"}
+    rows = [[_code(r.id), when_text.get(r.when, r.when), r.source, r.summary] for r in all_rules()]
+    rows += [[_code(rule_id), "always (run layout)", "mbridge_epoverlap", summary]
+             for rule_id, summary in LAYOUT_RULES.items()]
+    return (f"{len(rows)} rules (`mbridge-epoverlap validate --list-rules` prints the same list). All are checked "
+            "on every validation and every violation is reported at once.\n\n"
+            + _table(["rule", "checked when", "source", "constraint"], rows))
+
+
+@dataclass(frozen=True)
+class Reproduced:
+    """What the validator says for a diagnosis row's reproducer."""
+
+    diagnosis: Diagnosis
+    rules: tuple[str, ...]  # every rule the reproducer breaks (errors and warnings)
+    message: str
+    fix: str
+    severity: str
+
+
+def reproduce(diagnosis: Diagnosis) -> Reproduced:
+    """Run a row's reproducer through the validator (in process, exactly as `validate` would)."""
+    from mbridge_epoverlap.config.environment import Environment
+    from mbridge_epoverlap.config.overrides import apply_overrides
+    from mbridge_epoverlap.config.recipes import load_recipe
+    from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+
+    args = cli_parser().parse_args(diagnosis.command())
+    # All three versions are given, so this is the environment `validate` builds, without probing torch.
+    env = Environment.for_gpu(args.gpu, torch_version=args.torch_version, te_version=args.te_version,
+                              mcore_version=args.mcore_version)
+    cfg = load_recipe(args.recipe or DEFAULT_RECIPE, args.task)
+    apply_overrides(cfg, args.overrides)
+    violations = cfg.validate(env)
+    mine = [v for v in violations if v.rule == diagnosis.rule]
+    if not mine:
+        raise RuntimeError(f"diagnosis reproducer for {diagnosis.rule!r} does not trip it "
+                           f"(it trips {[v.rule for v in violations]}); fix DIAGNOSES in {__file__}")
+    return Reproduced(diagnosis, tuple(v.rule for v in violations), mine[0].message, mine[0].fix, mine[0].severity)
+
+
+def diagnosis_rows() -> list[dict[str, str]]:
+    """Every failure-diagnosis row: one per rule id (reproduced), then the non-rule failures."""
+    from mbridge_epoverlap.config.layout import LAYOUT_RULES
+    from mbridge_epoverlap.config.rules import all_rules
+
+    by_rule = {d.rule: d for d in DIAGNOSES}
+    rows = []
+    for rule_id in [r.id for r in all_rules()] + list(LAYOUT_RULES):
+        d = by_rule.get(rule_id)
+        if d is None:
+            raise RuntimeError(f"rule {rule_id!r} has no failure-diagnosis row; add a Diagnosis to DIAGNOSES "
+                               f"in {__file__}")
+        r = reproduce(d)
+        rows.append({
+            "id": rule_id,
+            "symptom": f"{d.symptom}; `validate` says: {r.message}",
+            "cause": d.cause,
+            "check": f"{d.check}; reproduce: `mbridge-epoverlap {shlex.join(d.command())}`",
+            "fix": r.fix,
+        })
+    for o in OTHER_FAILURES:
+        rows.append({"id": o.name, "symptom": o.symptom, "cause": o.cause, "check": o.check, "fix": o.fix})
+    return rows
+
+
+def render_diagnosis() -> str:
+    rows = diagnosis_rows()
+    table = _table(["id", "symptom", "likely cause", "how to check", "fix"],
+                   [[_code(r["id"]), r["symptom"], r["cause"], r["check"], r["fix"]] for r in rows])
+    return ("One row per validator rule (the `validate` message and fix are the validator's own output for the "
+            "reproducer shown), then the failures no rule can catch.\n\n" + table)
+
+
+def render_failure_modes() -> str:
+    import yaml
+
+    text = yaml.safe_dump(diagnosis_rows(), sort_keys=False, width=100, allow_unicode=True)
+    return "".join(f"  {line}\n" for line in text.splitlines())
+
+
+def render_run_script_flags() -> str:
+    parser = harness_parser()
+    if parser is None:
+        return "The perf harness (`scripts/performance/run_script.py`) is not part of this build yet.\n"
+    return ("Every flag of `scripts/performance/run_script.py` (from `build_parser()` in the harness). A flag that "
+            "is absent keeps the recipe's value; positional `KEY=VALUE` items are dotted overrides.\n\n"
+            + _table(["flag", "values", "default", "meaning"], _option_rows(parser, _harness_meanings())))
+
+
+def render_cli() -> str:
+    parts = []
+    for name, (help_text, sub) in subcommands(cli_parser()).items():
+        parts.append(f"#### `mbridge-epoverlap {name}`\n\n{_cell(help_text)}.\n\n"
+                     + _table(["option", "values", "default", "meaning"], _option_rows(sub)))
+    return "\n".join(parts)
+
+
+def render_cli_summary() -> str:
+    rows = [[_code(f"mbridge-epoverlap {name}"), help_text] for name, (help_text, _) in
+            subcommands(cli_parser()).items()]
+    return _table(["command", "what it does"], rows)
+
+
+def load_results(path: Path | None = None) -> dict[str, Any] | None:
+    path = path or RESULTS_JSON  # looked up at call time so tests can point it elsewhere
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+NOT_MEASURED = ("Not yet measured: `docs/results/cpu_ab.json` is not in this checkout. Run `make run` (the CPU "
+                "A/B), copy the results JSON it names (and the `.png` next to it) to `docs/results/cpu_ab.json` "
+                "(`cpu_ab.png`) and run `make docs`.\n")
+
+
+def equivalent_command(doc: dict[str, Any]) -> str:
+    """The run_script.py command line a results JSON describes (rebuilt from its recorded settings)."""
+    if doc.get("command"):
+        command = doc["command"]
+        return shlex.join(command) if isinstance(command, list) else str(command)
+    args = ["python", "scripts/performance/run_script.py"]
+    for flag, key in (("-mr", "recipe"), ("--task", "task"), ("-g", "gpu"), ("-ng", "num_gpus"),
+                      ("-ms", "max_steps"), ("--ab", "ab"), ("--repeats", "repeats")):
+        if doc.get(key) not in (None, ""):
+            args += [flag, str(doc[key])]
+    window = doc.get("stable_window")
+    if isinstance(window, list) and len(window) == 2:
+        args += ["--stable_window", f"{window[0]}:{window[1]}"]
+    return shlex.join(args)
+
+
+def machine_text(doc: dict[str, Any]) -> str:
+    """Where a result was measured, from the environment the harness records."""
+    env = doc.get("environment") or {}
+    machine = env.get("machine") if isinstance(env, dict) else None
+    parts = []
+    if isinstance(machine, dict):
+        for key in ("hostname", "cpu", "processor", "cpus", "platform", "python"):
+            value = machine.get(key)
+            if value not in (None, ""):
+                parts.append(f"{key} {value}")
+    if isinstance(env, dict):
+        for key in ("torch_version", "mcore_version"):
+            if env.get(key):
+                parts.append(f"{key.split('_')[0]} {env[key]}")
+    return ", ".join(parts) or "not recorded"
+
+
+def results_markdown(doc: dict[str, Any]) -> str:
+    """The A/B table of a harness results JSON (the harness's own table), with where and how it ran."""
+    try:
+        from mbridge_epoverlap.harness.report import markdown_table
+    except ModuleNotFoundError:  # a build without the harness still shows the figures
+        markdown_table = None
+    lines = [f"- machine: {machine_text(doc)}",
+             f"- command: {_code(equivalent_command(doc))}",
+             f"- measured: {doc.get('created_utc') or 'date not recorded'}"
+             f" ({doc.get('executor') or 'local'} executor, {doc.get('repeats')} interleaved repeat(s))",
+             ""]
+    if markdown_table is not None:
+        lines.append(markdown_table(doc).rstrip("\n"))
+    else:
+        rows = [[c.get("name"), c.get("stable_mean_s"), c.get("relative")] for c in doc.get("cases", [])]
+        lines.append(_table(["case", "stable-window mean (s)", "relative"], rows).rstrip("\n"))
+    lines += ["", "`relative` is the baseline's stable-window mean over the case's (above 1 is faster). CPU "
+              "processes over gloo on loopback: a check of the method and the runtime, not a prediction for GPUs."]
+    return "\n".join(lines) + "\n"
+
+
+def render_results() -> str:
+    doc = load_results()
+    if doc is None:
+        return NOT_MEASURED
+    return results_markdown(doc)
+
+
+def render_results_yaml() -> str:
+    import yaml
+
+    doc = load_results()
+    if doc is None:
+        data: Any = {"status": "not yet measured", "source": "docs/results/cpu_ab.json (absent)"}
+    else:
+        data = {"status": "measured", "source": "docs/results/cpu_ab.json",
+                "summary": results_markdown(doc).strip()}
+    text = yaml.safe_dump(data, sort_keys=False, width=100, allow_unicode=True)
+    return "".join(f"    {line}\n" for line in text.splitlines())
+
+
+def results_chart() -> Path | None:
+    """The A/B chart the harness writes next to the results JSON (same stem, .png)."""
+    chart = RESULTS_JSON.with_suffix(".png")
+    return chart if chart.is_file() else None
+
+
+def render_results_figure() -> str:
+    chart = results_chart()
+    if chart is not None:
+        return f"![CPU A/B of EP overlap]({chart.relative_to(ROOT).as_posix()})\n"
+    if GANTT_1F1B.is_file():
+        return (f"![Combined 1F1B schedule with EP overlap]({GANTT_1F1B.relative_to(ROOT).as_posix()})\n\n"
+                "The simulated combined 1F1B schedule (`mbridge-epoverlap simulate --schedule 1f1b`); the A/B chart "
+                "appears here once `docs/results/cpu_ab.png` exists.\n")
+    return "No picture yet: neither the A/B chart nor the simulator's Gantt chart is in this checkout.\n"
+
+
+def render_flex_support() -> str:
+    from mbridge_epoverlap.config.environment import GPU_CATALOG, Environment
+    from mbridge_epoverlap.config.flex import FLEX_BACKENDS, backend_supports_gpu
+
+    rows = []
+    for key, spec in GPU_CATALOG.items():
+        env = Environment.for_gpu(key)
+        support = ["yes" if backend_supports_gpu(b, env) else "no" for b in FLEX_BACKENDS]
+        rows.append([_code(key), spec.device_name, f"{spec.compute_capability[0]}.{spec.compute_capability[1]}",
+                     *support])
+    return ("Where `apply_flex_dispatcher_backend` enables each flex backend (`-g` values; from "
+            "`config/flex.py` and the GPU catalog):\n\n"
+            + _table(["-g", "device name", "compute capability", *FLEX_BACKENDS], rows))
+
+
+def render_recipes() -> str:
+    from mbridge_epoverlap.recipes import FAMILIES, RECIPES
+
+    rows = []
+    for name, fn in RECIPES.items():
+        family = next((f for f, names in FAMILIES.items() if name in names), "")
+        cfg = fn("pretrain")
+        doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        on_off = {True: "on", False: "off"}
+        rows.append([_code(name), _code(family), doc, on_off[cfg.comm_overlap.effective_overlap(cfg.model)],
+                     on_off[cfg.comm_overlap.effective_delay_wgrad(cfg.model)]])
+    return _table(["recipe (`-mr`)", "family (`-m`)", "shape", "EP overlap", "delayed wgrad"], rows)
+
+
+def _sim_row(label: str, timeline: Any, micro_batches: int | None = None) -> list[str]:
+    data = timeline.to_dict()
+    util = ", ".join(f"{name} {value:.0%}" for name, value in data["utilization"].items())
+    row = [label, f"{data['makespan']:.4g}"]
+    if micro_batches is not None:  # serving: what each micro-batch costs is what throughput sees
+        row.append(f"{data['makespan'] / micro_batches:.3g}")
+    return row + [f"{data['exposed_comm']:.4g}", util]
+
+
+def render_schedule_sim() -> str:
+    from mbridge_epoverlap.schedule.presets import simulate_schedule
+
+    cases = (("plain 1F1B (`--no-overlap`)", {"overlap": False}),
+             ("combined 1F1B (EP overlap)", {"overlap": True}),
+             ("combined 1F1B + delayed wgrad (`--delay-wgrad`)", {"overlap": True, "delay_wgrad": True}))
+    rows = [_sim_row(label, simulate_schedule("1f1b", **SIM_1F1B, **extra)) for label, extra in cases]
+    return ("`mbridge-epoverlap simulate --schedule 1f1b --micro-batches 3 --layers 2 --t-comm 1` with and without "
+            "overlap (attention 1 ms, experts 1 ms, one all-to-all 1 ms, backward twice the forward):\n\n"
+            + _table(["schedule", "makespan (ms)", "exposed comm (ms)", "utilization"], rows))
+
+
+def render_pingpong_sim() -> str:
+    from mbridge_epoverlap.schedule.presets import min_micro_batches, simulate_schedule
+
+    settings = dict(SIM_PINGPONG)
+    rows = []
+    for m in (1, 2, 3, 4):
+        settings["micro_batches"] = m
+        rows.append(_sim_row(f"m = {m}", simulate_schedule("pingpong", **settings), m))
+    smallest = min_micro_batches(1.0, 1.0, SIM_PINGPONG["t_comm"])
+    return ("`mbridge-epoverlap simulate --schedule pingpong --layers 2 --t-comm 0.3 --micro-batches M` "
+            f"(attention 1 ms, experts 1 ms, one transfer 0.3 ms); the smallest m that keeps the busiest worker "
+            f"busy is {smallest}:\n\n"
+            + _table(["micro-batches", "makespan (ms)", "per micro-batch (ms)", "exposed comm (ms)", "utilization"],
+                     rows))
+
+
+# Serving features of the intended design and words that identify them in a module's name or description;
+# a feature no module matches is reported as not in this build rather than described.
+SERVING_FEATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("deployment planner", ("planner",)),
+    ("attention and expert workers / ping-pong engine", ("worker", "engine")),
+    ("M2N communicator", ("m2n",)),
+    ("elastic EP (redundant experts, failure detection, re-placement)", ("elastic",)),
+    ("expert load balancing (EPLB)", ("eplb", "load balanc")),
+)
+
+
+def _first_paragraph(module_path: Path) -> str:
+    import ast
+
+    doc = ast.get_docstring(ast.parse(module_path.read_text(encoding="utf-8"))) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def render_serving_modules() -> str:
+    modules = []
+    for package in ("serving", "comm"):
+        for path in sorted((ROOT / "mbridge_epoverlap" / package).glob("*.py")):
+            if path.stem in ("__init__", "cli"):
+                continue
+            modules.append((path, _first_paragraph(path)))
+    serving = [(p, d) for p, d in modules if p.parent.name == "serving"]
+    rows = [[_code(p.relative_to(ROOT).as_posix()), d] for p, d in serving]
+    missing = [feature for feature, words in SERVING_FEATURES
+               if not any(w in f"{p.stem} {d}".lower() for p, d in modules for w in words)]
+    text = ("The serving modules present (each with its own description):\n\n"
+            + _table(["module", "what it does"], rows))
+    if missing:
+        text += "\nNot in this build yet: " + "; ".join(missing) + ".\n"
+    return text
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "rules": render_rules,
+    "diagnosis": render_diagnosis,
+    "failure_modes": render_failure_modes,
+    "run_script_flags": render_run_script_flags,
+    "cli": render_cli,
+    "cli_summary": render_cli_summary,
+    "results": render_results,
+    "results_yaml": render_results_yaml,
+    "results_figure": render_results_figure,
+    "flex_support": render_flex_support,
+    "recipes": render_recipes,
+    "schedule_sim": render_schedule_sim,
+    "pingpong_sim": render_pingpong_sim,
+    "serving_modules": render_serving_modules,
+}
+
+
+# ---- Files ---------------------------------------------------------------------------------------------
+
+
+def _display(path: Path) -> str:
+    """A path as messages show it: relative to the repository when inside it."""
+    try:
+        return path.relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _relative_links(text: str, path: Path) -> str:
+    """Repository-root image links (docs/...) rewritten relative to the file that shows them."""
+    try:
+        depth = len(path.relative_to(ROOT).parts) - 1
+    except ValueError:  # a file outside the checkout (tests): keep the links as they are
+        return text
+    if depth == 0:
+        return text
+    return re.sub(r"\]\((docs/[^)]+)\)", lambda m: f"]({'../' * depth}{m.group(1)})", text)
+
+
+def render_file(path: Path, cache: dict[str, str] | None = None) -> str:
+    """The file's text with every generated block rewritten."""
+    cache = {} if cache is None else cache
+    text = path.read_text(encoding="utf-8")
+    pattern = _YAML_BLOCK if path.suffix in (".yaml", ".yml") else _MD_BLOCK
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("name")
+        if name not in RENDERERS:
+            raise KeyError(f"{_display(path)}: unknown generated block {name!r}; known: {sorted(RENDERERS)}")
+        if name not in cache:
+            cache[name] = RENDERERS[name]()
+        body = cache[name] if pattern is _YAML_BLOCK else _relative_links(cache[name], path)
+        if not body.endswith("\n"):
+            body += "\n"
+        return match.group(1) + body + match.group(4)
+
+    return pattern.sub(replace, text)
+
+
+def generated_blocks(path: Path) -> list[str]:
+    pattern = _YAML_BLOCK if path.suffix in (".yaml", ".yml") else _MD_BLOCK
+    return [m.group("name") for m in pattern.finditer(path.read_text(encoding="utf-8"))]
+
+
+def stale_files(files: Iterable[Path] | None = None) -> dict[Path, str]:
+    """{path: unified diff} of every file whose generated blocks are out of date."""
+    files = DOC_FILES if files is None else files  # looked up at call time so tests can point it elsewhere
+    cache: dict[str, str] = {}
+    stale = {}
+    for path in files:
+        if not path.is_file():
+            stale[path] = f"{_display(path)} is missing\n"
+            continue
+        old = path.read_text(encoding="utf-8")
+        new = render_file(path, cache)
+        if new != old:
+            rel = _display(path)
+            stale[path] = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), rel, rel, n=1))
+    return stale
+
+
+def draw_images(only_missing: bool = False) -> list[Path]:
+    """Draw the Gantt pictures with the simulator commands the docs show."""
+    from mbridge_epoverlap.cli import main
+
+    drawn = []
+    for path, args in GANTT_COMMANDS.items():
+        if only_missing and path.is_file():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if main(args + ["--json"]) != 0:
+            raise RuntimeError(f"mbridge-epoverlap {shlex.join(args)} failed")
+        drawn.append(path)
+    return drawn
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when a generated block is out of date")
+    parser.add_argument("--images", action="store_true", help="also draw the Gantt pictures (missing ones only "
+                        "unless --force-images)")
+    parser.add_argument("--force-images", action="store_true", help="redraw the Gantt pictures even if present")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = stale_files()
+        for diff in stale.values():
+            sys.stdout.write(diff)
+        if stale:
+            names = ", ".join(_display(p) for p in stale)
+            print(f"out of date: {names}; run `make docs` (python scripts/generate_docs.py)", file=sys.stderr)
+            return 1
+        print("docs are up to date")
+        return 0
+    if args.images or args.force_images:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):  # the simulator's JSON is not wanted here
+            drawn = draw_images(only_missing=not args.force_images)
+        for path in drawn:
+            print(f"drew {_display(path)}")
+    cache: dict[str, str] = {}
+    for path in DOC_FILES:
+        if not path.is_file():
+            print(f"skipped {_display(path)} (missing)", file=sys.stderr)
+            continue
+        old = path.read_text(encoding="utf-8")
+        new = render_file(path, cache)
+        if new != old:
+            path.write_text(new, encoding="utf-8")
+            print(f"updated {_display(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

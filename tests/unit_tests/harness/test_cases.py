@@ -1,0 +1,90 @@
+"""A/B cases: names, switches, validation of every case before launch, launch environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.harness.cases import (
+    ValidationFailed,
+    build_cases,
+    case_specs,
+    same_except_switches,
+)
+from mbridge_epoverlap.harness.flags import build_parser
+from mbridge_epoverlap.harness.resolve import resolve
+
+GPU = ("-g", "h100", "-ng", "16", "--te_version", "2.9")
+
+
+def resolved(*argv: str):
+    args = build_parser().parse_intermixed_args(list(argv))
+    args.gpu = args.gpu or "cpu"
+    return resolve(args)
+
+
+def cases_for(ab: str | None, *argv: str):
+    r = resolved(*argv)
+    return build_cases(r, case_specs(ab, r.cfg, r.explicit))
+
+
+def test_ep_overlap_cases_differ_only_in_the_two_switches():
+    cases, warnings = cases_for("ep_overlap", *GPU)
+    assert [c.name for c in cases] == ["ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"]
+    switches = [(c.cfg.model.overlap_moe_expert_parallel_comm, c.cfg.model.delay_wgrad_compute) for c in cases]
+    assert switches == [(False, False), (True, False), (True, True)]
+    assert same_except_switches(cases) == []
+    assert cases[1].overrides == ["comm_overlap.overlap_moe_expert_parallel_comm=true",
+                                  "comm_overlap.delay_wgrad_compute=false"]
+    assert warnings == []
+
+
+def test_ep_overlap_refuses_a_user_set_switch():
+    with pytest.raises(UsageError, match="--ab ep_overlap sets"):
+        cases_for("ep_overlap", *GPU, "--moe_a2a_overlap", "true")
+    with pytest.raises(UsageError, match="--ab ep_overlap sets"):
+        cases_for("ep_overlap", *GPU, "comm_overlap.delay_wgrad_compute=false")
+
+
+def test_flag_ab_flips_each_key_from_its_value():
+    cases, _ = cases_for("model.moe_permute_fusion,comm_overlap.overlap_moe_expert_parallel_comm", *GPU)
+    assert [c.name for c in cases] == ["baseline", "moe_permute_fusion_on", "overlap_moe_expert_parallel_comm_on"]
+    assert cases[1].cfg.model.moe_permute_fusion is True and cases[0].cfg.model.moe_permute_fusion is False
+    assert cases[2].cfg.model.overlap_moe_expert_parallel_comm is True
+    assert same_except_switches(cases) == []
+
+
+def test_flag_ab_flips_true_to_off():
+    cases, _ = cases_for("model.moe_permute_fusion", *GPU, "model.moe_permute_fusion=true")
+    assert cases[1].name == "moe_permute_fusion_off" and cases[1].cfg.model.moe_permute_fusion is False
+
+
+@pytest.mark.parametrize(("ab", "message"), [("model.hidden_size", "expected"), ("model.nope", "unknown config key"),
+                                             ("env_vars.NCCL_DEBUG", "environment"),
+                                             ("ep_overlap,model.moe_permute_fusion", "separate")])
+def test_flag_ab_rejects(ab, message):
+    with pytest.raises(UsageError, match=message):
+        cases_for(ab, *GPU)
+
+
+def test_every_error_of_every_case_is_reported_before_launch():
+    with pytest.raises(ValidationFailed) as exc:
+        cases_for("ep_overlap", "-g", "h100", "-ng", "16", "--recompute_granularity", "full")
+    rules = {v.rule: names for v, names in exc.value.errors}
+    assert rules["recompute_full"] == ["ep_overlap_on", "ep_overlap_on_delay_wgrad"]
+    assert rules["delay_te_grad_reduce"] == ["ep_overlap_on_delay_wgrad"]  # no TE version given
+    report = exc.value.report()
+    assert "[recompute_full]" in report and "fix:" in report and "nothing was launched" in report
+
+
+def test_cases_carry_their_launch_environment():
+    cases, _ = cases_for("ep_overlap", *GPU, "-tp", "2")
+    envs = [c.launch_env["CUDA_DEVICE_MAX_CONNECTIONS"] for c in cases]
+    assert envs == ["1", "8", "8"]  # TP>1 without EP overlap wants 1; overlap needs more
+    assert all(c.cfg.env_vars == c.launch_env for c in cases)
+    assert cases[0].launch_env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
+
+
+def test_cpu_ab_validates_on_this_machine():
+    cases, _ = cases_for("ep_overlap", "-g", "cpu", "-ng", "2")
+    assert len(cases) == 3 and all(c.cfg.num_gpus == 2 for c in cases)

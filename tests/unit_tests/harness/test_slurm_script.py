@@ -1,0 +1,95 @@
+"""Dry runs for Slurm: the sbatch script of multi-node GPU targets and of CPU jobs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import yaml
+
+from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.harness.executors.slurm import last_error_line
+from mbridge_epoverlap.harness.main import main
+
+
+def dry_run(tmp_path, capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main([*argv, "--dryrun", "--results_json", str(tmp_path / "ab.json")])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def directives(script: str) -> dict[str, str]:
+    found = {}
+    for line in script.splitlines():
+        m = re.match(r"#SBATCH --([\w-]+)(?:=(.*))?$", line)
+        if m:
+            found[m.group(1)] = m.group(2) or ""
+    return found
+
+
+def test_h100_two_nodes(tmp_path, capsys):
+    rc, script, err = dry_run(tmp_path, capsys, "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16",
+                              "-gn", "8", "--te_version", "2.9", "--ab", "ep_overlap", "-a", "myacct", "-p", "batch",
+                              "-t", "01:00:00", "--tokenizer_type", "NullTokenizer")
+    assert rc == 0, err
+    d = directives(script)
+    assert (d["nodes"], d["ntasks"], d["ntasks-per-node"], d["gpus-per-node"]) == ("2", "16", "8", "8")
+    assert (d["time"], d["account"], d["partition"]) == ("01:00:00", "myacct", "batch")
+    assert d["output"].endswith("ab.slurm/slurm-%j.out")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=8" in script
+    assert "export NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8" in script
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
+    assert "srun --ntasks=16 --ntasks-per-node=8" in script and "MASTER_PORT" in script
+    assert "import megatron.bridge" in script and "mbridge_epoverlap.harness.mbridge_job" in script
+    assert "--tokenizer-type NullTokenizer" in script and "--mixed-precision bf16_mixed" in script
+    order = re.findall(r"^run_case (\S+) 1 (\d+)", script, re.M)
+    assert order == [("ep_overlap_off", "0"), ("ep_overlap_on", "1"), ("ep_overlap_on_delay_wgrad", "2")]
+    assert "sbatch" in err and "not submitted" in err
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+    job = tmp_path / "ab.slurm"
+    assert (job / "job.sbatch").read_text() == script
+    for name in ("ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"):
+        cfg = RunConfig.from_dict(yaml.safe_load((job / "configs" / f"{name}.yaml").read_text()))
+        assert cfg.model.expert_model_parallel_size == 16 and cfg.num_gpus == 16
+        assert cfg.env_vars["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    plan = json.loads((job / "plan.json").read_text())
+    assert [c["name"] for c in plan["cases"]] == ["ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"]
+    assert not (tmp_path / "ab.json").exists()
+
+
+def test_gb200_hybridep_uses_nvl72_domain(tmp_path, capsys):
+    rc, script, err = dry_run(tmp_path, capsys, "-g", "gb200", "-ng", "16", "--moe_flex_dispatcher_backend",
+                              "hybridep", "--moe_a2a_overlap", "true")
+    assert rc == 0, err
+    d = directives(script)
+    assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == ("4", "4", "4")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=32" in script
+    assert "export NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=16" in script
+
+
+def test_cpu_job_has_no_gpu_directive_and_runs_the_worker(tmp_path, capsys):
+    rc, script, err = dry_run(tmp_path, capsys, "-g", "cpu", "-ng", "2", "--executor", "slurm", "--max_steps", "3",
+                              "--repeats", "2", "--ab", "ep_overlap", "--profile")
+    assert rc == 0, err
+    d = directives(script)
+    assert "gpus-per-node" not in d and "exclusive" not in d
+    assert (d["nodes"], d["ntasks"]) == ("1", "2")
+    assert "mbridge_epoverlap.runtime.worker" in script and "--max-steps 3" in script
+    assert "megatron.bridge" not in script
+    runs = re.findall(r"^run_case (\S+) (\S+) (\d+)", script, re.M)
+    assert [(n, r) for n, r, _ in runs][:6] == [("ep_overlap_off", "1"), ("ep_overlap_on", "1"),
+                                               ("ep_overlap_on_delay_wgrad", "1"), ("ep_overlap_off", "2"),
+                                               ("ep_overlap_on", "2"), ("ep_overlap_on_delay_wgrad", "2")]
+    assert [r for _, r, _ in runs][6:] == ["profile"] * 3 and "--profile-dir" in script
+    assert [i for _, _, i in runs] == [str(i) for i in range(9)]  # one port per run
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_last_error_line(tmp_path):
+    log = tmp_path / "slurm-1.out"
+    log.write_text("[mbridge-epoverlap] case a repeat 1: start\nTraceback (most recent call last):\n  File x\n"
+                   "RuntimeError: rank 1 exited with status 3\nsrun: error: vm: task 1: Exited with exit code 3\n")
+    assert last_error_line(log) == "srun: error: vm: task 1: Exited with exit code 3"
+    assert last_error_line(tmp_path / "missing") is None

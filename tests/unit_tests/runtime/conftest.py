@@ -1,0 +1,33 @@
+"""Shared helpers of the runtime tests: tiny CPU-sized configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.recipes import load_recipe
+from mbridge_epoverlap.config.shrink import CpuShape, shrink_for_cpu
+
+TINY = CpuShape(num_layers=2, hidden_size=32, num_attention_heads=4, expert_ffn_hidden_size=16, seq_length=16,
+                vocab_size=64, micro_batch_size=1, num_micro_batches=3, max_topk=2,
+                force_balanced_routing=False)
+
+
+def tiny_config(procs: int, *, overlap: bool = False, delay: bool = False, recipe: str = "qwen3_30b_a3b",
+                fp32: bool = False) -> RunConfig:
+    """A finalized, tiny run of `recipe` on `procs` CPU processes (EP = procs)."""
+    cfg = load_recipe(recipe, "pretrain")
+    cfg.comm_overlap.overlap_moe_expert_parallel_comm = overlap
+    cfg.comm_overlap.delay_wgrad_compute = delay
+    cfg.comm_overlap.overlap_grad_reduce = False
+    cfg.ddp.overlap_grad_reduce = False
+    cfg = shrink_for_cpu(cfg, procs, shape=TINY)
+    cfg.comm_overlap.finalize(cfg.model, cfg.ddp)
+    if fp32:
+        cfg.env_vars["MBRIDGE_EPOVERLAP_DTYPE"] = "fp32"
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def make_tiny():
+    return tiny_config

@@ -1,0 +1,161 @@
+"""Multi-process tests on gloo: schedule equivalence, dispatcher, the launcher's interface and failures.
+
+Every test starts real rank processes through the runtime's own launcher, with bounded timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.runtime import run_local
+from mbridge_epoverlap.runtime.launch import launch_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+def check_report(request, make_tiny):
+    return request.param, launch_ranks(make_tiny(request.param), mode="check", timeout_s=200)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_schedules_give_bitwise_identical_losses_and_gradients(check_report, dtype):
+    ep, report = check_report
+    assert len(report["ranks"]) == ep
+    for rank in report["ranks"]:
+        variants = rank["schedules"][dtype]
+        plain = variants["plain"]
+        assert all(math.isfinite(float.fromhex(x)) for it in plain["losses"] for x in it)
+        for name, v in variants.items():
+            assert v["losses"] == plain["losses"], name
+            assert v["local_grads"] == plain["local_grads"], name
+            assert v["grads"] == plain["grads"], name
+            assert v["params"] == plain["params"], name
+        # Two iterations of training changed the gradients: the comparison is not between zeros.
+        assert plain["grads"][0] != plain["grads"][1]
+
+
+def test_staged_run_matches_plain_autograd(check_report):
+    _, report = check_report
+    for rank in report["ranks"]:
+        assert rank["reference"]["fp32"]["max_loss_diff"] < 1e-5
+        assert rank["reference"]["fp32"]["max_grad_rel_diff"] < 1e-4
+        assert rank["reference"]["bf16"]["max_loss_diff"] < 1e-2
+
+
+def test_dispatch_combine_round_trip_with_uneven_splits_and_empty_experts(check_report):
+    ep, report = check_report
+    ranks = report["ranks"]
+    assert len({r["dispatcher"]["tokens"] for r in ranks}) == ep  # every rank has a different token count
+    for r in ranks:
+        assert r["dispatcher"]["routing_ok"]
+        assert r["dispatcher"]["roundtrip_max_err"] < 1e-5
+        assert r["dispatcher"]["grad_max_err"] < 1e-5
+        local = len(r["dispatcher"]["tokens_per_expert"])
+        for expert in r["dispatcher"]["zero_token_experts"]:
+            if expert // local == r["rank"]:
+                assert r["dispatcher"]["tokens_per_expert"][expert % local] == 0
+
+
+def test_run_local_reports_metrics_progress_and_traces(make_tiny, tmp_path):
+    lines: list[str] = []
+    cfg = make_tiny(2, overlap=True)
+    m = run_local(cfg, max_steps=3, profile_dir=tmp_path / "prof", timeout_s=150, progress=lines.append)
+    assert len(m.losses) == len(m.step_times_s) == 3
+    assert all(math.isfinite(x) for x in m.losses) and m.skipped_iters == m.nan_iters == 0
+    assert m.peak_mem_bytes > 0 and m.tflops_per_gpu and m.tflops_per_gpu > 0
+    assert any("iteration 3/3" in line for line in lines)
+    assert m.trace_dir == str(tmp_path / "prof")
+    for rank in (0, 1):
+        names = {e["name"] for e in json.loads((tmp_path / "prof" / f"rank{rank}.json").read_text())["traceEvents"]
+                 if e.get("ph") == "X"}
+        assert {"attn", "experts", "dispatch.issue", "combine.wait", "experts_wgrad", "gloo:all_to_all"} <= names
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def _failing_run(cfg, fault: str, *, timeout_s: float, comm_timeout_s: float | None = None):
+    marker = f"MBE_TEST_MARKER={uuid.uuid4().hex}"
+    cfg.env_vars["MBE_TEST_MARKER"] = marker.split("=", 1)[1]
+    cfg.env_vars["MBRIDGE_EPOVERLAP_FAULT"] = fault
+    if comm_timeout_s is not None:
+        cfg.env_vars["MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S"] = str(comm_timeout_s)
+    start = time.monotonic()
+    with pytest.raises(RunFailedError) as exc:
+        run_local(cfg, max_steps=4, timeout_s=timeout_s)
+    return str(exc.value), time.monotonic() - start, marker
+
+
+def test_a_rank_that_exits_fails_the_run_naming_it(make_tiny):
+    message, elapsed, marker = _failing_run(make_tiny(2), "1:exit:2", timeout_s=120)
+    assert "rank 1 failed with exit code 17 (iteration" in message
+    assert "injected fault 'exit'" in message  # its last stderr lines
+    assert "rank 0 lost its peers" in message
+    assert elapsed < 120
+    assert _processes_with(marker) == []
+
+
+def test_a_rank_that_raises_is_named_with_its_error(make_tiny):
+    message, _, marker = _failing_run(make_tiny(2), "0:raise:1", timeout_s=120)
+    assert message.startswith("rank 0 failed with exit code 1")
+    assert "RuntimeError: injected fault on rank 0 at iteration 1" in message
+    assert _processes_with(marker) == []
+
+
+def test_a_hung_rank_is_found_through_the_collective_timeout(make_tiny):
+    message, elapsed, marker = _failing_run(make_tiny(2), "1:hang:2", timeout_s=120, comm_timeout_s=3)
+    assert message.startswith("rank 1 stopped responding (iteration 2")
+    assert "rank 0 lost its peers" in message
+    assert elapsed < 120
+    assert _processes_with(marker) == []
+
+
+def test_a_hung_rank_is_found_by_the_watchdog(make_tiny):
+    message, elapsed, marker = _failing_run(make_tiny(2), "1:hang:1", timeout_s=25, comm_timeout_s=600)
+    assert message.startswith("run timed out after 25 s; ")
+    assert "rank 1 stopped responding (iteration 1, step 0, between steps) and was killed" in message
+    assert elapsed < 45
+    assert _processes_with(marker) == []
+
+
+def test_launcher_rejects_layouts_the_ranks_cannot_run(make_tiny):
+    cfg = make_tiny(2)
+    cfg.num_gpus = 3
+    with pytest.raises(UsageError, match="expert_model_parallel_size=2 does not divide num_gpus=3"):
+        run_local(cfg, max_steps=1, timeout_s=60)
+    cfg = make_tiny(2)
+    cfg.train.global_batch_size = 5
+    with pytest.raises(UsageError, match="global_batch_size=5"):
+        run_local(cfg, max_steps=1, timeout_s=60)
+
+
+def test_worker_reports_usage_errors_with_exit_code_2(make_tiny, tmp_path):
+    import subprocess
+    import sys
+
+    cfg_path = tmp_path / "run.yaml"
+    cfg_path.write_text(make_tiny(2).to_yaml())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+    proc = subprocess.run([sys.executable, "-m", "mbridge_epoverlap.runtime.worker", "--config", str(cfg_path),
+                           "--results", str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "set RANK and WORLD_SIZE" in proc.stderr
