@@ -7,6 +7,7 @@ expert weight gradients delayed into the dispatch-backward window when `delay_wg
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -130,10 +131,12 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     executor = ScheduleExecutor(model, ranges=Ranges(use_nvtx=device.type == "cuda"), on_step=on_step)
     profiler = _profiler(device) if profile_dir is not None else None
     step_times, losses, skipped, nans = [], [], 0, 0
+    profiling = False
     try:
         for iteration in range(1, max_steps + 1):
             if profiler is not None and iteration == min(2, max_steps):
                 profiler.start()
+                profiling = True
             beat.beat(iteration, 0, hb.OTHER)
             inject_fault(ctx.options.fault, g.rank, iteration)
             batches = mock_micro_batches(
@@ -168,11 +171,15 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
             if progress is not None and g.rank == 0:
                 progress(f"iteration {iteration}/{max_steps} | loss {loss:.6f} | step {step_times[-1]:.3f} s")
         beat.beat(iteration, 0, hb.DONE)
-    finally:
         if profiler is not None and profile_dir is not None:
             profiler.stop()
+            profiling = False
             profile_dir.mkdir(parents=True, exist_ok=True)
             profiler.export_chrome_trace(str(profile_dir / f"rank{g.rank}.json"))
+    finally:
+        if profiling and profiler is not None:
+            with contextlib.suppress(Exception):  # failing already; keep the original error
+                profiler.stop()
         beat.close()
     # Slowest rank's time per iteration and highest peak memory, gathered once at the end.
     times = torch.tensor(step_times, dtype=torch.float64, device=device)

@@ -136,10 +136,12 @@ def _batches(cfg, n):
              torch.randint(0, cfg.model.vocab_size, shape, generator=gen)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b", "deepseek_v3"])
+@pytest.mark.parametrize(("recipe", "balanced"), [("qwen3_30b_a3b", False), ("qwen3_30b_a3b", True),
+                                                  ("deepseek_v3", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_single_rank_schedules_bitwise_equal_and_match_autograd(make_tiny, recipe, dtype):
+def test_single_rank_schedules_bitwise_equal_and_match_autograd(make_tiny, recipe, balanced, dtype):
     cfg = make_tiny(1, recipe=recipe)
+    cfg.model.moe_router_force_load_balancing = balanced  # balanced: the batched-GEMM expert path
     batches = _batches(cfg, 3)
     results = []
     for overlap, delay in ((False, False), (True, False), (True, True), (False, True)):
