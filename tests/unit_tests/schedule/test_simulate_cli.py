@@ -10,19 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit_tests.cli_runner import run_cli
+
 REPO = Path(__file__).resolve().parents[3]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "mbridge_epoverlap.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=60,
-    )
 
 
 def test_pingpong_json_and_png(tmp_path):

@@ -3,30 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.unit_tests.cli_runner import run_cli
 
 REPO = Path(__file__).resolve().parents[3]
 PLAN_KEYS = {
     "tp_a", "tp_e", "n_a", "m", "B", "t_attn_ms", "t_expert_ms", "t_comm_ms", "tbt_ms", "throughput_tokens_s",
     "throughput_per_gpu", "cost_per_hour", "throughput_per_cost", "binding_constraint",
 }  # fmt: skip
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "mbridge_epoverlap.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=60,
-    )
 
 
 def test_plan_json_has_the_documented_keys():

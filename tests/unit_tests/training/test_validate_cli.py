@@ -8,10 +8,7 @@ import sys
 
 import pytest
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mbridge_epoverlap.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+from tests.unit_tests.cli_runner import run_cli
 
 
 def test_default_recipe_is_valid():
