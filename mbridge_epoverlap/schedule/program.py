@@ -154,13 +154,14 @@ def combined_layer_pair(f_mb: int, f_layer: int, b_mb: int, b_layer: int, *, del
     ]
     if not delay_wgrad:
         steps.append(run(b_mb, b_layer, "experts_wgrad"))
-    steps += [
-        wait(f_mb, f_layer, "dispatch"),
-        issue(b_mb, b_layer, "dispatch_bwd"),
-    ]
+    # B's dispatch backward is issued as soon as its input exists, behind F's dispatch on the comm
+    # channel; F's dispatch is waited only where F's experts need it, so the delayed wgrad runs while
+    # both collectives are in flight.
+    steps.append(issue(b_mb, b_layer, "dispatch_bwd"))
     if delay_wgrad:
         steps.append(run(b_mb, b_layer, "experts_wgrad"))
     steps += [
+        wait(f_mb, f_layer, "dispatch"),
         run(f_mb, f_layer, "experts"),
         wait(b_mb, b_layer, "dispatch_bwd"),
         issue(f_mb, f_layer, "combine"),
