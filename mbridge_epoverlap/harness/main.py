@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case], window: Window,
                 results_path: Path, executor: str, warnings: list[str]) -> Experiment:
+    from mbridge_epoverlap.config.flops import model_flops_per_iteration
     from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment, machine_info
-    from mbridge_epoverlap.harness.flops import model_flops_per_iteration
 
     cfg = resolved.cfg
     environment: dict[str, Any] = {"target": args.gpu, **resolved.target.env.to_dict()}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.flops import model_flops_per_iteration
 
 
 @dataclass
@@ -44,31 +45,6 @@ class CaseMetrics:
     def from_dict(cls, data: dict[str, Any]) -> CaseMetrics:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
-
-
-def model_flops_per_iteration(cfg: RunConfig) -> float:
-    """Training FLOPs of one iteration: 3x (forward + 2x backward) the forward matmul FLOPs of every token.
-
-    Counts the active parameters' GEMMs (2 FLOPs per multiply-add: QKV and output projections, router,
-    top-k experts, shared expert, dense MLPs, output head) and causal attention (half of the full
-    seq x seq products).
-    """
-    m = cfg.model
-    hidden, heads = m.hidden_size, m.num_attention_heads
-    groups = m.num_query_groups or heads
-    head_dim = m.kv_channels or hidden // heads
-    seq = m.seq_length
-    per_token = 2.0 * hidden * m.vocab_size
-    for layer in range(m.num_layers):
-        per_token += 2.0 * hidden * (heads + 2 * groups) * head_dim + 2.0 * heads * head_dim * hidden
-        per_token += 2.0 * seq * heads * head_dim  # QK^T and AV, causal half of 2 * 2 * seq * d per head
-        if m.is_moe_layer(layer):
-            per_token += 2.0 * hidden * (m.num_moe_experts or 0)
-            per_token += m.moe_router_topk * 6.0 * hidden * m.moe_ffn_size
-            per_token += 6.0 * hidden * (m.moe_shared_expert_intermediate_size or 0)
-        else:
-            per_token += 6.0 * hidden * (m.ffn_hidden_size or 4 * hidden)
-    return 3.0 * per_token * cfg.train.global_batch_size * seq
 
 
 def tflops_per_gpu(cfg: RunConfig, step_times_s: list[float]) -> float | None:

@@ -1,4 +1,4 @@
-"""Model FLOPs of one training iteration (matmuls only), for TFLOP/s per GPU where the trainer prints none.
+"""Model FLOPs of one training iteration (matmuls only), for TFLOP/s per GPU (runtime and harness alike).
 
 Forward per token and layer: QKV and output projections, causal attention (half of QK^T and AV),
 and the MLP (dense, or top-k experts + router + shared expert); logits once. Backward is twice the
@@ -11,6 +11,7 @@ from mbridge_epoverlap.config.container import RunConfig
 
 
 def model_flops_per_iteration(cfg: RunConfig) -> float:
+    """Training FLOPs of one iteration: 3x (forward + 2x backward) the forward matmul FLOPs of every token."""
     m = cfg.model
     h, seq = m.hidden_size, m.seq_length
     heads = m.num_attention_heads
