@@ -43,7 +43,7 @@ def layout_violations(cfg: RunConfig) -> list[Violation]:
             "layout_expert_parallel",
             f"EP*ETP={expert_group} does not divide the {per_stage} GPUs of a pipeline stage "
             f"(num_gpus={cfg.num_gpus}, PP={m.pipeline_model_parallel_size})",
-            f"-ep {_largest_divisor(per_stage, m.expert_model_parallel_size)}, or -ng a multiple of {expert_group}"))
+            f"-ep {largest_divisor(per_stage, m.expert_model_parallel_size)}, or -ng a multiple of {expert_group}"))
     dp = data_parallel_size(cfg)
     per_step = cfg.train.micro_batch_size * dp
     if cfg.train.global_batch_size % per_step:
@@ -55,5 +55,7 @@ def layout_violations(cfg: RunConfig) -> list[Violation]:
     return found
 
 
-def _largest_divisor(n: int, limit: int) -> int:
-    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
+def largest_divisor(n: int, limit: int | None = None, above: int = 0) -> int:
+    """The largest divisor of `n` that is <= `limit` (default `n`) and > `above`; `above + 1` if none is."""
+    top = n if limit is None else min(n, limit)
+    return next((d for d in range(top, above, -1) if n % d == 0), above + 1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mbridge_epoverlap.config.environment import Environment, version_at_least
+from mbridge_epoverlap.config.layout import largest_divisor
 from mbridge_epoverlap.config.model import model_attr
 from mbridge_epoverlap.config.versions import CoreRules
 from mbridge_epoverlap.config.violations import Severity, Violation
@@ -93,11 +94,6 @@ def graph_scope_names(scope: Any) -> set[str]:
     return names
 
 
-def _divisor_at_most(n: int, limit: int, above: int = 0) -> int:
-    """The largest divisor of `n` that is <= `limit` and > `above` (falls back to `above + 1`)."""
-    return next((d for d in range(min(n, limit), above, -1) if n % d == 0), above + 1)
-
-
 def _v(rule_id: str, message: str, fix: str, severity: Severity = "error") -> Violation:
     return Violation(rule_id, message, fix, severity)
 
@@ -110,7 +106,7 @@ def _ep_size(ctx: RuleContext) -> Violation | None:
     ep = ctx.get("expert_model_parallel_size") or 1
     if ep > 1:
         return None
-    suggestion = _divisor_at_most(ctx.get("num_moe_experts") or 8, 8, above=1)
+    suggestion = largest_divisor(ctx.get("num_moe_experts") or 8, 8, above=1)
     return _v("ep_size", f"EP overlap needs expert parallelism, but expert_model_parallel_size={ep}",
               f"model.expert_model_parallel_size={suggestion} (flag -ep {suggestion}), or {OVERLAP_KEY}=false")
 
@@ -379,7 +375,7 @@ def _ep_divides_experts(ctx: RuleContext) -> Violation | None:
     ep = ctx.get("expert_model_parallel_size") or 1
     if not experts or experts <= 1 or experts % ep == 0:  # a non-MoE model is num_experts' business
         return None
-    suggestion = _divisor_at_most(experts, ep)
+    suggestion = largest_divisor(experts, ep)
     return _v("ep_divides_experts", f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}",
               f"model.expert_model_parallel_size={suggestion} (flag -ep {suggestion}; a divisor of {experts})")
 

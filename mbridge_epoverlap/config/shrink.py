@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.layout import largest_divisor
 from mbridge_epoverlap.errors import UsageError
 
 
@@ -60,15 +61,15 @@ def shrink_for_cpu(
                          "EP overlap needs experts")
     ep = num_procs if ep is None else ep
     if ep < 1 or num_procs % ep:
-        raise UsageError(f"-ep {ep} does not divide -ng {num_procs}; use -ep {_divisor(num_procs)} or change -ng")
+        raise UsageError(f"-ep {ep} does not divide -ng {num_procs}; use -ep {num_procs} or change -ng")
     new_topk = min(topk, shape.max_topk)
     new_experts = max(new_topk * max(experts // topk, 1), new_topk + 1) if experts > topk else experts
     if ep > new_experts:
         raise UsageError(f"-ep {ep} is larger than the {new_experts} experts of the CPU-sized {cfg.recipe}; "
-                         f"use -ep {_divisor(new_experts, limit=num_procs)} or fewer processes")
+                         f"use -ep {largest_divisor(new_experts, limit=num_procs)} or fewer processes")
     if new_experts % ep:
         raise UsageError(f"the CPU-sized {cfg.recipe} has {new_experts} experts, not divisible by -ep {ep}; "
-                         f"use -ep {_divisor(new_experts, limit=ep)}")
+                         f"use -ep {largest_divisor(new_experts, limit=ep)}")
     dense_prefix = 1 if isinstance(m.moe_layer_freq, list) and m.moe_layer_freq and m.moe_layer_freq[0] == 0 else 0
     m.num_layers = dense_prefix + shape.num_layers
     m.moe_layer_freq = [0] * dense_prefix + [1] * shape.num_layers if dense_prefix else 1
@@ -100,8 +101,3 @@ def shrink_for_cpu(
     out.train.micro_batch_size = shape.micro_batch_size
     out.train.global_batch_size = shape.micro_batch_size * shape.num_micro_batches * num_procs
     return out
-
-
-def _divisor(n: int, limit: int | None = None) -> int:
-    limit = n if limit is None else min(n, limit)
-    return next(d for d in range(limit, 0, -1) if n % d == 0)
