@@ -7,7 +7,11 @@ root only). Reports, per case, the median over repeats of the stable-window mean
 median of the per-repeat ratios), whether every run's losses are bitwise identical per iteration and
 finite, and from one extra profiled run per case the share of communication time the profile shows
 overlapped with compute (union of `gloo:` intervals against union of compute intervals, via
-`mbridge_epoverlap.profiling.analyze_trace`). Also prints where the time goes per stage on rank 0.
+`mbridge_epoverlap.profiling.analyze_trace`). Also prints where the time goes per stage on rank 0, and
+an estimate of the best speedup overlap can reach on this machine: the baseline's time spent waiting on
+communication comes off, but the all-to-alls' own CPU work (the CPU time of gloo's threads and the
+communication thread, which the runtime measures per iteration) stays on the critical path when every
+core computes. `gloo_alltoall_cost.py` shows that cost for a single all-to-all.
 
     python benchmarks/runtime_overlap_bench.py                          # loopback, ~2-3 minutes
     python benchmarks/runtime_overlap_bench.py --emulate-link-gbps 1    # 1 Gbit/s link (root)
@@ -137,6 +141,22 @@ def stage_times(trace: Path) -> dict[str, float]:
     return {k: statistics.fmean(v) for k, v in sorted(sums.items())}
 
 
+def series_median(runs: list[CaseMetrics], attribute: str, first: int, last: int) -> float | None:
+    """Median over repeats of the window mean of a per-iteration series of `CaseMetrics`."""
+    means = [statistics.fmean(getattr(r, attribute)[first - 1:last]) for r in runs if getattr(r, attribute)]
+    return statistics.median(means) if means else None
+
+
+def overlap_ceiling(baseline_s: float, wait_s: float, cpu_s: float) -> float:
+    """Best speedup overlap can give when the all-to-alls' CPU work competes with compute for every core.
+
+    Hiding every communication wait of the baseline (`wait_s` per iteration) takes at most that much off
+    its step (`baseline_s`), but the CPU work of moving the bytes (`cpu_s`, the other threads' CPU time)
+    must still run on cores that are all computing.
+    """
+    return baseline_s / (baseline_s - wait_s + cpu_s)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="qwen3_30b_a3b")
@@ -224,10 +244,24 @@ def main() -> int:
             if p.get("comm_ms") is not None:
                 print(f"{case}: comm {p['comm_ms']:.1f} ms, overlapped {p['overlap_ms']:.1f} ms, "
                       f"exposed {p['exposed_ms']:.1f} ms (all ranks, profiled iterations)")
+    waits = {case: series_median(rs, "comm_step_s", first, last) for case, rs in runs.items()}
+    cpus = {case: series_median(rs, "comm_cpu_s", first, last) for case, rs in runs.items()}
+    ceiling = None
+    if all(v is not None for v in (*waits.values(), *cpus.values())):
+        print("\ncommunication per iteration (training thread waiting in issue/wait steps; CPU of the other threads):")
+        for case in args.cases:
+            print(f"  {case:28s} exposed {waits[case] * 1e3:6.1f} ms   comm-thread CPU {cpus[case] * 1e3:6.1f} ms")
+        ceiling = overlap_ceiling(medians[base], waits[base], cpus[base])
+        print(f"overlap ceiling on this machine (estimate): {medians[base] * 1e3:.0f} / ({medians[base] * 1e3:.0f} - "
+              f"{waits[base] * 1e3:.0f} + {cpus[base] * 1e3:.0f}) = {ceiling:.3f}x: hiding every wait of {base} "
+              "takes the waits off, but the CPU work of moving the bytes stays on cores that all compute")
+        for case in args.cases:
+            summary[case].update(comm_wait_s=waits[case], comm_cpu_s=cpus[case])
     print(f"\nbenchmark wall time {elapsed:.0f} s")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "link": link, "shape": dataclasses.asdict(shape),
-                                         "cases": summary, "losses_equal": all_equal, "finite": finite}, indent=1))
+                                         "cases": summary, "losses_equal": all_equal, "finite": finite,
+                                         "ceiling": ceiling}, indent=1))
     return 0 if all_equal and finite else 1
 
 

@@ -21,12 +21,15 @@ class CpuShape:
     """Sizes of the CPU model.
 
     The defaults are tuned for a 2-core machine running EP=2 over gloo: top-k 8 (Qwen3's own, so each
-    token is sent to 8 experts), small experts (FFN 32) and a short sequence, so that an all-to-all takes
-    about as long as the compute stage that hides it; 8 micro-batches so most of an iteration runs in
-    overlappable (forward, backward) pairs. `force_balanced_routing` sets Megatron's
-    `moe_router_force_load_balancing`: without an auxiliary loss, the randomly initialized router of a
-    shrunk model sends up to ~60 % of the rows to one rank's experts, and that rank's extra compute, not
-    communication, then sets the step time (Megatron's own EP benchmarks force balanced routing too).
+    token is sent to 8 experts), expert FFN 96 and a short sequence, so that an all-to-all takes about as
+    long as the compute stage that hides it; 8 micro-batches so most of an iteration runs in overlappable
+    (forward, backward) pairs. Smaller experts do not help on CPU: about two thirds of a gloo all-to-all's
+    wall time is CPU work (`benchmarks/gloo_alltoall_cost.py`), and with FFN 48 or 32 the compute that
+    should hide it is too short to absorb that work (measured 0.99x there against 1.09-1.18x at 96).
+    `force_balanced_routing` sets Megatron's `moe_router_force_load_balancing`: without an auxiliary
+    loss, the randomly initialized router of a shrunk model sends up to ~60 % of the rows to one rank's
+    experts, and that rank's extra compute, not communication, then sets the step time (Megatron's own
+    EP benchmarks force balanced routing too).
     """
 
     num_layers: int = 2

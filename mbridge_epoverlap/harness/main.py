@@ -160,8 +160,7 @@ def _run_local(args: argparse.Namespace, exp: Experiment, cases: list[Case], res
                              trace_root=results_path.with_suffix(".traces"), progress=_progress)
     results = executor.run(exp, cases)
     paths = write_outputs(results, results_path)
-    _finish(results, paths)
-    return EXIT_OK
+    return _finish(results, paths)
 
 
 def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, cases: list[Case],
@@ -193,23 +192,46 @@ def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, ca
         print(f"submitted; results will appear at {results_path} (table {sibling(results_path, '.md')}, chart "
               f"{sibling(results_path, '.png')}) when the job ends; job files in {files.job_dir}")
         return EXIT_OK
-    _finish(results, {"json": results_path, "markdown": sibling(results_path, ".md"),
-                      "chart": sibling(results_path, ".png")})
-    return EXIT_OK
+    return _finish(results, {"json": results_path, "markdown": sibling(results_path, ".md"),
+                             "chart": sibling(results_path, ".png")})
 
 
-def _finish(results: dict[str, Any], paths: dict[str, Path]) -> None:
+def _finish(results: dict[str, Any], paths: dict[str, Path]) -> int:
+    """Print the table and where the outputs are; return the exit status the results call for."""
     from mbridge_epoverlap.harness.report import markdown_report
 
-    for case in results["cases"][1:]:
-        if case.get("loss_match_baseline") is False:
-            _err(f"warning: {case['name']}: losses differ from {results['cases'][0]['name']} from iteration "
-                 f"{case['loss_mismatch_iters'][0]} (overlap must not change the loss; check the run)")
-    for case in results["cases"]:
-        if not case.get("finite_loss") or case.get("nan_iters") or case.get("skipped_iters"):
-            _err(f"warning: {case['name']}: non-finite loss or skipped/NaN iterations")
+    problems = result_problems(results)
     print(markdown_report(results))
     print(f"results: {paths['json']}\ntable:   {paths['markdown']}\nchart:   {paths['chart']}")
+    for severity, line in problems:
+        _err(f"{severity}: {line}")
+    return EXIT_FAILED if any(severity == "error" for severity, _ in problems) else EXIT_OK
+
+
+def result_problems(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """("error" | "warning", text) for each case whose losses say the run went wrong.
+
+    On the reference runtime (`-g cpu`) overlap settings never change the arithmetic, so a loss that
+    differs from the baseline's in any bit is an error. On GPUs the schedules may order reductions
+    differently, so there it is a warning. A non-finite loss is an error everywhere; skipped
+    iterations (fp16 loss scaling backing off) are a warning.
+    """
+    problems: list[tuple[str, str]] = []
+    cases = results["cases"]
+    exact = results.get("gpu") == "cpu"
+    for case in cases[1:]:
+        if case.get("loss_match_baseline") is False:
+            problems.append(("error" if exact else "warning",
+                             f"{case['name']}: losses differ from {cases[0]['name']} from iteration "
+                             f"{case['loss_mismatch_iters'][0]} (overlap must not change the loss"
+                             f"{'; the reference runtime is bitwise exact, so this is a bug' if exact else ''})"))
+    for case in cases:
+        if not case.get("finite_loss") or case.get("nan_iters"):
+            problems.append(("error", f"{case['name']}: non-finite loss ({case.get('nan_iters') or 0} NaN "
+                                      "iterations); the step times of a diverged run mean nothing"))
+        elif case.get("skipped_iters"):
+            problems.append(("warning", f"{case['name']}: {case['skipped_iters']} skipped iterations"))
+    return problems
 
 
 def report_logs(args: argparse.Namespace) -> int:
@@ -252,5 +274,4 @@ def report_logs(args: argparse.Namespace) -> int:
         warnings=warnings)
     results = build_results(exp, runs)
     paths = write_outputs(results, results_path)
-    _finish(results, paths)
-    return EXIT_OK
+    return _finish(results, paths)

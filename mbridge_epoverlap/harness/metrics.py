@@ -23,6 +23,9 @@ class RunMetrics:
         iterations: 1-based iteration number of each entry (None: 1, 2, 3, ...). Logs written every
             k iterations have gaps.
         tflops_per_step: per-entry TFLOP/s/GPU when the trainer printed one per step.
+        comm_step_s: per iteration, the training thread's time in communication steps (the reference
+            runtime measures it; None elsewhere).
+        comm_cpu_s: per iteration, CPU time of the ranks' other threads (the reference runtime; None elsewhere).
     """
 
     step_times_s: list[float]
@@ -34,6 +37,8 @@ class RunMetrics:
     trace_dir: str | None = None
     iterations: list[int] | None = None
     tflops_per_step: list[float] | None = field(default=None)
+    comm_step_s: list[float] | None = None
+    comm_cpu_s: list[float] | None = None
 
     def iteration_numbers(self) -> list[int]:
         return list(self.iterations) if self.iterations is not None else list(range(1, len(self.step_times_s) + 1))
@@ -67,14 +72,19 @@ class RunMetrics:
             tflops_per_gpu=None if data.get("tflops_per_gpu") is None else float(data["tflops_per_gpu"]),
             trace_dir=data.get("trace_dir"),
             iterations=None if data.get("iterations") is None else [int(i) for i in data["iterations"]],
-            tflops_per_step=(None if data.get("tflops_per_step") is None
-                             else [float(x) for x in data["tflops_per_step"]]),
+            tflops_per_step=_floats(data.get("tflops_per_step")),
+            comm_step_s=_floats(data.get("comm_step_s")),
+            comm_cpu_s=_floats(data.get("comm_cpu_s")),
         )
 
     @classmethod
     def from_case_metrics(cls, metrics: Any, source: str = "run") -> RunMetrics:
         """From the runtime's `CaseMetrics` object."""
         return cls.from_dict(metrics.to_dict() if hasattr(metrics, "to_dict") else asdict(metrics), source)
+
+
+def _floats(values: Any) -> list[float] | None:
+    return None if values is None else [float(x) for x in values]
 
 
 def float_or_none(value: float) -> float | None:

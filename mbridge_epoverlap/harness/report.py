@@ -35,9 +35,12 @@ def _loss_cell(case: dict[str, Any]) -> str:
 
 def markdown_table(results: dict[str, Any]) -> str:
     window = results.get("stable_window") or ["?", "?"]
+    # The reference runtime also measures the communication the schedule left exposed.
+    comm = any(case.get("comm_wait_s") is not None for case in results["cases"])
     header = (f"| case | stable-window mean (iters {window[0]}-{window[1]}) | relative | loss vs baseline "
               "| finite loss | skipped / NaN iters | peak mem | TFLOP/s/GPU |")
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    header += " exposed comm / iter |" if comm else ""
+    lines = [header, "|---|---|---|---|---|---|---|---|" + ("---|" if comm else "")]
     for case in results["cases"]:
         relative = case.get("relative")
         tflops = case.get("tflops_per_gpu")
@@ -45,7 +48,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"| {case['name']} | {fmt_seconds(case.get('stable_mean_s'))} | "
             f"{'n/a' if relative is None else f'{relative:.3f}x'} | {_loss_cell(case)} | "
             f"{'yes' if case.get('finite_loss') else 'NO'} | {case.get('skipped_iters')} / {case.get('nan_iters')} | "
-            f"{fmt_bytes(case.get('peak_mem_bytes'))} | {'n/a' if tflops is None else f'{tflops:.3g}'} |")
+            f"{fmt_bytes(case.get('peak_mem_bytes'))} | {'n/a' if tflops is None else f'{tflops:.3g}'} |"
+            + (f" {fmt_seconds(case.get('comm_wait_s'))} |" if comm else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,9 @@ Layout (extra keys beyond these are informational)::
 
 `step_times_s` are per-iteration medians across repeats; `relative` is the baseline's (first case's)
 stable mean over this case's; `losses` are the first repeat's, one per iteration (null where not finite).
+Runs of the reference runtime add `comm_wait_s` (the training thread's time in communication steps per
+iteration: the exposed communication) and `comm_cpu_s` (CPU time of the other threads per iteration),
+stable-window means, median over repeats.
 """
 
 from __future__ import annotations
@@ -99,7 +102,21 @@ def _case(exp: Experiment, record: CaseRecord, runs: list[RunMetrics], trace_dir
         "repeats": len(runs),
         "launch_env": dict(record.launch_env),
         "trace_dir": trace_dir,
+        "comm_wait_s": _window_median(exp, runs, "comm_step_s"),
+        "comm_cpu_s": _window_median(exp, runs, "comm_cpu_s"),
     }
+
+
+def _window_median(exp: Experiment, runs: list[RunMetrics], attribute: str) -> float | None:
+    """Median over repeats of the stable-window mean of a per-iteration series (None where no run has it)."""
+    means = []
+    for run in runs:
+        series = getattr(run, attribute)
+        if series:
+            mean = window_mean(run.iteration_numbers()[: len(series)], series, exp.window)
+            if mean is not None:
+                means.append(mean)
+    return statistics.median(means) if means else None
 
 
 def _tflops(exp: Experiment, record: CaseRecord, runs: list[RunMetrics],

@@ -17,6 +17,7 @@ same lists with costs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,7 @@ class ScheduleExecutor:
         self._batches: Sequence[MicroBatch] = ()
         self._loss_scale = 1.0
         self._validated: Sequence[Step] | None = None
+        self.comm_step_s = 0.0  # training-thread time in communication steps (issue + wait) of the last run
         self._handlers: dict[tuple[str, Phase], Callable[[int, int], None]] = {
             ("attn", Phase.RUN): self._attn,
             ("dispatch", Phase.ISSUE): self._dispatch_issue,
@@ -143,17 +145,21 @@ class ScheduleExecutor:
         self._batches, self._loss_scale = batches, loss_scale
         self._states.clear()
         self._losses.clear()
+        self.comm_step_s = 0.0
         try:
             for index, step in enumerate(steps):
                 if self.on_step is not None:
                     self.on_step(index, step)
                 handler = self._handlers[(step.stage, step.phase)]
+                start = time.perf_counter()
                 if self.ranges is None:
                     handler(step.micro_batch, step.layer)
                 else:
                     name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
                     with self.ranges(name):
                         handler(step.micro_batch, step.layer)
+                if step.phase is not Phase.RUN:
+                    self.comm_step_s += time.perf_counter() - start
             if self._states or self.store.pending():
                 raise RuntimeError(f"schedule left work behind: layers {sorted(self._states)}, "
                                    f"weight gradients {self.store.pending()}")

@@ -28,6 +28,11 @@ class CaseMetrics:
         tflops_per_gpu: model TFLOP/s per process at the median step time (first iteration excluded when
             there are more), or None when not computable.
         trace_dir: folder with one PyTorch profiler chrome trace per rank, or None.
+        comm_step_s: per iteration, the time the training thread spent in communication steps (issuing
+            all-to-alls and waiting for them), mean over ranks: the communication the schedule left exposed.
+        comm_cpu_s: per iteration, the CPU time of the rank's other threads (gloo's and the communication
+            thread on CPU), mean over ranks: on CPU, the work of moving the bytes, which overlap cannot hide
+            from cores that all compute.
     """
 
     step_times_s: list[float]
@@ -37,6 +42,8 @@ class CaseMetrics:
     peak_mem_bytes: int
     tflops_per_gpu: float | None
     trace_dir: str | None
+    comm_step_s: list[float] | None = None
+    comm_cpu_s: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

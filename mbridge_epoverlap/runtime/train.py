@@ -131,6 +131,8 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     executor = ScheduleExecutor(model, ranges=Ranges(use_nvtx=device.type == "cuda"), on_step=on_step)
     profiler = _profiler(device) if profile_dir is not None else None
     step_times, losses, skipped, nans = [], [], 0, 0
+    comm_step_s: list[float] = []
+    comm_cpu_s: list[float] = []
     profiling = False
     try:
         for iteration in range(1, max_steps + 1):
@@ -146,6 +148,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
             )
             _sync(device)
             start = time.perf_counter()
+            process_cpu, own_cpu = time.process_time(), time.thread_time()
             with torch.profiler.record_function(f"iteration {iteration}"):
                 mb_losses = executor.run(steps, batches, loss_scale=1.0 / micro_batches)
                 beat.beat(iteration, len(steps), hb.COMM)
@@ -165,6 +168,9 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
                 zero_main_grads(model)
             _sync(device)
             step_times.append(time.perf_counter() - start)
+            # CPU of every other thread of this rank (on CPU: gloo's threads and the communication thread).
+            comm_cpu_s.append(max(0.0, (time.process_time() - process_cpu) - (time.thread_time() - own_cpu)))
+            comm_step_s.append(executor.comm_step_s)
             loss = float(stats[0].item()) / g.world
             nans += 0 if math.isfinite(loss) else 1
             losses.append(loss)
@@ -187,10 +193,14 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     all_reduce(times, g.world_group, ctx.comm, op=dist.ReduceOp.MAX, what="step-time all-reduce")
     all_reduce(peak, g.world_group, ctx.comm, op=dist.ReduceOp.MAX, what="memory all-reduce")
     step_times = [float(t) for t in times.tolist()]
+    comm = torch.tensor([comm_step_s, comm_cpu_s], dtype=torch.float64, device=device)
+    all_reduce(comm, g.world_group, ctx.comm, what="communication-time all-reduce")
+    comm_step_s, comm_cpu_s = (comm / g.world).tolist()
     return CaseMetrics(
         step_times_s=step_times, losses=losses, skipped_iters=skipped, nan_iters=nans,
         peak_mem_bytes=int(peak.item()), tflops_per_gpu=tflops_per_gpu(cfg, step_times),
         trace_dir=str(profile_dir) if profile_dir is not None else None,
+        comm_step_s=comm_step_s, comm_cpu_s=comm_cpu_s,
     )
 
 

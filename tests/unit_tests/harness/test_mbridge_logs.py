@@ -102,3 +102,28 @@ def test_from_logs_repeats_and_bad_input(tmp_path, capsys):
     assert main(["--from_logs", f"x={bad}", "--results_json", str(missing_out)]) == 2
     assert main(["--from_logs", f"x={tmp_path / 'nope.log'}", "--results_json", str(missing_out)]) == 2
     assert not missing_out.exists()
+
+
+def test_from_logs_exit_status_follows_the_losses(tmp_path, capsys):
+    losses = [9.0, 8.5, 8.25, 8.0]
+    off, on, diverged = tmp_path / "off.log", tmp_path / "on.log", tmp_path / "nan.log"
+    off.write_text(bridge_log([2.0] * 4, losses, [1.0] * 4))
+    on.write_text(bridge_log([1.5] * 4, [9.0, 8.5, 8.25, 8.000001], [1.0] * 4))
+    diverged.write_text(bridge_log([1.5] * 4, [9.0, 8.5, math.nan, math.nan], [1.0] * 4))
+    out = tmp_path / "r.json"
+    pair = ["--from_logs", f"ep_overlap_off={off}", f"ep_overlap_on={on}", "--stable_window", "2:4",
+            "--results_json", str(out)]
+    # GPU schedules may sum in another order: a differing loss is reported, the status stays 0.
+    assert main([*pair, "-g", "h100"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: ep_overlap_on: losses differ from ep_overlap_off from iteration 4" in err
+    # The reference runtime is bitwise exact: the same difference is an error there, results still written.
+    out.unlink()
+    assert main([*pair, "-g", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "error: ep_overlap_on: losses differ" in err and "bug" in err
+    assert out.exists() and out.with_suffix(".md").exists()
+    # A diverged case is an error on any target.
+    assert main(["--from_logs", f"ep_overlap_off={off}", f"ep_overlap_on={diverged}", "-g", "h100",
+                 "--stable_window", "2:4", "--results_json", str(out)]) == 1
+    assert "error: ep_overlap_on: non-finite loss" in capsys.readouterr().err

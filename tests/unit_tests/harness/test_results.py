@@ -120,6 +120,30 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
 
 
+def test_exposed_communication_is_carried_into_results_and_table(tmp_path):
+    from mbridge_epoverlap.harness.report import markdown_table
+
+    exp = experiment(tmp_path, repeats=2)
+    runs = {
+        "off": [run([2.0] * 10, comm_step_s=[0.5] * 10, comm_cpu_s=[0.1] * 10),
+                run([2.0] * 10, comm_step_s=[0.7] * 10, comm_cpu_s=[0.3] * 10)],
+        "on": [run([1.0] * 10, comm_step_s=[0.0] * 2 + [0.2] * 8, comm_cpu_s=[0.1] * 10)] * 2,
+    }
+    res = build_results(exp, runs)
+    off, on = res["cases"]
+    assert off["comm_wait_s"] == pytest.approx(0.6) and off["comm_cpu_s"] == pytest.approx(0.2)
+    assert on["comm_wait_s"] == pytest.approx(0.2)  # iterations 3-8 only
+    table = markdown_table(res)
+    assert table.splitlines()[0].endswith("| exposed comm / iter |")
+    assert "| 600.0 ms |" in table.splitlines()[2] and table.splitlines()[3].endswith("| 200.0 ms |")
+    # Results of GPU runs and logs carry no such figure: no column.
+    plain = build_results(exp, {name: [run(r.step_times_s) for r in rs] for name, rs in runs.items()})
+    assert plain["cases"][0]["comm_wait_s"] is None and "exposed comm" not in markdown_table(plain)
+    # The runtime's JSON round-trips the series.
+    m = RunMetrics.from_dict({"step_times_s": [1], "losses": [1.0], "comm_step_s": [0.25], "comm_cpu_s": [0.5]})
+    assert (m.comm_step_s, m.comm_cpu_s) == ([0.25], [0.5])
+
+
 def test_metrics_from_runtime_dict():
     m = RunMetrics.from_dict({"step_times_s": [1, 2], "losses": [3.0, None], "skipped_iters": 0, "nan_iters": 1,
                               "peak_mem_bytes": 10, "tflops_per_gpu": None, "trace_dir": None, "extra": 1})

@@ -74,6 +74,11 @@ def test_run_local_reports_metrics_progress_and_traces(make_tiny, tmp_path):
     assert m.peak_mem_bytes > 0 and m.tflops_per_gpu and m.tflops_per_gpu > 0
     assert any("iteration 3/3" in line for line in lines)
     assert m.trace_dir == str(tmp_path / "prof")
+    # Measured per iteration: the training thread's time in issue/wait steps and the other threads' CPU
+    # (gloo moves the bytes on its own threads). Both are positive with EP=2 and smaller than the step.
+    assert len(m.comm_step_s) == len(m.comm_cpu_s) == 3
+    for step, comm, cpu in zip(m.step_times_s, m.comm_step_s, m.comm_cpu_s, strict=True):
+        assert 0 < comm < step and cpu > 0
     for rank in (0, 1):
         names = {e["name"] for e in json.loads((tmp_path / "prof" / f"rank{rank}.json").read_text())["traceEvents"]
                  if e.get("ph") == "X"}
