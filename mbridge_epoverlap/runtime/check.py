@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import torch
@@ -55,6 +56,42 @@ def run_checks(cfg: RunConfig, ctx: RankContext, *, iterations: int = 2) -> dict
     gathered: list[Any] = [None] * ctx.groups.world
     dist.all_gather_object(gathered, report)
     return {"ranks": gathered} if ctx.groups.rank == 0 else None
+
+
+def check_failures(report: dict[str, Any], *, fp32_loss_tol: float = 1e-5, fp32_grad_rel_tol: float = 1e-4,
+                   bf16_loss_tol: float = 1e-2, dispatcher_tol: float = 1e-5) -> list[str]:
+    """What in a `run_checks` report (rank 0's {"ranks": [...]}) is wrong; empty when every check passed.
+
+    Schedules must agree bit for bit; the staged executor and the dispatcher round trip within the given
+    tolerances of the unscheduled reference (they sum in another order).
+    """
+    failures = []
+    for r in report["ranks"]:
+        rank = r["rank"]
+        for dtype, variants in r["schedules"].items():
+            plain = variants["plain"]
+            losses = [float.fromhex(x) for it in plain["losses"] for x in it]
+            if not losses or not all(math.isfinite(x) for x in losses):
+                failures.append(f"rank {rank} {dtype}: non-finite loss under plain 1F1B")
+            for name, v in variants.items():
+                for key in ("losses", "local_grads", "grads", "params"):
+                    if v[key] != plain[key]:
+                        failures.append(f"rank {rank} {dtype}: {name} {key} differ from plain 1F1B")
+        ref = r["reference"]
+        if not ref["fp32"]["max_loss_diff"] < fp32_loss_tol:
+            failures.append(f"rank {rank}: staged fp32 loss off the reference by {ref['fp32']['max_loss_diff']:.3g}")
+        if not ref["fp32"]["max_grad_rel_diff"] < fp32_grad_rel_tol:
+            failures.append(f"rank {rank}: staged fp32 gradients off the reference by "
+                            f"{ref['fp32']['max_grad_rel_diff']:.3g} (relative)")
+        if not ref["bf16"]["max_loss_diff"] < bf16_loss_tol:
+            failures.append(f"rank {rank}: staged bf16 loss off the reference by {ref['bf16']['max_loss_diff']:.3g}")
+        d = r["dispatcher"]
+        if not d["routing_ok"]:
+            failures.append(f"rank {rank}: dispatch delivered rows to the wrong experts")
+        for key in ("roundtrip_max_err", "grad_max_err"):
+            if not d[key] < dispatcher_tol:
+                failures.append(f"rank {rank}: dispatcher {key} = {d[key]:.3g}")
+    return failures
 
 
 def _batches(cfg: RunConfig, ctx: RankContext, iteration: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -99,7 +99,7 @@ def launch_ranks(cfg: RunConfig, *, mode: str = "train", max_steps: int = 1, pro
             for rank in range(world):
                 prefix = link.command_prefix(rank) if link is not None else []
                 ranks.start(rank, prefix + command, dict(env, RANK=str(rank), WORLD_SIZE=str(world),
-                                                         LOCAL_RANK=str(rank)))
+                                                         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)))
             ranks.supervise(timeout_s=timeout_s, progress=progress)
             if not results.is_file():
                 raise RunFailedError(f"rank 0 finished but wrote no results ({results})")

@@ -7,6 +7,8 @@ They travel as environment variables so that the same settings reach ranks start
     MBRIDGE_EPOVERLAP_OPTIMIZER       adam (default) | sgd
     MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S  seconds any collective may take before the run fails (default 120)
     MBRIDGE_EPOVERLAP_DEVICE          auto (default) | cpu | cuda
+    MBRIDGE_EPOVERLAP_BACKEND         auto (default: nccl on CUDA unless ranks share a GPU, else gloo) |
+                                      nccl | gloo
     MBRIDGE_EPOVERLAP_COMM_NICE       nice value for the CPU communication threads (default -10; 0 leaves
                                       them alone; lowering it needs root)
     MBRIDGE_EPOVERLAP_FAULT           RANK:MODE:ITERATION, a test hook: at the start of ITERATION (1-based)
@@ -50,6 +52,7 @@ class RuntimeOptions:
     optimizer: str = "adam"
     comm_timeout_s: float = 120.0
     device: str = "auto"
+    backend: str = "auto"
     comm_nice: int = -10
     fault: Fault | None = None
     heartbeat_dir: str | None = None
@@ -66,6 +69,9 @@ class RuntimeOptions:
         device = env.get(PREFIX + "DEVICE", "auto")
         if device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"{PREFIX}DEVICE={device!r}: use auto, cpu or cuda")
+        backend = env.get(PREFIX + "BACKEND", "auto")
+        if backend not in ("auto", "nccl", "gloo"):
+            raise UsageError(f"{PREFIX}BACKEND={backend!r}: use auto, nccl or gloo")
         try:
             timeout = float(env.get(PREFIX + "COMM_TIMEOUT_S", "120"))
         except ValueError:
@@ -75,6 +81,7 @@ class RuntimeOptions:
         except ValueError:
             raise UsageError(f"{PREFIX}COMM_NICE={env[PREFIX + 'COMM_NICE']!r} is not an integer") from None
         fault = env.get(PREFIX + "FAULT")
-        return cls(dtype=dtype, optimizer=optimizer, comm_timeout_s=timeout, device=device, comm_nice=nice,
+        return cls(dtype=dtype, optimizer=optimizer, comm_timeout_s=timeout, device=device, backend=backend,
+                   comm_nice=nice,
                    fault=Fault.parse(fault) if fault else None,
                    heartbeat_dir=env.get(PREFIX + "HEARTBEAT_DIR") or None)

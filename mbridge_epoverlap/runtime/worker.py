@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mbridge_epoverlap.comm.errors import EXIT_COMM
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from mbridge_epoverlap.runtime.options import PREFIX
 
 
 def rank_and_world(env: Mapping[str, str]) -> tuple[int, int, int]:
@@ -35,6 +36,33 @@ def rank_and_world(env: Mapping[str, str]) -> tuple[int, int, int]:
                     from None
     raise UsageError("no rank information: set RANK and WORLD_SIZE (or run under srun, which sets SLURM_PROCID "
                      "and SLURM_NTASKS)")
+
+
+def local_world_size(env: Mapping[str, str], world: int) -> int:
+    """Ranks on this node: `LOCAL_WORLD_SIZE` (torchrun, the local launcher), Slurm's tasks per node, or all."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = env.get(key, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return world
+
+
+def choose_backend(requested: str, *, use_cuda: bool, ranks_on_node: int, gpus: int) -> str:
+    """The process-group backend: gloo on CPU; on CUDA NCCL, unless ranks share a GPU, which NCCL refuses.
+
+    Every rank of a node decides from the same inputs, so they all choose alike.
+    """
+    if not use_cuda:
+        if requested == "nccl":
+            raise UsageError(f"{PREFIX}BACKEND=nccl needs CUDA; this run is on CPU (use gloo or auto)")
+        return "gloo"
+    shared = ranks_on_node > gpus
+    if requested == "nccl" and shared:
+        raise UsageError(f"{PREFIX}BACKEND=nccl with {ranks_on_node} ranks on {gpus} GPU(s): NCCL needs a GPU per "
+                         f"rank; use {PREFIX}BACKEND=gloo (or auto) or fewer ranks per node")
+    if requested == "auto":
+        return "gloo" if shared else "nccl"
+    return requested
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -79,11 +107,16 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     use_cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        if not torch.cuda.is_available():
+            raise UsageError(f"{PREFIX}DEVICE=cuda but CUDA is not available to this process")
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", local_rank % gpus)
+        torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
-    init_distributed(rank, world, backend="nccl" if use_cuda else "gloo", timeout_s=options.comm_timeout_s)
+        gpus, device = 0, torch.device("cpu")
+    backend = choose_backend(options.backend, use_cuda=use_cuda, ranks_on_node=local_world_size(os.environ, world),
+                             gpus=gpus)
+    init_distributed(rank, world, backend=backend, timeout_s=options.comm_timeout_s)
     groups = build_groups(cfg.model.expert_model_parallel_size)
     comm = CommContext.for_device(device, options.comm_timeout_s)
     ctx = RankContext(groups=groups, comm=comm, device=device, options=options)

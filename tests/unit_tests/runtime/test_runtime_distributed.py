@@ -43,6 +43,20 @@ def test_schedules_give_bitwise_identical_losses_and_gradients(check_report, dty
         assert plain["grads"][0] != plain["grads"][1]
 
 
+def test_check_verdict_passes_the_real_report_and_names_a_tampered_one(check_report):
+    import copy
+
+    from mbridge_epoverlap.runtime.check import check_failures
+
+    _, report = check_report
+    assert check_failures(report) == []
+    bad = copy.deepcopy(report)
+    bad["ranks"][1]["schedules"]["bf16"]["combined"]["grads"][0] = "0" * 16
+    bad["ranks"][0]["dispatcher"]["routing_ok"] = False
+    assert check_failures(bad) == ["rank 0: dispatch delivered rows to the wrong experts",
+                                   "rank 1 bf16: combined grads differ from plain 1F1B"]
+
+
 def test_staged_run_matches_plain_autograd(check_report):
     _, report = check_report
     for rank in report["ranks"]:

@@ -223,3 +223,21 @@ def test_comm_priority_is_a_no_op_when_asked_for_none():
 
     assert raise_comm_priority(0) == 0
     assert isinstance(comm_thread_ids(), list)
+
+
+def test_backend_choice_keeps_ranks_that_share_a_gpu_off_nccl():
+    from mbridge_epoverlap.runtime.worker import choose_backend, local_world_size
+
+    assert choose_backend("auto", use_cuda=False, ranks_on_node=2, gpus=0) == "gloo"
+    assert choose_backend("auto", use_cuda=True, ranks_on_node=8, gpus=8) == "nccl"
+    assert choose_backend("auto", use_cuda=True, ranks_on_node=2, gpus=1) == "gloo"  # two ranks, one GPU
+    assert choose_backend("gloo", use_cuda=True, ranks_on_node=8, gpus=8) == "gloo"
+    with pytest.raises(UsageError, match="NCCL needs a GPU per rank; use MBRIDGE_EPOVERLAP_BACKEND=gloo"):
+        choose_backend("nccl", use_cuda=True, ranks_on_node=2, gpus=1)
+    with pytest.raises(UsageError, match="BACKEND=nccl needs CUDA"):
+        choose_backend("nccl", use_cuda=False, ranks_on_node=2, gpus=0)
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4"}, 16) == 4
+    assert local_world_size({"SLURM_NTASKS_PER_NODE": "8"}, 16) == 8
+    assert local_world_size({}, 16) == 16
+    with pytest.raises(UsageError, match="BACKEND='mpi': use auto, nccl or gloo"):
+        RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_BACKEND": "mpi"})
