@@ -37,8 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
-from mbridge_epoverlap.config.recipes import load_recipe  # noqa: E402
-from mbridge_epoverlap.config.shrink import CpuShape, shrink_for_cpu  # noqa: E402
+from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: E402
 from mbridge_epoverlap.runtime import CaseMetrics, run_local  # noqa: E402
 
 CASES = {
@@ -50,17 +49,7 @@ STAGES = ("attn", "experts", "post", "post_bwd", "experts_dgrad", "experts_wgrad
 
 
 def make_config(recipe: str, procs: int, ep: int | None, overlap: bool, delay: bool, shape: CpuShape) -> RunConfig:
-    cfg = load_recipe(recipe, "pretrain")
-    cfg.comm_overlap.overlap_moe_expert_parallel_comm = overlap
-    cfg.comm_overlap.delay_wgrad_compute = delay
-    # Matched A/B: the same DDP settings in every case. Delayed wgrad with overlapped grad reduce needs
-    # Transformer Engine >= 2.7, which a CPU machine lacks; the runtime reduces gradients after the
-    # last micro-batch either way.
-    cfg.comm_overlap.overlap_grad_reduce = False
-    cfg.ddp.overlap_grad_reduce = False
-    cfg = shrink_for_cpu(cfg, procs, ep=ep, shape=shape)
-    cfg.comm_overlap.finalize(cfg.model, cfg.ddp)
-    return cfg
+    return cpu_overlap_case(recipe, procs, overlap=overlap, delay_wgrad=delay, shape=shape, ep=ep)
 
 
 def parse_shape(items: list[str]) -> CpuShape:

@@ -34,8 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
-from mbridge_epoverlap.config.recipes import load_recipe  # noqa: E402
-from mbridge_epoverlap.config.shrink import CpuShape, shrink_for_cpu  # noqa: E402
+from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: E402
 from mbridge_epoverlap.errors import RunFailedError, UsageError  # noqa: E402
 
 CASES = {"ep_overlap_off": (False, False), "ep_overlap_on": (True, False), "ep_overlap_on_delay_wgrad": (True, True)}
@@ -52,14 +51,7 @@ def _log(line: str) -> None:
 
 
 def make_config(recipe: str, procs: int, overlap: bool, delay: bool, shape: CpuShape, device: str) -> RunConfig:
-    cfg = load_recipe(recipe, "pretrain")
-    cfg.comm_overlap.overlap_moe_expert_parallel_comm = overlap
-    cfg.comm_overlap.delay_wgrad_compute = delay
-    # The same DDP settings in every case (the runtime reduces gradients after the last micro-batch).
-    cfg.comm_overlap.overlap_grad_reduce = False
-    cfg.ddp.overlap_grad_reduce = False
-    cfg = shrink_for_cpu(cfg, procs, shape=shape)
-    cfg.comm_overlap.finalize(cfg.model, cfg.ddp)
+    cfg = cpu_overlap_case(recipe, procs, overlap=overlap, delay_wgrad=delay, shape=shape)
     cfg.env_vars["MBRIDGE_EPOVERLAP_DEVICE"] = device
     return cfg
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mbridge_epoverlap.config.container import RunConfig
-from mbridge_epoverlap.config.recipes import load_recipe
-from mbridge_epoverlap.config.shrink import CpuShape, shrink_for_cpu
+from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case
 
 TINY = CpuShape(num_layers=2, hidden_size=32, num_attention_heads=4, expert_ffn_hidden_size=16, seq_length=16,
                 vocab_size=64, micro_batch_size=1, num_micro_batches=3, max_topk=2,
@@ -16,13 +15,7 @@ TINY = CpuShape(num_layers=2, hidden_size=32, num_attention_heads=4, expert_ffn_
 def tiny_config(procs: int, *, overlap: bool = False, delay: bool = False, recipe: str = "qwen3_30b_a3b",
                 fp32: bool = False) -> RunConfig:
     """A finalized, tiny run of `recipe` on `procs` CPU processes (EP = procs)."""
-    cfg = load_recipe(recipe, "pretrain")
-    cfg.comm_overlap.overlap_moe_expert_parallel_comm = overlap
-    cfg.comm_overlap.delay_wgrad_compute = delay
-    cfg.comm_overlap.overlap_grad_reduce = False
-    cfg.ddp.overlap_grad_reduce = False
-    cfg = shrink_for_cpu(cfg, procs, shape=TINY)
-    cfg.comm_overlap.finalize(cfg.model, cfg.ddp)
+    cfg = cpu_overlap_case(recipe, procs, overlap=overlap, delay_wgrad=delay, shape=TINY)
     if fp32:
         cfg.env_vars["MBRIDGE_EPOVERLAP_DTYPE"] = "fp32"
     return cfg

@@ -144,3 +144,20 @@ def test_layout_violations():
     assert [v.rule for v in cfg.validate()] == ["layout_world_size"]
     cfg.num_gpus, cfg.model.expert_model_parallel_size = 64, 32
     assert {v.rule for v in cfg.validate()} == {"layout_expert_parallel", "ep_divides_experts"}
+
+
+def test_cpu_overlap_cases_differ_only_in_the_two_switches():
+    from mbridge_epoverlap.config.shrink import cpu_overlap_case
+
+    off, on, delay = (cpu_overlap_case("qwen3_30b_a3b", 2, overlap=o, delay_wgrad=d)
+                      for o, d in ((False, False), (True, False), (True, True)))
+    keys = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+    flat = [c.to_dict() for c in (off, on, delay)]
+    for d in flat:  # the switches live in comm_overlap and, once finalized, in the model
+        for section in ("comm_overlap", "model"):
+            for key in keys:
+                d[section].pop(key, None)
+    assert flat[0] == flat[1] == flat[2]
+    assert (on.model.overlap_moe_expert_parallel_comm, on.model.delay_wgrad_compute) == (True, False)
+    assert (delay.model.overlap_moe_expert_parallel_comm, delay.model.delay_wgrad_compute) == (True, True)
+    assert not off.ddp.overlap_grad_reduce and off.model.expert_model_parallel_size == 2
