@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch; any other torch spec pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-RUN_ARGS ?=
+RUN_ARGS ?= --repeats 3
 
 .PHONY: setup system-deps run test lint docs bench clean
 
