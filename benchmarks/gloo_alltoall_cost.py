@@ -17,19 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mbridge_epoverlap.runtime.launch import free_port  # noqa: E402
 
 
 def _thread_cpu_s() -> dict[str, float]:
@@ -86,7 +82,7 @@ def measure(rows: int = 2048, hidden: int = 256, dtype: str = "bfloat16", procs:
     """
     import tempfile
 
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(procs),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(procs),
                GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     with tempfile.TemporaryDirectory(prefix="gloo-a2a-") as tmp:
         result = Path(tmp) / "rank0.json"

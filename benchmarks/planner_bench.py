@@ -29,6 +29,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+
 ONE_PLAN_BUDGET_S = 3.0
 ALL_PAIRS_BUDGET_S = 10.0
 
@@ -61,14 +65,7 @@ def timed(cmd: list[str]) -> tuple[float, str]:
 
 
 def machine() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model(platform.processor() or platform.machine())
     return {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count()}
 
 

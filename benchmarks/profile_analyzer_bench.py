@@ -36,6 +36,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+
 COMPUTE_STREAM, COMM_STREAM = 7, 20
 COMM_NAMES = [
     "void deep_ep::intranode::dispatch<8, 768, 8192>(int4*, float*, int*, long*, int const*, int)",
@@ -348,15 +352,7 @@ def same_figures(cli: dict, ref: dict[tuple[int, int], dict[str, int]]) -> bool:
 
 
 def machine() -> dict[str, str]:
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    model = cpu_model(platform.processor() or "unknown")
     return {
         "nproc": str(os.cpu_count()),
         "cpu": model,

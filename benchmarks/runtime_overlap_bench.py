@@ -38,6 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
 from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: E402
+from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+from mbridge_epoverlap.harness.stats import overlap_ceiling  # noqa: E402
 from mbridge_epoverlap.runtime import CaseMetrics, run_local  # noqa: E402
 
 CASES = {
@@ -64,14 +66,7 @@ def parse_shape(items: list[str]) -> CpuShape:
 
 
 def machine() -> dict[str, str]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     import torch
 
     return {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version(),
@@ -134,16 +129,6 @@ def series_median(runs: list[CaseMetrics], attribute: str, first: int, last: int
     """Median over repeats of the window mean of a per-iteration series of `CaseMetrics`."""
     means = [statistics.fmean(getattr(r, attribute)[first - 1:last]) for r in runs if getattr(r, attribute)]
     return statistics.median(means) if means else None
-
-
-def overlap_ceiling(baseline_s: float, wait_s: float, cpu_s: float) -> float:
-    """Best speedup overlap can give when the all-to-alls' CPU work competes with compute for every core.
-
-    Hiding every communication wait of the baseline (`wait_s` per iteration) takes at most that much off
-    its step (`baseline_s`), but the CPU work of moving the bytes (`cpu_s`, the other threads' CPU time)
-    must still run on cores that are all computing.
-    """
-    return baseline_s / (baseline_s - wait_s + cpu_s)
 
 
 def main() -> int:

@@ -584,8 +584,9 @@ def results_markdown(doc: dict[str, Any]) -> str:
     """The A/B table of a harness results JSON (the harness's own table), with where and how it ran."""
     try:
         from mbridge_epoverlap.harness.report import markdown_table
+        from mbridge_epoverlap.harness.stats import overlap_ceiling
     except ModuleNotFoundError:  # a build without the harness still shows the figures
-        markdown_table = None
+        markdown_table = overlap_ceiling = None
     lines = [f"- machine: {machine_text(doc)}",
              f"- command: {_code(equivalent_command(doc))}",
              f"- measured: {doc.get('created_utc') or 'date not recorded'}"
@@ -600,13 +601,15 @@ def results_markdown(doc: dict[str, Any]) -> str:
               "processes over gloo on loopback: a check of the method and the runtime, not a prediction for GPUs."]
     cases = doc.get("cases") or []
     base = cases[0] if cases else {}
-    if base.get("comm_wait_s") is not None and base.get("comm_cpu_s") is not None and base.get("stable_mean_s"):
+    if (overlap_ceiling is not None and base.get("comm_wait_s") is not None and base.get("comm_cpu_s") is not None
+            and base.get("stable_mean_s")):
         step, wait, cpu = base["stable_mean_s"], base["comm_wait_s"], base["comm_cpu_s"]
+        ceiling = overlap_ceiling(step, wait, cpu)
         lines += ["", f"`exposed comm / iter` is the time the training thread spent issuing and waiting for "
                       f"all-to-alls. Over gloo most of an all-to-all is CPU work (in the baseline, {cpu * 1e3:.0f} ms "
                       f"per iteration ran on the communication threads), and with every core computing, that work "
                       f"cannot be hidden: hiding every wait gains roughly {step * 1e3:.0f} / ({step * 1e3:.0f} - "
-                      f"{wait * 1e3:.0f} + {cpu * 1e3:.0f}) = {step / (step - wait + cpu):.2f}x on this machine, an "
+                      f"{wait * 1e3:.0f} + {cpu * 1e3:.0f}) = {ceiling:.2f}x on this machine, an "
                       "estimate that single A/B runs scatter around. Behind a slower link, where moving the bytes is "
                       "not CPU work, the same runtime gains more (`benchmarks/runtime_overlap_bench.py "
                       "--emulate-link-gbps 1`)."]

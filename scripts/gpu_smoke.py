@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
 from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: E402
 from mbridge_epoverlap.errors import RunFailedError, UsageError  # noqa: E402
+from mbridge_epoverlap.harness.stats import all_finite  # noqa: E402
 
 CASES = {"ep_overlap_off": (False, False), "ep_overlap_on": (True, False), "ep_overlap_on_delay_wgrad": (True, True)}
 # Small enough for the self-check to take seconds, large enough for uneven splits and several experts per rank.
@@ -97,7 +98,7 @@ def ab(recipe: str, procs: int, device: str, shape: CpuShape, steps: int, timeou
     cases = {name: {"stable_mean_s": means[name], "relative": means[base] / means[name], "losses": m.losses,
                     "step_times_s": m.step_times_s, "comm_wait_s": _mean(m.comm_step_s, window),
                     "peak_mem_bytes": m.peak_mem_bytes} for name, m in runs.items()}
-    finite = all(x == x and abs(x) != float("inf") for m in runs.values() for x in m.losses)
+    finite = all(all_finite(m.losses) for m in runs.values())
     return {"passed": equal and finite, "losses_bitwise_equal": equal, "finite": finite, "cases": cases}
 
 

@@ -80,6 +80,18 @@ class Experiment:
         return cls.from_dict(json.loads(path.read_text()))
 
 
+def cpu_model(fallback: str = "unknown") -> str:
+    """The CPU's model name from /proc/cpuinfo, or `fallback` where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return fallback
+
+
 def machine_info() -> dict[str, Any]:
     """The machine a measurement ran on (reports carry it next to the ratios)."""
     return {

@@ -89,3 +89,13 @@ def max_abs_diff(baseline: Sequence[float], other: Sequence[float]) -> float | N
 
 def all_finite(values: Sequence[float]) -> bool:
     return bool(values) and all(math.isfinite(v) for v in values)
+
+
+def overlap_ceiling(baseline_s: float, wait_s: float, cpu_s: float) -> float:
+    """Best speedup overlap can give when the all-to-alls' CPU work competes with compute for every core.
+
+    Hiding every communication wait of the baseline (`wait_s` per iteration) takes at most that much off
+    its step (`baseline_s`), but the CPU work of moving the bytes (`cpu_s`, the communication threads' CPU
+    time) must still run on cores that are all computing.
+    """
+    return baseline_s / (baseline_s - wait_s + cpu_s)
