@@ -40,6 +40,7 @@ from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
 from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: E402
 from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
 from mbridge_epoverlap.harness.stats import overlap_ceiling  # noqa: E402
+from mbridge_epoverlap.profiling import analyze_trace  # noqa: E402
 from mbridge_epoverlap.runtime import CaseMetrics, run_local  # noqa: E402
 
 CASES = {
@@ -80,37 +81,10 @@ def window_mean(metrics: CaseMetrics, first: int, last: int) -> float:
 
 def hidden_share(trace_dir: Path) -> dict[str, float | None]:
     """Overlap of communication with compute in the traces, summed over ranks."""
-    try:
-        from mbridge_epoverlap.profiling import analyze_trace
-    except ImportError:
-        return _hidden_share_fallback(trace_dir)
     totals = analyze_trace(str(trace_dir)).totals()
     return {"comm_ms": totals["comm_ns"] / 1e6, "overlap_ms": totals["overlap_ns"] / 1e6,
             "exposed_ms": totals["exposed_comm_ns"] / 1e6,
             "hidden_pct": totals["overlap_pct"]}
-
-
-def _hidden_share_fallback(trace_dir: Path) -> dict[str, float | None]:
-    import numpy as np
-
-    from mbridge_epoverlap.profiling.intervals import intersection_length, union
-
-    comm_ns = overlap_ns = 0
-    for path in sorted(trace_dir.glob("*.json")):
-        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
-        comm = [e for e in events if e["name"].startswith("gloo:")]
-        main_tid = next((e["tid"] for e in events if e["name"].startswith("iteration")), None)
-        comp = [e for e in events if e["tid"] == main_tid and e["name"] in STAGES]
-
-        def u(evs: list[dict]) -> object:
-            return union(np.array([e["ts"] * 1e3 for e in evs]), np.array([(e["ts"] + e["dur"]) * 1e3 for e in evs]))
-
-        c, k = u(comm), u(comp)
-        comm_ns += c.length
-        overlap_ns += intersection_length(c, k)
-    pct = 100.0 * overlap_ns / comm_ns if comm_ns else None
-    return {"comm_ms": comm_ns / 1e6, "overlap_ms": overlap_ns / 1e6, "exposed_ms": (comm_ns - overlap_ns) / 1e6,
-            "hidden_pct": pct}
 
 
 def stage_times(trace: Path) -> dict[str, float]:
