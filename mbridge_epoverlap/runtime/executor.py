@@ -12,11 +12,15 @@ projections, experts, shared expert); `*_wgrad` runs them. Small weights (norms,
 output head) get their gradients during dgrad or `post_bwd`.
 
 The executor runs steps in exactly the given order and never reorders them: the simulator executes the
-same lists with costs.
+same lists with costs. Its step handlers are looked up from the stage table (`program.STAGES`, one
+handler per stage and phase), and it checks every step's dependencies with the table's rules before
+running it. A forward-only (decode/evaluation) schedule runs without autograd and frees each layer's
+state after the last step that uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,9 +32,27 @@ from mbridge_epoverlap.moe.dispatcher import DispatchHandle
 from mbridge_epoverlap.moe.model import MoEGPT
 from mbridge_epoverlap.moe.wgrad import WeightGradStore, default_store
 from mbridge_epoverlap.runtime.ranges import Ranges
-from mbridge_epoverlap.schedule.program import Phase, Step, check_schedule
+from mbridge_epoverlap.schedule.program import (
+    ATTN,
+    COMBINE,
+    COMBINE_BWD,
+    DISPATCH,
+    DISPATCH_BWD,
+    EXPERTS,
+    EXPERTS_DGRAD,
+    POST,
+    POST_BWD,
+    STAGES,
+    Phase,
+    Stage,
+    Step,
+    check_schedule,
+    is_forward_only,
+    predecessors,
+)
 
 Tensors = dict[str, torch.Tensor]
+StageKey = tuple[int, int, str]  # (micro-batch, layer, stage)
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each [micro_batch_size, seq]
 
 
@@ -85,6 +107,27 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
 
+def handler_name(stage: Stage, phase: Phase) -> str:
+    """The executor method for one step of `stage`: `_<stage>` for a RUN, `_<stage>_<phase>` for a COMM step."""
+    return f"_{stage.name}" if phase is Phase.RUN else f"_{stage.name}_{phase.value}"
+
+
+def last_uses(steps: Sequence[Step]) -> dict[int, list[tuple[int, int]]]:
+    """Step index -> the (micro-batch, layer) states no later step runs in or depends on."""
+    num_layers: dict[int, int] = {}
+    for step in steps:
+        num_layers[step.micro_batch] = max(num_layers.get(step.micro_batch, 0), step.layer + 1)
+    last: dict[tuple[int, int], int] = {}
+    for index, step in enumerate(steps):
+        last[(step.micro_batch, step.layer)] = index
+        for mb, layer, _ in predecessors(step, num_layers[step.micro_batch]):
+            last[(mb, layer)] = index
+    ends: dict[int, list[tuple[int, int]]] = {}
+    for key, index in last.items():
+        ends.setdefault(index, []).append(key)
+    return ends
+
+
 class ScheduleExecutor:
     """Executes schedules on one rank.
 
@@ -93,10 +136,12 @@ class ScheduleExecutor:
         store: where deferred weight gradients queue (the default store if None).
         ranges: profiler/NVTX ranges around every step (none if None).
         on_step: called with (index, step) before each step (heartbeats, fault injection).
+        trace: record every executed step with the stage results it read (`self.trace`), to compare the
+            executed order and data flow with the stage table and the simulator.
     """
 
     def __init__(self, model: MoEGPT, *, store: WeightGradStore | None = None, ranges: Ranges | None = None,
-                 on_step: Callable[[int, Step], None] | None = None) -> None:
+                 on_step: Callable[[int, Step], None] | None = None, trace: bool = False) -> None:
         self.model = model
         self.store = store or default_store()
         self.ranges = ranges
@@ -107,23 +152,14 @@ class ScheduleExecutor:
         self._loss_scale = 1.0
         self._validated: Sequence[Step] | None = None
         self.comm_step_s = 0.0  # training-thread time in communication steps (issue + wait) of the last run
+        self.trace: list[tuple[Step, frozenset[StageKey]]] | None = [] if trace else None
+        self._reads: set[StageKey] = set()
+        self._ends: dict[int, list[tuple[int, int]]] = {}
+        self._forward_only = False
+        # One handler per stage and phase of the stage table; a stage without one fails here, not mid-run.
         self._handlers: dict[tuple[str, Phase], Callable[[int, int], None]] = {
-            ("attn", Phase.RUN): self._attn,
-            ("dispatch", Phase.ISSUE): self._dispatch_issue,
-            ("dispatch", Phase.WAIT): self._dispatch_wait,
-            ("experts", Phase.RUN): self._experts,
-            ("combine", Phase.ISSUE): self._combine_issue,
-            ("combine", Phase.WAIT): self._combine_wait,
-            ("post", Phase.RUN): self._post,
-            ("post_bwd", Phase.RUN): self._post_bwd,
-            ("combine_bwd", Phase.ISSUE): self._combine_bwd_issue,
-            ("combine_bwd", Phase.WAIT): self._combine_bwd_wait,
-            ("experts_dgrad", Phase.RUN): self._experts_dgrad,
-            ("experts_wgrad", Phase.RUN): self._experts_wgrad,
-            ("dispatch_bwd", Phase.ISSUE): self._dispatch_bwd_issue,
-            ("dispatch_bwd", Phase.WAIT): self._dispatch_bwd_wait,
-            ("attn_dgrad", Phase.RUN): self._attn_dgrad,
-            ("attn_wgrad", Phase.RUN): self._attn_wgrad,
+            (stage.name, phase): getattr(self, handler_name(stage, phase))
+            for stage in STAGES.values() for phase in stage.phases
         }
 
     def run(self, steps: Sequence[Step], batches: Sequence[MicroBatch], *,
@@ -142,24 +178,19 @@ class ScheduleExecutor:
         if steps is not self._validated:
             check_schedule(list(steps))
             self._validated = steps
+            self._forward_only = is_forward_only(list(steps))
+            self._ends = last_uses(steps) if self._forward_only else {}
         self._batches, self._loss_scale = batches, loss_scale
         self._states.clear()
         self._losses.clear()
         self.comm_step_s = 0.0
+        if self.trace is not None:
+            self.trace.clear()
         try:
-            for index, step in enumerate(steps):
-                if self.on_step is not None:
-                    self.on_step(index, step)
-                handler = self._handlers[(step.stage, step.phase)]
-                start = time.perf_counter()
-                if self.ranges is None:
-                    handler(step.micro_batch, step.layer)
-                else:
-                    name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
-                    with self.ranges(name):
-                        handler(step.micro_batch, step.layer)
-                if step.phase is not Phase.RUN:
-                    self.comm_step_s += time.perf_counter() - start
+            # Forward-only: no backward will come, so build no autograd graph.
+            with torch.no_grad() if self._forward_only else contextlib.nullcontext():
+                for index, step in enumerate(steps):
+                    self._step(index, step)
             if self._states or self.store.pending():
                 raise RuntimeError(f"schedule left work behind: layers {sorted(self._states)}, "
                                    f"weight gradients {self.store.pending()}")
@@ -167,6 +198,28 @@ class ScheduleExecutor:
         finally:
             self._states.clear()
             self.store.clear()
+
+    def _step(self, index: int, step: Step) -> None:
+        if self.on_step is not None:
+            self.on_step(index, step)
+        handler = self._handlers[(step.stage, step.phase)]
+        self._reads = set()
+        start = time.perf_counter()
+        if self.ranges is None:
+            handler(step.micro_batch, step.layer)
+        else:
+            name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
+            with self.ranges(name):
+                handler(step.micro_batch, step.layer)
+        if step.phase is not Phase.RUN:
+            self.comm_step_s += time.perf_counter() - start
+        if self.trace is not None:
+            self.trace.append((step, frozenset(self._reads)))
+        for key in self._ends.get(index, ()):
+            state = self._states.pop(key, None)
+            if state is not None and state.pending:
+                raise RuntimeError(f"micro-batch {key[0]} layer {key[1]}: {sorted(state.pending)} issued but "
+                                   "never waited")
 
     # --- helpers ---------------------------------------------------------------------------------
     def _state(self, mb: int, layer: int) -> _LayerState:
@@ -178,10 +231,12 @@ class ScheduleExecutor:
     def _dispatcher(self, layer: int) -> Any:
         return self.model.layers[layer].dispatcher
 
-    @staticmethod
-    def _need(value: Any, what: str, mb: int, layer: int) -> Any:
+    def _need(self, value: Any, stage: Stage, mb: int, layer: int) -> Any:
+        """`value`, the result of `stage` of (mb, layer), recorded as read by the running step."""
         if value is None:
-            raise RuntimeError(f"micro-batch {mb} layer {layer}: {what} is not available at this step")
+            raise RuntimeError(f"micro-batch {mb} layer {layer}: the {stage.name} result is not available "
+                               "at this step")
+        self._reads.add((mb, layer, stage.name))
         return value
 
     # --- forward ---------------------------------------------------------------------------------
@@ -191,25 +246,25 @@ class ScheduleExecutor:
         if layer == 0:
             x = self.model.embed(self._batches[mb][0])
         else:
-            prev = self._need(self._state(mb, layer - 1).post, "the previous layer's output", mb, layer)
+            prev = self._need(self._state(mb, layer - 1).post, POST, mb, layer - 1)
             x = leaves["x"] = _leaf(prev.outputs["z"])
         outputs, st.handle = self.model.layers[layer].attn_stage(x)
         st.attn = Island(leaves, outputs)
 
     def _dispatch_issue(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        tokens = self._need(st.attn, "the attention output", mb, layer).outputs["tokens"].detach()
+        tokens = self._need(st.attn, ATTN, mb, layer).outputs["tokens"].detach()
         d = self._dispatcher(layer)
-        st.pending["dispatch"] = _Ready(tokens) if d is None else d.dispatch_async(st.handle, tokens)
+        st.pending[DISPATCH.name] = _Ready(tokens) if d is None else d.dispatch_async(st.handle, tokens)
 
     def _dispatch_wait(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        st.received = st.pending.pop("dispatch").wait()
+        st.received = st.pending.pop(DISPATCH.name).wait()
 
     def _experts(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        attn = self._need(st.attn, "the attention output", mb, layer)
-        leaves = {"received": _leaf(self._need(st.received, "the dispatched tokens", mb, layer))}
+        attn = self._need(st.attn, ATTN, mb, layer)
+        leaves = {"received": _leaf(self._need(st.received, DISPATCH, mb, layer))}
         if "y" in attn.outputs:
             leaves["y"] = _leaf(attn.outputs["y"])
         outputs = self.model.layers[layer].experts_stage(leaves["received"], st.handle, leaves.get("y"))
@@ -217,19 +272,19 @@ class ScheduleExecutor:
 
     def _combine_issue(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        out = self._need(st.experts, "the expert output", mb, layer).outputs["expert_out"].detach()
+        out = self._need(st.experts, EXPERTS, mb, layer).outputs["expert_out"].detach()
         d = self._dispatcher(layer)
-        st.pending["combine"] = _Ready(out) if d is None else d.combine_async(st.handle, out)
+        st.pending[COMBINE.name] = _Ready(out) if d is None else d.combine_async(st.handle, out)
 
     def _combine_wait(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        st.combined = st.pending.pop("combine").wait()
+        st.combined = st.pending.pop(COMBINE.name).wait()
 
     def _post(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        attn = self._need(st.attn, "the attention output", mb, layer)
-        experts = self._need(st.experts, "the expert output", mb, layer)
-        leaves = {"combined": _leaf(self._need(st.combined, "the combined tokens", mb, layer)),
+        attn = self._need(st.attn, ATTN, mb, layer)
+        experts = self._need(st.experts, EXPERTS, mb, layer)
+        leaves = {"combined": _leaf(self._need(st.combined, COMBINE, mb, layer)),
                   "resid": _leaf(attn.outputs["resid"])}
         if "probs" in attn.outputs:
             leaves["probs"] = _leaf(attn.outputs["probs"])
@@ -248,11 +303,11 @@ class ScheduleExecutor:
     # --- backward --------------------------------------------------------------------------------
     def _post_bwd(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        post = self._need(st.post, "the post stage", mb, layer)
+        post = self._need(st.post, POST, mb, layer)
         if self._last(layer):
             post.add_grad("loss", torch.ones_like(post.outputs["loss"]))
         grads = post.backward()
-        attn, experts = self._need(st.attn, "attention", mb, layer), self._need(st.experts, "experts", mb, layer)
+        attn, experts = self._need(st.attn, ATTN, mb, layer), self._need(st.experts, EXPERTS, mb, layer)
         st.grad_combined = grads.get("combined")
         attn.add_grad("resid", grads.get("resid"))
         attn.add_grad("probs", grads.get("probs"))
@@ -261,22 +316,22 @@ class ScheduleExecutor:
 
     def _combine_bwd_issue(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        grad = self._need(st.grad_combined, "the gradient of the combined tokens", mb, layer)
+        grad = self._need(st.grad_combined, POST_BWD, mb, layer)
         d = self._dispatcher(layer)
-        st.pending["combine_bwd"] = _Ready(grad) if d is None else d.combine_grad_async(st.handle, grad)
+        st.pending[COMBINE_BWD.name] = _Ready(grad) if d is None else d.combine_grad_async(st.handle, grad)
         st.grad_combined = None
 
     def _combine_bwd_wait(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        self._need(st.experts, "experts", mb, layer).add_grad("expert_out", st.pending.pop("combine_bwd").wait())
+        self._need(st.experts, EXPERTS, mb, layer).add_grad("expert_out", st.pending.pop(COMBINE_BWD.name).wait())
 
     def _experts_dgrad(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        experts = self._need(st.experts, "experts", mb, layer)
+        experts = self._need(st.experts, EXPERTS, mb, layer)
         with self.store.capture((mb, layer, "experts")):
             grads = experts.backward()
         st.grad_received = grads.get("received")
-        self._need(st.attn, "attention", mb, layer).add_grad("y", grads.get("y"))
+        self._need(st.attn, ATTN, mb, layer).add_grad("y", grads.get("y"))
         st.experts = None
 
     def _experts_wgrad(self, mb: int, layer: int) -> None:
@@ -284,22 +339,22 @@ class ScheduleExecutor:
 
     def _dispatch_bwd_issue(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        grad = self._need(st.grad_received, "the gradient of the dispatched tokens", mb, layer)
+        grad = self._need(st.grad_received, EXPERTS_DGRAD, mb, layer)
         d = self._dispatcher(layer)
-        st.pending["dispatch_bwd"] = _Ready(grad) if d is None else d.dispatch_grad_async(st.handle, grad)
+        st.pending[DISPATCH_BWD.name] = _Ready(grad) if d is None else d.dispatch_grad_async(st.handle, grad)
         st.grad_received = None
 
     def _dispatch_bwd_wait(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        self._need(st.attn, "attention", mb, layer).add_grad("tokens", st.pending.pop("dispatch_bwd").wait())
+        self._need(st.attn, ATTN, mb, layer).add_grad("tokens", st.pending.pop(DISPATCH_BWD.name).wait())
 
     def _attn_dgrad(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)
-        attn = self._need(st.attn, "attention", mb, layer)
+        attn = self._need(st.attn, ATTN, mb, layer)
         with self.store.capture((mb, layer, "attn")):
             grads = attn.backward()
         if layer > 0:
-            below = self._need(self._state(mb, layer - 1).post, "the previous layer's post stage", mb, layer)
+            below = self._need(self._state(mb, layer - 1).post, POST, mb, layer - 1)
             below.add_grad("z", grads.get("x"))
         st.attn = None
 

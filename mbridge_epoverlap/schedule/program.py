@@ -31,42 +31,80 @@ class Direction(str, Enum):
     BACKWARD = "B"
 
 
+class Where(str, Enum):
+    """Which layer a dependency of a stage lives in, relative to the stage's own layer."""
+
+    SAME = "same"  # the same layer
+    PREVIOUS = "previous"  # the layer before in the stage's direction (below forward, above backward), if any
+    TURN = "turn"  # the same layer, only where the direction starts (backward at the top layer)
+
+
+class Role(str, Enum):
+    """Which kind of worker computes a stage when attention and experts are disaggregated."""
+
+    ATTENTION = "attention"
+    EXPERT = "expert"
+
+
+@dataclass(frozen=True)
+class Need:
+    """One dependency of a stage: `stage` of the layer `where` says must have finished."""
+
+    stage: str
+    where: Where = Where.SAME
+
+
 @dataclass(frozen=True)
 class Stage:
-    """One stage of a layer program."""
+    """One stage of a layer program: its kind, direction, dependencies and, for serving, its role.
+
+    Attributes:
+        needs: the stages whose results this stage consumes; the one definition of the dependency rules
+            (`check_schedule`, the simulator and every executor derive theirs from it).
+        role: the worker kind that computes it (COMPUTE), or that issues it (COMM) when disaggregated.
+        to_role: for a COMM stage, the worker kind that receives (and so waits for) it.
+    """
 
     name: str
     kind: Kind
     direction: Direction
+    needs: tuple[Need, ...] = ()
+    role: Role = Role.ATTENTION
+    to_role: Role | None = None
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The steps a schedule splits this stage into: RUN, or ISSUE then WAIT."""
+        return (Phase.ISSUE, Phase.WAIT) if self.kind is Kind.COMM else (Phase.RUN,)
 
 
 F, B = Direction.FORWARD, Direction.BACKWARD
+SAME, PREVIOUS, TURN = Where.SAME, Where.PREVIOUS, Where.TURN
+ATTENTION, EXPERT = Role.ATTENTION, Role.EXPERT
 
 # Forward: attention + router + permute | dispatch A2A | grouped experts | combine A2A | unpermute + residual.
-FORWARD_STAGES: tuple[Stage, ...] = (
-    Stage("attn", Kind.COMPUTE, F),
-    Stage("dispatch", Kind.COMM, F),
-    Stage("experts", Kind.COMPUTE, F),
-    Stage("combine", Kind.COMM, F),
-    Stage("post", Kind.COMPUTE, F),
-)
+ATTN = Stage("attn", Kind.COMPUTE, F, (Need("post", PREVIOUS),))
+DISPATCH = Stage("dispatch", Kind.COMM, F, (Need("attn"),), role=ATTENTION, to_role=EXPERT)
+EXPERTS = Stage("experts", Kind.COMPUTE, F, (Need("dispatch"),), role=EXPERT)
+COMBINE = Stage("combine", Kind.COMM, F, (Need("experts"),), role=EXPERT, to_role=ATTENTION)
+POST = Stage("post", Kind.COMPUTE, F, (Need("combine"),))
+FORWARD_STAGES: tuple[Stage, ...] = (ATTN, DISPATCH, EXPERTS, COMBINE, POST)
 
 # Backward runs the program in reverse. The backward of combine is a dispatch-shaped A2A and the
 # backward of dispatch a combine-shaped one. Weight gradients are separate stages so they can be
-# delayed into a communication window.
-BACKWARD_STAGES: tuple[Stage, ...] = (
-    Stage("post_bwd", Kind.COMPUTE, B),
-    Stage("combine_bwd", Kind.COMM, B),
-    Stage("experts_dgrad", Kind.COMPUTE, B),
-    Stage("experts_wgrad", Kind.COMPUTE, B),
-    Stage("dispatch_bwd", Kind.COMM, B),
-    Stage("attn_dgrad", Kind.COMPUTE, B),
-    Stage("attn_wgrad", Kind.COMPUTE, B),
-)
+# delayed into a communication window; dispatch_bwd needs only the data gradient, not the weight one.
+POST_BWD = Stage("post_bwd", Kind.COMPUTE, B, (Need("attn_dgrad", PREVIOUS), Need("post", TURN)))
+COMBINE_BWD = Stage("combine_bwd", Kind.COMM, B, (Need("post_bwd"),))
+EXPERTS_DGRAD = Stage("experts_dgrad", Kind.COMPUTE, B, (Need("combine_bwd"),))
+EXPERTS_WGRAD = Stage("experts_wgrad", Kind.COMPUTE, B, (Need("experts_dgrad"),))
+DISPATCH_BWD = Stage("dispatch_bwd", Kind.COMM, B, (Need("experts_dgrad"),))
+ATTN_DGRAD = Stage("attn_dgrad", Kind.COMPUTE, B, (Need("dispatch_bwd"),))
+ATTN_WGRAD = Stage("attn_wgrad", Kind.COMPUTE, B, (Need("attn_dgrad"),))
+BACKWARD_STAGES: tuple[Stage, ...] = (POST_BWD, COMBINE_BWD, EXPERTS_DGRAD, EXPERTS_WGRAD, DISPATCH_BWD,
+                                      ATTN_DGRAD, ATTN_WGRAD)
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in FORWARD_STAGES + BACKWARD_STAGES}
 COMM_STAGE_NAMES: frozenset[str] = frozenset(s.name for s in STAGES.values() if s.kind is Kind.COMM)
-
 
 @dataclass(frozen=True)
 class Step:
@@ -84,6 +122,14 @@ class Step:
     @property
     def direction(self) -> Direction:
         return STAGES[self.stage].direction
+
+    @property
+    def role(self) -> Role:
+        """The worker kind that executes this step when disaggregated: a WAIT runs on the receiving side."""
+        stage = STAGES[self.stage]
+        if self.phase is Phase.WAIT and stage.to_role is not None:
+            return stage.to_role
+        return stage.role
 
     def __str__(self) -> str:
         return f"mb{self.micro_batch}.L{self.layer}.{self.stage}.{self.phase.value}"
@@ -123,13 +169,13 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
     steps: list[Step] = []
     for layer in reversed(range(num_layers)):
         for stage in BACKWARD_STAGES:
-            if delay_wgrad and stage.name == "experts_wgrad":
+            if delay_wgrad and stage is EXPERTS_WGRAD:
                 continue
-            if delay_wgrad and stage.name == "dispatch_bwd":
+            if delay_wgrad and stage is DISPATCH_BWD:
                 steps += [
-                    issue(mb, layer, "dispatch_bwd"),
-                    run(mb, layer, "experts_wgrad"),
-                    wait(mb, layer, "dispatch_bwd"),
+                    issue(mb, layer, DISPATCH_BWD.name),
+                    run(mb, layer, EXPERTS_WGRAD.name),
+                    wait(mb, layer, DISPATCH_BWD.name),
                 ]
                 continue
             steps += stage_steps(mb, layer, stage)
@@ -202,13 +248,17 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
     return steps
 
 
+def is_forward_only(steps: list[Step]) -> bool:
+    """True for a decode (inference) schedule: no backward step at all."""
+    return all(step.direction is Direction.FORWARD for step in steps)
+
+
 def check_schedule(steps: list[Step]) -> None:
     """Raise ValueError unless every stage of every (micro-batch, layer) appears in a valid order.
 
-    Checks: each COMM is issued once before its single wait; every stage's predecessor in its
-    direction's program finished (ran, or was waited) before it starts; forward of a layer follows
-    forward of the previous layer; backward of a layer starts after the forward of the last layer and
-    after the backward of the layer above it.
+    Checks: each COMM is issued once before its single wait; every stage's dependencies on the stage
+    table (`Stage.needs`) finished (ran, or were waited) before it starts. A forward-only (decode)
+    schedule is as valid as a training one.
     """
     done: set[tuple[int, int, str]] = set()
     issued: set[tuple[int, int, str]] = set()
@@ -241,26 +291,36 @@ def check_schedule(steps: list[Step]) -> None:
 def predecessors(step: Step, num_layers: int) -> list[tuple[int, int, str]]:
     """The (micro_batch, layer, stage) keys that must have finished before `step` may start.
 
-    This is the dependency relation `check_schedule` enforces; executors that time steps (the
-    simulator) use it to know when a step's inputs are ready.
+    Derived from the stage table (`Stage.needs`): the dependency relation `check_schedule` enforces,
+    the simulator times with, and the executors consume.
     """
     return _predecessors(step, num_layers)
 
 
 def _predecessors(step: Step, num_layers: int) -> list[tuple[int, int, str]]:
     mb, layer = step.micro_batch, step.layer
-    program = FORWARD_STAGES if step.direction is Direction.FORWARD else BACKWARD_STAGES
-    names = [s.name for s in program]
-    index = names.index(step.stage)
-    if step.stage == "attn_wgrad":
-        return [(mb, layer, "attn_dgrad")]
-    if step.stage == "dispatch_bwd":
-        return [(mb, layer, "experts_dgrad")]
-    if index > 0:
-        previous = names[index - 1]
-        return [(mb, layer, previous)]
-    if step.direction is Direction.FORWARD:
-        return [(mb, layer - 1, "post")] if layer > 0 else []
-    if layer == num_layers - 1:
-        return [(mb, num_layers - 1, "post")]
-    return [(mb, layer + 1, "attn_dgrad")]
+    forward = step.direction is Direction.FORWARD
+    previous_layer = layer - 1 if forward else layer + 1
+    first_layer = 0 if forward else num_layers - 1
+    keys: list[tuple[int, int, str]] = []
+    for need in STAGES[step.stage].needs:
+        if need.where is Where.SAME:
+            keys.append((mb, layer, need.stage))
+        elif need.where is Where.PREVIOUS and layer != first_layer:
+            keys.append((mb, previous_layer, need.stage))
+        elif need.where is Where.TURN and layer == first_layer:
+            keys.append((mb, layer, need.stage))
+    return keys
+
+
+def _check_table() -> None:
+    """Every dependency names a stage of the table (a typo would silently drop a rule)."""
+    for stage in STAGES.values():
+        for need in stage.needs:
+            if need.stage not in STAGES:
+                raise AssertionError(f"stage {stage.name!r} needs unknown stage {need.stage!r}")
+        if (stage.kind is Kind.COMM) != (stage.to_role is not None) and stage.direction is Direction.FORWARD:
+            raise AssertionError(f"stage {stage.name!r}: a forward COMM stage needs to_role, a COMPUTE one none")
+
+
+_check_table()

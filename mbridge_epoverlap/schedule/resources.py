@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from mbridge_epoverlap.schedule.program import Phase, Step
+from mbridge_epoverlap.schedule.program import FORWARD_STAGES, Kind, Phase, Role, Step, stage_steps
 
 
 @dataclass(frozen=True)
@@ -51,15 +51,16 @@ class Resources:
 TRAINING = Resources()
 COLOCATED = Resources()
 
-# Disaggregated serving (MegaScale-Infer): the attention worker runs attention and the residual after
-# combine, issues dispatch and waits for combine; the expert worker waits for dispatch, runs the
-# experts and issues combine. Each direction of the M2N transfer has its own link.
-DISAGGREGATED = Resources(
-    default_stream="attention",
-    streams={
-        ("dispatch", Phase.WAIT): "expert",
-        ("experts", Phase.RUN): "expert",
-        ("combine", Phase.ISSUE): "expert",
-    },
-    channels={"dispatch": "link_a2e", "combine": "link_e2a"},
-)
+# Disaggregated serving (MegaScale-Infer): each step runs on the worker kind the stage table gives it
+# (attention and the residual after combine on attention workers, the experts on expert workers; a
+# transfer is issued by its sender and waited by its receiver). Each direction of the M2N transfer
+# has its own link, named after its ends (link_a2e, link_e2a).
+def _disaggregated() -> Resources:
+    streams = {(step.stage, step.phase): step.role.value for stage in FORWARD_STAGES
+               for step in stage_steps(0, 0, stage) if step.role is not Role.ATTENTION}
+    channels = {stage.name: f"link_{stage.role.value[0]}2{stage.to_role.value[0]}" for stage in FORWARD_STAGES
+                if stage.kind is Kind.COMM and stage.to_role is not None}
+    return Resources(default_stream=Role.ATTENTION.value, streams=streams, channels=channels)
+
+
+DISAGGREGATED = _disaggregated()

@@ -9,7 +9,18 @@ execute and the simulator can time; which worker runs a step is a separate `Reso
 from __future__ import annotations
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.schedule.program import Step, forward_steps, issue, run, wait
+from mbridge_epoverlap.schedule.program import (
+    ATTN,
+    COMBINE,
+    DISPATCH,
+    EXPERTS,
+    POST,
+    Step,
+    forward_steps,
+    issue,
+    run,
+    wait,
+)
 
 
 def _check_sizes(num_micro_batches: int, num_layers: int) -> None:
@@ -27,17 +38,17 @@ def _attention_segment(mb: int, layer: int) -> list[Step]:
     """
     steps: list[Step] = []
     if layer > 0:
-        steps += [wait(mb, layer - 1, "combine"), run(mb, layer - 1, "post")]
-    return steps + [run(mb, layer, "attn"), issue(mb, layer, "dispatch")]
+        steps += [wait(mb, layer - 1, COMBINE.name), run(mb, layer - 1, POST.name)]
+    return steps + [run(mb, layer, ATTN.name), issue(mb, layer, DISPATCH.name)]
 
 
 def _expert_segment(mb: int, layer: int) -> list[Step]:
     """What an expert worker does for one micro-batch of `layer`: receive, compute, send back."""
-    return [wait(mb, layer, "dispatch"), run(mb, layer, "experts"), issue(mb, layer, "combine")]
+    return [wait(mb, layer, DISPATCH.name), run(mb, layer, EXPERTS.name), issue(mb, layer, COMBINE.name)]
 
 
 def _tail(mb: int, num_layers: int) -> list[Step]:
-    return [wait(mb, num_layers - 1, "combine"), run(mb, num_layers - 1, "post")]
+    return [wait(mb, num_layers - 1, COMBINE.name), run(mb, num_layers - 1, POST.name)]
 
 
 def ping_pong(num_micro_batches: int, num_layers: int) -> list[Step]:
