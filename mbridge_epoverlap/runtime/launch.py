@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -75,6 +75,45 @@ def launch_ranks(cfg: RunConfig, *, mode: str = "train", max_steps: int = 1, pro
         from mbridge_epoverlap.runtime.netns import check_can_emulate
 
         check_can_emulate()
+    command = [sys.executable, "-m", "mbridge_epoverlap.runtime.worker", "--config", "{workdir}/config.yaml",
+               "--results", "{workdir}/results.json", "--mode", mode, "--max-steps", str(max_steps)]
+    if profile_dir is not None:
+        command += ["--profile-dir", str(Path(profile_dir).resolve())]
+    return launch_processes(world, lambda rank: command, env_vars=cfg.env_vars,
+                            files={"config.yaml": cfg.to_yaml()}, emulate_link_gbps=emulate_link_gbps,
+                            timeout_s=timeout_s, progress=progress)
+
+
+def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env_vars: Mapping[str, Any] | None = None,
+                     files: Mapping[str, str] | None = None, emulate_link_gbps: float | None = None,
+                     timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
+                     results_name: str = "results.json", on_start: Callable[[list[int]], None] | None = None,
+                     rank_names: Mapping[int, str] | None = None,
+                     collect: Callable[[Path], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Start `world` local processes, supervise them, and return the JSON rank 0 wrote to `results_name`.
+
+    The one launcher of the project (training ranks, serving workers): each process runs in its own
+    session with the rendezvous (`MASTER_ADDR`/`MASTER_PORT`), `RANK`/`WORLD_SIZE`, one intra-op
+    thread and the heartbeat directory in its environment; a failure names the rank that caused it.
+
+    Args:
+        world: number of processes.
+        command_for: rank -> argv; `{workdir}` in an argument is replaced with the run's scratch directory.
+        env_vars: extra environment for every process.
+        files: name -> text written into the scratch directory before the start.
+        emulate_link_gbps: put each rank in its own network namespace behind a shaped link (root only).
+        timeout_s: the whole run's limit; collectives time out after a quarter of it (at most 120 s)
+            unless `MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S` is set.
+        progress: called with each of rank 0's progress lines.
+        results_name: the file in the scratch directory that rank 0 writes its JSON results to.
+        on_start: called with the process ids once every process started (fault injection in tests).
+        rank_names: how failure messages name a rank (e.g. "expert worker 1 (rank 3)"); "rank N" otherwise.
+        collect: reads the results from the scratch directory instead of rank 0's `results_name` (every
+            rank's file, say); on failure its answer is attached to the error as `partial`.
+
+    Raises:
+        RunFailedError: a process failed, hung or the run timed out.
+    """
     workdir = Path(tempfile.mkdtemp(prefix="mbe-run-"))
     try:
         with _interruptible(), contextlib.ExitStack() as stack:
@@ -83,24 +122,30 @@ def launch_ranks(cfg: RunConfig, *, mode: str = "train", max_steps: int = 1, pro
                 from mbridge_epoverlap.runtime.netns import IFNAME, EmulatedLink
 
                 link = stack.enter_context(EmulatedLink(world, emulate_link_gbps))
-            results = workdir / "results.json"
-            (workdir / "config.yaml").write_text(cfg.to_yaml())
-            env = _base_env(cfg, workdir, timeout_s)
+            results = workdir / results_name
+            for name, text in (files or {}).items():
+                (workdir / name).write_text(text)
+            env = _base_env(env_vars or {}, workdir, timeout_s)
             if link is not None:
                 env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
             else:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
-            command = [sys.executable, "-m", "mbridge_epoverlap.runtime.worker", "--config",
-                       str(workdir / "config.yaml"), "--results", str(results), "--mode", mode,
-                       "--max-steps", str(max_steps)]
-            if profile_dir is not None:
-                command += ["--profile-dir", str(Path(profile_dir).resolve())]
-            ranks = stack.enter_context(_Ranks(workdir))
+            ranks = stack.enter_context(_Ranks(workdir, rank_names))
             for rank in range(world):
                 prefix = link.command_prefix(rank) if link is not None else []
+                command = [arg.replace("{workdir}", str(workdir)) for arg in command_for(rank)]
                 ranks.start(rank, prefix + command, dict(env, RANK=str(rank), WORLD_SIZE=str(world),
                                                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)))
-            ranks.supervise(timeout_s=timeout_s, progress=progress)
+            if on_start is not None:
+                on_start([r.proc.pid for r in ranks.ranks])
+            try:
+                ranks.supervise(timeout_s=timeout_s, progress=progress)
+            except RunFailedError as exc:
+                if collect is not None:
+                    exc.partial = collect(workdir)  # type: ignore[attr-defined]
+                raise
+            if collect is not None:
+                return collect(workdir)
             if not results.is_file():
                 raise RunFailedError(f"rank 0 finished but wrote no results ({results})")
             import json
@@ -136,11 +181,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _base_env(cfg: RunConfig, workdir: Path, timeout_s: float) -> dict[str, str]:
+def _base_env(env_vars: Mapping[str, Any], workdir: Path, timeout_s: float) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({k: str(v) for k, v in cfg.env_vars.items()})
+    env.update({k: str(v) for k, v in env_vars.items()})
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[key] = str(cfg.env_vars.get(key, "1"))
+        env[key] = str(env_vars.get(key, "1"))
     env.setdefault(PREFIX + "COMM_TIMEOUT_S", str(min(120.0, max(5.0, timeout_s / 4))))
     env[PREFIX + "HEARTBEAT_DIR"] = str(workdir)
     # The ranks import this package from wherever the launcher imported it.
@@ -186,9 +231,13 @@ class _Rank:
 class _Ranks:
     """The rank processes of one run: start, supervise, diagnose, and always kill what is left."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, names: Mapping[int, str] | None = None) -> None:
         self.workdir = workdir
         self.ranks: list[_Rank] = []
+        self.names = dict(names or {})
+
+    def name(self, rank: int) -> str:
+        return self.names.get(rank, f"rank {rank}")
 
     def __enter__(self) -> _Ranks:
         return self
@@ -275,17 +324,17 @@ class _Ranks:
             where = _where(beat)
             if r.killed:
                 if beat is not None and beat.state == hb.COMM:
-                    others.append(f"rank {r.rank} was killed while waiting in a collective {where}")
+                    others.append(f"{self.name(r.rank)} was killed while waiting in a collective {where}")
                 else:
-                    causes.append((r, f"rank {r.rank} stopped responding {where} and was killed"))
+                    causes.append((r, f"{self.name(r.rank)} stopped responding {where} and was killed"))
             elif code == EXIT_COMM:
-                others.append(f"rank {r.rank} lost its peers {where} (a collective failed or timed out)")
+                others.append(f"{self.name(r.rank)} lost its peers {where} (a collective failed or timed out)")
             elif code is not None and code < 0:
-                causes.append((r, f"rank {r.rank} was killed by signal {-code} {where}"))
+                causes.append((r, f"{self.name(r.rank)} was killed by signal {-code} {where}"))
             elif code not in (0, None):
-                causes.append((r, f"rank {r.rank} failed with exit code {code} {where}"))
+                causes.append((r, f"{self.name(r.rank)} failed with exit code {code} {where}"))
         if not causes:  # everyone failed in collectives: report them all
-            causes = [(r, f"rank {r.rank} exited with code {r.proc.returncode} {_where(beats.get(r.rank))}")
+            causes = [(r, f"{self.name(r.rank)} exited with code {r.proc.returncode} {_where(beats.get(r.rank))}")
                       for r in self.ranks if r.proc.returncode not in (0, None) or r.killed]
             others = []
         head = f"run timed out after {timed_out:g} s; " if timed_out is not None else ""
@@ -294,7 +343,7 @@ class _Ranks:
         for r, _ in causes:
             tail = _tail(r.err_path)
             if tail:
-                lines.append(f"last stderr lines of rank {r.rank}:\n" + tail)
+                lines.append(f"last stderr lines of {self.name(r.rank)}:\n" + tail)
         return "\n".join(lines)
 
 

@@ -1,0 +1,119 @@
+"""What every serving worker process is told: the model, the layout, its requests (a JSON file).
+
+Ranks 0..A-1 are attention workers and A..A+E-1 expert workers (disaggregated), or ranks 0..N-1 are
+colocated workers; `role_of` is the one place that says so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.schedule.program import Role
+
+DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
+COLOCATED_ORDERS = ("two_batch_overlap", "sequential")
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """The engine's layout and workload.
+
+    Attributes:
+        source: checkpoint directory or recipe name (`serving.checkpoint.load_spec`).
+        mode: "disaggregated" (attention and expert workers) or "colocated".
+        attn_workers, expert_workers: disaggregated worker counts (A, E).
+        processes: colocated process count (N).
+        micro_batches: m, micro-batches in flight per attention worker.
+        order: colocated order, "two_batch_overlap" or "sequential" (disaggregated always ping-pong).
+        placement: expert id -> expert worker (or colocated rank).
+        max_new_tokens: generation limit per request.
+        max_batch: sequences decoding at once per attention worker (continuous batching).
+        requests: per attention worker, its requests as {"id", "prompt_ids"}.
+        backend: M2N backend name (`comm.m2n.make_communicator`).
+        slot_bytes: M2N buffer size, enough for the largest message.
+        timeout_s: limit of every wait between workers.
+        num_layers, seed, dtype: recipe-model settings passed to `load_spec`.
+    """
+
+    source: str
+    mode: str = DISAGGREGATED
+    attn_workers: int = 1
+    expert_workers: int = 1
+    processes: int = 0
+    micro_batches: int = 2
+    order: str = "ping_pong"
+    placement: tuple[int, ...] = ()
+    max_new_tokens: int = 16
+    max_batch: int = 64
+    requests: tuple[tuple[dict[str, Any], ...], ...] = field(default=())
+    backend: str = "m2n"
+    slot_bytes: int = 1 << 20
+    timeout_s: float = 30.0
+    num_layers: int | None = None
+    seed: int = 0
+    dtype: str = "float32"
+
+    @property
+    def world(self) -> int:
+        return self.processes if self.mode == COLOCATED else self.attn_workers + self.expert_workers
+
+    @property
+    def attention_ranks(self) -> list[int]:
+        return list(range(self.processes if self.mode == COLOCATED else self.attn_workers))
+
+    @property
+    def expert_ranks(self) -> list[int]:
+        if self.mode == COLOCATED:
+            return list(range(self.processes))
+        return list(range(self.attn_workers, self.attn_workers + self.expert_workers))
+
+    def role_of(self, rank: int) -> tuple[Role | None, int]:
+        """(role, index within the role) of `rank`; role None means colocated (both roles)."""
+        if self.mode == COLOCATED:
+            return None, rank
+        if rank < self.attn_workers:
+            return Role.ATTENTION, rank
+        return Role.EXPERT, rank - self.attn_workers
+
+    def rank_names(self) -> dict[int, str]:
+        """How failure messages name each rank."""
+        names = {}
+        for rank in range(self.world):
+            role, index = self.role_of(rank)
+            kind = "colocated worker" if role is None else f"{role.value} worker"
+            names[rank] = f"{kind} {index} (rank {rank})"
+        return names
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EnginePlan:
+        raw = json.loads(text)
+        raw["placement"] = tuple(raw["placement"])
+        raw["requests"] = tuple(tuple(r) for r in raw["requests"])
+        return cls(**raw)
+
+
+def check_layout(*, attn_workers: int, expert_workers: int, micro_batches: int, processes: int, colocated: bool,
+                 num_experts: int) -> None:
+    """Raise UsageError for a layout no worker could run (before any starts)."""
+    if colocated:
+        if processes < 1:
+            raise UsageError(f"--colocated {processes}: need at least one process")
+        if processes > num_experts:
+            raise UsageError(f"--colocated {processes} is more processes than the model's {num_experts} experts; "
+                             f"use at most {num_experts}")
+    else:
+        if attn_workers < 1:
+            raise UsageError(f"--attn-workers {attn_workers}: need at least one attention worker")
+        if expert_workers < 1:
+            raise UsageError(f"--expert-workers {expert_workers}: need at least one expert worker")
+        if expert_workers > num_experts:
+            raise UsageError(f"--expert-workers {expert_workers} is more than the model's {num_experts} experts; "
+                             f"use at most {num_experts}")
+    if micro_batches < 1:
+        raise UsageError(f"--micro-batches {micro_batches}: need at least 1")

@@ -1,0 +1,152 @@
+"""Requests, completions and the continuous-batching queue of one attention worker.
+
+Requests join the running batch at step boundaries (up to a batch limit) and leave as soon as they
+finish; each records when its tokens were produced, for time to first token and time between tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mbridge_epoverlap.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to complete."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+
+
+def load_prompts(path: str | Path, *, vocab_size: int, tokenizer: Any = None) -> list[Request]:
+    """Read a JSONL prompts file: one `{"id": ..., "prompt_ids": [int, ...]}` (or `"prompt": "text"`) a line.
+
+    Raises:
+        UsageError: the file is missing, a line is not JSON, a field is missing or out of range; the
+            message names the file, the line and the field.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise UsageError(f"--prompts {path}: {exc.strerror or exc}") from None
+    requests: list[Request] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--prompts {path} line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(item, dict):
+            raise UsageError(f"{where}: expected an object with \"id\" and \"prompt_ids\"")
+        rid = str(item.get("id", len(requests)))
+        if rid in seen:
+            raise UsageError(f"{where}: id {rid!r} appears twice; give every request its own id")
+        seen.add(rid)
+        if "prompt_ids" in item:
+            ids = item["prompt_ids"]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                                  for t in ids):
+                raise UsageError(f"{where}: \"prompt_ids\" must be a non-empty list of integers")
+        elif "prompt" in item:
+            if tokenizer is None:
+                raise UsageError(f"{where}: \"prompt\" text needs a checkpoint with a tokenizer; give "
+                                 "\"prompt_ids\" instead")
+            ids = list(tokenizer(str(item["prompt"])))
+        else:
+            raise UsageError(f"{where}: missing \"prompt_ids\" (or \"prompt\")")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise UsageError(f"{where}: token ids {bad[:5]} outside the vocabulary 0..{vocab_size - 1}")
+        requests.append(Request(rid, tuple(ids)))
+    if not requests:
+        raise UsageError(f"--prompts {path}: no requests in the file")
+    return requests
+
+
+@dataclass
+class Sequence_:
+    """A request being decoded: its tokens so far and when each output token appeared."""
+
+    request: Request
+    slot: int  # the id its KV cache is kept under
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    admitted_at: float = 0.0
+    prefilled: bool = False
+    finished: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    def completion(self, status: str = "ok") -> dict[str, Any]:
+        times = self.token_times
+        ttft = (times[0] - self.admitted_at) * 1e3 if times else None
+        tbt = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
+        return {"id": self.request.id, "output_ids": list(self.output_ids), "ttft_ms": ttft,
+                "tbt_ms": tbt, "status": status}
+
+
+class RequestQueue:
+    """Continuous batching over one worker's requests.
+
+    Args:
+        requests: this worker's requests, in arrival order.
+        max_batch: most sequences decoding at once; the others wait and join as sequences finish.
+        max_new_tokens: stop a sequence after this many generated tokens.
+        eos_ids: stop a sequence after it generated one of these.
+    """
+
+    def __init__(self, requests: Sequence[Request], *, max_batch: int, max_new_tokens: int,
+                 eos_ids: Sequence[int]) -> None:
+        if max_batch < 1:
+            raise UsageError(f"max batch must be >= 1, got {max_batch}")
+        self.waiting: deque[Request] = deque(requests)
+        self.running: list[Sequence_] = []
+        self.done: list[Sequence_] = []
+        self.max_batch, self.max_new_tokens, self.eos_ids = max_batch, max_new_tokens, frozenset(eos_ids)
+        self._next_slot = 0
+        self.start = time.monotonic()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def step_boundary(self) -> tuple[list[Sequence_], list[Sequence_]]:
+        """Retire finished sequences and admit waiting ones; return (admitted, retired)."""
+        retired = [s for s in self.running if s.finished]
+        self.running = [s for s in self.running if not s.finished]
+        self.done += retired
+        admitted: list[Sequence_] = []
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = Sequence_(self.waiting.popleft(), self._next_slot, admitted_at=self.start)
+            self._next_slot += 1
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted, retired
+
+    def append_token(self, seq: Sequence_, token: int) -> None:
+        seq.output_ids.append(token)
+        seq.token_times.append(time.monotonic())
+        seq.prefilled = True
+        if token in self.eos_ids or len(seq.output_ids) >= self.max_new_tokens:
+            seq.finished = True
+
+    def completions(self, *, failed: bool = False) -> list[dict[str, Any]]:
+        """Every request's result; with `failed`, unfinished ones are reported as failed."""
+        out = [s.completion() for s in self.done]
+        out += [s.completion("ok" if s.finished else "failed") for s in self.running]
+        out += [{"id": r.id, "output_ids": [], "ttft_ms": None, "tbt_ms": [], "status": "failed" if failed
+                 else "not started"} for r in self.waiting]
+        return out

@@ -1,0 +1,310 @@
+"""Attention and expert workers of disaggregated decode: the third executor of the stage program.
+
+Each worker executes its own role's steps of `serving_orders.ping_pong(m, L)` (the stage table says
+which role runs each step: attention runs `attn` and `post`, issues `dispatch` and waits for
+`combine`; experts wait for `dispatch`, run `experts` and issue `combine`). The handlers are looked up
+from the table exactly as the training executor looks up its own, and a decode micro-batch's state
+travels between the steps in a `MicroBatchHandle`.
+
+One decode step = one pass of the order over every layer and micro-batch. At each step boundary an
+attention worker retires finished sequences and admits waiting ones (continuous batching). Every
+dispatch carries a one-element control tensor: whether the sending attention worker had work this
+step. When no attention worker had any, the expert workers answer the first MoE combine of the step
+with "stop", everybody finishes that (empty) step and leaves; so no worker needs a side channel.
+
+Messages (M2N): dispatch attention -> expert `[control int64[1], tokens [n, h], expert_ids int64[n]]`
+holding the (token, slot) pairs routed to that expert worker, in row-major (token, k) order; combine
+expert -> attention `[control int64[1], outputs [n, h]]` in the same order. Gate weights stay on the
+attention worker: `post_step` sums the k outputs in a fixed order, so the result is bitwise the
+single-process one whatever the placement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mbridge_epoverlap.runtime import heartbeat as hb
+from mbridge_epoverlap.schedule.program import FORWARD_STAGES, Phase, Role, Step
+from mbridge_epoverlap.schedule.serving_orders import ping_pong
+from mbridge_epoverlap.serving.placement import Placement
+from mbridge_epoverlap.serving.requests import RequestQueue, Sequence_
+from mbridge_epoverlap.serving.stage_timer import StageTimer
+
+ACTIVE, IDLE = 1, 0
+CONTINUE, STOP = 1, 0
+
+
+def role_handlers(worker: object, role: Role) -> dict[tuple[str, Phase], Callable[[Any, int], None]]:
+    """`(stage, phase) -> method` for every forward step the stage table gives `role`.
+
+    The method of a RUN step is `_<stage>`, of a COMM step `_<stage>_<phase>` (as in the training
+    executor); a worker missing one fails here, at start-up.
+    """
+    handlers = {}
+    for stage in FORWARD_STAGES:
+        for phase in stage.phases:
+            if Step(0, 0, stage.name, phase).role is role:
+                name = f"_{stage.name}" if phase is Phase.RUN else f"_{stage.name}_{phase.value}"
+                handlers[(stage.name, phase)] = getattr(worker, name)
+    return handlers
+
+
+def role_steps(order: Sequence[Step], role: Role) -> list[Step]:
+    """The steps of `order` that a worker of `role` executes, in order."""
+    return [step for step in order if step.role is role]
+
+
+def message_tag(layer: int, micro_batch: int, micro_batches: int) -> int:
+    """The M2N tag of one (layer, micro-batch) transfer; unique within a decode step."""
+    return layer * micro_batches + micro_batch
+
+
+@dataclass
+class MicroBatchHandle:
+    """A decode micro-batch's state as it travels through the layer program on an attention worker."""
+
+    index: int
+    seqs: list[Sequence_] = field(default_factory=list)
+    batch: Any = None  # TokenBatch
+    x: torch.Tensor | None = None  # hidden states entering the next attention
+    last_rows: list[int] = field(default_factory=list)  # row of each sequence's last token
+    attn: Any = None  # AttnOut of the current layer
+    routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per expert worker: (token, slot)
+    receives: list[Any] = field(default_factory=list)  # combine Works, one per expert worker
+    sends: list[Any] = field(default_factory=list)
+    expert_out: torch.Tensor | None = None
+    issued_at: float = 0.0  # when the current layer's dispatch was issued
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+def split_micro_batches(seqs: Sequence[Sequence_], micro_batches: int) -> list[MicroBatchHandle]:
+    """Deal the running sequences into `micro_batches` handles, balanced by token count."""
+    handles = [MicroBatchHandle(i) for i in range(micro_batches)]
+    loads = [0] * micro_batches
+    for seq in seqs:
+        tokens = seq.length if not seq.prefilled else 1
+        target = loads.index(min(loads))
+        handles[target].seqs.append(seq)
+        loads[target] += tokens
+    return handles
+
+
+class AttentionWorker:
+    """Owns a set of sequences, their KV cache, attention, router and gating.
+
+    Args:
+        spec: the model spec.
+        part: this worker's `AttentionPart` (loaded weights).
+        cache: its `KVCache`.
+        queue: its requests (continuous batching).
+        comm: the M2N communicator (peers: the expert workers).
+        expert_ranks: rank of each expert worker, by worker index.
+        placement: expert id -> expert worker index.
+        micro_batches: m, micro-batches in flight.
+        timeout_s: limit of every wait.
+        beat: heartbeat writer (step index, computing or communicating).
+        progress: called with a line every few steps (rank 0 only).
+    """
+
+    def __init__(self, spec: Any, part: Any, cache: Any, queue: RequestQueue, comm: Any, expert_ranks: list[int],
+                 placement: Placement, micro_batches: int, timeout_s: float, beat: hb.Heartbeat | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        from mbridge_epoverlap.serving.model import TokenBatch
+
+        self.spec, self.part, self.cache, self.queue, self.comm = spec, part, cache, queue, comm
+        self.expert_ranks, self.m, self.timeout_s = expert_ranks, micro_batches, timeout_s
+        self.owner = torch.tensor(placement.owner, dtype=torch.int64)
+        self.steps = role_steps(ping_pong(micro_batches, spec.num_layers), Role.ATTENTION)
+        self.handlers = role_handlers(self, Role.ATTENTION)
+        self.first_moe = spec.moe_layer_ids[0]
+        self.timer = StageTimer(frozenset({"attn", "post", "dispatch"}))
+        self.beat, self.progress = beat, progress
+        self.TokenBatch = TokenBatch
+        self.decode_steps = 0
+        self.stop = False
+        self.active = False
+
+    def run(self) -> None:
+        """Decode until every attention worker is out of requests."""
+        while not self.stop:
+            admitted, retired = self.queue.step_boundary()
+            for seq in retired:
+                self.cache.free(seq.slot)
+            for seq in admitted:
+                self.cache.add(seq.slot)
+            self.active = bool(self.queue.running)
+            handles = split_micro_batches(self.queue.running, self.m)
+            for index, step in enumerate(self.steps):
+                if self.beat is not None:
+                    self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
+                self.handlers[(step.stage, step.phase)](handles[step.micro_batch], step.layer)
+            for h in handles:
+                for work in h.sends:
+                    work.wait(self.timeout_s)
+            self.decode_steps += 1
+            if self.progress is not None and self.decode_steps % 16 == 0:
+                done = len(self.queue.done) + sum(s.finished for s in self.queue.running)
+                self.progress(f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
+                              f"{len(self.queue.waiting)} waiting, {done} done")
+        for seq in self.queue.running:
+            if seq.finished:
+                self.cache.free(seq.slot)
+        self.queue.step_boundary()
+
+    # --- the attention role's steps ----------------------------------------------------------------
+    def _attn(self, h: MicroBatchHandle, layer: int) -> None:
+        if h.empty:
+            return
+        with self.timer.time("attn"):
+            if layer == 0:
+                self._build_batch(h)
+            h.attn = self.part.attention_step(layer, h.x, h.batch, self.cache)
+
+    def _build_batch(self, h: MicroBatchHandle) -> None:
+        ids: list[int] = []
+        seq_ids: list[int] = []
+        positions: list[int] = []
+        h.last_rows = []
+        for seq in h.seqs:
+            tokens = list(seq.request.prompt_ids) + seq.output_ids
+            new = tokens if not seq.prefilled else tokens[-1:]
+            start = len(tokens) - len(new)
+            ids += new
+            seq_ids += [seq.slot] * len(new)
+            positions += range(start, len(tokens))
+            h.last_rows.append(len(ids) - 1)
+        h.batch = self.TokenBatch(torch.tensor(seq_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+        h.x = self.part.embed(torch.tensor(ids, dtype=torch.int64))
+
+    def _dispatch_issue(self, h: MicroBatchHandle, layer: int) -> None:
+        if not self.spec.is_moe(layer):
+            return
+        tag = message_tag(layer, h.index, self.m)
+        control = torch.tensor([ACTIVE if self.active else IDLE], dtype=torch.int64)
+        with self.timer.time("dispatch", record=not h.empty):
+            h.routes = []
+            if h.empty:
+                hidden = torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype())
+                ids = torch.zeros(0, self.spec.top_k, dtype=torch.int64)
+            else:
+                hidden, ids = h.attn.tokens, h.attn.expert_ids
+            owners = self.owner[ids] if ids.numel() else ids
+            for worker, rank in enumerate(self.expert_ranks):
+                token, slot = (owners == worker).nonzero(as_tuple=True)
+                h.routes.append((token, slot))
+                h.sends.append(self.comm.isend(rank, [control, hidden[token].contiguous(), ids[token, slot]], tag))
+            h.receives = [self.comm.irecv(rank, tag) for rank in self.expert_ranks]
+        h.issued_at = time.perf_counter()
+
+    def _combine_wait(self, h: MicroBatchHandle, layer: int) -> None:
+        if not self.spec.is_moe(layer):
+            return
+        with self.timer.time("combine_wait", record=not h.empty):
+            replies = [work.wait(self.timeout_s) for work in h.receives]
+        if not h.empty:
+            self.timer.record("round_trip", time.perf_counter() - h.issued_at)
+        h.receives = []
+        if layer == self.first_moe and h.index == 0 and int(replies[0][0][0]) == STOP:
+            self.stop = True
+        if h.empty:
+            return
+        tokens, k = h.attn.expert_ids.shape
+        out = torch.zeros(tokens, k, self.spec.hidden_size, dtype=replies[0][1].dtype)
+        for (token, slot), reply in zip(h.routes, replies, strict=True):
+            out[token, slot] = reply[1]
+        h.expert_out = out
+
+    def _post(self, h: MicroBatchHandle, layer: int) -> None:
+        if h.empty:
+            return
+        with self.timer.time("post"):
+            expert_out = h.expert_out if self.spec.is_moe(layer) else None
+            h.x = self.part.post_step(layer, h.attn, expert_out)
+            h.attn, h.expert_out = None, None
+            if layer == self.spec.num_layers - 1:
+                logits = self.part.logits(h.x[h.last_rows])
+                for seq, token in zip(h.seqs, logits.argmax(dim=-1).tolist(), strict=True):
+                    self.queue.append_token(seq, int(token))
+
+
+class ExpertWorker:
+    """Owns a subset of the routed experts (by the placement table) and serves every attention worker.
+
+    Args:
+        spec: the model spec.
+        part: this worker's `ExpertPart`.
+        comm: the M2N communicator (peers: the attention workers).
+        attention_ranks: rank of each attention worker.
+        micro_batches: m.
+        timeout_s: limit of every wait.
+        beat: heartbeat writer.
+    """
+
+    def __init__(self, spec: Any, part: Any, comm: Any, attention_ranks: list[int], micro_batches: int,
+                 timeout_s: float, beat: hb.Heartbeat | None = None) -> None:
+        self.spec, self.part, self.comm = spec, part, comm
+        self.attention_ranks, self.m, self.timeout_s = attention_ranks, micro_batches, timeout_s
+        self.steps = role_steps(ping_pong(micro_batches, spec.num_layers), Role.EXPERT)
+        self.handlers = role_handlers(self, Role.EXPERT)
+        self.first_moe = spec.moe_layer_ids[0]
+        self.timer = StageTimer(frozenset({"experts"}))
+        self.beat = beat
+        self.decode_steps = 0
+        self.stop = False
+        self._received: dict[int, list[list[torch.Tensor]]] = {}
+        self._outputs: dict[int, list[torch.Tensor]] = {}
+        self._sends: list[Any] = []
+        self.tokens_served = 0
+
+    def run(self) -> None:
+        while not self.stop:
+            for index, step in enumerate(self.steps):
+                if self.beat is not None:
+                    self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
+                self.handlers[(step.stage, step.phase)](step.micro_batch, step.layer)
+            for work in self._sends:
+                work.wait(self.timeout_s)
+            self._sends = []
+            self.decode_steps += 1
+
+    def _dispatch_wait(self, mb: int, layer: int) -> None:
+        if not self.spec.is_moe(layer):
+            return
+        tag = message_tag(layer, mb, self.m)
+        with self.timer.time("dispatch_wait"):
+            works = [self.comm.irecv(rank, tag) for rank in self.attention_ranks]
+            self._received[mb] = [work.wait(self.timeout_s) for work in works]
+        if layer == self.first_moe and mb == 0:
+            self.stop = all(int(msg[0][0]) == IDLE for msg in self._received[mb])
+
+    def _experts(self, mb: int, layer: int) -> None:
+        if not self.spec.is_moe(layer):
+            return
+        messages = self._received.pop(mb)
+        counts = [msg[1].shape[0] for msg in messages]
+        total = sum(counts)
+        if total == 0:
+            self._outputs[mb] = [msg[1] for msg in messages]
+            return
+        with self.timer.time("experts"):
+            tokens = torch.cat([msg[1] for msg in messages])
+            ids = torch.cat([msg[2] for msg in messages])
+            out = self.part(layer, tokens, ids)
+        self.tokens_served += total
+        self._outputs[mb] = list(out.split(counts))
+
+    def _combine_issue(self, mb: int, layer: int) -> None:
+        if not self.spec.is_moe(layer):
+            return
+        tag = message_tag(layer, mb, self.m)
+        control = torch.tensor([STOP if self.stop else CONTINUE], dtype=torch.int64)
+        for rank, out in zip(self.attention_ranks, self._outputs.pop(mb), strict=True):
+            self._sends.append(self.comm.isend(rank, [control, out.contiguous()], tag))
