@@ -111,7 +111,7 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
 
         ctx = CommContext.for_device(torch.device("cpu"), plan.timeout_s, comm_thread=plan.world > 1)
         group = dist.group.WORLD if plan.world > 1 else None
-        return ColocatedWorker(spec, parts.load_attention_part(spec), parts.KVCache(spec), queue,
+        return ColocatedWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
                                parts.load_expert_part(spec, placement.experts_of(index)), placement, plan.order,
                                plan.micro_batches, group, ctx, beat, progress)
     from mbridge_epoverlap.comm.m2n import make_communicator
@@ -122,7 +122,7 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
     comm = make_communicator(plan.backend, rank=rank, peers=peers, store=dist.PrefixStore("m2n", store),
                              slot_bytes=plan.slot_bytes, slots=plan.micro_batches + 1, timeout_s=plan.timeout_s)
     if role is Role.ATTENTION:
-        return AttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache(spec), queue, comm,
+        return AttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue, comm,
                                plan.expert_ranks, placement, plan.micro_batches, plan.timeout_s, beat, progress)
     return ExpertWorker(spec, parts.load_expert_part(spec, placement.experts_of(index)), comm, plan.attention_ranks,
                         plan.micro_batches, plan.timeout_s, beat)

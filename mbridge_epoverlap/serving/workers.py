@@ -118,6 +118,7 @@ class AttentionWorker:
                  placement: Placement, micro_batches: int, timeout_s: float, beat: hb.Heartbeat | None = None,
                  progress: Callable[[str], None] | None = None) -> None:
         from mbridge_epoverlap.serving.model import TokenBatch
+        from mbridge_epoverlap.serving.sampling import greedy
 
         self.spec, self.part, self.cache, self.queue, self.comm = spec, part, cache, queue, comm
         self.expert_ranks, self.m, self.timeout_s = expert_ranks, micro_batches, timeout_s
@@ -128,6 +129,7 @@ class AttentionWorker:
         self.timer = StageTimer(frozenset({"attn", "post", "dispatch"}))
         self.beat, self.progress = beat, progress
         self.TokenBatch = TokenBatch
+        self.greedy = greedy
         self.decode_steps = 0
         self.stop = False
         self.active = False
@@ -169,20 +171,15 @@ class AttentionWorker:
             h.attn = self.part.attention_step(layer, h.x, h.batch, self.cache)
 
     def _build_batch(self, h: MicroBatchHandle) -> None:
-        ids: list[int] = []
-        seq_ids: list[int] = []
-        positions: list[int] = []
-        h.last_rows = []
+        """The micro-batch's tokens: a new sequence's whole prompt (prefill), else its last token."""
+        chunks = []
         for seq in h.seqs:
             tokens = list(seq.request.prompt_ids) + seq.output_ids
             new = tokens if not seq.prefilled else tokens[-1:]
-            start = len(tokens) - len(new)
-            ids += new
-            seq_ids += [seq.slot] * len(new)
-            positions += range(start, len(tokens))
-            h.last_rows.append(len(ids) - 1)
-        h.batch = self.TokenBatch(torch.tensor(seq_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
-        h.x = self.part.embed(torch.tensor(ids, dtype=torch.int64))
+            chunks.append((seq.slot, new, len(tokens) - len(new)))
+        h.batch = self.TokenBatch.from_chunks(chunks)
+        h.last_rows = h.batch.last_rows()[0].tolist()
+        h.x = self.part.embed(h.batch.token_ids)
 
     def _dispatch_issue(self, h: MicroBatchHandle, layer: int) -> None:
         if not self.spec.is_moe(layer):
@@ -230,8 +227,7 @@ class AttentionWorker:
             h.x = self.part.post_step(layer, h.attn, expert_out)
             h.attn, h.expert_out = None, None
             if layer == self.spec.num_layers - 1:
-                logits = self.part.logits(h.x[h.last_rows])
-                for seq, token in zip(h.seqs, logits.argmax(dim=-1).tolist(), strict=True):
+                for seq, token in zip(h.seqs, self.greedy(self.part.logits(h.x[h.last_rows])), strict=True):
                     self.queue.append_token(seq, int(token))
 
 

@@ -1,0 +1,115 @@
+"""`serve-bench` pieces: synthetic requests, balanced stage sizing, the reference check, the machine.
+
+Balanced sizing: the ping-pong pipeline only hides transfers when an attention stage and an expert
+stage take about as long. The bench times one attention layer and one expert layer of the model in
+this process for candidate micro-batch sizes and picks the size whose two times are closest (by
+ratio); the numbers it measured are reported.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mbridge_epoverlap.serving.requests import Request
+
+BATCH_CANDIDATES = (2, 4, 8, 16, 32, 64, 128)
+PROMPT_LEN = 8
+
+
+def machine() -> dict[str, Any]:
+    """The CPU this ran on, with the bf16 matrix extensions named (figures are only comparable on one)."""
+    from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
+
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags, **machine_info()}
+
+
+def synthetic_requests(count: int, vocab_size: int, *, prompt_len: int = PROMPT_LEN, seed: int = 0) -> list[Request]:
+    """`count` random prompts of `prompt_len` tokens (ids 1.. to stay clear of special tokens at 0)."""
+    rng = random.Random(seed)
+    return [Request(f"r{i}", tuple(rng.randrange(1, vocab_size) for _ in range(prompt_len))) for i in range(count)]
+
+
+def matches_reference(spec: Any, requests: Sequence[Request], completions: Sequence[dict[str, Any]],
+                      max_new_tokens: int) -> bool:
+    """Whether every generated token equals the single-process greedy reference of the same weights."""
+    from mbridge_epoverlap.serving.model import generate_reference
+
+    expected = generate_reference(spec, [list(r.prompt_ids) for r in requests], max_new_tokens)
+    got = {c["id"]: c["output_ids"] for c in completions}
+    return all(got.get(r.id) == list(e) for r, e in zip(requests, expected, strict=True))
+
+
+def _timed(fn: Any, repeats: int = 5) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_workers: int = 1,
+                context: int = PROMPT_LEN + 8) -> dict[str, float]:
+    """Time one decode attention layer of `micro_batch` sequences and the matching expert layer (ms).
+
+    The expert side gets the tokens of all attention workers, spread over the expert workers.
+    """
+    import torch
+
+    from mbridge_epoverlap.serving.model import KVCache, TokenBatch, load_attention_part, load_expert_part
+    from mbridge_epoverlap.serving.placement import Placement
+
+    torch.set_num_threads(1)
+    layer = spec.moe_layer_ids[0]
+    attention = load_attention_part(spec)
+    placement = Placement.balanced(spec.num_experts, expert_workers)
+    experts = load_expert_part(spec, placement.experts_of(0))
+    with torch.no_grad():
+        cache = KVCache.for_spec(spec)
+        chunks = [(seq, [1] * context, 0) for seq in range(micro_batch)]
+        for seq in range(micro_batch):
+            cache.add(seq)
+        prefill = TokenBatch.from_chunks(chunks)
+        hidden = attention.embed(prefill.token_ids)
+        attention.attention_step(layer, hidden, prefill, cache)
+        x = hidden[:micro_batch]
+        position = [context]
+
+        def attend() -> None:
+            # One decode token per sequence, at the next position each repeat (the cache grows by one).
+            step = TokenBatch.from_chunks([(seq, [1], position[0]) for seq in range(micro_batch)])
+            attention.attention_step(layer, x, step, cache)
+            position[0] += 1
+
+        t_attn = _timed(attend)
+        rows = max(1, micro_batch * attn_workers * spec.top_k // expert_workers)
+        mine = torch.tensor(placement.experts_of(0))
+        ids = mine[torch.randint(0, len(mine), (rows,), generator=torch.Generator().manual_seed(1))]
+        tokens = hidden[:1].expand(rows, -1).contiguous()
+        t_expert = _timed(lambda: experts(layer, tokens, ids))
+    return {"micro_batch": micro_batch, "attn_ms": t_attn * 1e3, "experts_ms": t_expert * 1e3}
+
+
+def balanced_micro_batch(spec: Any, *, attn_workers: int, expert_workers: int,
+                         candidates: Sequence[int] = BATCH_CANDIDATES) -> tuple[int, list[dict[str, float]]]:
+    """The candidate micro-batch size whose attention and expert stage times are closest; all probes."""
+    probes = [stage_probe(spec, b, attn_workers=attn_workers, expert_workers=expert_workers) for b in candidates]
+    best = min(probes, key=lambda p: abs(math.log(max(p["attn_ms"], 1e-9) / max(p["experts_ms"], 1e-9))))
+    return int(best["micro_batch"]), probes

@@ -1,0 +1,225 @@
+"""`mbridge-epoverlap serve` and `serve-bench`: decode on attention and expert workers (or colocated ones).
+
+`register` only touches argparse so `mbridge-epoverlap --help` stays fast; torch, the model and the engine
+are imported by the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
+
+DEFAULT_RECIPE = "qwen3_30b_a3b"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--checkpoint", type=Path, metavar="DIR",
+                        help="a Hugging Face checkpoint directory (config.json + *.safetensors; Mixtral or Qwen3-MoE)")
+    source.add_argument("-mr", "--model-recipe", dest="recipe", metavar="RECIPE",
+                        help="a recipe name: a shrunk random model, as the training runtime shrinks recipes")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default: float32")
+    parser.add_argument("--backend", default="m2n", help="M2N backend: m2n (fastest here), shm, mooncake, torch, gloo")
+    parser.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                        help="seconds any worker waits for another before naming it lost (default 30)")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="decode prompts with disaggregated attention/expert workers (or colocated ones)",
+        description="Greedy decoding of a JSONL prompts file on attention and expert worker processes (ping-pong "
+                    "pipeline of m micro-batches, M2N transfers) or on N colocated processes (EP all-to-all).")
+    _model_args(serve, required=True)
+    serve.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+                       help='JSONL, one request a line: {"id": ..., "prompt_ids": [int, ...]}')
+    serve.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N", help="default 16")
+    _layout_args(serve)
+    serve.set_defaults(handler=handle_serve)
+
+    bench = subparsers.add_parser(
+        "serve-bench", help="decode throughput, time between tokens, utilization and the simulator's prediction",
+        description="Synthetic decode on the given layout: tokens/s, TBT p50/p99, per-role utilization measured "
+                    "and predicted (replay of the measured stage times), and whether every token matches a "
+                    "single-process run of the same weights.")
+    _model_args(bench, required=False)
+    _layout_args(bench, colocated_flag=True)
+    bench.add_argument("--layers", type=_positive, default=None, metavar="L", help="MoE layers of a recipe model")
+    bench.add_argument("--batch", type=_positive, default=None, metavar="B",
+                       help="sequences decoding at once (default: sized so attention and expert stages balance)")
+    bench.add_argument("--steps", type=_positive, default=16, metavar="S", help="tokens generated per sequence")
+    bench.set_defaults(handler=handle_bench)
+
+
+def _layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False) -> None:
+    parser.add_argument("--attn-workers", type=_positive, default=1, metavar="A", help="attention workers (default 1)")
+    parser.add_argument("--expert-workers", type=_positive, default=1, metavar="E", help="expert workers (default 1)")
+    parser.add_argument("--micro-batches", type=_positive, default=2, metavar="M",
+                        help="micro-batches in flight (default 2)")
+    if colocated_flag:
+        parser.add_argument("--colocated", action="store_true",
+                            help="the colocated baseline on A+E processes instead")
+    else:
+        parser.add_argument("--colocated", type=_positive, default=0, metavar="N",
+                            help="the colocated baseline on N processes instead (1: single process)")
+    parser.add_argument("--order", choices=("two_batch_overlap", "sequential"), default="two_batch_overlap",
+                        help="colocated order (default two_batch_overlap)")
+    parser.add_argument("--max-batch", type=_positive, default=64, metavar="B",
+                        help="sequences decoding at once per attention worker; more wait (default 64)")
+
+
+def _source(args: argparse.Namespace) -> str:
+    if args.checkpoint is not None:
+        return str(args.checkpoint)
+    return args.recipe or DEFAULT_RECIPE
+
+
+def _progress(args: argparse.Namespace) -> Any:
+    return None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+
+
+def handle_serve(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.serving.bench import machine
+    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
+    from mbridge_epoverlap.serving.requests import load_prompts
+
+    spec = load_spec(_source(args), dtype=args.dtype)
+    tokenizer = _tokenizer(args.checkpoint)
+    requests = load_prompts(args.prompts, vocab_size=spec.vocab_size, tokenizer=tokenizer)
+    plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
+                     micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
+                     max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
+                     timeout_s=args.timeout, dtype=args.dtype)
+    code = 0
+    try:
+        result = run_engine(plan, progress=_progress(args))
+    except EngineFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        result, code = exc.result, EXIT_FAILED
+    result["machine"] = machine()
+    result["model"] = spec.describe()
+    _print(result, args.json, _serve_table)
+    return code
+
+
+def handle_bench(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.serving.bench import balanced_micro_batch, machine, matches_reference, synthetic_requests
+    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
+
+    if args.checkpoint is not None and args.layers is not None:
+        raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
+    spec = load_spec(_source(args), dtype=args.dtype, num_layers=args.layers)
+    attn, experts = args.attn_workers, args.expert_workers
+    probes: list[dict[str, float]] = []
+    if args.batch is None:
+        micro, probes = balanced_micro_batch(spec, attn_workers=attn, expert_workers=experts)
+        batch = micro * args.micro_batches * attn
+    else:
+        batch = args.batch
+    requests = synthetic_requests(batch, spec.vocab_size)
+    colocated = attn + experts if args.colocated else 0
+    plan = make_plan(spec, requests, attn_workers=attn, expert_workers=experts, micro_batches=args.micro_batches,
+                     colocated=colocated, order=args.order, max_new_tokens=args.steps, max_batch=batch,
+                     backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype)
+    code = 0
+    try:
+        result = run_engine(plan, progress=_progress(args))
+    except EngineFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        result, code = exc.result, EXIT_FAILED
+    result["batch"] = batch
+    result["balance_probes"] = probes
+    result["matches_reference"] = code == 0 and matches_reference(spec, requests, result["completions"], args.steps)
+    result["machine"] = machine()
+    result["model"] = spec.describe()
+    if not args.json:
+        result.pop("completions")
+    _print(result, args.json, _bench_table)
+    return code
+
+
+def _tokenizer(checkpoint: Path | None) -> Any:
+    """A prompt-text tokenizer where the checkpoint has one and `tokenizers` is installed."""
+    if checkpoint is None or not (checkpoint / "tokenizer.json").is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    return lambda text: tok.encode(text).ids
+
+
+def _print(result: dict[str, Any], as_json: bool, table: Any) -> None:
+    if as_json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        table(result)
+
+
+def _fmt(value: Any, spec: str = "{:.2f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [("mode", f"{result['mode']} ({result['order']}, m={result['micro_batches']})"),
+            ("workers", f"{result['attn_workers']} attention, {result['expert_workers']} expert"
+             if result["mode"] != "colocated" else f"{result['attn_workers']} colocated"),
+            ("generated tokens", str(result["generated_tokens"])),
+            ("tokens/s", _fmt(result["tokens_per_s"], "{:,.1f}")),
+            ("TBT p50 / p99 (ms)", f"{_fmt(result['tbt_ms_p50'])} / {_fmt(result['tbt_ms_p99'])}"),
+            ("TTFT p50 (ms)", _fmt(result["ttft_ms_p50"]))]
+    if "stage_ms" in result:
+        stages = result["stage_ms"]
+        rows.append(("measured stage ms", ", ".join(f"{k} {v:.3f}" for k, v in stages.items())))
+        util = result["utilization"]
+        pred = result["predicted"]
+        rows.append(("utilization (measured)", f"attention {util['attention']:.0%}, expert {util['expert']:.0%}"))
+        rows.append(("predicted (replay)", f"{pred['tokens_per_s']:,.1f} tokens/s, attention "
+                     f"{pred['utilization']['attention']:.0%}, expert {pred['utilization']['expert']:.0%}"))
+    if result.get("failed_requests"):
+        rows.append(("failed requests", ", ".join(result["failed_requests"])))
+    m = result["machine"]
+    rows.append(("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, "
+                 f"amx_bf16={m['amx_bf16']})"))
+    return rows
+
+
+def _serve_table(result: dict[str, Any]) -> None:
+    for c in result["completions"]:
+        print(f"{c['id']}: {c['status']} {c['output_ids']} (TTFT {_fmt(c['ttft_ms'])} ms)")
+    _rows(_common(result))
+
+
+def _bench_table(result: dict[str, Any]) -> None:
+    rows = [("batch", str(result["batch"]))]
+    for probe in result["balance_probes"]:
+        rows.append((f"probe micro-batch {probe['micro_batch']:g}",
+                     f"attention {probe['attn_ms']:.3f} ms, experts {probe['experts_ms']:.3f} ms"))
+    rows += _common(result)
+    rows.append(("matches reference", str(result["matches_reference"])))
+    _rows(rows)
+
+
+def _rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
