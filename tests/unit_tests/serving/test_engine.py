@@ -1,0 +1,146 @@
+"""The serving engine on real worker processes: tokens equal transformers' greedy output in every mode.
+
+Tiny real checkpoints come from the serving fixtures (built with `transformers`). Each engine run
+starts real processes (attention and expert workers talking over the M2N communicator, or colocated
+workers with the gloo all-to-all), so the runs are few and tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from mbridge_epoverlap.serving.checkpoint import load_spec
+from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
+from mbridge_epoverlap.serving.requests import Request
+
+MAX_NEW = 6
+RECIPE = "qwen3_30b_a3b"
+
+# (checkpoint fixture, layout) pairs: every mode on Mixtral, the other modes on Qwen3-MoE (with its dense layer).
+MODES = [
+    ("tiny_mixtral_dir", dict(micro_batches=1)),
+    ("tiny_mixtral_dir", dict(micro_batches=2, max_batch=1)),  # continuous batching: requests wait and join
+    ("tiny_mixtral_dir", dict(micro_batches=3)),
+    ("tiny_mixtral_dir", dict(colocated=1)),  # the single-process engine
+    ("tiny_mixtral_dir", dict(colocated=2, order="two_batch_overlap")),
+    ("tiny_qwen3_moe_dir", dict(micro_batches=2, expert_workers=2, attn_workers=2)),
+    ("tiny_qwen3_moe_dir", dict(colocated=2, order="sequential", micro_batches=1)),
+]
+
+
+def _requests(prompts):
+    return [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+
+
+def _ids(mode):
+    checkpoint, layout = mode
+    return checkpoint.removeprefix("tiny_").removesuffix("_dir") + "-" + "-".join(f"{k}{v}" for k, v in layout.items())
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_ids)
+def test_engine_tokens_equal_transformers_greedy(request, mode, prompts, hf_greedy):
+    fixture, layout = mode
+    directory = request.getfixturevalue(fixture)
+    spec = load_spec(directory)
+    requests = _requests(prompts)
+    result = run_engine(make_plan(spec, requests, max_new_tokens=MAX_NEW, timeout_s=20, **layout))
+    expected = hf_greedy(directory, prompts, MAX_NEW)
+    assert [c["output_ids"] for c in result["completions"]] == expected
+    assert all(c["status"] == "ok" for c in result["completions"])
+    assert result["generated_tokens"] == sum(len(e) for e in expected)
+    assert result["predicted"]["tokens_per_s"] > 0 and result["stage_ms"]["experts"] > 0
+    for c in result["completions"]:
+        assert c["ttft_ms"] > 0 and len(c["tbt_ms"]) == len(c["output_ids"]) - 1
+    if layout.get("max_batch") == 1:
+        # One sequence at a time: each request waited for the one before it, and the steps add up.
+        ttft = [c["ttft_ms"] for c in result["completions"]]
+        assert ttft == sorted(ttft) and ttft[-1] > ttft[0]
+        assert result["decode_steps"] >= sum(len(e) for e in expected)
+
+
+def test_a_killed_expert_worker_stops_the_run_naming_it(prompts):
+    spec = load_spec(RECIPE)  # a recipe model has no EOS: every sequence runs to the limit, past the kill
+    assert not spec.eos_token_ids
+    plan = make_plan(spec, _requests(prompts), max_new_tokens=200, timeout_s=5, micro_batches=2)
+    shm_before = set(os.listdir("/dev/shm"))
+    pids: list[int] = []
+    killed = threading.Event()
+
+    def kill_expert(line: str) -> None:
+        if "decode step" in line and not killed.is_set():
+            os.kill(pids[plan.attn_workers], signal.SIGKILL)  # the first expert worker
+            killed.set()
+
+    start = time.monotonic()
+    with pytest.raises(EngineFailed) as failure:
+        run_engine(plan, progress=kill_expert, on_start=pids.extend, run_timeout_s=120)
+    assert killed.is_set()
+    assert time.monotonic() - start < 60
+    message = str(failure.value)
+    assert "expert worker 0 (rank 1) was killed by signal 9" in message
+    completions = failure.value.result["completions"]
+    assert len(completions) == len(prompts)
+    assert any(c["status"] == "failed" for c in completions)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+def test_serve_cli_json_and_bad_input_exit_2(tiny_mixtral_dir, tmp_path, capsys):
+    from mbridge_epoverlap.cli import main
+
+    good = tmp_path / "prompts.jsonl"
+    good.write_text(json.dumps({"id": "x", "prompt_ids": [5, 17, 42]}) + "\n")
+    base = ["serve", "--checkpoint", str(tiny_mixtral_dir), "--json"]
+    assert main(base + ["--prompts", str(good), "--max-new-tokens", "2", "--colocated", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["completions"][0]["id"] == "x" and len(out["completions"][0]["output_ids"]) <= 2
+    assert {"tokens_per_s", "machine", "predicted"} <= set(out)
+
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"id": 1, "prompt_ids": [1]}\nnot json\n')
+    out_of_vocab = tmp_path / "vocab.jsonl"
+    out_of_vocab.write_text(json.dumps({"id": "v", "prompt_ids": [1, 100000]}) + "\n")
+    cases = [
+        (["--prompts", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["--prompts", str(bad_json)], "line 2"),
+        (["--prompts", str(out_of_vocab)], "outside the vocabulary"),
+        (["--prompts", str(good), "--expert-workers", "9"], "--expert-workers 9"),
+    ]
+    for extra, needle in cases:
+        assert main(base + extra) == 2
+        assert needle in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tmp_path), "--prompts", str(good)]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_serve_bench_reports_and_matches_reference(tiny_qwen3_moe_dir, capsys):
+    from mbridge_epoverlap.cli import main
+
+    code = main(["serve-bench", "--checkpoint", str(tiny_qwen3_moe_dir), "--batch", "4", "--steps", "3",
+                 "--micro-batches", "2", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["matches_reference"] is True
+    assert out["batch"] == 4 and out["generated_tokens"] > 0
+    assert set(out["utilization"]) == {"attention", "expert"}
+    assert set(out["predicted"]["utilization"]) == {"attention", "expert"}
+    assert out["tbt_ms_p50"] is not None and out["machine"]["cpu"]
+
+
+def test_balanced_sizing_picks_the_closest_probe(tiny_mixtral_dir):
+    from mbridge_epoverlap.serving.bench import balanced_micro_batch
+
+    spec = load_spec(tiny_mixtral_dir)
+    best, probes = balanced_micro_batch(spec, attn_workers=1, expert_workers=1, candidates=(1, 4))
+    assert [p["micro_batch"] for p in probes] == [1, 4]
+    ratio = {p["micro_batch"]: abs(p["attn_ms"] / p["experts_ms"] - 1) for p in probes}
+    assert best in ratio
+    assert all(p["attn_ms"] > 0 and p["experts_ms"] > 0 for p in probes)
