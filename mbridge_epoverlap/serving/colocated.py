@@ -8,6 +8,7 @@ other's tokens travel. With one process (`--colocated 1`) this is the single-pro
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -63,10 +64,12 @@ class ColocatedWorker(AttentionWorker):
             if int(busy[0]) == 0:
                 break
             handles = split_micro_batches(self.queue.running, self.m)
+            started, before = time.perf_counter(), self._tokens_running()
             for index, step in enumerate(self.steps):
                 if self.beat is not None:
                     self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
                 self.handlers[(step.stage, step.phase)](handles[step.micro_batch], step.layer)
+            self._log_step(started, before)
             self.decode_steps += 1
             if self.progress is not None and self.decode_steps % 16 == 0:
                 self.progress(f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
@@ -107,6 +110,7 @@ class ColocatedWorker(AttentionWorker):
                         recv_counts)
 
             self._flight[h.index] = {"send": send, "dispatch": self._submit(job, "dispatch")}
+        h.issued_at = time.perf_counter()
 
     def _dispatch_wait(self, h: MicroBatchHandle, layer: int) -> None:
         if not self.spec.is_moe(layer):
@@ -144,6 +148,8 @@ class ColocatedWorker(AttentionWorker):
         with self.timer.time("combine_wait", record=not h.empty):
             flight = self._flight.pop(h.index)
             back = flight["back"].wait() if isinstance(flight["back"], _Flight) else flight["back"]
+        if not h.empty:
+            self.timer.record("round_trip", time.perf_counter() - h.issued_at)
         if h.empty:
             return
         tokens, k = h.attn.expert_ids.shape

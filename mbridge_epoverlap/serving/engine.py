@@ -152,6 +152,7 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
         "expert_workers": plan.expert_workers if plan.mode != COLOCATED else plan.processes,
         "completions": ordered, "generated_tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "decode_tokens_per_s": decode_rate(readers),
         "tbt_ms_p50": _percentile(tbts, 50), "tbt_ms_p99": _percentile(tbts, 99),
         "ttft_ms_p50": _percentile([c["ttft_ms"] for c in ordered if c["ttft_ms"] is not None], 50),
         "decode_steps": max((r.get("decode_steps", 0) for r in readers), default=0),
@@ -165,9 +166,29 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
         "attention": _utilization(readers, ("attn", "post", "dispatch")),
         "expert": _utilization(holders, ("experts",)),
     }
-    steps = max(result["decode_steps"], 1)
-    result["predicted"] = replay(plan, stages, tokens_per_step=tokens / steps)
+    result["predicted"] = replay(plan, stages, tokens_per_step=decode_tokens_per_step(readers))
     return result
+
+
+def decode_rate(readers: Sequence[dict[str, Any]]) -> float:
+    """Steady decode throughput: the attention workers' token rates over their steps after the first
+    (which holds the prefills), summed (they decode side by side)."""
+    total = 0.0
+    for r in readers:
+        log = r.get("step_log", [])[1:]
+        seconds, tokens = sum(s for s, _ in log), sum(t for _, t in log)
+        total += tokens / seconds if seconds > 0 else 0.0
+    return total
+
+
+def decode_tokens_per_step(readers: Sequence[dict[str, Any]]) -> float:
+    """Tokens one decode step produces over all attention workers (steps after the first, averaged)."""
+    total = 0.0
+    for r in readers:
+        log = r.get("step_log", [])
+        steady = log[1:] or log
+        total += statistics.fmean(t for _, t in steady) if steady else 0.0
+    return total
 
 
 def arrival_order(plan: EnginePlan) -> list[str]:

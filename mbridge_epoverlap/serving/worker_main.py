@@ -135,6 +135,7 @@ def _report(worker: Any, queue: Any, *, failed: bool = False) -> dict[str, Any]:
         report["stages"] = timer.summary()
     if queue is not None:
         report["completions"] = queue.completions(failed=failed)
+        report["step_log"] = getattr(worker, "step_log", [])
     return report
 
 

@@ -133,6 +133,14 @@ class AttentionWorker:
         self.decode_steps = 0
         self.stop = False
         self.active = False
+        self.step_log: list[tuple[float, int]] = []  # (seconds, tokens generated) of each decode step
+
+    def _log_step(self, started: float, tokens_before: int) -> None:
+        tokens = sum(len(s.output_ids) for s in self.queue.running) - tokens_before
+        self.step_log.append((time.perf_counter() - started, tokens))
+
+    def _tokens_running(self) -> int:
+        return sum(len(s.output_ids) for s in self.queue.running)
 
     def run(self) -> None:
         """Decode until every attention worker is out of requests."""
@@ -144,6 +152,7 @@ class AttentionWorker:
                 self.cache.add(seq.slot)
             self.active = bool(self.queue.running)
             handles = split_micro_batches(self.queue.running, self.m)
+            started, before = time.perf_counter(), self._tokens_running()
             for index, step in enumerate(self.steps):
                 if self.beat is not None:
                     self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
@@ -151,6 +160,7 @@ class AttentionWorker:
             for h in handles:
                 for work in h.sends:
                     work.wait(self.timeout_s)
+            self._log_step(started, before)
             self.decode_steps += 1
             if self.progress is not None and self.decode_steps % 16 == 0:
                 done = len(self.queue.done) + sum(s.finished for s in self.queue.running)
