@@ -126,6 +126,10 @@ class GroupedExperts(torch.nn.Module):
         return _GroupedSwiGLU.apply(x.contiguous(), self.w1, self.w2, list(tokens_per_expert),
                                     store or default_store())
 
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Rows x: [n, hidden] through local expert `expert` alone (inference; no weight-gradient split)."""
+        return F.linear(_swiglu(F.linear(x, self.w1[expert])), self.w2[expert])
+
 
 class SwiGLUMLP(torch.nn.Module):
     """A dense SwiGLU MLP (shared expert, or the MLP of a dense layer)."""
