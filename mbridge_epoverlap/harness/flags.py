@@ -14,7 +14,7 @@ from typing import Any
 
 GPUS = ("cpu", "a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300")
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
-TASKS = ("pretrain", "sft")
+TASKS = ("pretrain", "sft", "serve_bench")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
@@ -181,7 +181,8 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                       help="model family (qwen, deepseek, mixtral, dbrx); checked against the recipe")
     what.add_argument("-mr", "--model_recipe_name", default=None,
                       help="recipe name (e.g. qwen3_30b_a3b) or FILE.py[:FUNCTION]; default: the family's first")
-    what.add_argument("--task", choices=TASKS, default="pretrain", help="pretrain or sft (default: pretrain)")
+    what.add_argument("--task", choices=TASKS, default="pretrain",
+                      help="pretrain, sft, or serve_bench (the serving bench, roles by rank); default: pretrain")
     what.add_argument("-g", "--gpu", type=str.lower, choices=GPUS, default=None,
                       help="target GPU; cpu runs the reference runtime in CPU processes (default: cpu)")
     what.add_argument("-c", "--compute_dtype", type=str.lower, choices=COMPUTE_DTYPES, default=UNSET,
@@ -198,6 +199,10 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
 
     shape = parser.add_argument_group("batch shape and parallel layout")
     shape.add_argument("-gb", "--global_batch_size", type=_positive_int, default=UNSET)
+    shape.add_argument("--attn_workers", type=_positive_int, default=1,
+                       help="--task serve_bench: attention workers (ranks 0..A-1; the other ranks are expert workers)")
+    shape.add_argument("--micro_batches", type=_positive_int, default=2,
+                       help="--task serve_bench: micro-batches in flight (ping-pong)")
     shape.add_argument("-mb", "--micro_batch_size", type=_positive_int, default=UNSET)
     shape.add_argument("-sl", "--seq_length", type=_positive_int, default=UNSET)
     shape.add_argument("-tp", "--tensor_model_parallel_size", type=_positive_int, default=UNSET)

@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.harness.resolve import resolve
     from mbridge_epoverlap.harness.stats import clip_window, parse_window
 
+    if args.task == "serve_bench":
+        from mbridge_epoverlap.harness.executors.slurm_serve import run_serve_bench
+
+        return run_serve_bench(args)
     args.gpu = args.gpu or "cpu"
     executor = args.executor or ("local" if args.gpu == "cpu" else "slurm")
     _check_combinations(args, executor)

@@ -1,0 +1,138 @@
+"""`run_script.py --task serve_bench`: the serving bench as one Slurm job, roles placed by rank.
+
+srun starts one serving worker per task (`mbridge_epoverlap.serving.worker_main`): ranks 0..A-1 are the
+attention workers and ranks A..A+E-1 the expert workers (`serving.plan.EnginePlan.role_of`); they meet
+at the first node's address. One node uses the shared-memory M2N backend, more nodes the `torch`
+point-to-point one. The job then merges the workers' reports and checks every token against the
+single-process reference (`mbridge_epoverlap.serving.collect`). `--executor local` runs the same bench
+on local processes.
+
+Flags: `-mr` recipe, `-ng` workers (A+E), `-gn` workers per node, `--attn_workers A`, `--micro_batches M`,
+`-gb` sequences, `-ms` tokens per sequence, `--results_json`, `--dryrun` (print the sbatch script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from mbridge_epoverlap.errors import EXIT_OK, RunFailedError, UsageError
+from mbridge_epoverlap.harness.executors.slurm_script import MARKER, JobShape, ScriptOptions, sbatch_header
+
+DEFAULT_RECIPE = "qwen3_30b_a3b"
+
+
+def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: ScriptOptions, *, attn_workers: int,
+                        results: Path) -> str:
+    """The sbatch script: srun the workers (role by rank), then collect."""
+    q = shlex.quote
+    out_dir = opts.job_dir / "workers"
+
+    class _Exp:  # what the shared header reads
+        recipe = "serve-bench"
+
+    lines = sbatch_header(_Exp(), shape, opts)  # type: ignore[arg-type]
+    lines += [
+        "#",
+        f"# mbridge-epoverlap serve-bench: ranks 0..{attn_workers - 1} attention workers, ranks {attn_workers}.."
+        f"{world - 1} expert workers",
+        "set -euo pipefail",
+        f"JOB_DIR={q(str(opts.job_dir))}",
+        f'PYTHON="${{MBRIDGE_EPOVERLAP_PYTHON:-{opts.python}}}"',
+        f'export PYTHONPATH={q(str(opts.repo_root))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "export MASTER_ADDR",
+        "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        f'log() {{ echo "{MARKER} $*"; }}',
+        f"mkdir -p {q(str(out_dir))}",
+        'log "serve-bench: start (port $MASTER_PORT)"',
+        f"srun --ntasks={world} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 \\",
+        "  bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec \"$@\"' "
+        f'rank "$PYTHON" -m mbridge_epoverlap.serving.worker_main --plan {q(str(plan_path))} --out {q(str(out_dir))}',
+        'log "serve-bench: workers done; collecting"',
+        f'"$PYTHON" -m mbridge_epoverlap.serving.collect --plan {q(str(plan_path))} --out {q(str(out_dir))} '
+        f"--results {q(str(results))}",
+        f"log {q('results written to ' + str(results))}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    """The harness's serve_bench task (local processes or one Slurm job)."""
+    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, job_shape, require_tool
+    from mbridge_epoverlap.harness.flags import given
+    from mbridge_epoverlap.serving.bench import synthetic_requests
+    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.engine import make_plan
+
+    executor = args.executor or "local"
+    if args.gpu not in (None, "cpu"):
+        raise UsageError(f"--task serve_bench runs the CPU serving engine; drop -g {args.gpu} (or use -g cpu)")
+    world = args.num_gpus if given(args, "num_gpus") else 2
+    attn = args.attn_workers
+    if attn >= world:
+        raise UsageError(f"--attn_workers {attn} leaves no expert worker among -ng {world} workers; "
+                         f"use --attn_workers at most {world - 1}")
+    per_node = args.gpus_per_node if given(args, "gpus_per_node") else world
+    shape = job_shape(world, per_node, gpus=False)
+    recipe = args.model_recipe_name or DEFAULT_RECIPE
+    batch = args.global_batch_size if given(args, "global_batch_size") else 8
+    steps = args.max_steps if given(args, "max_steps") else 8
+    spec = load_spec(recipe)
+    requests = synthetic_requests(batch, spec.vocab_size)
+    plan = make_plan(spec, requests, attn_workers=attn, expert_workers=world - attn, micro_batches=args.micro_batches,
+                     max_new_tokens=steps, max_batch=batch, backend="m2n" if shape.nodes == 1 else "torch",
+                     timeout_s=60.0)
+    results_path = Path(args.results_json or Path("results") / f"{recipe}_serve_bench_ng{world}.json").resolve()
+    if executor == "local":
+        return _local(plan, spec, requests, steps, results_path, dry=args.dryrun)
+    if not args.dryrun:
+        require_tool("sbatch")
+    job_dir = results_path.with_suffix(".slurm")
+    job_dir.mkdir(parents=True, exist_ok=True)
+    opts = ScriptOptions(job_dir=job_dir, repo_root=Path(__file__).resolve().parents[3], python=sys.executable,
+                         time_limit=args.time_limit, account=args.account, partition=args.partition)
+    plan_path = job_dir / "plan.json"
+    plan_path.write_text(plan.to_json())
+    text = render_serve_script(plan_path, world, shape, opts, attn_workers=attn, results=results_path)
+    script = job_dir / "job.sbatch"
+    script.write_text(text)
+    if args.dryrun:
+        print(text, end="")
+        print(f"dry run: sbatch script written to {script} (not submitted)", file=sys.stderr)
+        return EXIT_OK
+    slurm = SlurmExecutor(opts, shape, poll_s=2.0, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    files = JobFiles(job_dir, script, plan_path, text)
+    job_id = slurm.submit(files)
+    log = job_dir / f"slurm-{job_id}.out"
+    print(f"[slurm] submitted job {job_id}; log {log}", file=sys.stderr, flush=True)
+    status = slurm.follow(job_id, log)
+    if status.state != "COMPLETED" or not results_path.is_file():
+        raise RunFailedError(slurm._failure(job_id, status, log, results_path))
+    return _report(json.loads(results_path.read_text()), results_path)
+
+
+def _local(plan: Any, spec: Any, requests: Any, steps: int, results_path: Path, *, dry: bool) -> int:
+    from mbridge_epoverlap.serving.bench import machine, matches_reference
+    from mbridge_epoverlap.serving.engine import run_engine
+
+    if dry:
+        print(plan.to_json())
+        return EXIT_OK
+    result = run_engine(plan, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    result["matches_reference"] = matches_reference(spec, requests, result["completions"], steps)
+    result["machine"] = machine()
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(result, indent=1))
+    return _report(result, results_path)
+
+
+def _report(result: dict[str, Any], path: Path) -> int:
+    print(f"serve-bench: {result['tokens_per_s']:.1f} tokens/s, TBT p50 {result['tbt_ms_p50']} ms, matches "
+          f"reference {result['matches_reference']}\nresults: {path}")
+    return EXIT_OK if result["matches_reference"] else 1
