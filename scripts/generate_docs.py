@@ -51,7 +51,9 @@ README = ROOT / "README.md"
 SKILL_MD = SKILL_DIR / "SKILL.md"
 CARD_YAML = SKILL_DIR / "card.yaml"
 TRAINING_DOC = ROOT / "docs" / "training" / "communication-overlap.md"
-DOC_FILES: tuple[Path, ...] = (README, SKILL_MD, CARD_YAML, TRAINING_DOC)
+SERVING_DOC = ROOT / "docs" / "serving" / "disaggregated-serving.md"
+DOC_FILES: tuple[Path, ...] = (README, SKILL_MD, CARD_YAML, TRAINING_DOC, SERVING_DOC)
+SERVING_RESULTS_JSON = ROOT / "docs" / "results" / "serving_bench.json"
 RESULTS_JSON = ROOT / "docs" / "results" / "cpu_ab.json"
 IMG_DIR = ROOT / "docs" / "training" / "img"
 GANTT_1F1B = IMG_DIR / "combined_1f1b_gantt.png"
@@ -755,6 +757,46 @@ def render_serving_modules() -> str:
     return text
 
 
+def render_stage_table() -> str:
+    from mbridge_epoverlap.schedule.program import STAGES, Kind
+
+    rows = []
+    for stage in STAGES.values():
+        needs = ", ".join(f"{n.stage} ({n.where.value} layer)" for n in stage.needs) or "-"
+        if stage.kind is Kind.COMM:
+            where = (f"issued by {stage.role.value}, waited by {stage.to_role.value}" if stage.to_role
+                     else "one process (training)")
+        else:
+            where = stage.role.value if stage.direction.value == "F" else "one process (training)"
+        rows.append([_code(stage.name), stage.kind.value, "forward" if stage.direction.value == "F" else "backward",
+                     needs, where])
+    return ("The stage table (`mbridge_epoverlap.schedule.program.STAGES`): `check_schedule`, the simulator, the "
+            "training executor and the serving workers all derive their dependencies and roles from it. "
+            "`previous layer` is the layer below going forward and the layer above going backward; `turn` "
+            "applies where backward starts (the top layer).\n\n"
+            + _table(["stage", "kind", "direction", "needs", "disaggregated serving: runs on"], rows))
+
+
+def render_serving_results() -> str:
+    if not SERVING_RESULTS_JSON.is_file():
+        return ("Not yet measured: `python benchmarks/serving_bench.py --json docs/results/serving_bench.json` "
+                "writes the figures this block shows.\n")
+    doc = json.loads(SERVING_RESULTS_JSON.read_text(encoding="utf-8"))
+    m = doc["machine"]
+    rows = [[name, f"{c['tokens_per_s']:.1f}", f"{c['predicted_tokens_per_s']:.1f}",
+             f"{c['utilization']['attention']:.0%} / {c['utilization']['expert']:.0%}", f"{c['tbt_ms_p50']:.1f}",
+             "yes" if c["matches_reference"] else "no"] for name, c in doc["cases"].items()]
+    r = doc["ratios"]
+    return (f"`python benchmarks/serving_bench.py` on {m['cpu']} ({m['cores']} cores, avx512_bf16="
+            f"{m['avx512_bf16']}, amx_bf16={m['amx_bf16']}), a shared machine: provisional figures. "
+            f"{doc['batch']} sequences, 1 attention + 1 expert worker (colocated: 2 processes); medians of "
+            f"{doc.get('repeats', 'several')} interleaved repeats.\n\n"
+            + _table(["case", "decode tokens/s", "predicted (replay)", "utilization attention / expert",
+                      "TBT p50 (ms)", "tokens = reference"], rows)
+            + f"\nm=2 / m=1: {r['m2_over_m1']:.2f}x (target >= 1.7); m=3 / m=2: {r['m3_over_m2']:.2f}x (target >= "
+              f"0.95); disaggregated m=2 / colocated: {r['disaggregated_m2_over_colocated']:.2f}x.\n")
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "rules": render_rules,
     "diagnosis": render_diagnosis,
@@ -770,6 +812,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "schedule_sim": render_schedule_sim,
     "pingpong_sim": render_pingpong_sim,
     "serving_modules": render_serving_modules,
+    "stage_table": render_stage_table,
+    "serving_results": render_serving_results,
 }
 
 

@@ -37,7 +37,7 @@ def _load_generator():
 
 gen = _load_generator()
 
-MARKDOWN_FILES = (gen.README, gen.SKILL_MD, gen.TRAINING_DOC)
+MARKDOWN_FILES = (gen.README, gen.SKILL_MD, gen.TRAINING_DOC, gen.SERVING_DOC)
 CARD_KEYS = ("title", "validated_on", "summary", "validation_status", "enable_when", "avoid_when", "interactions",
              "config_keys", "recommended_path", "expected_metric_change", "minimal_example", "failure_modes",
              "known_constraints", "known_limitations", "evidence")
@@ -47,6 +47,7 @@ REQUIRED_BLOCKS = {
     gen.SKILL_MD: {"diagnosis", "rules", "run_script_flags", "results", "flex_support"},
     gen.CARD_YAML: {"failure_modes", "results_yaml"},
     gen.TRAINING_DOC: {"diagnosis", "rules", "run_script_flags", "cli", "results", "schedule_sim", "pingpong_sim"},
+    gen.SERVING_DOC: {"stage_table", "serving_modules", "serving_results"},
 }
 SHELL_FENCES = ("", "bash", "sh", "shell", "console")
 
@@ -185,7 +186,7 @@ def check_cli(argv: list[str]) -> None:
     `validate`, `simulate` (without writing its picture) and `plan` run as a user would run them: a
     usage error (unknown key, bad value, unknown model or GPU) fails the test, and so does a `validate`
     example that finds errors (exit 1): examples in code blocks show configs that work. `profile`
-    needs traces, so only its options are checked.
+    needs traces and `serve`/`serve-bench` start worker processes, so only their options are checked.
     """
     from mbridge_epoverlap.errors import UsageError
 
@@ -196,6 +197,8 @@ def check_cli(argv: list[str]) -> None:
             from mbridge_epoverlap.profiling.window import parse_window
 
             parse_window(args.window)
+            return
+        if args.command in ("serve", "serve-bench"):
             return
         if args.command == "simulate":
             args.png = None  # the docs' pictures are drawn by `generate_docs.py --images`, not by tests
