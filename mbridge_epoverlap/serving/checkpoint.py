@@ -283,24 +283,24 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
     """Every tensor the model reads exists, with the shape the config implies and a float dtype."""
     from safetensors import safe_open
 
-    wanted = [part for source in all_sources(spec) for part in source.parts]
-    missing = [name for name, _ in wanted if name not in files]
+    wanted = [(name, shape, source.fields) for source in all_sources(spec) for name, shape in source.parts]
+    missing = [name for name, _, _ in wanted if name not in files]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise UsageError(f"{directory}: the *.safetensors files lack {len(missing)} tensor(s) that {CONFIG} "
                          f"({spec.architecture}) implies: {shown}")
-    by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, shape in wanted:
-        by_file.setdefault(files[name], []).append((name, shape))
+    by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[str, ...]]]] = {}
+    for name, shape, fields in wanted:
+        by_file.setdefault(files[name], []).append((name, shape, fields))
     for file_name, tensors in by_file.items():
         with safe_open(str(directory / file_name), framework="pt") as handle:
-            for name, shape in tensors:
+            for name, shape, fields in tensors:
                 view = handle.get_slice(name)
                 found, dtype = tuple(view.get_shape()), view.get_dtype()
                 if found != shape:
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has shape {list(found)}, but "
-                                     f"{CONFIG} implies {list(shape)} (check hidden_size, heads, head_dim, "
-                                     "expert and FFN sizes)")
+                                     f"{CONFIG} implies {list(shape)} from its fields "
+                                     f"{', '.join(repr(f) for f in fields)}")
                 if dtype not in FLOAT_DTYPES:
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has dtype {dtype}; "
                                      f"expected one of {', '.join(FLOAT_DTYPES)}")
