@@ -239,3 +239,13 @@ def test_tokenizer_json_gives_text_prompts(tiny_mixtral_dir, tmp_path) -> None:
     (directory / "tokenizer.json").write_text("{broken")
     with pytest.raises(UsageError, match="tokenizer.json"):
         load_tokenizer(spec)
+
+
+def test_sharded_checkpoint_loads_across_files(tiny_mixtral_dir, tmp_path, prompts) -> None:
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_mixtral_dir).save_pretrained(sharded, max_shard_size="40KB")
+    spec = load_spec(sharded)
+    assert len(set(spec.file_of().values())) > 1
+    assert generate_reference(spec, prompts, 6) == generate_reference(load_spec(tiny_mixtral_dir), prompts, 6)
