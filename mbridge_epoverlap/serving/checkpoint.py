@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.hf_layout import ARCHITECTURES, MIXTRAL, QWEN3_MOE, all_sources
 from mbridge_epoverlap.serving.spec import DTYPES, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -316,7 +319,7 @@ class CheckpointReader:
         self.files = spec.file_of()
         self._handles: dict[str, Any] = {}
 
-    def get(self, name: str):  # noqa: ANN201 (torch is imported lazily)
+    def get(self, name: str) -> torch.Tensor:
         """The tensor `name` as stored (dtype converted by the caller)."""
         from safetensors import safe_open
 
