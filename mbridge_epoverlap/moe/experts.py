@@ -126,10 +126,6 @@ class GroupedExperts(torch.nn.Module):
         return _GroupedSwiGLU.apply(x.contiguous(), self.w1, self.w2, list(tokens_per_expert),
                                     store or default_store())
 
-    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """Rows x: [n, hidden] through local expert `expert` alone (inference; no weight-gradient split)."""
-        return F.linear(_swiglu(F.linear(x, self.w1[expert])), self.w2[expert])
-
 
 class SwiGLUMLP(torch.nn.Module):
     """A dense SwiGLU MLP (shared expert, or the MLP of a dense layer)."""
@@ -141,3 +137,9 @@ class SwiGLUMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(_swiglu(self.fc1(x)))
+
+
+def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert for inference (no weight-gradient split): x [n, hidden], w1 [2*ffn, hidden] (gate rows, then
+    up), w2 [hidden, ffn] -> [n, hidden]."""
+    return F.linear(_swiglu(F.linear(x, w1)), w2)

@@ -104,12 +104,16 @@ class MoEGPT(torch.nn.Module):
                 if self.is_expert_parameter(name):
                     first = self.ep_rank * param.shape[0]
                     for e in range(param.shape[0]):
-                        param[e].copy_(seeded_normal(param.shape[1:], std, f"{seed}/{name}/expert{first + e}"))
+                        param[e].copy_(_normal(param.shape[1:], std, f"{seed}/{name}/expert{first + e}"))
                 else:
-                    param.copy_(seeded_normal(param.shape, std, f"{seed}/{name}"))
+                    param.copy_(_normal(param.shape, std, f"{seed}/{name}"))
+
+
+def _normal(shape: Any, std: float, key: str) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=generator)
 
 
 def seeded_normal(shape: Any, std: float, key: str) -> torch.Tensor:
-    """N(0, std) fp32 values drawn from a generator seeded by `key` alone (same tensor in every process)."""
-    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-    return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=generator)
+    """N(0, std) fp32 values drawn from a generator seeded by `key` alone (the same tensor in every process)."""
+    return _normal(shape, std, key)

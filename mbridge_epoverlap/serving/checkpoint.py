@@ -16,11 +16,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.hf_layout import ARCHITECTURES, MIXTRAL, QWEN3_MOE, all_sources
 from mbridge_epoverlap.serving.spec import DTYPES, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -283,24 +286,24 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
     """Every tensor the model reads exists, with the shape the config implies and a float dtype."""
     from safetensors import safe_open
 
-    wanted = [part for source in all_sources(spec) for part in source.parts]
-    missing = [name for name, _ in wanted if name not in files]
+    wanted = [(name, shape, source.fields) for source in all_sources(spec) for name, shape in source.parts]
+    missing = [name for name, _, _ in wanted if name not in files]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise UsageError(f"{directory}: the *.safetensors files lack {len(missing)} tensor(s) that {CONFIG} "
                          f"({spec.architecture}) implies: {shown}")
-    by_file: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, shape in wanted:
-        by_file.setdefault(files[name], []).append((name, shape))
+    by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[str, ...]]]] = {}
+    for name, shape, fields in wanted:
+        by_file.setdefault(files[name], []).append((name, shape, fields))
     for file_name, tensors in by_file.items():
         with safe_open(str(directory / file_name), framework="pt") as handle:
-            for name, shape in tensors:
+            for name, shape, fields in tensors:
                 view = handle.get_slice(name)
                 found, dtype = tuple(view.get_shape()), view.get_dtype()
                 if found != shape:
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has shape {list(found)}, but "
-                                     f"{CONFIG} implies {list(shape)} (check hidden_size, heads, head_dim, "
-                                     "expert and FFN sizes)")
+                                     f"{CONFIG} implies {list(shape)} from its fields "
+                                     f"{', '.join(repr(f) for f in fields)}")
                 if dtype not in FLOAT_DTYPES:
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has dtype {dtype}; "
                                      f"expected one of {', '.join(FLOAT_DTYPES)}")
@@ -316,7 +319,7 @@ class CheckpointReader:
         self.files = spec.file_of()
         self._handles: dict[str, Any] = {}
 
-    def get(self, name: str):  # noqa: ANN201 (torch is imported lazily)
+    def get(self, name: str) -> torch.Tensor:
         """The tensor `name` as stored (dtype converted by the caller)."""
         from safetensors import safe_open
 

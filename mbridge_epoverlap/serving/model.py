@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.moe.attention import SelfAttention, cached_attention
-from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP
+from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP, expert_swiglu
 from mbridge_epoverlap.moe.model import seeded_normal
 from mbridge_epoverlap.moe.norm import LayerNorm, RMSNorm
 from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
@@ -196,7 +196,7 @@ class ExpertPart(torch.nn.Module):
         out = tokens.new_empty(tokens.shape)
         for e in torch.unique(local).tolist():
             rows = (local == e).nonzero().squeeze(1)
-            out[rows] = experts.expert_forward(e, tokens[rows])
+            out[rows] = expert_swiglu(tokens[rows], experts.w1[e], experts.w2[e])
         return out
 
 

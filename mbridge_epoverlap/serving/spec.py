@@ -7,6 +7,10 @@ then loads only its own tensors (`serving.model.load_attention_part` / `load_exp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPES = ("float32", "bfloat16")
 
@@ -74,7 +78,7 @@ class ModelSpec:
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
 
-    def torch_dtype(self):  # noqa: ANN201 (torch is imported lazily)
+    def torch_dtype(self) -> torch.dtype:
         import torch
 
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
