@@ -100,8 +100,11 @@ def handle_serve(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.requests import load_prompts
 
     spec = load_spec(_source(args), dtype=args.dtype)
-    tokenizer = _tokenizer(args.checkpoint)
-    requests = load_prompts(args.prompts, vocab_size=spec.vocab_size, tokenizer=tokenizer)
+    from mbridge_epoverlap.serving.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(spec)
+    requests = load_prompts(args.prompts, vocab_size=spec.vocab_size,
+                            tokenizer=tokenizer.encode if tokenizer is not None else None)
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
@@ -153,18 +156,6 @@ def handle_bench(args: argparse.Namespace) -> int:
         result.pop("completions")
     _print(result, args.json, _bench_table)
     return code
-
-
-def _tokenizer(checkpoint: Path | None) -> Any:
-    """A prompt-text tokenizer where the checkpoint has one and `tokenizers` is installed."""
-    if checkpoint is None or not (checkpoint / "tokenizer.json").is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        return None
-    tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    return lambda text: tok.encode(text).ids
 
 
 def _print(result: dict[str, Any], as_json: bool, table: Any) -> None:
