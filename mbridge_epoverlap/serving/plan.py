@@ -78,14 +78,15 @@ class EnginePlan:
             return Role.ATTENTION, rank
         return Role.EXPERT, rank - self.attn_workers
 
+    def role_name(self, rank: int) -> str:
+        """"attention worker 0", "expert worker 1", "colocated worker 2"."""
+        role, index = self.role_of(rank)
+        kind = "colocated worker" if role is None else f"{role.value} worker"
+        return f"{kind} {index}"
+
     def rank_names(self) -> dict[int, str]:
-        """How failure messages name each rank."""
-        names = {}
-        for rank in range(self.world):
-            role, index = self.role_of(rank)
-            kind = "colocated worker" if role is None else f"{role.value} worker"
-            names[rank] = f"{kind} {index} (rank {rank})"
-        return names
+        """How failure messages name each rank: role, index and rank."""
+        return {rank: f"{self.role_name(rank)} (rank {rank})" for rank in range(self.world)}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

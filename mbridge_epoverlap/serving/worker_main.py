@@ -37,11 +37,8 @@ def _write(path: Path, payload: dict[str, Any]) -> None:
 
 def _is_peer_failure(exc: BaseException) -> bool:
     from mbridge_epoverlap.comm.errors import CommError
+    from mbridge_epoverlap.comm.m2n.base import PeerError
 
-    try:
-        from mbridge_epoverlap.comm.m2n import PeerError
-    except ImportError:  # pragma: no cover - the communicator is part of the package
-        PeerError = CommError  # noqa: N806
     return isinstance(exc, CommError | PeerError)
 
 
@@ -120,7 +117,9 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
     rank = dist.get_rank()
     peers = plan.expert_ranks if role is Role.ATTENTION else plan.attention_ranks
     comm = make_communicator(plan.backend, rank=rank, peers=peers, store=dist.PrefixStore("m2n", store),
-                             slot_bytes=plan.slot_bytes, slots=plan.micro_batches + 1, timeout_s=plan.timeout_s)
+                             slot_bytes=plan.slot_bytes, slots=plan.micro_batches + 1, timeout_s=plan.timeout_s,
+                             roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
+                             single_host=plan.backend != "torch")
     if role is Role.ATTENTION:
         return AttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue, comm,
                                plan.expert_ranks, placement, plan.micro_batches, plan.timeout_s, beat, progress)
