@@ -1,0 +1,98 @@
+"""In-process pieces of the serving engine: placement table, prompts, continuous batching, roles, replay."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.schedule.program import FORWARD_STAGES, Role
+from mbridge_epoverlap.schedule.serving_orders import ping_pong
+from mbridge_epoverlap.serving.placement import Placement
+from mbridge_epoverlap.serving.plan import EnginePlan
+from mbridge_epoverlap.serving.requests import Request, RequestQueue, load_prompts
+
+
+def test_placement_is_a_table_and_rejects_what_cannot_run():
+    table = Placement.balanced(10, 3)
+    assert table.owner == (0, 0, 0, 0, 1, 1, 1, 2, 2, 2)
+    assert table.experts_of(1) == [4, 5, 6]
+    custom = Placement.from_list([2, 0, 1, 0], 3)  # any table, not arithmetic on ids
+    assert custom.experts_of(0) == [1, 3]
+    with pytest.raises(UsageError, match="more than the model's 4 experts"):
+        Placement.balanced(4, 5)
+    with pytest.raises(UsageError, match="without an expert"):
+        Placement.from_list([0, 0], 2)
+    with pytest.raises(UsageError, match="outside 0..1"):
+        Placement.from_list([0, 2], 2)
+
+
+def test_load_prompts_names_the_line_and_field(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt_ids": [1, 2]}\n\n{"prompt_ids": [3]}\n')
+    requests = load_prompts(path, vocab_size=10)
+    assert requests == [Request("a", (1, 2)), Request("1", (3,))]
+    for text, needle in [('{"id": "a", "prompt_ids": []}', "non-empty list"),
+                         ('{"id": "a"}', 'missing "prompt_ids"'),
+                         ('{"id": "a", "prompt": "hi"}', "needs a checkpoint with a tokenizer"),
+                         ('{"id": "a", "prompt_ids": [1]}\n{"id": "a", "prompt_ids": [2]}', "appears twice"),
+                         ("[1, 2]", "expected an object"), ("", "no requests")]:
+        path.write_text(text + "\n")
+        with pytest.raises(UsageError, match=needle):
+            load_prompts(path, vocab_size=10)
+    path.write_text(json.dumps({"id": "t", "prompt": "hi"}) + "\n")
+    assert load_prompts(path, vocab_size=10, tokenizer=lambda text: [len(text)])[0].prompt_ids == (2,)
+
+
+def test_queue_admits_at_step_boundaries_and_retires_finished_ones():
+    queue = RequestQueue([Request(str(i), (1,)) for i in range(3)], max_batch=2, max_new_tokens=2, eos_ids=[9])
+    admitted, _ = queue.step_boundary()
+    assert [s.request.id for s in admitted] == ["0", "1"] and len(queue.waiting) == 1
+    first, second = queue.running
+    queue.append_token(first, 9)  # EOS: done after one token (kept in the output)
+    queue.append_token(second, 4)
+    admitted, retired = queue.step_boundary()
+    assert [s.request.id for s in retired] == ["0"] and [s.request.id for s in admitted] == ["2"]
+    queue.append_token(second, 5)  # the token limit
+    assert second.finished
+    results = {c["id"]: c for c in queue.completions(failed=True)}
+    assert results["0"]["output_ids"] == [9] and results["0"]["status"] == "ok"
+    assert results["1"]["status"] == "ok" and len(results["1"]["tbt_ms"]) == 1
+    assert results["2"]["status"] == "failed" and results["2"]["ttft_ms"] is None
+
+
+def test_roles_split_the_ping_pong_order_as_the_stage_table_says():
+    from mbridge_epoverlap.serving.workers import role_steps
+
+    order = ping_pong(3, 2)
+    attention, expert = role_steps(order, Role.ATTENTION), role_steps(order, Role.EXPERT)
+    assert len(attention) + len(expert) == len(order)
+    assert {s.stage for s in expert} == {"dispatch", "experts", "combine"}
+    assert {(s.stage, s.phase.value) for s in expert} == {("dispatch", "wait"), ("experts", "run"),
+                                                          ("combine", "issue")}
+    # Each role's steps keep the order's relative order.
+    assert attention == [s for s in order if s in set(attention)]
+    assert all(stage.role in (Role.ATTENTION, Role.EXPERT) for stage in FORWARD_STAGES)
+
+
+def test_plan_places_roles_by_rank_and_round_trips():
+    plan = EnginePlan(source="qwen3_30b_a3b", attn_workers=2, expert_workers=3, placement=(0, 1, 2),
+                      requests=(({"id": "a", "prompt_ids": [1]},), ()))
+    assert plan.world == 5 and plan.attention_ranks == [0, 1] and plan.expert_ranks == [2, 3, 4]
+    assert plan.rank_names()[3] == "expert worker 1 (rank 3)"
+    assert EnginePlan.from_json(plan.to_json()) == plan
+    colocated = EnginePlan(source="x", mode="colocated", processes=2)
+    assert colocated.world == 2 and colocated.role_of(1) == (None, 1)
+
+
+def test_replay_of_balanced_stages_predicts_the_ping_pong_gain():
+    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.engine import make_plan, replay
+
+    spec = load_spec("qwen3_30b_a3b")
+    requests = [Request("a", (1, 2))]
+    stages = {"attn": 1.0, "experts": 1.0, "post": 0.0, "dispatch": 0.1, "combine": 0.1}
+    one, two = (replay(make_plan(spec, requests, micro_batches=m), stages, tokens_per_step=m) for m in (1, 2))
+    assert two["tokens_per_s"] / one["tokens_per_s"] > 1.5
+    assert one["utilization"]["attention"] < 0.5 < two["utilization"]["attention"]
