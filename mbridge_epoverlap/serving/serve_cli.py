@@ -90,7 +90,8 @@ def _source(args: argparse.Namespace) -> str:
 
 
 def _progress(args: argparse.Namespace) -> Any:
-    return None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    """Progress of long runs on stderr (stdout carries the result, JSON or table)."""
+    return lambda line: print(f"  {line}", file=sys.stderr, flush=True)
 
 
 def handle_serve(args: argparse.Namespace) -> int:
