@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
           f"(target >= 0.95)   disaggregated m=2 / colocated (2 processes): "
           f"{ratios['disaggregated_m2_over_colocated']:.2f}x  (medians of per-repeat ratios)")
     if args.json is not None:
+        command = "python benchmarks/serving_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
         args.json.write_text(json.dumps({"machine": m_info, "batch": batch, "micro_batch": micro, "probes": probes,
+                                         "repeats": args.repeats, "steps": args.steps, "command": command,
                                          "cases": summary, "ratios": ratios}, indent=1))
     return 0
 
