@@ -787,7 +787,8 @@ def render_serving_results() -> str:
              f"{c['utilization']['attention']:.0%} / {c['utilization']['expert']:.0%}", f"{c['tbt_ms_p50']:.1f}",
              "yes" if c["matches_reference"] else "no"] for name, c in doc["cases"].items()]
     r = doc["ratios"]
-    return (f"`python benchmarks/serving_bench.py` on {m['cpu']} ({m['cores']} cores, avx512_bf16="
+    command = doc.get("command", "python benchmarks/serving_bench.py")
+    return (f"`{command}` on {m['cpu']} ({m['cores']} cores, avx512_bf16="
             f"{m['avx512_bf16']}, amx_bf16={m['amx_bf16']}), a shared machine: provisional figures. "
             f"{doc['batch']} sequences, 1 attention + 1 expert worker (colocated: 2 processes); medians of "
             f"{doc.get('repeats', 'several')} interleaved repeats.\n\n"
