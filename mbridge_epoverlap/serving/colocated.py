@@ -18,7 +18,7 @@ import torch
 from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce, all_to_all_blocking, exchange_counts
 from mbridge_epoverlap.comm.errors import CommError
 from mbridge_epoverlap.runtime import heartbeat as hb
-from mbridge_epoverlap.schedule.program import Phase, Role
+from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, POST, Phase, Role
 from mbridge_epoverlap.schedule.serving_orders import sequential, two_batch_overlap
 from mbridge_epoverlap.serving.placement import Placement
 from mbridge_epoverlap.serving.requests import RequestQueue
@@ -49,7 +49,7 @@ class ColocatedWorker(AttentionWorker):
         self.world = placement.workers
         self.steps = ORDERS[order](micro_batches, spec.num_layers)
         self.handlers = {**role_handlers(self, Role.ATTENTION), **role_handlers(self, Role.EXPERT)}
-        self.timer.compute = frozenset({"attn", "post", "dispatch", "experts"})
+        self.timer.compute = frozenset({ATTN.name, POST.name, DISPATCH.name, EXPERTS.name})
         self._flight: dict[int, dict[str, Any]] = {}
 
     def run(self) -> None:
@@ -86,7 +86,7 @@ class ColocatedWorker(AttentionWorker):
     def _dispatch_issue(self, h: MicroBatchHandle, layer: int) -> None:
         if not self.spec.is_moe(layer):
             return
-        with self.timer.time("dispatch", record=not h.empty):
+        with self.timer.time(DISPATCH.name, record=not h.empty):
             if h.empty:
                 hidden = torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype())
                 ids = torch.zeros(0, self.spec.top_k, dtype=torch.int64)
@@ -109,7 +109,7 @@ class ColocatedWorker(AttentionWorker):
                         all_to_all_blocking(expert_ids, send, recv_counts, group, ctx, "dispatch (expert ids)"),
                         recv_counts)
 
-            self._flight[h.index] = {"send": send, "dispatch": self._submit(job, "dispatch")}
+            self._flight[h.index] = {"send": send, DISPATCH.name: self._submit(job, DISPATCH.name)}
         h.issued_at = time.perf_counter()
 
     def _dispatch_wait(self, h: MicroBatchHandle, layer: int) -> None:
@@ -117,7 +117,7 @@ class ColocatedWorker(AttentionWorker):
             return
         with self.timer.time("dispatch_wait"):
             flight = self._flight[h.index]
-            result = flight.pop("dispatch")
+            result = flight.pop(DISPATCH.name)
             flight["rows"], flight["ids"], flight["recv"] = result.wait() if isinstance(result, _Flight) else result
 
     def _experts(self, h: MicroBatchHandle, layer: int) -> None:
@@ -126,7 +126,7 @@ class ColocatedWorker(AttentionWorker):
         flight = self._flight[h.index]
         rows, ids = flight["rows"], flight["ids"]
         if rows.shape[0]:
-            with self.timer.time("experts"):
+            with self.timer.time(EXPERTS.name):
                 flight["out"] = self.experts(layer, rows, ids)
         else:
             flight["out"] = rows

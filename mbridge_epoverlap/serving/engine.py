@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST
 from mbridge_epoverlap.serving.plan import COLOCATED, EnginePlan
 from mbridge_epoverlap.serving.requests import Request
 
@@ -163,8 +164,8 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
     stages = stage_times_ms(readers, holders)
     result["stage_ms"] = stages
     result["utilization"] = {
-        "attention": _utilization(readers, ("attn", "post", "dispatch")),
-        "expert": _utilization(holders, ("experts",)),
+        "attention": _utilization(readers, (ATTN.name, POST.name, DISPATCH.name)),
+        "expert": _utilization(holders, (EXPERTS.name,)),
     }
     result["predicted"] = replay(plan, stages, tokens_per_step=decode_tokens_per_step(readers))
     return result
@@ -226,15 +227,15 @@ def stage_times_ms(readers: Sequence[dict[str, Any]], holders: Sequence[dict[str
         values = [r["stages"]["median_ms"][key] for r in rows if key in r.get("stages", {}).get("median_ms", {})]
         return statistics.median(values) if values else 0.0
 
-    attn = median(readers, "attn") + median(readers, "dispatch")  # the send is the attention worker's work
-    experts = median(holders, "experts")
+    attn = median(readers, ATTN.name) + median(readers, DISPATCH.name)  # the send is the attention worker's work
+    experts = median(holders, EXPERTS.name)
     # One transfer: what is left of the fastest round trips (dispatch issued -> combine received) after
     # the expert compute, halved. Slower round trips include waiting behind other micro-batches.
     trips = sorted(t for r in readers for t in r.get("stages", {}).get("round_trip_ms", []))
     fast = trips[: max(1, len(trips) // 10)] if trips else [0.0]
     transfer = max(0.0, (statistics.median(fast) - experts) / 2)
-    return {"attn": attn, "experts": experts, "post": median(readers, "post"), "dispatch": transfer,
-            "combine": transfer}
+    return {ATTN.name: attn, EXPERTS.name: experts, POST.name: median(readers, POST.name),
+            DISPATCH.name: transfer, COMBINE.name: transfer}
 
 
 def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float) -> dict[str, Any]:
@@ -256,7 +257,7 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
 
     def cost(step: Any) -> float:
         # Dense layers have no routed experts and move nothing.
-        if not spec.is_moe(step.layer) and step.stage in ("dispatch", "experts", "combine"):
+        if not spec.is_moe(step.layer) and step.stage in (DISPATCH.name, EXPERTS.name, COMBINE.name):
             return 0.0
         return stages.get(step.stage, 0.0)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mbridge_epoverlap.runtime import heartbeat as hb
-from mbridge_epoverlap.schedule.program import FORWARD_STAGES, Phase, Role, Step
+from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, FORWARD_STAGES, POST, Phase, Role, Step
 from mbridge_epoverlap.schedule.serving_orders import ping_pong
 from mbridge_epoverlap.serving.placement import Placement
 from mbridge_epoverlap.serving.requests import RequestQueue, Sequence_
@@ -126,7 +126,7 @@ class AttentionWorker:
         self.steps = role_steps(ping_pong(micro_batches, spec.num_layers), Role.ATTENTION)
         self.handlers = role_handlers(self, Role.ATTENTION)
         self.first_moe = spec.moe_layer_ids[0]
-        self.timer = StageTimer(frozenset({"attn", "post", "dispatch"}))
+        self.timer = StageTimer(frozenset({ATTN.name, POST.name, DISPATCH.name}))
         self.beat, self.progress = beat, progress
         self.TokenBatch = TokenBatch
         self.greedy = greedy
@@ -175,7 +175,7 @@ class AttentionWorker:
     def _attn(self, h: MicroBatchHandle, layer: int) -> None:
         if h.empty:
             return
-        with self.timer.time("attn"):
+        with self.timer.time(ATTN.name):
             if layer == 0:
                 self._build_batch(h)
             h.attn = self.part.attention_step(layer, h.x, h.batch, self.cache)
@@ -196,7 +196,7 @@ class AttentionWorker:
             return
         tag = message_tag(layer, h.index, self.m)
         control = torch.tensor([ACTIVE if self.active else IDLE], dtype=torch.int64)
-        with self.timer.time("dispatch", record=not h.empty):
+        with self.timer.time(DISPATCH.name, record=not h.empty):
             h.routes = []
             if h.empty:
                 hidden = torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype())
@@ -232,7 +232,7 @@ class AttentionWorker:
     def _post(self, h: MicroBatchHandle, layer: int) -> None:
         if h.empty:
             return
-        with self.timer.time("post"):
+        with self.timer.time(POST.name):
             expert_out = h.expert_out if self.spec.is_moe(layer) else None
             h.x = self.part.post_step(layer, h.attn, expert_out)
             h.attn, h.expert_out = None, None
@@ -261,7 +261,7 @@ class ExpertWorker:
         self.steps = role_steps(ping_pong(micro_batches, spec.num_layers), Role.EXPERT)
         self.handlers = role_handlers(self, Role.EXPERT)
         self.first_moe = spec.moe_layer_ids[0]
-        self.timer = StageTimer(frozenset({"experts"}))
+        self.timer = StageTimer(frozenset({EXPERTS.name}))
         self.beat = beat
         self.decode_steps = 0
         self.stop = False
@@ -300,7 +300,7 @@ class ExpertWorker:
         if total == 0:
             self._outputs[mb] = [msg[1] for msg in messages]
             return
-        with self.timer.time("experts"):
+        with self.timer.time(EXPERTS.name):
             tokens = torch.cat([msg[1] for msg in messages])
             ids = torch.cat([msg[2] for msg in messages])
             out = self.part(layer, tokens, ids)
