@@ -75,9 +75,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     n, heads, d = q.shape
     groups = k.shape[1]
     rep = heads // groups
-    # [heads, m, d]: query head h reads key/value group h // rep, as repeat_kv does.
-    keys = k.transpose(0, 1).repeat_interleave(rep, dim=0).contiguous()
-    values = v.transpose(0, 1).repeat_interleave(rep, dim=0).contiguous()
+    keys, values = _repeat_groups(k, rep), _repeat_groups(v, rep)
     scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * (d ** -0.5)
     k_positions = torch.arange(k.shape[0], device=q.device)
     hidden = k_positions[None, :] > q_positions[:, None]
@@ -87,3 +85,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(weights, values)  # [heads, n, d]
     return out.transpose(0, 1).reshape(n, heads * d)
+
+
+def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """[m, groups, d] -> contiguous [groups * rep, m, d]: query head h reads group h // rep (as repeat_kv)."""
+    groups, m, d = t.shape[1], t.shape[0], t.shape[2]
+    t = t.transpose(0, 1)
+    if rep == 1:
+        return t.contiguous()
+    return t[:, None].expand(groups, rep, m, d).reshape(groups * rep, m, d)

@@ -24,10 +24,10 @@ TINY_VOCAB = 128
 INIT_STD = 0.1
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def one_torch_thread():
     """One intra-op thread while these tests run: tiny tensors gain nothing from more, and on a busy
-    2-core machine OpenMP's thread hand-offs made each step ~15x slower. Restored afterwards."""
+    2-core machine OpenMP's thread hand-offs made each step ~15x slower. Restored after this package."""
     import torch
 
     before = torch.get_num_threads()

@@ -3,6 +3,7 @@ parts that read only their own tensors, and the optional tokenizer."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import shutil
@@ -249,3 +250,21 @@ def test_sharded_checkpoint_loads_across_files(tiny_mixtral_dir, tmp_path, promp
     spec = load_spec(sharded)
     assert len(set(spec.file_of().values())) > 1
     assert generate_reference(spec, prompts, 6) == generate_reference(load_spec(tiny_mixtral_dir), prompts, 6)
+
+
+def test_transformers_4_config_layout_reads_the_same(tiny_qwen3_moe_dir, tmp_path) -> None:
+    """Published checkpoints (saved by transformers 4.x) keep `rope_theta` at the top level with
+    `rope_scaling: null`, and Qwen3-MoE names its expert count `num_experts`."""
+    directory = _copy(tiny_qwen3_moe_dir, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    theta = config.pop("rope_parameters")["rope_theta"]
+    config.update(rope_theta=theta, rope_scaling=None, num_experts=config.pop("num_local_experts"))
+    (directory / "config.json").write_text(json.dumps(config))
+    legacy, current = load_spec(directory), load_spec(tiny_qwen3_moe_dir)
+    assert (legacy.rope_theta, legacy.num_experts) == (current.rope_theta, current.num_experts) == (theta, 8)
+    assert legacy == dataclasses.replace(current, source=legacy.source)
+    (directory / "generation_config.json").unlink()
+    _edit_config(directory, eos_token_id=[3, 5])
+    assert load_spec(directory).eos_token_ids == (3, 5)  # without generation_config.json, config.json's
+    _edit_config(directory, eos_token_id="end")
+    _raises(directory, str(directory / "config.json"), "'eos_token_id'")

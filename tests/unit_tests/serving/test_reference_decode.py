@@ -152,3 +152,9 @@ def test_sliding_window_attention_equals_transformers(tmp_path_factory, prompts,
     assert ours == hf_greedy(directory, prompts, MAX_NEW)
     # The window matters: without it the long prompt continues differently.
     assert ours != generate_reference(dataclasses.replace(spec, sliding_window=None), prompts, MAX_NEW)
+
+
+def test_a_prompt_longer_than_the_first_cache_buffer(tiny_qwen3_moe_dir, hf_greedy) -> None:
+    long_prompt = [(7 * i + 3) % 128 for i in range(70)]  # the cache buffer starts at 64 positions
+    spec = load_spec(tiny_qwen3_moe_dir)
+    assert generate_reference(spec, [long_prompt], MAX_NEW) == hf_greedy(tiny_qwen3_moe_dir, [long_prompt], MAX_NEW)
