@@ -96,9 +96,3 @@ def load_kineto(path: str, classifier: Classifier) -> TraceData:
         activity=activity,
         ranges=ranges,
     )
-
-
-def second_pass(path: str, cats: tuple[str, ...]) -> ScanResult:
-    """Scan the file again for other categories (CPU traces need `cpu_op`)."""
-    with open_binary(path) as fh:
-        return scan_events(fh, path, cats)
