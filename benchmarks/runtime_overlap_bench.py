@@ -41,7 +41,7 @@ from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: 
 from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
 from mbridge_epoverlap.harness.stats import overlap_ceiling  # noqa: E402
 from mbridge_epoverlap.profiling import analyze_trace  # noqa: E402
-from mbridge_epoverlap.runtime import CaseMetrics, run_local  # noqa: E402
+from mbridge_epoverlap.runtime import RunMetrics, run_local  # noqa: E402
 
 CASES = {
     "ep_overlap_off": (False, False),
@@ -74,7 +74,7 @@ def machine() -> dict[str, str]:
             "torch": torch.__version__, "platform": platform.platform()}
 
 
-def window_mean(metrics: CaseMetrics, first: int, last: int) -> float:
+def window_mean(metrics: RunMetrics, first: int, last: int) -> float:
     times = metrics.step_times_s[first - 1:last]
     return statistics.fmean(times)
 
@@ -99,8 +99,8 @@ def stage_times(trace: Path) -> dict[str, float]:
     return {k: statistics.fmean(v) for k, v in sorted(sums.items())}
 
 
-def series_median(runs: list[CaseMetrics], attribute: str, first: int, last: int) -> float | None:
-    """Median over repeats of the window mean of a per-iteration series of `CaseMetrics`."""
+def series_median(runs: list[RunMetrics], attribute: str, first: int, last: int) -> float | None:
+    """Median over repeats of the window mean of a per-iteration series of `RunMetrics`."""
     means = [statistics.fmean(getattr(r, attribute)[first - 1:last]) for r in runs if getattr(r, attribute)]
     return statistics.median(means) if means else None
 
@@ -134,7 +134,7 @@ def main() -> int:
     print(f"shape: {dataclasses.asdict(shape)}; model: layers {m.num_layers}, hidden {m.hidden_size}, "
           f"experts {m.num_moe_experts} top-{m.moe_router_topk}, expert ffn {m.moe_ffn_hidden_size}, "
           f"seq {m.seq_length}, bf16 {m.bf16}")
-    runs: dict[str, list[CaseMetrics]] = {case: [] for case in args.cases}
+    runs: dict[str, list[RunMetrics]] = {case: [] for case in args.cases}
     start = time.monotonic()
     for repeat in range(args.repeats):
         for case in args.cases:

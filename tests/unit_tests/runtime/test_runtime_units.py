@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from mbridge_epoverlap.comm.alltoall import CommContext
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.dispatcher import AllToAllDispatcher, _source_to_expert_order
 from mbridge_epoverlap.moe.experts import GroupedExperts
 from mbridge_epoverlap.moe.model import MoEGPT
 from mbridge_epoverlap.moe.router import Routing, TopKRouter
 from mbridge_epoverlap.moe.wgrad import WeightGradStore, linear
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
-from mbridge_epoverlap.runtime.metrics import CaseMetrics, model_flops_per_iteration, tflops_per_gpu
+from mbridge_epoverlap.runtime.metrics import model_flops_per_iteration, tflops_per_gpu
 from mbridge_epoverlap.runtime.optim import attach_main_grads
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
 from mbridge_epoverlap.runtime.train import num_micro_batches, schedule_for
@@ -181,8 +182,8 @@ def test_schedule_follows_the_model_switches(make_tiny):
 
 def test_metrics_round_trip_and_flops(make_tiny):
     cfg = make_tiny(2)
-    m = CaseMetrics([0.5, 0.25, 0.25], [3.0, 2.0, 1.0], 0, 0, 1024, None, None)
-    assert CaseMetrics.from_dict(m.to_dict()) == m
+    m = RunMetrics([0.5, 0.25, 0.25], [3.0, 2.0, 1.0], 0, 0, 1024, None, None)
+    assert RunMetrics.from_dict(m.to_dict()) == m
     assert model_flops_per_iteration(cfg) > 0
     assert tflops_per_gpu(cfg, [1.0, 0.5]) == pytest.approx(model_flops_per_iteration(cfg) / 0.5 / 2 / 1e12)
     assert tflops_per_gpu(cfg, []) is None
