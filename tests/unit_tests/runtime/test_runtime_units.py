@@ -219,11 +219,38 @@ def test_row_permutations_have_gather_backwards():
     assert torch.equal(expand_permute(x, order, torch.argsort(order), 2), x[order // 2])
 
 
-def test_comm_priority_is_a_no_op_when_asked_for_none():
+def test_comm_priority_finds_threads_by_name_and_is_a_no_op_when_asked_for_none():
+    import os
+    import threading
+
     from mbridge_epoverlap.comm.priority import comm_thread_ids, raise_comm_priority
 
-    assert raise_comm_priority(0) == 0
-    assert isinstance(comm_thread_ids(), list)
+    prefix = ("mbeo-probe",)
+    started, stop = threading.Event(), threading.Event()
+
+    def probe():
+        started.set()
+        stop.wait(30)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(10)
+        tid = thread.native_id
+        assert tid not in comm_thread_ids(prefix)
+        # The kernel's thread name is what gloo's threads carry; a thread may rename itself or its siblings.
+        with open(f"/proc/self/task/{tid}/comm", "w") as fh:
+            fh.write("mbeo-probe-1")
+        assert comm_thread_ids(prefix) == [tid]
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        assert raise_comm_priority(0, prefixes=prefix) == 0
+        assert os.getpriority(os.PRIO_PROCESS, tid) == before, "nice 0 changes nothing"
+        # Lowering priority needs no privilege, so this path runs everywhere.
+        assert raise_comm_priority(before + 1, prefixes=prefix) == 1
+        assert os.getpriority(os.PRIO_PROCESS, tid) == before + 1
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 def test_backend_choice_keeps_ranks_that_share_a_gpu_off_nccl():
