@@ -16,6 +16,7 @@ core computes. `gloo_alltoall_cost.py` shows that cost for a single all-to-all.
     python benchmarks/runtime_overlap_bench.py                          # loopback, ~2-3 minutes
     python benchmarks/runtime_overlap_bench.py --emulate-link-gbps 1    # 1 Gbit/s link (root)
     python benchmarks/runtime_overlap_bench.py --shape hidden_size=128  # try another CpuShape
+    python benchmarks/runtime_overlap_bench.py --quick                  # short profile (run_all.py)
 """
 
 from __future__ import annotations
@@ -119,7 +120,12 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--quick", action="store_true",
+                        help="overlap off and on, 5 iterations (window 3-5), one repeat, no profiled run")
     args = parser.parse_args()
+    if args.quick:
+        args.iters, args.window, args.repeats, args.profile_steps = 5, (3, 5), 1, 0
+        args.cases = [case for case in args.cases if case != "ep_overlap_on_delay_wgrad"] or args.cases
     first, last = args.window
     if not 1 <= first <= last <= args.iters:
         raise SystemExit(f"--window {first} {last} must lie within 1..{args.iters}")
