@@ -12,7 +12,8 @@ exchanging maps.
   left empty (-1), so physical slot ids, and the weights already in them, keep their meaning.
 - `orphaned_experts`: experts whose every replica was on a dead GPU (their weights must be restored
   from a copy); `check_elastic_layout`: the capacity check to run before start.
-- `choose_replicas`: the replica a token's expert runs on: its position modulo the replica count.
+- `choose_replicas`: the replica a token's expert runs on: its position modulo the replica count;
+  `slot_gpus` and `experts_on_gpus` turn slots into workers and a placement into what each loads.
 - `ExpertLoadRecorder`: per-layer token counts per expert over a sliding window of steps.
 - `gpu_loads` / `imbalance`: the load each GPU gets under a placement, and max/mean.
 - `contiguous_placement`, `greedy_placement`, `zipf_load`: the baselines and skewed loads that tests
@@ -392,6 +393,26 @@ def choose_replicas(expert_ids: torch.Tensor, positions: torch.Tensor, log2phy: 
                          "rebalance_over_survivors before routing")
     replica = positions.to(expert_ids.device).view(-1, 1) % counts
     return log2phy.to(expert_ids.device)[expert_ids, replica]
+
+
+def experts_on_gpus(phy2log: torch.Tensor, num_gpus: int) -> list[list[int]]:
+    """What each GPU (worker) holds under one layer's placement: its slots' logical experts, in slot order.
+
+    An engine whose workers hold the same experts in every layer solves once for all layers, with the
+    load summed over layers (`rebalance_experts(load.sum(0, keepdim=True), ...)`), and loads these
+    lists; an empty list is a dead GPU.
+
+    Args:
+        phy2log: `[num_replicas]` (one layer's row).
+        num_gpus: GPUs the slots are laid out over.
+    """
+    slots = phy2log.view(num_gpus, -1).tolist()
+    return [[expert for expert in row if expert != EMPTY_SLOT] for row in slots]
+
+
+def slot_gpus(slots: torch.Tensor, num_replicas: int, num_gpus: int) -> torch.Tensor:
+    """The GPU (worker) of each physical slot id, e.g. of `choose_replicas`' result."""
+    return torch.div(slots, num_replicas // num_gpus, rounding_mode="floor")
 
 
 def gpu_loads(weight: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> torch.Tensor:

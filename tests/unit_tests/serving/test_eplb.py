@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -60,6 +64,21 @@ def test_deterministic_and_ties_resolved_the_same_way() -> None:
     skewed = eplb.zipf_load(2, 32, seed=7)
     assert torch.equal(eplb.rebalance_experts(skewed, 48, 1, 1, 8).phy2log,
                        eplb.rebalance_experts(skewed.float(), 48, 1, 1, 8).phy2log), "dtype does not matter"
+
+
+def test_another_process_with_other_thread_settings_gets_the_same_maps() -> None:
+    """Survivors compute the placement independently; it must not depend on the process or its threads."""
+    script = ("import hashlib, sys, torch\n"
+              "from mbridge_epoverlap.serving import eplb\n"
+              "torch.set_num_threads(int(sys.argv[1]))\n"
+              "load = eplb.zipf_load(6, 64, seed=9)\n"
+              "p = eplb.rebalance_over_survivors(load, 96, 16, [g for g in range(16) if g != 5], 8, 2)\n"
+              "print(hashlib.sha256(b''.join(t.numpy().tobytes() for t in p)).hexdigest())\n")
+    other = subprocess.run([sys.executable, "-c", script, "1"], capture_output=True, text=True, check=True,
+                           timeout=120).stdout.strip()
+    load = eplb.zipf_load(6, 64, seed=9)
+    here = eplb.rebalance_over_survivors(load, 96, 16, [g for g in range(16) if g != 5], 8, 2)
+    assert other == hashlib.sha256(b"".join(t.numpy().tobytes() for t in here)).hexdigest()
 
 
 def test_heavy_experts_get_the_extra_replicas() -> None:
@@ -171,6 +190,19 @@ def test_choose_replicas_is_position_modulo_count() -> None:
     dead[3] = 0
     with pytest.raises(UsageError, match=r"experts \[3\] have no live replica"):
         eplb.choose_replicas(torch.tensor([[3]]), torch.tensor([0]), log2phy, dead)
+
+
+def test_worker_tables_for_an_engine() -> None:
+    load = eplb.zipf_load(3, 8, seed=2)
+    placement = eplb.rebalance_experts(load.sum(0, keepdim=True), 12, 1, 1, 4)  # one placement for all layers
+    held = eplb.experts_on_gpus(placement.phy2log[0], 4)
+    assert [len(row) for row in held] == [3, 3, 3, 3] and set(sum(held, [])) == set(range(8))
+    slots = eplb.choose_replicas(torch.arange(8).view(8, 1), torch.arange(8), placement.log2phy[0],
+                                 placement.logcnt[0])
+    gpus = eplb.slot_gpus(slots, 12, 4)
+    assert all(expert in held[int(gpu)] for expert, gpu in zip(range(8), gpus.flatten(), strict=True))
+    after = eplb.rebalance_over_survivors(load.sum(0, keepdim=True), 12, 4, [0, 1, 3])
+    assert eplb.experts_on_gpus(after.phy2log[0], 4)[2] == []
 
 
 def test_load_recorder_sliding_window() -> None:
