@@ -3,7 +3,6 @@
 - `catalog`: GPUs and models, with sources.
 - `perf_model`: MegaScale-Infer's roofline performance model.
 - `planner`: deployment search (Algorithm 1) and the colocated baseline; `cli`: `mbridge-epoverlap plan`.
-- `eplb`: expert placement (replicas and GPUs) from measured load, re-solved over survivors.
 
 Nothing is imported here, so importing the package (and `mbridge-epoverlap --help`) stays cheap.
 """
