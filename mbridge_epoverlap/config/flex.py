@@ -14,7 +14,6 @@ from typing import Any
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.model import model_attr
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.fields import set_field
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,13 @@ def flex_backend_problem(backend: str | None, env: Environment) -> str | None:
     else:
         supported = "Ampere, Hopper, Blackwell (B200/B300/GB200/GB300)"
     return f"the {backend} flex dispatcher does not support {gpu} (supported: {supported})"
+
+
+def _set(model_cfg: Any, name: str, value: Any) -> None:
+    if isinstance(model_cfg, dict):
+        model_cfg[name] = value
+    else:
+        setattr(model_cfg, name, value)
 
 
 def _warn(message: str) -> None:
@@ -94,11 +100,11 @@ def apply_flex_dispatcher_backend(model_cfg: Any, backend: str | None, *, env: E
         if strict:
             raise UsageError(f"{problem}; use --moe_flex_dispatcher_backend hybridep or the alltoall dispatcher")
         _warn(f"{problem}; keeping the alltoall dispatcher")
-        set_field(model_cfg, "moe_token_dispatcher_type", "alltoall")
+        _set(model_cfg, "moe_token_dispatcher_type", "alltoall")
         return model_cfg
-    set_field(model_cfg, "moe_token_dispatcher_type", "flex")
-    set_field(model_cfg, "moe_flex_dispatcher_backend", backend)
-    set_field(model_cfg, "moe_shared_expert_overlap", False)
+    _set(model_cfg, "moe_token_dispatcher_type", "flex")
+    _set(model_cfg, "moe_flex_dispatcher_backend", backend)
+    _set(model_cfg, "moe_shared_expert_overlap", False)
     return model_cfg
 
 
