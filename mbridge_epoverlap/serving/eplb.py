@@ -11,7 +11,8 @@ exchanging maps.
 - `rebalance_over_survivors`: the same solve over the GPUs still alive, with the dead GPUs' slots
   left empty (-1), so physical slot ids, and the weights already in them, keep their meaning.
 - `orphaned_experts`: experts whose every replica was on a dead GPU (their weights must be restored
-  from a copy); `check_elastic_layout`: the capacity check to run before start.
+  from a copy); `migration_plan`: the weight copies from one placement to the next (from a live
+  replica, or from a copy); `check_elastic_layout`: the capacity check to run before start.
 - `choose_replicas`: the replica a token's expert runs on: its position modulo the replica count;
   `slot_gpus` and `experts_on_gpus` turn slots into workers and a placement into what each loads.
 - `ExpertLoadRecorder`: per-layer token counts per expert over a sliding window of steps.
@@ -360,6 +361,58 @@ def orphaned_experts(phy2log: torch.Tensor, num_gpus: int, alive_gpus: Iterable[
     existed.scatter_add_(1, phy2log.clamp(min=0), placed.long())
     lost = (held == 0) & (existed > 0)
     return {layer: torch.nonzero(lost[layer]).flatten().tolist() for layer in range(layers) if lost[layer].any()}
+
+
+class Move(NamedTuple):
+    """One expert's weights to put into one physical slot when a new placement takes over.
+
+    Attributes:
+        layer: MoE layer.
+        slot: the physical slot to fill.
+        expert: the logical expert it will hold.
+        source: a live slot of the old placement that holds the expert (on the same GPU when there is
+            one), or None: no live replica, the weights come from a host-memory or on-disk copy.
+    """
+
+    layer: int
+    slot: int
+    expert: int
+    source: int | None
+
+
+def migration_plan(old_phy2log: torch.Tensor, new_phy2log: torch.Tensor, num_gpus: int,
+                   alive_gpus: Iterable[int] | None = None) -> list[Move]:
+    """The weight copies that turn the old placement into the new one; slots that keep their expert move nothing.
+
+    Deterministic (layer, then slot order; the lowest source slot among equals), so every survivor
+    derives the same plan. Sources name the old placement's contents: read every source before
+    overwriting any slot (two slots may swap experts).
+
+    Args:
+        old_phy2log: `[layers, num_replicas]` placement in force (before the failure or rebalance).
+        new_phy2log: `[layers, num_replicas]` placement to switch to (same slot layout).
+        num_gpus: GPUs the slots are laid out over.
+        alive_gpus: GPUs whose old slots can still be read (default: all).
+    """
+    if old_phy2log.shape != new_phy2log.shape:
+        raise UsageError(f"old and new placements differ in shape ({tuple(old_phy2log.shape)} vs "
+                         f"{tuple(new_phy2log.shape)}); re-solve with the same num_replicas")
+    alive = set(range(num_gpus)) if alive_gpus is None else set(_alive_list(alive_gpus, num_gpus))
+    per_gpu = old_phy2log.shape[1] // num_gpus
+    moves = []
+    for layer, (old_row, new_row) in enumerate(zip(old_phy2log.tolist(), new_phy2log.tolist(), strict=True)):
+        readable = [slot // per_gpu in alive for slot in range(len(old_row))]
+        holders: dict[int, list[int]] = {}
+        for slot, expert in enumerate(old_row):
+            if expert != EMPTY_SLOT and readable[slot]:
+                holders.setdefault(expert, []).append(slot)
+        for slot, expert in enumerate(new_row):
+            if expert == EMPTY_SLOT or (readable[slot] and old_row[slot] == expert):
+                continue
+            sources = holders.get(expert, [])
+            local = [s for s in sources if s // per_gpu == slot // per_gpu]
+            moves.append(Move(layer, slot, expert, (local or sources or [None])[0]))
+    return moves
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -153,6 +153,33 @@ def test_orphaned_experts_are_those_with_every_replica_dead() -> None:
     assert eplb.orphaned_experts(phy2log, 4, [0, 1]) == {0: [5, 6, 7, 8, 9]}
 
 
+def test_migration_plan_copies_from_live_replicas_and_restores_the_rest() -> None:
+    old = torch.tensor([[0, 1, 2, 0, 3, 4, 5, 6, 7, 8, 9, 2]])  # 4 GPUs x 3 slots
+    assert eplb.migration_plan(old, old, 4) == []
+    new = torch.tensor([[0, 1, 2, 0, 3, 4, -1, -1, -1, 8, 9, 2]])  # GPU 2 died: slots 6-8 empty, nothing to move
+    assert eplb.migration_plan(old, new, 4, alive_gpus=[0, 1, 3]) == []
+    new = torch.tensor([[0, 1, 5, 6, 3, 7, -1, -1, -1, 8, 9, 2]])
+    moves = eplb.migration_plan(old, new, 4, alive_gpus=[0, 1, 3])
+    # Experts 5, 6 and 7 lived only on the dead GPU 2: restored from a copy.
+    assert moves == [eplb.Move(0, 2, 5, None), eplb.Move(0, 3, 6, None), eplb.Move(0, 5, 7, None)]
+    swap = torch.tensor([[2, 1, 0, 0, 3, 4, 5, 6, 7, 8, 9, 2]])
+    assert eplb.migration_plan(old, swap, 4) == [eplb.Move(0, 0, 2, 2), eplb.Move(0, 2, 0, 0)]  # same-GPU sources
+
+
+def test_elastic_round_trip_every_expert_served_after_a_loss() -> None:
+    load = eplb.zipf_load(2, 16, seed=4)
+    before = eplb.rebalance_experts(load, 24, 1, 1, 4)
+    alive = [0, 1, 3]
+    after = eplb.rebalance_over_survivors(load, 24, 4, alive)
+    moves = eplb.migration_plan(before.phy2log, after.phy2log, 4, alive_gpus=alive)
+    restored = {(m.layer, m.expert) for m in moves if m.source is None}
+    lost = eplb.orphaned_experts(before.phy2log, 4, alive)
+    assert restored == {(layer, e) for layer, experts in lost.items() for e in experts}
+    for m in moves:
+        assert m.source is None or (before.phy2log[m.layer, m.source] == m.expert and m.source // 6 in alive)
+        assert m.slot // 6 in alive
+
+
 def test_check_elastic_layout() -> None:
     eplb.check_elastic_layout(16, 24, 4, 1)  # 3 survivors x 6 slots hold 16 experts
     with pytest.raises(UsageError, match="15 slots cannot hold the 16"):
