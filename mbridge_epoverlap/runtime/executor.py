@@ -26,7 +26,7 @@ import torch
 
 from mbridge_epoverlap.moe.dispatcher import DispatchHandle
 from mbridge_epoverlap.moe.model import MoEGPT
-from mbridge_epoverlap.moe.wgrad import WeightGradStore, default_store
+from mbridge_epoverlap.moe.wgrad import WeightGradStore, default_store, use_weight_grad_store
 from mbridge_epoverlap.runtime.ranges import Ranges
 from mbridge_epoverlap.schedule.program import Phase, Step, check_schedule
 
@@ -90,7 +90,8 @@ class ScheduleExecutor:
 
     Args:
         model: the rank's model (its layers provide the stages).
-        store: where deferred weight gradients queue (the default store if None).
+        store: where deferred weight gradients queue (the default store if None); the model's deferrable
+            layers are pointed at it, so the `*_wgrad` steps run what the `*_dgrad` steps queued.
         ranges: profiler/NVTX ranges around every step (none if None).
         on_step: called with (index, step) before each step (heartbeats, fault injection).
     """
@@ -99,6 +100,7 @@ class ScheduleExecutor:
                  on_step: Callable[[int, Step], None] | None = None) -> None:
         self.model = model
         self.store = store or default_store()
+        use_weight_grad_store(model, self.store)
         self.ranges = ranges
         self.on_step = on_step
         self._states: dict[tuple[int, int], _LayerState] = {}
