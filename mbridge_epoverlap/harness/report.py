@@ -65,7 +65,13 @@ def markdown_report(results: dict[str, Any]) -> str:
         f"{results.get('repeats')} repeat(s), interleaved",
     ]
     if where:
-        context.append(f"on {where} ({machine.get('cpus')} CPUs)")
+        flags = machine.get("cpu_flags")
+        flag_text = f", flags {' '.join(flags) if flags else 'none of avx2/avx512f/avx512_bf16/amx_bf16'}" \
+            if flags is not None else ""
+        context.append(f"on {where} ({machine.get('cpus')} CPUs{flag_text})")
+    precision = env.get("compute_dtype")
+    if isinstance(precision, dict) and precision.get("reason"):
+        context.append(f"computed in {precision['reason']}")
     lines = [f"## A/B: {results.get('ab') or 'single run'}", "", "; ".join(context), "",
              markdown_table(results).rstrip()]
     switched = [c for c in results["cases"] if c.get("overrides")]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce
 from mbridge_epoverlap.comm.groups import ParallelGroups
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.cpu_precision import choose_cpu_precision
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.moe.model import MoEGPT
 from mbridge_epoverlap.runtime import heartbeat as hb
@@ -51,11 +52,15 @@ class RankContext:
     options: RuntimeOptions
 
 
-def resolve_dtype(cfg: RunConfig, options: RuntimeOptions) -> torch.dtype:
-    """bf16 when the config says bf16 (or fp16, which runs as bf16 here), unless the options force fp32."""
+def resolve_dtype(cfg: RunConfig, options: RuntimeOptions, device: torch.device | None = None) -> torch.dtype:
+    """`MBRIDGE_EPOVERLAP_DTYPE` if set; else bf16 when the config says bf16 (or fp16, which runs as bf16
+    here), except on a CPU without native bf16, where it is fp32 (`config.cpu_precision`)."""
     if options.dtype is not None:
         return torch.float32 if options.dtype == "fp32" else torch.bfloat16
-    return torch.bfloat16 if (cfg.model.bf16 or cfg.model.fp16) else torch.float32
+    low = bool(cfg.model.bf16 or cfg.model.fp16)
+    if low and (device is None or device.type == "cpu"):
+        low = choose_cpu_precision(True).dtype == "bf16"
+    return torch.bfloat16 if low else torch.float32
 
 
 def num_micro_batches(cfg: RunConfig, world: int) -> int:
@@ -117,7 +122,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     if max_steps < 1:
         raise UsageError(f"max_steps={max_steps}: need at least one iteration")
     g, device = ctx.groups, ctx.device
-    dtype = resolve_dtype(cfg, ctx.options)
+    dtype = resolve_dtype(cfg, ctx.options, device)
     micro_batches = num_micro_batches(cfg, g.world)
     steps = schedule_for(cfg, micro_batches)
     model = build_model(cfg, ctx, dtype)
