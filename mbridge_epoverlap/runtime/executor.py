@@ -109,6 +109,11 @@ class ScheduleExecutor:
         self._loss_scale = 1.0
         self._validated: Sequence[Step] | None = None
         self.comm_step_s = 0.0  # training-thread time in communication steps (issue + wait) of the last run
+        # Durations of the last run, per range name (`attn`, `dispatch.issue`, `dispatch.wait`, ...), one entry
+        # per step, and per COMM stage name the collective's own time on the communication thread (CPU only):
+        # the stage costs the simulator takes.
+        self.step_s: dict[str, list[float]] = {}
+        self.run_s = 0.0  # wall time of the last run
         self._handlers: dict[tuple[str, Phase], Callable[[int, int], None]] = {
             ("attn", Phase.RUN): self._attn,
             ("dispatch", Phase.ISSUE): self._dispatch_issue,
@@ -148,20 +153,31 @@ class ScheduleExecutor:
         self._states.clear()
         self._losses.clear()
         self.comm_step_s = 0.0
+        self.step_s = {}
+        run_start = time.perf_counter()
         try:
             for index, step in enumerate(steps):
                 if self.on_step is not None:
                     self.on_step(index, step)
                 handler = self._handlers[(step.stage, step.phase)]
+                name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
+                pending = None
+                if step.phase is Phase.WAIT and (step.micro_batch, step.layer) in self._states:
+                    pending = self._states[(step.micro_batch, step.layer)].pending.get(step.stage)
                 start = time.perf_counter()
                 if self.ranges is None:
                     handler(step.micro_batch, step.layer)
                 else:
-                    name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
                     with self.ranges(name):
                         handler(step.micro_batch, step.layer)
+                elapsed = time.perf_counter() - start
+                self.step_s.setdefault(name, []).append(elapsed)
                 if step.phase is not Phase.RUN:
-                    self.comm_step_s += time.perf_counter() - start
+                    self.comm_step_s += elapsed
+                span = pending.span() if hasattr(pending, "span") else None
+                if span is not None:
+                    self.step_s.setdefault(step.stage, []).append(span[1] - span[0])
+            self.run_s = time.perf_counter() - run_start
             if self._states or self.store.pending():
                 raise RuntimeError(f"schedule left work behind: layers {sorted(self._states)}, "
                                    f"weight gradients {self.store.pending()}")

@@ -33,6 +33,12 @@ class CaseMetrics:
         comm_cpu_s: per iteration, the CPU time of the rank's other threads (gloo's and the communication
             thread on CPU), mean over ranks: on CPU, the work of moving the bytes, which overlap cannot hide
             from cores that all compute.
+        schedule_s: per iteration, the wall time of the schedule itself (forward and backward of every
+            micro-batch; the rest of a step is gradient reduction and the optimizer), mean over ranks.
+        stage_s: per range name of the schedule (`attn`, `dispatch.issue`, `dispatch.wait`, ...; a COMM stage's
+            bare name is the collective's own time on the communication thread), per iteration, the mean
+            duration of one occurrence, mean over ranks: the stage costs the simulator predicts from.
+        schedule: the schedule's shape: micro_batches, layers, overlap, delay_wgrad.
     """
 
     step_times_s: list[float]
@@ -44,6 +50,9 @@ class CaseMetrics:
     trace_dir: str | None
     comm_step_s: list[float] | None = None
     comm_cpu_s: list[float] | None = None
+    schedule_s: list[float] | None = None
+    stage_s: dict[str, list[float]] | None = None
+    schedule: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -138,6 +138,8 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     step_times, losses, skipped, nans = [], [], 0, 0
     comm_step_s: list[float] = []
     comm_cpu_s: list[float] = []
+    schedule_s: list[float] = []
+    stage_s: dict[str, list[float]] = {}
     profiling = False
     try:
         for iteration in range(1, max_steps + 1):
@@ -176,6 +178,9 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
             # CPU of every other thread of this rank (on CPU: gloo's threads and the communication thread).
             comm_cpu_s.append(max(0.0, (time.process_time() - process_cpu) - (time.thread_time() - own_cpu)))
             comm_step_s.append(executor.comm_step_s)
+            schedule_s.append(executor.run_s)
+            for name, durations in executor.step_s.items():
+                stage_s.setdefault(name, []).append(sum(durations) / len(durations))
             loss = float(stats[0].item()) / g.world
             nans += 0 if math.isfinite(loss) else 1
             losses.append(loss)
@@ -201,11 +206,20 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     comm = torch.tensor([comm_step_s, comm_cpu_s], dtype=torch.float64, device=device)
     all_reduce(comm, g.world_group, ctx.comm, what="communication-time all-reduce")
     comm_step_s, comm_cpu_s = (comm / g.world).tolist()
+    # Per-stage costs and the schedule's own time, mean over ranks (every rank runs the same steps).
+    names = sorted(stage_s)
+    costs = torch.tensor([schedule_s] + [stage_s[n] for n in names], dtype=torch.float64, device=device)
+    all_reduce(costs, g.world_group, ctx.comm, what="stage-time all-reduce")
+    rows = (costs / g.world).tolist()
     return CaseMetrics(
         step_times_s=step_times, losses=losses, skipped_iters=skipped, nan_iters=nans,
         peak_mem_bytes=int(peak.item()), tflops_per_gpu=tflops_per_gpu(cfg, step_times),
         trace_dir=str(profile_dir) if profile_dir is not None else None,
-        comm_step_s=comm_step_s, comm_cpu_s=comm_cpu_s,
+        comm_step_s=comm_step_s, comm_cpu_s=comm_cpu_s, schedule_s=rows[0],
+        stage_s=dict(zip(names, rows[1:], strict=True)),
+        schedule={"micro_batches": micro_batches, "layers": cfg.model.num_layers,
+                  "overlap": bool(cfg.model.overlap_moe_expert_parallel_comm),
+                  "delay_wgrad": bool(cfg.model.delay_wgrad_compute)},
     )
 
 

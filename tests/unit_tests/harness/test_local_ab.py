@@ -40,6 +40,11 @@ def test_ep_overlap_ab_locally(tmp_path):
     assert data["environment"]["compute_dtype"]["dtype"] == "fp32"
     assert all(case["launch_env"]["MBRIDGE_EPOVERLAP_DTYPE"] == "fp32" for case in data["cases"])
     assert "computes in fp32" in done.stderr and "computed in fp32" in done.stdout
+    for case in data["cases"]:  # the runtime timed every step and collective, and the simulator replayed them
+        assert case["schedule"]["micro_batches"] >= 1 and case["schedule_time_s"] > 0
+        assert {"attn", "experts_wgrad", "dispatch", "dispatch.issue", "dispatch.wait"} <= set(case["stage_costs_s"])
+        assert case["predicted"]["step_s"] > 0 and 0 <= case["predicted"]["hidden_upper_bound"] <= 1
+    assert "### Simulator against the measurement" in done.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} |" in table for name in CASES) and "bitwise" in table

@@ -185,7 +185,10 @@ def test_wgrad_steps_run_the_closures_queued_in_the_executors_store(make_tiny, r
     model = _tiny_model(cfg)
     store = _CountingStore()
     steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay)
-    ScheduleExecutor(model, store=store).run(steps, _batches(cfg, 3), loss_scale=1 / 3)
+    executor = ScheduleExecutor(model, store=store)
+    executor.run(steps, _batches(cfg, 3), loss_scale=1 / 3)
+    ranges = [s.stage if s.phase.value == "run" else f"{s.stage}.{s.phase.value}" for s in steps]
+    assert {name: len(times) for name, times in executor.step_s.items()} == {n: ranges.count(n) for n in ranges}
     expected = {}
     for mb in range(3):
         for number, layer in enumerate(model.layers):

@@ -1,0 +1,143 @@
+"""Predict a run of the reference runtime from its own measured stage costs, and say where the model is wrong.
+
+The runtime times every step of its schedule (`runtime.executor.ScheduleExecutor.step_s`): each compute
+stage, each issue and wait of a collective, and each collective's own time on the communication thread.
+Fed the mean of each into the simulator with the same step list, the simulator's makespan should match the
+measured schedule time, and its stalls (issue costs and blocked waits) the measured time in communication
+steps. Where they do not, the stall with the largest gap names the stage the model gets wrong. This is what
+lets the simulator's answer for other stage costs (a GPU cluster) be trusted.
+
+Stage costs are keyed by range name, as the runtime records them: `attn`, `experts_wgrad`, ... for compute;
+`dispatch`, `combine_bwd`, ... for a collective's own time; `dispatch.issue`, `dispatch.wait`, ... for the
+training thread's time in those steps. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mbridge_epoverlap.schedule.program import STAGES, Kind, Phase, Step, one_f_one_b
+from mbridge_epoverlap.schedule.simulator import simulate
+from mbridge_epoverlap.schedule.timeline import Timeline
+
+TOLERANCE = 0.15  # a prediction within 15 % of the measurement is a match
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The simulator's account of one iteration's schedule, next to the measured one (seconds).
+
+    Attributes:
+        schedule_s: simulated makespan of the schedule (forward and backward of every micro-batch).
+        exposed_comm_s: simulated time the compute stream spent issuing and waiting for collectives.
+        comm_s: total time of the collectives (on their channel).
+        hidden_fraction: share of the collectives' time overlapped with compute in the simulation.
+        hidden_upper_bound: the most any order of the same steps could hide with these costs: every
+            collective of the interleaved (F_i, B_i-1) part hidden, as far as that part's compute lasts; the
+            first forward and the last backward have nothing to hide behind.
+        stalls_s: simulated stall time per `<stage>.issue` / `<stage>.wait`.
+        measured_stalls_s: measured time per `<stage>.issue` / `<stage>.wait`.
+        measured_hidden_fraction: 1 - (measured waits) / (measured collective time), or None without
+            collective times (no communication thread).
+    """
+
+    schedule_s: float
+    exposed_comm_s: float
+    comm_s: float
+    hidden_fraction: float
+    hidden_upper_bound: float
+    stalls_s: dict[str, float]
+    measured_stalls_s: dict[str, float]
+    measured_hidden_fraction: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def largest_gap(self) -> tuple[str, float, float] | None:
+        """(`<stage>.<issue|wait>`, measured, predicted) of the stall the model gets most wrong."""
+        keys = set(self.stalls_s) | set(self.measured_stalls_s)
+        if not keys:
+            return None
+        key = max(sorted(keys), key=lambda k: abs(self.measured_stalls_s.get(k, 0.0) - self.stalls_s.get(k, 0.0)))
+        return key, self.measured_stalls_s.get(key, 0.0), self.stalls_s.get(key, 0.0)
+
+
+def schedule_steps(schedule: Mapping[str, Any]) -> list[Step]:
+    """The step list a runtime schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`) ran."""
+    return one_f_one_b(int(schedule["micro_batches"]), int(schedule["layers"]), overlap=bool(schedule["overlap"]),
+                       delay_wgrad=bool(schedule.get("delay_wgrad", False)))
+
+
+def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
+    """Measured per-step means -> the simulator's costs.
+
+    A collective costs its time on the communication thread and its issue costs the stream what issuing
+    took. Without a communication thread (no collective times), the issue and wait steps are the
+    collective, run back to back, and issuing is free.
+    """
+    costs: dict[str, float] = {}
+    for name, stage in STAGES.items():
+        if stage.kind is Kind.COMPUTE:
+            costs[name] = float(stage_s.get(name, 0.0))
+        elif name in stage_s:
+            costs[name] = float(stage_s[name])
+            costs[f"{name}.issue"] = float(stage_s.get(f"{name}.issue", 0.0))
+        else:
+            costs[name] = float(stage_s.get(f"{name}.issue", 0.0)) + float(stage_s.get(f"{name}.wait", 0.0))
+    return costs
+
+
+def hidden_upper_bound(steps: Sequence[Step], costs: Mapping[str, float]) -> float:
+    """See `Prediction.hidden_upper_bound`."""
+    last_mb = max(step.micro_batch for step in steps)
+    comm = paired_comm = paired_compute = 0.0
+    for step in steps:
+        if step.phase is Phase.WAIT:
+            continue
+        # Micro-batch 0's forward and the last one's backward run alone in 1F1B.
+        alone = (step.micro_batch == 0 and step.direction.value == "F") or (
+            step.micro_batch == last_mb and step.direction.value == "B")
+        cost = costs[step.stage]
+        if step.kind is Kind.COMM:
+            comm += cost
+            paired_comm += 0.0 if alone else cost
+        elif not alone:
+            paired_compute += cost
+    return min(paired_comm, paired_compute) / comm if comm > 0 else 1.0
+
+
+def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float]) -> Prediction:
+    """Simulate the schedule a run executed with the stage costs it measured.
+
+    Args:
+        schedule: the run's schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`).
+        stage_s: mean duration of one occurrence per range name (see the module docstring).
+    """
+    steps = schedule_steps(schedule)
+    costs = simulator_costs(stage_s)
+    timeline: Timeline = simulate(steps, costs, validate=False)
+    comm = timeline.busy().get("comm", 0.0)
+    overlap = timeline.overlap(timeline.streams, timeline.channels)
+    counts = Counter((step.stage, step.phase) for step in steps)
+    measured: dict[str, float] = {}
+    for (stage, phase), count in counts.items():
+        key = f"{stage}.{phase.value}"
+        if phase is not Phase.RUN and key in stage_s:
+            measured[key] = float(stage_s[key]) * count
+    collectives = [float(stage_s[name]) * counts[(name, Phase.ISSUE)] for name, stage in STAGES.items()
+                   if stage.kind is Kind.COMM and name in stage_s]
+    waits = sum(v for k, v in measured.items() if k.endswith(".wait"))
+    measured_hidden = max(0.0, 1.0 - waits / sum(collectives)) if collectives and sum(collectives) > 0 else None
+    return Prediction(
+        schedule_s=timeline.makespan,
+        exposed_comm_s=sum(timeline.stalled().values()),
+        comm_s=comm,
+        hidden_fraction=overlap / comm if comm > 0 else 1.0,
+        hidden_upper_bound=hidden_upper_bound(steps, costs),
+        stalls_s=timeline.stalled(),
+        measured_stalls_s=measured,
+        measured_hidden_fraction=measured_hidden,
+    )
