@@ -110,8 +110,9 @@ class ScheduleExecutor:
         self._validated: Sequence[Step] | None = None
         self.comm_step_s = 0.0  # training-thread time in communication steps (issue + wait) of the last run
         # Durations of the last run, per range name (`attn`, `dispatch.issue`, `dispatch.wait`, ...), one entry
-        # per step, and per COMM stage name the collective's own time on the communication thread (CPU only):
-        # the stage costs the simulator takes.
+        # per step; per COMM stage name the collective's own time on the communication thread (CPU only), and
+        # per wait `<stage>.blocked` (1.0 if it blocked, else 0.0) and `<stage>.resume` (how long a blocked wait
+        # took to return after the collective ended, else 0): the stage costs the simulator takes.
         self.step_s: dict[str, list[float]] = {}
         self.run_s = 0.0  # wall time of the last run
         self._handlers: dict[tuple[str, Phase], Callable[[int, int], None]] = {
@@ -177,6 +178,11 @@ class ScheduleExecutor:
                 span = pending.span() if hasattr(pending, "span") else None
                 if span is not None:
                     self.step_s.setdefault(step.stage, []).append(span[1] - span[0])
+                    # Whether the wait blocked, and how long the thread then took to resume once it ended.
+                    blocked = span[1] > start
+                    self.step_s.setdefault(f"{step.stage}.blocked", []).append(float(blocked))
+                    self.step_s.setdefault(f"{step.stage}.resume", []).append(
+                        max(0.0, start + elapsed - span[1]) if blocked else 0.0)
             self.run_s = time.perf_counter() - run_start
             if self._states or self.store.pending():
                 raise RuntimeError(f"schedule left work behind: layers {sorted(self._states)}, "

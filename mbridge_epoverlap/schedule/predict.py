@@ -9,7 +9,9 @@ lets the simulator's answer for other stage costs (a GPU cluster) be trusted.
 
 Stage costs are keyed by range name, as the runtime records them: `attn`, `experts_wgrad`, ... for compute;
 `dispatch`, `combine_bwd`, ... for a collective's own time; `dispatch.issue`, `dispatch.wait`, ... for the
-training thread's time in those steps. Torch-free.
+training thread's time in those steps; `dispatch.blocked` (share of waits that blocked) and
+`dispatch.resume`, ... (per wait, how long it took to return after its collective ended when it blocked, else
+0). Torch-free.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class Prediction:
             first forward and the last backward have nothing to hide behind.
         stalls_s: simulated stall time per `<stage>.issue` / `<stage>.wait`.
         measured_stalls_s: measured time per `<stage>.issue` / `<stage>.wait`.
-        measured_hidden_fraction: 1 - (measured waits) / (measured collective time), or None without
-            collective times (no communication thread).
+        measured_hidden_fraction: 1 - (measured issue and wait time, less the resume latency) / (measured
+            collective time), or None without collective times (no communication thread).
     """
 
     schedule_s: float
@@ -74,9 +76,10 @@ def schedule_steps(schedule: Mapping[str, Any]) -> list[Step]:
 def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
     """Measured per-step means -> the simulator's costs.
 
-    A collective costs its time on the communication thread and its issue costs the stream what issuing
-    took. Without a communication thread (no collective times), the issue and wait steps are the
-    collective, run back to back, and issuing is free.
+    A collective costs its time on the communication thread, its issue costs the stream what issuing
+    took, and a wait that blocks costs what resuming took after the collective ended. Without a
+    communication thread (no collective times), the issue and wait steps are the collective, run back to
+    back, and issuing is free.
     """
     costs: dict[str, float] = {}
     for name, stage in STAGES.items():
@@ -85,6 +88,9 @@ def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
         elif name in stage_s:
             costs[name] = float(stage_s[name])
             costs[f"{name}.issue"] = float(stage_s.get(f"{name}.issue", 0.0))
+            blocked = float(stage_s.get(f"{name}.blocked", 0.0))
+            # Recorded per wait (0 where it did not block); the simulator wants it per blocked wait.
+            costs[f"{name}.resume"] = float(stage_s.get(f"{name}.resume", 0.0)) / blocked if blocked > 0 else 0.0
         else:
             costs[name] = float(stage_s.get(f"{name}.issue", 0.0)) + float(stage_s.get(f"{name}.wait", 0.0))
     return costs
@@ -123,14 +129,17 @@ def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float]) -> Predic
     overlap = timeline.overlap(timeline.streams, timeline.channels)
     counts = Counter((step.stage, step.phase) for step in steps)
     measured: dict[str, float] = {}
+    resumed = 0.0
     for (stage, phase), count in counts.items():
         key = f"{stage}.{phase.value}"
         if phase is not Phase.RUN and key in stage_s:
             measured[key] = float(stage_s[key]) * count
-    collectives = [float(stage_s[name]) * counts[(name, Phase.ISSUE)] for name, stage in STAGES.items()
-                   if stage.kind is Kind.COMM and name in stage_s]
-    waits = sum(v for k, v in measured.items() if k.endswith(".wait"))
-    measured_hidden = max(0.0, 1.0 - waits / sum(collectives)) if collectives and sum(collectives) > 0 else None
+        if phase is Phase.WAIT:
+            resumed += float(stage_s.get(f"{stage}.resume", 0.0)) * count
+    collectives = sum(float(stage_s[name]) * counts[(name, Phase.ISSUE)] for name, stage in STAGES.items()
+                      if stage.kind is Kind.COMM and name in stage_s)
+    exposed = sum(measured.values()) - resumed
+    measured_hidden = min(1.0, max(0.0, 1.0 - exposed / collectives)) if collectives > 0 else None
     return Prediction(
         schedule_s=timeline.makespan,
         exposed_comm_s=sum(timeline.stalled().values()),

@@ -6,10 +6,11 @@ Semantics, the same the reference runtime has:
 - a RUN step starts when its stream is free and the stages it depends on (`program.predecessors`)
   have finished, and occupies the stream for its cost;
 - an ISSUE step costs its stream nothing, unless the costs name `"<stage>.issue"` (handing a collective
-  to a communication thread is not free on a CPU); the collective starts on its channel as soon as the
-  issue is done, its input is ready and the channel is free (one collective at a time, FIFO in list
-  order);
-- a WAIT step blocks its stream until that collective ended.
+  to a communication thread is not free on a CPU: the stream is held that long while the collective
+  already runs); the collective starts on its channel as soon as the stream reached the ISSUE, its input
+  is ready and the channel is free (one collective at a time, FIFO in list order);
+- a WAIT step blocks its stream until that collective ended, plus `"<stage>.resume"` if the costs name it
+  and the wait did block (a CPU thread woken by another one does not resume at once).
 
 The timeline records those issue costs and wait blocks as `stalls`: the simulated counterpart of the time
 the runtime's training thread spends in communication steps.
@@ -58,7 +59,8 @@ def simulate(
         except ValueError as exc:
             raise UsageError(f"invalid schedule: {exc}") from None
     cost_of = cost_function(costs)
-    issue_cost = _issue_costs(costs)
+    issue_cost = _extra_costs(costs, ".issue")
+    resume_cost = _extra_costs(costs, ".resume")
     num_layers: dict[int, int] = {}
     for step in steps:
         num_layers[step.micro_batch] = max(num_layers.get(step.micro_batch, 0), step.layer + 1)
@@ -80,6 +82,7 @@ def simulate(
         if step.phase is Phase.WAIT:
             end = collective_end[key]
             if end > now:
+                end += resume_cost(step.stage)
                 stalls.append(Event(stream, step.micro_batch, step.layer, step.stage, now, end, "wait"))
             stream_free[stream] = max(now, end)
             finished[key] = end
@@ -89,12 +92,13 @@ def simulate(
             channel = resources.channel(step.stage)
             channel_order.setdefault(channel, None)
             cost = issue_cost(step.stage)
+            # The collective may start as soon as it is handed over; handing it over holds the stream.
+            start = max(now, ready, channel_free.get(channel, 0.0))
             if cost > 0:
                 issue_start = max(now, ready)
-                now = issue_start + cost
-                stream_free[stream] = now
-                stalls.append(Event(stream, step.micro_batch, step.layer, step.stage, issue_start, now, "issue"))
-            start = max(now, ready, channel_free.get(channel, 0.0))
+                stream_free[stream] = issue_start + cost
+                stalls.append(Event(stream, step.micro_batch, step.layer, step.stage, issue_start, issue_start + cost,
+                                    "issue"))
             end = start + cost_of(step)
             channel_free[channel] = end
             collective_end[key] = end
@@ -110,10 +114,10 @@ def simulate(
     return Timeline(tuple(events), tuple(stream_order) + tuple(channel_order), channels, tuple(stalls))
 
 
-def _issue_costs(costs: StageCosts) -> Callable[[str], float]:
-    """`stage -> cost of issuing its collective` from the `"<stage>.issue"` entries of a cost mapping (0 if none)."""
+def _extra_costs(costs: StageCosts, suffix: str) -> Callable[[str], float]:
+    """`stage -> cost` from the `"<stage><suffix>"` entries of a cost mapping (0 where none)."""
     if callable(costs):
         return lambda stage: 0.0
-    checked = {name.removesuffix(".issue"): check_duration(f"cost of {name!r}", value)
-               for name, value in costs.items() if name.endswith(".issue")}
+    checked = {name.removesuffix(suffix): check_duration(f"cost of {name!r}", value)
+               for name, value in costs.items() if name.endswith(suffix)}
     return lambda stage: checked.get(stage, 0.0)

@@ -31,13 +31,20 @@ def measured_from(schedule, costs, issue=0.0, extra_wait=None):
     return stage_s, timeline
 
 
-def test_issue_costs_hold_the_stream_and_show_as_stalls():
+def test_issue_and_resume_costs_hold_the_stream_and_show_as_stalls():
     steps = forward_steps(0, 1)
     free = simulate(steps, COSTS)
-    costly = simulate(steps, {**COSTS, "dispatch.issue": 0.25})
-    assert costly.makespan == pytest.approx(free.makespan + 0.25)
-    assert costly.stalled()["dispatch.issue"] == pytest.approx(0.25)
     assert free.stalled() == {"dispatch.wait": pytest.approx(1.5), "combine.wait": pytest.approx(1.5)}
+    # The collective runs while it is being handed over: a short issue only moves stall time around ...
+    costly = simulate(steps, {**COSTS, "dispatch.issue": 0.25})
+    assert costly.makespan == pytest.approx(free.makespan)
+    assert costly.stalled() == {"dispatch.issue": pytest.approx(0.25), "dispatch.wait": pytest.approx(1.25),
+                                "combine.wait": pytest.approx(1.5)}
+    # ... a long one holds the stream past the collective's end.
+    assert simulate(steps, {**COSTS, "dispatch.issue": 2.0}).makespan == pytest.approx(free.makespan + 0.5)
+    resumed = simulate(steps, {**COSTS, "combine.resume": 0.1})
+    assert resumed.makespan == pytest.approx(free.makespan + 0.1)
+    assert resumed.stalled()["combine.wait"] == pytest.approx(1.6)
     assert free.busy()["compute"] == costly.busy()["compute"]  # stalls are not compute
 
 
