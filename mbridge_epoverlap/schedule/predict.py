@@ -39,7 +39,7 @@ class Prediction:
         hidden_fraction: share of the collectives' time overlapped with compute in the simulation.
         hidden_upper_bound: the most any order of the same steps could hide with these costs: every
             collective of the interleaved (F_i, B_i-1) part hidden, as far as that part's compute lasts; the
-            first forward and the last backward have nothing to hide behind.
+            first forward has nothing to hide behind, the last backward only its own weight gradients.
         stalls_s: simulated stall time per `<stage>.issue` / `<stage>.wait`.
         measured_stalls_s: measured time per `<stage>.issue` / `<stage>.wait`.
         measured_hidden_fraction: 1 - (measured issue and wait time, less the resume latency) / (measured
@@ -99,20 +99,27 @@ def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
 def hidden_upper_bound(steps: Sequence[Step], costs: Mapping[str, float]) -> float:
     """See `Prediction.hidden_upper_bound`."""
     last_mb = max(step.micro_batch for step in steps)
-    comm = paired_comm = paired_compute = 0.0
+    comm = paired_comm = paired_compute = last_comm = last_wgrad = 0.0
     for step in steps:
         if step.phase is Phase.WAIT:
             continue
-        # Micro-batch 0's forward and the last one's backward run alone in 1F1B.
-        alone = (step.micro_batch == 0 and step.direction.value == "F") or (
-            step.micro_batch == last_mb and step.direction.value == "B")
+        # Micro-batch 0's forward and the last one's backward run alone in 1F1B; in the last backward only
+        # weight gradients (needed by nothing after them) can run while its collectives fly.
+        first = step.micro_batch == 0 and step.direction.value == "F"
+        last = step.micro_batch == last_mb and step.direction.value == "B"
         cost = costs[step.stage]
         if step.kind is Kind.COMM:
             comm += cost
-            paired_comm += 0.0 if alone else cost
-        elif not alone:
+            if last:
+                last_comm += cost
+            elif not first:
+                paired_comm += cost
+        elif last:
+            last_wgrad += cost if step.stage.endswith("_wgrad") else 0.0
+        elif not first:
             paired_compute += cost
-    return min(paired_comm, paired_compute) / comm if comm > 0 else 1.0
+    hideable = min(paired_comm, paired_compute) + min(last_comm, last_wgrad)
+    return hideable / comm if comm > 0 else 1.0
 
 
 def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float]) -> Prediction:

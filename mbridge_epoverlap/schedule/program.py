@@ -117,13 +117,20 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
     """Backward of one micro-batch through every layer (last layer first) with no overlap.
 
     With `delay_wgrad`, each layer's expert weight gradient runs after its dispatch backward has been
-    issued, and the attention weight gradient after the next layer's dgrad; with no other micro-batch
-    to overlap, this only moves work, it never changes a value.
+    issued, and each layer's attention weight gradient after the combine backward of the layer below
+    has been issued (the last layer's at the end): with no other micro-batch to overlap, weight
+    gradients are what can fill those windows. This only moves work, it never changes a value.
     """
     steps: list[Step] = []
     for layer in reversed(range(num_layers)):
         for stage in BACKWARD_STAGES:
-            if delay_wgrad and stage.name == "experts_wgrad":
+            if delay_wgrad and stage.name in ("experts_wgrad", "attn_wgrad"):
+                continue
+            if delay_wgrad and stage.name == "combine_bwd":
+                steps.append(issue(mb, layer, "combine_bwd"))
+                if layer + 1 < num_layers:
+                    steps.append(run(mb, layer + 1, "attn_wgrad"))
+                steps.append(wait(mb, layer, "combine_bwd"))
                 continue
             if delay_wgrad and stage.name == "dispatch_bwd":
                 steps += [
@@ -133,6 +140,8 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
                 ]
                 continue
             steps += stage_steps(mb, layer, stage)
+        if delay_wgrad and layer == 0:
+            steps.append(run(mb, 0, "attn_wgrad"))
     return steps
 
 
