@@ -34,10 +34,10 @@ class CaseMetrics:
             thread on CPU), mean over ranks: on CPU, the work of moving the bytes, which overlap cannot hide
             from cores that all compute.
         schedule_s: per iteration, the wall time of the schedule itself (forward and backward of every
-            micro-batch; the rest of a step is gradient reduction and the optimizer), mean over ranks.
+            micro-batch; the rest of a step is gradient reduction and the optimizer), slowest rank.
         stage_s: per range name of the schedule (`attn`, `dispatch.issue`, `dispatch.wait`, ...; a COMM stage's
             bare name is the collective's own time on the communication thread), per iteration, the mean
-            duration of one occurrence, mean over ranks: the stage costs the simulator predicts from.
+            duration of one occurrence, slowest rank per entry: the stage costs the simulator predicts from.
         schedule: the schedule's shape: micro_batches, layers, overlap, delay_wgrad.
     """
 

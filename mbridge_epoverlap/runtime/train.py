@@ -206,11 +206,12 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     comm = torch.tensor([comm_step_s, comm_cpu_s], dtype=torch.float64, device=device)
     all_reduce(comm, g.world_group, ctx.comm, what="communication-time all-reduce")
     comm_step_s, comm_cpu_s = (comm / g.world).tolist()
-    # Per-stage costs and the schedule's own time, mean over ranks (every rank runs the same steps).
+    # Per-stage costs and the schedule's own time of the slowest rank (every rank runs the same steps): step
+    # times are the slowest rank's too, and a collective ends when its last rank joined it.
     names = sorted(stage_s)
     costs = torch.tensor([schedule_s] + [stage_s[n] for n in names], dtype=torch.float64, device=device)
-    all_reduce(costs, g.world_group, ctx.comm, what="stage-time all-reduce")
-    rows = (costs / g.world).tolist()
+    all_reduce(costs, g.world_group, ctx.comm, op=dist.ReduceOp.MAX, what="stage-time all-reduce")
+    rows = costs.tolist()
     return CaseMetrics(
         step_times_s=step_times, losses=losses, skipped_iters=skipped, nan_iters=nans,
         peak_mem_bytes=int(peak.item()), tflops_per_gpu=tflops_per_gpu(cfg, step_times),
