@@ -559,12 +559,32 @@ def machine_text(doc: dict[str, Any]) -> str:
     return ", ".join(parts) or "not recorded"
 
 
+def cpu_text(doc: dict[str, Any]) -> str:
+    """The CPU flags a result was measured with and the dtype it computed in: CPU step times depend on
+    native bf16 (`avx512_bf16`/`amx_bf16`) several-fold."""
+    env = doc.get("environment") or {}
+    machine = env.get("machine") if isinstance(env, dict) else None
+    flags = machine.get("cpu_flags") if isinstance(machine, dict) else None
+    if flags is None:
+        text = ("CPU flags not recorded (measured before the harness recorded them; re-run `make run` to "
+                "record them)")
+    else:
+        native = any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+        text = (f"CPU flags {' '.join(flags) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'} "
+                f"({'native bf16' if native else 'no native bf16'})")
+    precision = env.get("compute_dtype") if isinstance(env, dict) else None
+    if isinstance(precision, dict) and precision.get("reason"):
+        text += f"; computed in {precision['reason']}"
+    return text
+
+
 def results_markdown(doc: dict[str, Any]) -> str:
     """The A/B table of a harness results JSON (the harness's own table), with where and how it ran."""
     from mbridge_epoverlap.harness.report import markdown_table
     from mbridge_epoverlap.harness.stats import overlap_ceiling
 
     lines = [f"- machine: {machine_text(doc)}",
+             f"- CPU: {cpu_text(doc)}",
              f"- command: {_code(equivalent_command(doc))}",
              f"- measured: {doc.get('created_utc') or 'date not recorded'}"
              f" ({doc.get('executor') or 'local'} executor, {doc.get('repeats')} interleaved repeat(s))",

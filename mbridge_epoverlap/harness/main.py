@@ -86,12 +86,15 @@ def run(args: argparse.Namespace) -> int:
     resolved = resolve(args)
     for note in resolved.notes:
         _err(f"note: {note}")
+    precision_warning = resolved.cpu_precision.warning if resolved.cpu_precision else None
     cfg = resolved.cfg
     if executor == "slurm":
         from mbridge_epoverlap.harness.executors.slurm import job_shape
 
         job_shape(cfg.num_gpus, cfg.gpus_per_node, gpus=args.gpu != "cpu")  # a layout Slurm cannot place
     cases, warnings = build_cases(resolved, case_specs(args.ab, cfg, resolved.explicit))
+    if precision_warning:
+        warnings.append(precision_warning)
     stray = same_except_switches(cases)
     if stray:
         warnings.append(f"cases also differ in {', '.join(stray)}; the comparison is not matched")
@@ -120,6 +123,8 @@ def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case],
     environment: dict[str, Any] = {"target": args.gpu, **resolved.target.env.to_dict()}
     if executor == "local":
         environment["machine"] = machine_info()
+    if resolved.cpu_precision is not None:
+        environment["compute_dtype"] = resolved.cpu_precision.to_dict()
     records = [CaseRecord(case.name, list(case.overrides), dict(case.launch_env),
                           model_flops_per_iteration=model_flops_per_iteration(case.cfg)) for case in cases]
     return Experiment(

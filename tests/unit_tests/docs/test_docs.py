@@ -364,6 +364,12 @@ def test_results_block_without_and_with_a_results_json(tmp_path, monkeypatch):
     text = gen.render_results()
     assert "ep_overlap_on" in text and "1.250x" in text and "box" in text
     assert "--ab ep_overlap" in text and "--stable_window 3:8" in text
+    assert "CPU flags not recorded" in text
+    results["environment"]["machine"]["cpu_flags"] = ["avx2"]
+    results["environment"]["compute_dtype"] = {"dtype": "fp32", "reason": "fp32 instead of the recipe's bf16"}
+    (tmp_path / "cpu_ab.json").write_text(json.dumps(results), encoding="utf-8")
+    text = gen.render_results()
+    assert "CPU flags avx2 (no native bf16); computed in fp32 instead of the recipe's bf16" in text
     command = text.split("command: `", 1)[1].split("`", 1)[0]
     check_run_script(shlex.split(command)[2:], tmp_path)  # the command the table shows is one that runs
     assert yaml.safe_load("measured:\n" + gen.render_results_yaml())["measured"]["status"] == "measured"
