@@ -119,15 +119,12 @@ def _print_table(report: dict[str, Any], env_text: str) -> None:
 
 
 def _list_rules(rules: list, as_json: bool) -> int:
-    from mbridge_epoverlap.config.layout import LAYOUT_RULES
-
     rows = [(r.id, r.when, r.source, r.summary) for r in rules]
-    rows += [(rule_id, "always", "mbridge_epoverlap", summary) for rule_id, summary in LAYOUT_RULES.items()]
     if as_json:
         keys = ("rule", "when", "source", "summary")
         print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], indent=2))
         return EXIT_OK
     width = max(len(row[0]) for row in rows)
     for rule_id, when, source, summary in rows:
-        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<22}  {summary}\n")
+        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<40}  {summary}\n")
     return EXIT_OK
