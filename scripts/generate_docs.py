@@ -14,6 +14,7 @@ this script writes blocks built from the code, so they cannot drift from it:
                    carries; the message and the fix are what the validator prints for the reproducer run at
                    generation time) plus the failures no rule can catch.
 - failure_modes    the same rows as YAML, for card.yaml.
+- core_versions    which Megatron-Core release enforces which rule: `mbridge_epoverlap.config.versions`.
 - differences      the deliberate differences from Megatron-Bridge: `mbridge_epoverlap.config.differences`.
 - run_script_flags every flag of `scripts/performance/run_script.py`, from the harness's `build_parser()`.
 - cli              every `mbridge-epoverlap` subcommand and option, from `mbridge_epoverlap.cli.build_parser()`.
@@ -347,6 +348,32 @@ def diagnosis_rows() -> list[dict[str, str]]:
     return rows
 
 
+_CORE_ROWS = (
+    ("mtp_allows_zero", "`mtp_num_layers = 0` allowed with overlap (None and 1 always are)"),
+    ("mtp_one_needs_pp", "`mtp_num_layers = 1` needs PP > 1"),
+    ("rejects_moe_recompute", "`moe` in `recompute_modules` rejected (Megatron-Bridge: always)"),
+    ("graph_impl_must_be_te", "any CUDA graph with overlap must be `transformer_engine`"),
+    ("rejects_te_graph_of_moe", "`transformer_engine` graph of `moe`/`mlp` rejected"),
+    ("delay_te_graph_needs_te_2_10", "delayed wgrad + `transformer_engine` graphs needs TE >= 2.10"),
+    ("delay_rejects_legacy_grouped_gemm", "delayed wgrad rejects `moe_use_legacy_grouped_gemm`"),
+    ("has_early_attn_release", "`model.ep_overlap_early_attn_memory_release` exists (needs overlap)"),
+    ("has_graph_modules", "graph scope in `cuda_graph_modules`; `full_iteration` implementation"),
+    ("has_dispatch_wgrad_overlap", "`overlap_dispatch_backward_with_experts_wgrad` exists (excludes overlap)"),
+)
+
+
+def render_core_versions() -> str:
+    from mbridge_epoverlap.config.versions import KNOWN_RELEASES, core_rules
+
+    rules = [core_rules(release) for release in KNOWN_RELEASES]
+    rows = [[text, *("yes" if getattr(r, field) else "no" for r in rules)] for field, text in _CORE_ROWS]
+    return ("What each Megatron-Core release's `TransformerConfig` enforces (read from the release tags; "
+            "`--mcore-version` picks the column, the newest when unknown). A whole-layer `transformer_engine` graph "
+            "with overlap passes `TransformerConfig` in every release but fails when the layer is built "
+            "(`cuda_graph_whole_layer`).\n\n"
+            + _table(["rule", *KNOWN_RELEASES], rows))
+
+
 def render_differences() -> str:
     from mbridge_epoverlap.config.differences import DIFFERENCES
 
@@ -619,6 +646,7 @@ def render_serving_modules() -> str:
 RENDERERS: dict[str, Callable[[], str]] = {
     "rules": render_rules,
     "differences": render_differences,
+    "core_versions": render_core_versions,
     "diagnosis": render_diagnosis,
     "failure_modes": render_failure_modes,
     "run_script_flags": render_run_script_flags,

@@ -44,10 +44,11 @@ CARD_KEYS = ("title", "validated_on", "summary", "validation_status", "enable_wh
 # Blocks each file must carry (more are allowed).
 REQUIRED_BLOCKS = {
     gen.README: {"results", "results_figure", "cli_summary"},
-    gen.SKILL_MD: {"diagnosis", "rules", "run_script_flags", "results", "flex_support", "differences"},
+    gen.SKILL_MD: {"diagnosis", "rules", "run_script_flags", "results", "flex_support", "differences",
+                   "core_versions"},
     gen.CARD_YAML: {"failure_modes", "results_yaml"},
     gen.TRAINING_DOC: {"diagnosis", "rules", "run_script_flags", "cli", "results", "schedule_sim", "pingpong_sim",
-                       "differences"},
+                       "differences", "core_versions"},
 }
 SHELL_FENCES = ("", "bash", "sh", "shell", "console")
 
