@@ -49,6 +49,19 @@ DIFFERENCES: tuple[Difference, ...] = (
         "`apply_flex_dispatcher_backend` (non-strict) still warns and falls back as upstream does",
         "a silent fallback makes a flex A/B measure alltoall"),
     Difference(
+        "the launcher",
+        "NeMo-Run (Slurm or Kubeflow executor), in the `nvcr.io/nvidia/nemo:dev` container unless `-i` names another; "
+        "`--detach` defaults to true",
+        "an sbatch script (or local processes for `-g cpu`); a container only with `-i`; NeMo-Run and Kubeflow "
+        "settings are accepted and recorded in the script (the dry run shows where each flag went); `--detach` "
+        "defaults to false",
+        "the harness follows the job to report the A/B table; one script a user can read and resubmit"),
+    Difference(
+        "`-c/--compute_dtype` absent",
+        "bf16",
+        "the recipe's precision for the run config; bf16 for the Megatron-Bridge recipe lookup, as upstream",
+        "a flag that is absent keeps the recipe's value, like every other flag here"),
+    Difference(
         "validation of the overlap settings",
         "stops at the first failed assertion (`AssertionError`)",
         "reports every violated rule at once with a fix (`ConfigValidationError`, a `ValueError`); the same "
