@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-GPUS = ("cpu", "a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300", "vr200", "r100")
+from mbridge_epoverlap.gpus import GPU_FACTS
+
+GPUS = ("cpu", *GPU_FACTS)  # the project's one GPU catalog; -g H100 works too (lowercased)
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
 TASKS = ("pretrain", "sft", "peft")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
