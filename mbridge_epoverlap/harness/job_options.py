@@ -78,6 +78,8 @@ def slurm_options(args: Any, recipe: str, task: str, num_gpus: int) -> dict[str,
             job_args += ["--config-variant", args.config_variant]
         if args.use_recipes:
             job_args.append("--use-recipes")
+        if args.pytorch_profiler:  # the profiled runs record Kineto traces instead of running under nsys
+            job_args.append("--pytorch-profiler")
         settings = job_settings(routes)
         if settings:
             job_args += ["--job-settings", json.dumps(settings, sort_keys=True)]

@@ -125,7 +125,8 @@ def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case],
     return Experiment(
         recipe=cfg.recipe, task=cfg.task, gpu=args.gpu, num_gpus=cfg.num_gpus, gpus_per_node=cfg.gpus_per_node,
         environment=environment, cases=records, repeats=args.repeats, max_steps=resolved.max_steps, window=window,
-        results_json=str(results_path), ab=args.ab, executor=executor, profile=args.profile, warnings=list(warnings))
+        results_json=str(results_path), ab=args.ab, executor=executor,
+        profile=args.profile or args.enable_nsys or args.pytorch_profiler, warnings=list(warnings))
 
 
 def save_configs(path: Path, cases: list[Case]) -> list[Path]:

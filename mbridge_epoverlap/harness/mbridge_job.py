@@ -160,13 +160,13 @@ def apply_run_config(bridge_cfg: Any, run: RunConfig, *, max_steps: int, mixed_p
     return missing
 
 
-def _enable_profiling(bridge_cfg: Any, start: int, end: int) -> None:
+def _enable_profiling(bridge_cfg: Any, start: int, end: int, pytorch: bool = False) -> None:
     profiling = getattr(bridge_cfg, "profiling", None)
     if profiling is None:
         print("warning: this Megatron-Bridge has no profiling config; the run is not profiled", file=sys.stderr)
         return
-    for name, value in (("use_nsys_profiler", True), ("profile_step_start", start), ("profile_step_end", end),
-                        ("profile_ranks", [0])):
+    for name, value in (("use_nsys_profiler", not pytorch), ("use_pytorch_profiler", pytorch),
+                        ("profile_step_start", start), ("profile_step_end", end), ("profile_ranks", [0])):
         if hasattr(profiling, name):
             setattr(profiling, name, value)
 
@@ -187,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-gpus", type=int, default=None, help="GPUs of the job (recipe lookup)")
     parser.add_argument("--config-variant", default=None, help="run_script.py -cv")
     parser.add_argument("--use-recipes", action="store_true", help="build the library recipe, not the perf recipe")
+    parser.add_argument("--pytorch-profiler", action="store_true",
+                        help="profile with the PyTorch profiler (Kineto traces) instead of nsys")
     parser.add_argument("--job-settings", default=None,
                         help="JSON object of the pass-through run_script.py flags for the job")
     args = parser.parse_args(argv)
@@ -226,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flex.apply_flex_dispatcher_backend(bridge_cfg.model, run.model.moe_flex_dispatcher_backend)
     if args.profile_window:
         start, _, end = args.profile_window.partition(":")
-        _enable_profiling(bridge_cfg, int(start), int(end))
+        _enable_profiling(bridge_cfg, int(start), int(end), pytorch=args.pytorch_profiler)
     step = importlib.import_module("megatron.bridge.training.gpt_step")
     if run.task == "sft":
         train = importlib.import_module("megatron.bridge.training.finetune").finetune
