@@ -23,8 +23,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--recipe", "-mr", default=None,
                         help="recipe name or FILE.py[:FUNCTION] (default: qwen3_30b_a3b)")
     parser.add_argument("--task", choices=("pretrain", "sft"), default="pretrain")
+    from mbridge_epoverlap.gpus import GPU_FACTS
+
     parser.add_argument("--gpu", "-g", default=None,
-                        help="target GPU family (a100, h100, h200, h20, l40s, b200, b300, gb200, gb300, cpu); "
+                        help=f"target GPU ({', '.join(GPU_FACTS)}, or cpu; H100-style names work too); "
                         "default: this machine")
     parser.add_argument("--te-version", "--te_version", default=None,
                         help="Transformer Engine version of the job (default: installed)")
