@@ -46,8 +46,18 @@ def recipe_note(args: Any, recipe: str, task: str, num_gpus: int) -> str:
             "recipe)")
 
 
-def slurm_options(args: Any, recipe: str, task: str, num_gpus: int) -> dict[str, Any]:
-    """Keyword arguments of `ScriptOptions` for the pass-through flags and the recipe choice."""
+def profile_window(args: Any, max_steps: int) -> str | None:
+    """`START:END` of the profiled iterations for -en/-pyp: upstream's --profiling_start_step/--profiling_stop_step,
+    clipped to the run; None (the stable window) without those flags or when the range starts after the run."""
+    if not (args.enable_nsys or args.pytorch_profiler) or args.profiling_start_step > max_steps:
+        return None
+    start = max(args.profiling_start_step, 1)
+    return f"{start}:{max(start, min(args.profiling_stop_step, max_steps))}"
+
+
+def slurm_options(args: Any, cfg: Any) -> dict[str, Any]:
+    """Keyword arguments of `ScriptOptions` for the pass-through flags, the recipe choice and the profiling range."""
+    recipe, task, num_gpus = cfg.recipe, cfg.task, cfg.num_gpus
     routes = passthrough_routes(args)
     sbatch, srun, setup = [], [], []
     if args.gres:
@@ -85,8 +95,12 @@ def slurm_options(args: Any, recipe: str, task: str, num_gpus: int) -> dict[str,
             job_args += ["--job-settings", json.dumps(settings, sort_keys=True)]
     for route in routes:
         notes.append(f"run_script.py {route.flag}={route.value!r} -> {route.destination}: {route.effect}")
+    window = profile_window(args, cfg.train.train_iters)
+    if args.enable_nsys or args.pytorch_profiler:
+        notes.append(f"profiled iterations: {window or 'the stable window'} (-en/-pyp; --profiling_start_step "
+                     f"{args.profiling_start_step} --profiling_stop_step {args.profiling_stop_step})")
     return {"job_args": tuple(job_args), "sbatch_lines": tuple(sbatch), "srun_args": tuple(srun),
-            "setup_lines": tuple(setup), "notes": tuple(notes)}
+            "setup_lines": tuple(setup), "notes": tuple(notes), "profile_window": window}
 
 
 def given_value(args: Any, dest: str) -> bool:

@@ -179,7 +179,7 @@ def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, ca
         job_dir=results_path.with_suffix(".slurm"), repo_root=repo_root,
         python=sys.executable if args.gpu == "cpu" else "python3", time_limit=args.time_limit,
         account=args.account, partition=args.partition, mixed_precision=resolved.mixed_precision,
-        tokenizer_type=resolved.tokenizer_type, **slurm_options(args, cfg.recipe, cfg.task, cfg.num_gpus))
+        tokenizer_type=resolved.tokenizer_type, **slurm_options(args, cfg))
     shape = job_shape(cfg.num_gpus, cfg.gpus_per_node, gpus=args.gpu != "cpu")
     executor = SlurmExecutor(options, shape, detach=args.detach, poll_s=2.0 if args.gpu == "cpu" else 10.0,
                              progress=_progress)

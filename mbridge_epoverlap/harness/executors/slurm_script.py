@@ -52,6 +52,7 @@ class ScriptOptions:
         sbatch_lines, srun_args, setup_lines: pass-through run_script.py flags for the script (#SBATCH
             lines, srun arguments, exports and commands before the runs).
         notes: comment lines (the chosen recipe, where each pass-through flag went).
+        profile_window: START:END iterations the profiler records (default: the stable window).
     """
 
     job_dir: Path
@@ -67,6 +68,7 @@ class ScriptOptions:
     srun_args: tuple[str, ...] = ()
     setup_lines: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    profile_window: str | None = None
 
 
 def _q(value: object) -> str:
@@ -110,7 +112,8 @@ def _run_command(exp: Experiment, case: Case, opts: ScriptOptions, out: Path, pr
         cmd += ["--tokenizer-type", _q(opts.tokenizer_type)]
     cmd += [_q(arg) for arg in opts.job_args]
     if profile:
-        cmd = ['${PROFILER[@]+"${PROFILER[@]}"}', *cmd, "--profile-window", f"{exp.window.start}:{exp.window.end}"]
+        window = opts.profile_window or f"{exp.window.start}:{exp.window.end}"
+        cmd = ['${PROFILER[@]+"${PROFILER[@]}"}', *cmd, "--profile-window", window]
     return cmd
 
 

@@ -120,3 +120,25 @@ def test_last_error_line(tmp_path):
                    "RuntimeError: rank 1 exited with status 3\nsrun: error: vm: task 1: Exited with exit code 3\n")
     assert last_error_line(log) == "srun: error: vm: task 1: Exited with exit code 3"
     assert last_error_line(tmp_path / "missing") is None
+
+
+def test_enable_nsys_profiles_every_case_over_the_profiling_steps(tmp_path, capsys):
+    """-en (Megatron-Bridge's flag): each case gets a run under nsys, over --profiling_start_step..stop_step."""
+    rc, script, err = dry_run(tmp_path, capsys, "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "--te_version",
+                              "2.9", "--ab", "ep_overlap", "-en", "--profiling_start_step", "3",
+                              "--profiling_stop_step", "5")
+    assert rc == 0, err
+    profiled = [line for line in script.splitlines() if line.startswith("run_case") and " profile " in line]
+    assert len(profiled) == 3 and all(line.endswith("--profile-window 3:5") for line in profiled)
+    assert "PROFILER=(nsys profile" in script
+
+
+def test_profile_window_is_clipped_to_the_run():
+    from types import SimpleNamespace
+
+    from mbridge_epoverlap.harness.job_options import profile_window
+
+    args = SimpleNamespace(enable_nsys=True, pytorch_profiler=False, profiling_start_step=10, profiling_stop_step=11)
+    assert profile_window(args, 10) == "10:10"
+    assert profile_window(args, 5) is None  # starts after the run: the stable window is profiled instead
+    assert profile_window(SimpleNamespace(enable_nsys=False, pytorch_profiler=False), 10) is None
