@@ -23,8 +23,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--recipe", "-mr", default=None,
                         help="recipe name or FILE.py[:FUNCTION] (default: qwen3_30b_a3b)")
     parser.add_argument("--task", choices=("pretrain", "sft"), default="pretrain")
+    from mbridge_epoverlap.gpus import GPU_FACTS
+
     parser.add_argument("--gpu", "-g", default=None,
-                        help="target GPU family (a100, h100, h200, h20, l40s, b200, b300, gb200, gb300, cpu); "
+                        help=f"target GPU ({', '.join(GPU_FACTS)}, or cpu; H100-style names work too); "
                         "default: this machine")
     parser.add_argument("--te-version", "--te_version", default=None,
                         help="Transformer Engine version of the job (default: installed)")
@@ -119,15 +121,12 @@ def _print_table(report: dict[str, Any], env_text: str) -> None:
 
 
 def _list_rules(rules: list, as_json: bool) -> int:
-    from mbridge_epoverlap.config.layout import LAYOUT_RULES
-
     rows = [(r.id, r.when, r.source, r.summary) for r in rules]
-    rows += [(rule_id, "always", "mbridge_epoverlap", summary) for rule_id, summary in LAYOUT_RULES.items()]
     if as_json:
         keys = ("rule", "when", "source", "summary")
         print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], indent=2))
         return EXIT_OK
     width = max(len(row[0]) for row in rows)
     for rule_id, when, source, summary in rows:
-        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<22}  {summary}\n")
+        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<40}  {summary}\n")
     return EXIT_OK

@@ -12,9 +12,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-GPUS = ("cpu", "a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300")
+from mbridge_epoverlap.gpus import GPU_FACTS
+
+GPUS = ("cpu", *GPU_FACTS)  # the project's one GPU catalog; -g H100 works too (lowercased)
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
-TASKS = ("pretrain", "sft")
+TASKS = ("pretrain", "sft", "peft")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
@@ -102,6 +104,11 @@ def graph_scopes(text: str) -> list[str]:
     return scopes
 
 
+def recipe_name(text: str) -> str:
+    """A recipe name, lowercased as Megatron-Bridge does; a FILE.py[:FUNCTION] path is kept as written."""
+    return text if ("/" in text or ".py" in text) else text.lower()
+
+
 def string_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -179,9 +186,11 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     what = parser.add_argument_group("what to run")
     what.add_argument("-m", "--model_family_name", type=str.lower, default=None,
                       help="model family (qwen, deepseek, mixtral, dbrx); checked against the recipe")
-    what.add_argument("-mr", "--model_recipe_name", default=None,
+    what.add_argument("-mr", "--model_recipe_name", type=recipe_name, default=None,
                       help="recipe name (e.g. qwen3_30b_a3b) or FILE.py[:FUNCTION]; default: the family's first")
-    what.add_argument("--task", choices=TASKS, default="pretrain", help="pretrain or sft (default: pretrain)")
+    what.add_argument("--task", choices=TASKS, default="pretrain",
+                      help="pretrain or sft (default: pretrain); peft is accepted as upstream does, but the project's "
+                           "recipes define pretrain and sft")
     what.add_argument("-g", "--gpu", type=str.lower, choices=GPUS, default=None,
                       help="target GPU; cpu runs the reference runtime in CPU processes (default: cpu)")
     what.add_argument("-c", "--compute_dtype", type=str.lower, choices=COMPUTE_DTYPES, default=UNSET,
@@ -264,14 +273,19 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     launch.add_argument("--save_config_filepath", default=None, metavar="PATH",
                         help="write the resolved config as YAML (A/B: PATH holds the first case, "
                              "STEM.<case>.yaml beside it the others)")
-    launch.add_argument("--detach", action="store_true",
-                        help="slurm: submit, print the job id and where results will appear, and return")
+    launch.add_argument("--detach", type=bool_arg, nargs="?", const=True, default=False, metavar="{true,false}",
+                        help="slurm: submit, print the job id and where results will appear, and return (bare "
+                             "--detach means true; default false: follow the job to report the A/B)")
 
     slurm = parser.add_argument_group("slurm")
     slurm.add_argument("-a", "--account", default=None)
     slurm.add_argument("-p", "--partition", default=None)
     slurm.add_argument("-t", "--time_limit", type=time_limit, default=time_limit(DEFAULT_TIME_LIMIT),
                        help=f"job time limit, HH:MM:SS (default {DEFAULT_TIME_LIMIT}); also bounds following the job")
+
+    from mbridge_epoverlap.harness.upstream_flags import add_upstream_flags
+
+    add_upstream_flags(parser)  # every other flag of Megatron-Bridge's run_script.py, passed through
     return parser
 
 

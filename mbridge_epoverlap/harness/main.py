@@ -130,7 +130,8 @@ def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case],
     return Experiment(
         recipe=cfg.recipe, task=cfg.task, gpu=args.gpu, num_gpus=cfg.num_gpus, gpus_per_node=cfg.gpus_per_node,
         environment=environment, cases=records, repeats=args.repeats, max_steps=resolved.max_steps, window=window,
-        results_json=str(results_path), ab=args.ab, executor=executor, profile=args.profile, warnings=list(warnings))
+        results_json=str(results_path), ab=args.ab, executor=executor,
+        profile=args.profile or args.enable_nsys or args.pytorch_profiler, warnings=list(warnings))
 
 
 def save_configs(path: Path, cases: list[Case]) -> list[Path]:
@@ -172,6 +173,7 @@ def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, ca
                results_path: Path) -> int:
     from mbridge_epoverlap.harness.executors.slurm import SlurmExecutor, job_shape, require_tool
     from mbridge_epoverlap.harness.executors.slurm_script import ScriptOptions
+    from mbridge_epoverlap.harness.job_options import slurm_options
     from mbridge_epoverlap.harness.results import sibling
 
     cfg = resolved.cfg
@@ -182,7 +184,7 @@ def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, ca
         job_dir=results_path.with_suffix(".slurm"), repo_root=repo_root,
         python=sys.executable if args.gpu == "cpu" else "python3", time_limit=args.time_limit,
         account=args.account, partition=args.partition, mixed_precision=resolved.mixed_precision,
-        tokenizer_type=resolved.tokenizer_type)
+        tokenizer_type=resolved.tokenizer_type, **slurm_options(args, cfg))
     shape = job_shape(cfg.num_gpus, cfg.gpus_per_node, gpus=args.gpu != "cpu")
     executor = SlurmExecutor(options, shape, detach=args.detach, poll_s=2.0 if args.gpu == "cpu" else 10.0,
                              progress=_progress)

@@ -40,7 +40,10 @@ def markdown_table(results: dict[str, Any]) -> str:
     header = (f"| case | stable-window mean (iters {window[0]}-{window[1]}) | relative | loss vs baseline "
               "| finite loss | skipped / NaN iters | peak mem | TFLOP/s/GPU |")
     header += " exposed comm / iter |" if comm else ""
-    lines = [header, "|---|---|---|---|---|---|---|---|" + ("---|" if comm else "")]
+    # A profiled A/B (--profile, -en, -pyp): the profile analyzer's figures from each case's traces.
+    traced = any("comm_hidden_pct" in case for case in results["cases"])
+    header += " comm hidden % (trace) | exposed comm / iter (trace) |" if traced else ""
+    lines = [header, "|---|---|---|---|---|---|---|---|" + ("---|" if comm else "") + ("---|---|" if traced else "")]
     for case in results["cases"]:
         relative = case.get("relative")
         tflops = case.get("tflops_per_gpu")
@@ -49,7 +52,8 @@ def markdown_table(results: dict[str, Any]) -> str:
             f"{'n/a' if relative is None else f'{relative:.3f}x'} | {_loss_cell(case)} | "
             f"{'yes' if case.get('finite_loss') else 'NO'} | {case.get('skipped_iters')} / {case.get('nan_iters')} | "
             f"{fmt_bytes(case.get('peak_mem_bytes'))} | {'n/a' if tflops is None else f'{tflops:.3g}'} |"
-            + (f" {fmt_seconds(case.get('comm_wait_s'))} |" if comm else ""))
+            + (f" {fmt_seconds(case.get('comm_wait_s'))} |" if comm else "")
+            + (_trace_cells(case) if traced else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -83,6 +87,12 @@ def prediction_table(results: dict[str, Any]) -> str:
     if notes:
         text += "\n" + "\n".join(f"> off by more than 15 %: {n}" for n in notes) + "\n"
     return text
+
+
+def _trace_cells(case: dict[str, Any]) -> str:
+    hidden = case.get("comm_hidden_pct")
+    return (f" {'n/a' if hidden is None else f'{hidden:.1f}'} | "
+            f"{fmt_seconds(case.get('exposed_comm_per_iter_s'))} |")
 
 
 def markdown_report(results: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides, parse_override
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.fields import get_path
+from mbridge_epoverlap.gpus import GPU_FACTS
 from mbridge_epoverlap.harness.flags import DEFAULT_CPU_PROCS, DEFAULT_MAX_STEPS, MODEL_FLAGS, given
 
 # Megatron-Bridge mixed-precision recipe names per -c value (GPU jobs).
@@ -193,8 +194,8 @@ def _apply_flags(cfg: RunConfig, args: argparse.Namespace, target: Target, overr
     if given(args, "gpus_per_node"):
         cfg.gpus_per_node = args.gpus_per_node
         keys.add("gpus_per_node")
-    elif target.gpu in ("gb200", "gb300") and "gpus_per_node" not in overridden:
-        cfg.gpus_per_node = 4  # one GB200/GB300 compute tray holds four GPUs
+    elif target.gpu in GPU_FACTS and GPU_FACTS[target.gpu].gpus_per_node != 8 and "gpus_per_node" not in overridden:
+        cfg.gpus_per_node = GPU_FACTS[target.gpu].gpus_per_node  # GB200/GB300/VR200 trays: 4; R100: 1
     for dest, key in (("global_batch_size", "train.global_batch_size"), ("micro_batch_size", "train.micro_batch_size"),
                       ("max_steps", "train.train_iters")):
         if given(args, dest):

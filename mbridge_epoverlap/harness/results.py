@@ -63,6 +63,10 @@ def build_results(exp: Experiment, runs: dict[str, list[RunMetrics]],
     base["loss_match_baseline"] = None
     for case in cases:
         case["predicted"] = _prediction(case)
+    if any(case.get("trace_dir") for case in cases):  # a profiled A/B: the analyzer reads every case's traces
+        from mbridge_epoverlap.harness.trace_figures import add_trace_figures
+
+        add_trace_figures({"max_steps": exp.max_steps, "cases": cases})
     return {
         "recipe": exp.recipe,
         "task": exp.task,

@@ -24,6 +24,7 @@ from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce
 from mbridge_epoverlap.comm.groups import ParallelGroups
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.cpu_precision import choose_cpu_precision
+from mbridge_epoverlap.config.rules import global_batch_problem
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.model import MoEGPT
@@ -66,11 +67,10 @@ def resolve_dtype(cfg: RunConfig, options: RuntimeOptions, device: torch.device 
 
 def num_micro_batches(cfg: RunConfig, world: int) -> int:
     """global_batch_size / (micro_batch_size * data-parallel size); every rank is data parallel here."""
-    per_step = cfg.train.micro_batch_size * world
-    if per_step < 1 or cfg.train.global_batch_size % per_step:
-        raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-                         f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {world} data-parallel ranks")
-    return cfg.train.global_batch_size // per_step
+    problem = global_batch_problem(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
+    if problem is not None:
+        raise UsageError(problem)
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
 
 
 def schedule_for(cfg: RunConfig, micro_batches: int) -> list[Step]:

@@ -82,7 +82,9 @@ def test_cases_carry_their_launch_environment():
     envs = [c.launch_env["CUDA_DEVICE_MAX_CONNECTIONS"] for c in cases]
     assert envs == ["1", "8", "8"]  # TP>1 without EP overlap wants 1; overlap needs more
     assert all(c.cfg.env_vars == c.launch_env for c in cases)
-    assert cases[0].launch_env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
+    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" not in cases[0].launch_env  # exported with hybridep only
+    hybrid, _ = cases_for("ep_overlap", *GPU, "--moe_flex_dispatcher_backend", "hybridep")
+    assert hybrid[0].launch_env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
 
 
 def test_cpu_ab_validates_on_this_machine():

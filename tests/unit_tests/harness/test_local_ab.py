@@ -61,3 +61,21 @@ def test_failed_local_run_writes_nothing(tmp_path):
     assert "Traceback" not in done.stderr
     assert not out.exists() and not out.with_suffix(".md").exists() and not out.with_suffix(".png").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pytorch_profiler_flag_adds_trace_columns(tmp_path):
+    """-pyp true (Megatron-Bridge's flag) records Kineto traces on -g cpu; the analyzer reads them into the table."""
+    out = tmp_path / "pyp" / "ab.json"
+    done = run_harness("-mr", "qwen3_30b_a3b", "-g", "cpu", "-ng", "2", "--max_steps", "2", "-sl", "64", "--ab",
+                       "comm_overlap.overlap_moe_expert_parallel_comm", "--stable_window", "2:2", "-pyp", "true",
+                       "--results_json", str(out), timeout=240)
+    assert done.returncode == 0, done.stderr
+    cases = json.loads(out.read_text())["cases"]
+    for case in cases:
+        assert case["trace_dir"] and 0 <= case["comm_hidden_pct"] <= 100, case
+        assert case["exposed_comm_per_iter_s"] > 0
+    plain, overlapped = cases  # the recipe runs without overlap; the second case switches it on
+    assert overlapped["overrides"] == ["comm_overlap.overlap_moe_expert_parallel_comm=true"]
+    assert overlapped["comm_hidden_pct"] > plain["comm_hidden_pct"]
+    table = out.with_suffix(".md").read_text()
+    assert "comm hidden % (trace)" in table and "exposed comm / iter (trace)" in table
