@@ -66,9 +66,10 @@ class RunConfig:
 
     def validate(self, env: Environment | None = None) -> list[Violation]:
         """Every EP-overlap and layout violation of this run, errors and warnings."""
+        from mbridge_epoverlap.config.fixes import agree_on_ep
         from mbridge_epoverlap.config.layout import layout_violations
 
-        return self.comm_overlap.validate(self.model, self.ddp, env) + layout_violations(self)
+        return agree_on_ep(self.comm_overlap.validate(self.model, self.ddp, env) + layout_violations(self), self)
 
     def copy(self) -> RunConfig:
         return copy.deepcopy(self)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mbridge_epoverlap.config.fixes import expert_layout_fix
 from mbridge_epoverlap.config.violations import Violation
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def layout_violations(cfg: RunConfig) -> list[Violation]:
             "layout_expert_parallel",
             f"EP*ETP={expert_group} does not divide the {per_stage} GPUs of a pipeline stage "
             f"(num_gpus={cfg.num_gpus}, PP={m.pipeline_model_parallel_size})",
-            f"-ep {largest_divisor(per_stage, m.expert_model_parallel_size)}, or -ng a multiple of {expert_group}"))
+            expert_layout_fix(cfg)))
     dp = data_parallel_size(cfg)
     per_step = cfg.train.micro_batch_size * dp
     if cfg.train.global_batch_size % per_step:
