@@ -9,10 +9,10 @@ from __future__ import annotations
 ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_PYTHON", "Python on the Slurm nodes that has Megatron-Bridge (GPU jobs; default python3)"),
     ("MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S", "seconds any collective may take before the run fails (default 120)"),
-    ("MBRIDGE_EPOVERLAP_DTYPE", "fp32 | bf16: override the config's precision in the reference runtime"),
-    ("MBRIDGE_EPOVERLAP_OPTIMIZER", "adam (default) | sgd, for the reference runtime"),
-    ("MBRIDGE_EPOVERLAP_DEVICE", "auto (default) | cpu | cuda, for the reference runtime"),
-    ("MBRIDGE_EPOVERLAP_BACKEND", "auto (default) | nccl | gloo, for the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_DTYPE", "fp32 or bf16: override the config's precision in the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_OPTIMIZER", "adam (default) or sgd, for the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_DEVICE", "auto (default), cpu or cuda, for the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_BACKEND", "auto (default), nccl or gloo, for the reference runtime"),
     ("MBRIDGE_EPOVERLAP_COMM_NICE", "nice value of the CPU communication threads (default -10; 0 leaves them alone)"),
     ("MBRIDGE_EPOVERLAP_FAULT", "RANK:MODE:ITERATION, a test hook that makes one rank exit, raise or hang"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),
@@ -29,5 +29,5 @@ def env_epilog(names: tuple[str, ...] | None = None) -> str:
 def env_markdown() -> str:
     """The same table in Markdown (for the docs)."""
     lines = ["| variable | meaning |", "|---|---|"]
-    lines += [f"| `{name}` | {text} |" for name, text in ENV_VARS]
+    lines += [f"| `{name}` | {text.replace('|', chr(92) + '|')} |" for name, text in ENV_VARS]
     return "\n".join(lines) + "\n"
