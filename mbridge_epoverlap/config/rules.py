@@ -214,12 +214,13 @@ def _shared_expert_overlap(ctx: RuleContext) -> Violation | None:
 def _mtp_layers(ctx: RuleContext) -> Violation | None:
     mtp = ctx.get("mtp_num_layers")
     allowed = (None, 0, 1) if ctx.core.mtp_allows_zero else (None, 1)
+    pp = ctx.get("pipeline_model_parallel_size") or 1
     if mtp not in allowed:
         choices = ", ".join("null" if a is None else str(a) for a in allowed)
+        # One MTP layer needs PP > 1 (below), so without pipeline stages only null passes.
         return _v("mtp_layers",
                   f"EP overlap supports mtp_num_layers in ({choices}) on Megatron-Core {ctx.core.version}, got {mtp}",
-                  "model.mtp_num_layers=1 (or null)")
-    pp = ctx.get("pipeline_model_parallel_size") or 1
+                  "model.mtp_num_layers=1 (or null)" if pp > 1 else "model.mtp_num_layers=null")
     if mtp == 1 and pp <= 1:
         message = "EP overlap with an MTP layer needs pipeline_model_parallel_size > 1"
         fix = ("model.pipeline_model_parallel_size=2 model.virtual_pipeline_model_parallel_size=2, "
