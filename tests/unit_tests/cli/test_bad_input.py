@@ -275,6 +275,21 @@ def test_a_reader_that_leaves_does_not_change_the_exit_status(argv, status):
     assert b"Traceback" not in result.stderr and b"BrokenPipe" not in result.stderr
 
 
+@pytest.mark.parametrize("argv", [["validate", "-g", "h100"], ["validate", "model.expert_model_parallel_size=0"],
+                                  ["validate", "-g", "cpu", "--list-rules"]])
+def test_validate_imports_neither_torch_nor_megatron(argv):
+    # A pre-submit check must answer in well under a second; importing torch alone takes seconds.
+    code = ("import sys\nfrom mbridge_epoverlap.cli import main\nrc = main(sys.argv[1:])\n"
+            "heavy = sorted(m for m in ('torch', 'megatron', 'megatron.core') if m in sys.modules)\n"
+            "print('HEAVY', heavy, file=sys.stderr)\nsys.exit(rc)")
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=REPO, env=env,
+                            timeout=120)
+    if os.path.exists("/proc/driver/nvidia") and "-g" not in argv:
+        pytest.skip("with an NVIDIA driver, validate without -g probes the GPU through torch")
+    assert "HEAVY []" in result.stderr, result.stderr
+
+
 def test_run_script_usage_errors_go_to_stderr():
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "performance" / "run_script.py"), "-ng", "0"],
