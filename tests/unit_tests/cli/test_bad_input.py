@@ -104,6 +104,7 @@ CASES: list[tuple[str, str, list[str], int, list[str]]] = [
     ("recipe-zero-size", "cli", ["validate", "-mr", "my_recipes.py:zero_layers"], 2, ["model.num_layers=0"]),
     ("recipe-unknown-function", "cli", ["validate", "-mr", "my_recipes.py:nope"], 2, ["no function 'nope'"]),
     ("recipe-ambiguous", "cli", ["validate", "-mr", "my_recipes.py"], 2, ["public functions", "my_recipes.py:"]),
+    ("recipe-as-override", "cli", ["validate", "my_recipes.py:fine"], 2, ["recipe file", "-mr my_recipes.py:fine"]),
     ("recipe-fine", "cli", ["validate", "-g", "h100", "-mr", "my_recipes.py:fine"], 0, ["valid"]),
     ("te-underscore", "cli", ["validate", "-g", "h100", "--te_version", "2.9"], 0, ["TE 2.9"]),
     ("te-dash", "cli", ["validate", "-g", "h100", "--te-version", "2.9"], 0, ["TE 2.9"]),
