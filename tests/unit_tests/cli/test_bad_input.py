@@ -25,6 +25,8 @@ PROFILE_DATA = REPO / "tests" / "unit_tests" / "profiling" / "data"
 NSYS_BEFORE = PROFILE_DATA / "nsys" / "nsysai_mfu_2gpu_before.sqlite.gz"
 GLOO_TRACES = PROFILE_DATA / "gloo_cpu"
 GPU = ("-g", "h100", "--te_version", "2.9", "--torch_version", "2.7")
+# A power of two above this machine's core count (so EP 2 divides it).
+MORE_PROCESSES_THAN_CORES = 1 << len(os.sched_getaffinity(0)).bit_length()
 
 RECIPES = textwrap.dedent('''
     from mbridge_epoverlap.recipes import qwen3_30b_a3b
@@ -123,7 +125,7 @@ CASES: list[tuple[str, str, list[str], int, list[str]]] = [
      ["layout_expert_parallel", "-ep 4", "-ng 32"]),
     ("rs-te-dash", "rs", ["-g", "h100", "-ng", "16", "--te-version", "2.9", "--torch-version", "2.7", "--dryrun"], 0,
      ["dry run"]),
-    ("rs-oversubscribed", "rs", ["-g", "cpu", "-ng", str(4 * (os.cpu_count() or 1)), "--dryrun"], 0,
+    ("rs-oversubscribed", "rs", ["-g", "cpu", "-ng", str(MORE_PROCESSES_THAN_CORES), "-ep", "2", "--dryrun"], 0,
      ["CPU processes on", "core"]),
     ("rs-logs-one-case", "rs", ["--from_logs", "a=off.log", "a=on.log"], 2, ["only case 'a'", "ep_overlap_off="]),
     ("rs-logs-missing", "rs", ["--from_logs", "off=missing.log", "on=on.log"], 2, ["missing.log", "no such file"]),
