@@ -38,7 +38,11 @@ SIZE_KEYS: dict[str, tuple[str, bool]] = {
     "model.moe_router_topk": ("", False),
     "model.moe_ffn_hidden_size": ("", True),
     "model.moe_shared_expert_intermediate_size": ("", True),
+    "model.moe_layer_freq": ("", False),  # or a list of 0/1 per layer
+    "model.mtp_num_layers": ("", True),  # 0 allowed (see ZERO_ALLOWED)
 }
+# Sizes for which 0 is meaningful (no MTP layers).
+ZERO_ALLOWED = frozenset({"model.mtp_num_layers"})
 
 
 def size_problem(key: str, value: Any) -> str | None:
@@ -48,9 +52,12 @@ def size_problem(key: str, value: Any) -> str | None:
     flag, nullable = SIZE_KEYS[key]
     if value is None and nullable:
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+    if key == "model.moe_layer_freq" and isinstance(value, list):
         return None
-    fix = f"a positive integer{' or null' if nullable else ''}"
+    least = 0 if key in ZERO_ALLOWED else 1
+    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
+        return None
+    fix = f"{'a non-negative' if least == 0 else 'a positive'} integer{' or null' if nullable else ''}"
     same_as = f" (as its flag {flag} requires)" if flag else ""
     return f"{key}={value!r}: must be {fix}{same_as}; set it to one, e.g. {key}=1"
 
