@@ -257,14 +257,15 @@ def test_every_environment_variable_the_code_reads_is_documented():
 # ---- Real processes ----------------------------------------------------------------------------------------
 
 
-def _closed_pipe_run(argv: list[str]) -> subprocess.CompletedProcess[bytes]:
-    """Run the CLI with stdout a pipe whose reader has already gone (as `| head -n 0` leaves it)."""
+def _closed_pipe_run(argv: list[str], program: tuple[str, ...] = ("-m", "mbridge_epoverlap.cli"),
+                     cwd: Path = REPO) -> subprocess.CompletedProcess[bytes]:
+    """Run a command with stdout a pipe whose reader has already gone (as `| head -n 0` leaves it)."""
     read_end, write_end = os.pipe()
     os.close(read_end)
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200")
     try:
-        return subprocess.run([sys.executable, "-m", "mbridge_epoverlap.cli", *argv], stdout=write_end,
-                              stderr=subprocess.PIPE, cwd=REPO, env=env, timeout=120)
+        return subprocess.run([sys.executable, *program, *argv], stdout=write_end, stderr=subprocess.PIPE, cwd=cwd,
+                              env=env, timeout=120)
     finally:
         os.close(write_end)
 
@@ -294,6 +295,13 @@ def test_validate_imports_neither_torch_nor_megatron(argv):
     if os.path.exists("/proc/driver/nvidia") and "-g" not in argv:
         pytest.skip("with an NVIDIA driver, validate without -g probes the GPU through torch")
     assert "HEAVY []" in result.stderr, result.stderr
+
+
+def test_run_script_keeps_its_exit_status_when_the_reader_leaves(tmp_path):
+    run_script = str(REPO / "scripts" / "performance" / "run_script.py")
+    result = _closed_pipe_run(["--dryrun"], program=(run_script,), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"Traceback" not in result.stderr and b"BrokenPipe" not in result.stderr
 
 
 def test_run_script_usage_errors_go_to_stderr():
