@@ -137,3 +137,9 @@ class SwiGLUMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(_swiglu(self.fc1(x)))
+
+
+def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert for inference (no weight-gradient split): x [n, hidden], w1 [2*ffn, hidden] (gate rows, then
+    up), w2 [hidden, ffn] -> [n, hidden]."""
+    return F.linear(_swiglu(F.linear(x, w1)), w2)

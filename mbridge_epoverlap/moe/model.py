@@ -112,3 +112,8 @@ class MoEGPT(torch.nn.Module):
 def _normal(shape: Any, std: float, key: str) -> torch.Tensor:
     generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     return torch.empty(tuple(shape), dtype=torch.float32).normal_(0.0, std, generator=generator)
+
+
+def seeded_normal(shape: Any, std: float, key: str) -> torch.Tensor:
+    """N(0, std) fp32 values drawn from a generator seeded by `key` alone (the same tensor in every process)."""
+    return _normal(shape, std, key)

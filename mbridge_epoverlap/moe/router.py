@@ -47,3 +47,17 @@ class TopKRouter(torch.nn.Module):
         else:
             chosen, experts = torch.topk(logits, self.topk, dim=-1)
         return Routing(experts=experts, weights=torch.softmax(chosen, dim=-1))
+
+    def softmax_topk(self, x: torch.Tensor, *, normalize: bool) -> Routing:
+        """Routing as Hugging Face Mixtral and Qwen3-MoE compute it (inference; no forced balance).
+
+        Softmax (fp32) over all experts' logits, the k largest probabilities, renormalised to sum to one
+        when `normalize` (Mixtral always; Qwen3 with `norm_topk_prob`). With `normalize` the weights equal
+        `forward`'s softmax over the chosen logits up to rounding; this order reproduces the reference.
+        """
+        logits = torch.nn.functional.linear(x, self.weight)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, experts = torch.topk(probs, self.topk, dim=-1)
+        if normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return Routing(experts=experts, weights=top)

@@ -65,7 +65,6 @@ BACKWARD_STAGES: tuple[Stage, ...] = (
 )
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in FORWARD_STAGES + BACKWARD_STAGES}
-COMM_STAGE_NAMES: frozenset[str] = frozenset(s.name for s in STAGES.values() if s.kind is Kind.COMM)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,370 @@
+"""Model sources for serving: a local Hugging Face checkpoint directory or a recipe name.
+
+`load_spec` reads and checks everything before any weight is loaded: `config.json` (architecture, sizes,
+the semantics flags), `generation_config.json` (end-of-sequence ids, as `generate` uses them) and the
+header of every `*.safetensors` file (names, shapes and dtypes of all tensors). Any problem is a
+`UsageError` naming the file and the field. `CheckpointReader` then reads single tensors with
+`safetensors.safe_open`, so a worker reads only the tensors of its part.
+
+Configuration semantics follow `transformers` (`MixtralConfig`, `Qwen3MoeConfig`): a field missing from
+`config.json` takes that class's default; the rotary base is `rope_parameters.rope_theta` (5.x) or
+`rope_theta` (4.x); only the default (unscaled) rope is supported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.serving.hf_layout import ARCHITECTURES, MIXTRAL, QWEN3_MOE, all_sources
+from mbridge_epoverlap.serving.spec import DTYPES, ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+# Defaults of the transformers config classes for the fields a checkpoint may leave out.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    MIXTRAL: {"num_key_value_heads": 8, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6, "eos_token_id": 2},
+    QWEN3_MOE: {"num_key_value_heads": 4, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False, "sliding_window": 4096, "use_sliding_window": False,
+                "rope_theta": 10000.0, "eos_token_id": None, "decoder_sparse_step": 1,
+                "norm_topk_prob": False, "mlp_only_layers": [], "attention_bias": False},
+}
+# Sizes every checkpoint must state (a default for these would only hide a broken config).
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    MIXTRAL: ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+              "num_local_experts", "num_experts_per_tok"),
+    QWEN3_MOE: ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+                "moe_intermediate_size", "num_local_experts", "num_experts_per_tok"),
+}
+# Both config classes map `num_experts` to `num_local_experts` (Qwen3-MoE checkpoints usually say
+# `num_experts`; transformers 5.x saves `num_local_experts`).
+_ALIASES = {"num_experts": "num_local_experts"}
+
+# Rotary base of the recipes' public models (their config.json `rope_theta`).
+_RECIPE_ROPE_THETA = {"qwen": 1e6, "mixtral": 1e6}
+
+
+def load_spec(source: str | Path, *, seed: int = 0, num_layers: int | None = None,
+              dtype: str = "float32") -> ModelSpec:
+    """The `ModelSpec` of a checkpoint directory or a recipe name, checked up front.
+
+    Args:
+        source: a directory with `config.json` and `*.safetensors` (`MixtralForCausalLM` or
+            `Qwen3MoeForCausalLM`), or a recipe name (`qwen3_30b_a3b`, `mixtral_8x22b`, ...) for a
+            random model shrunk as the training runtime shrinks recipes for CPU.
+        seed: initialisation seed of a recipe model.
+        num_layers: MoE layers of a recipe model (its dense prefix is kept); None for the CPU default.
+        dtype: "float32" or "bfloat16" (checkpoint tensors are converted on load).
+
+    Raises:
+        UsageError: unknown recipe or missing directory, missing or malformed `config.json`, an
+            unsupported architecture or setting, a directory without safetensors, missing tensors or
+            mismatched shapes; the message names the file and the field.
+    """
+    if dtype not in DTYPES:
+        raise UsageError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    path = Path(source)
+    if path.is_dir():
+        if num_layers is not None:
+            raise UsageError(f"{path}: the layer count of a checkpoint is fixed by its {CONFIG}; "
+                             "drop the layer override (it applies to recipe models only)")
+        return _checkpoint_spec(path.resolve(), dtype)
+    from mbridge_epoverlap.recipes import RECIPES
+
+    if str(source) in RECIPES:
+        return _recipe_spec(str(source), seed=seed, num_layers=num_layers, dtype=dtype)
+    if path.exists():
+        raise UsageError(f"{path} is a file; give the checkpoint directory that holds {CONFIG} and *.safetensors")
+    raise UsageError(f"{source!r} is neither a checkpoint directory nor a recipe; known recipes: "
+                     f"{', '.join(RECIPES)}")
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
+    config_path = directory / CONFIG
+    raw = _read_json(config_path, required=True)
+    arch = _architecture(config_path, raw)
+    raw = _resolve_aliases(config_path, raw)
+    cfg = _Fields(config_path, {**_DEFAULTS[arch], **raw})
+    for name in _REQUIRED[arch]:
+        if name not in raw:
+            also = [a for a, n in _ALIASES.items() if n == name]
+            raise UsageError(f"{config_path}: field {name!r}{''.join(f' (or {a!r})' for a in also)} is missing "
+                             f"({arch} needs it)")
+    hidden = cfg.positive_int("hidden_size")
+    layers = cfg.positive_int("num_hidden_layers")
+    heads = cfg.positive_int("num_attention_heads")
+    kv_heads = heads if cfg.get("num_key_value_heads") is None else cfg.positive_int("num_key_value_heads")
+    if heads % kv_heads:
+        raise UsageError(f"{config_path}: field 'num_attention_heads' ({heads}) is not a multiple of "
+                         f"'num_key_value_heads' ({kv_heads})")
+    head_dim = hidden // heads if cfg.get("head_dim") is None else cfg.positive_int("head_dim")
+    if head_dim % 2:
+        raise UsageError(f"{config_path}: field 'head_dim' is {head_dim}; rotary embeddings need an even head size")
+    if cfg.get("hidden_act") != "silu":
+        raise UsageError(f"{config_path}: field 'hidden_act' is {cfg.get('hidden_act')!r}; only 'silu' "
+                         "(SwiGLU experts) is supported")
+    experts_field = "num_local_experts"
+    experts, top_k = cfg.positive_int(experts_field), cfg.positive_int("num_experts_per_tok")
+    if top_k > experts:
+        raise UsageError(f"{config_path}: field 'num_experts_per_tok' ({top_k}) exceeds {experts_field!r} "
+                         f"({experts})")
+    if arch == MIXTRAL:
+        moe_layers = tuple([True] * layers)
+        expert_ffn, dense_ffn, qk_norm, norm_topk = cfg.positive_int("intermediate_size"), 0, False, True
+        window = None if cfg.get("sliding_window") is None else cfg.positive_int("sliding_window")
+    else:
+        if cfg.get("attention_bias"):
+            raise UsageError(f"{config_path}: field 'attention_bias' is true; attention biases are not supported")
+        step = cfg.positive_int("decoder_sparse_step")
+        dense_only = cfg.int_list("mlp_only_layers", below=layers)
+        moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
+        expert_ffn, qk_norm = cfg.positive_int("moe_intermediate_size"), True
+        dense_ffn = cfg.positive_int("intermediate_size") if not all(moe_layers) else 0
+        norm_topk = cfg.boolean("norm_topk_prob")
+        window = (cfg.positive_int("sliding_window")
+                  if cfg.boolean("use_sliding_window") and cfg.get("sliding_window") is not None else None)
+    if not any(moe_layers):
+        raise UsageError(f"{config_path}: no layer is a MoE layer (fields 'mlp_only_layers', "
+                         "'decoder_sparse_step'); expert-parallel serving needs experts")
+    files = _tensor_files(directory)
+    spec = ModelSpec(
+        architecture=arch, source=str(directory), num_layers=layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.positive_int("vocab_size"), num_experts=experts,
+        top_k=top_k, expert_ffn=expert_ffn, moe_layers=moe_layers, dense_ffn=dense_ffn, qk_norm=qk_norm,
+        norm_eps=cfg.positive_float("rms_norm_eps"), norm_topk_prob=norm_topk,
+        rope_theta=_rope_theta(config_path, cfg), sliding_window=window,
+        tie_word_embeddings=cfg.boolean("tie_word_embeddings"),
+        eos_token_ids=_eos_ids(directory, cfg), dtype=dtype, tensor_files=tuple(sorted(files.items())),
+    )
+    _check_tensors(directory, spec, files)
+    return spec
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise UsageError(f"{path} is missing: a checkpoint directory needs {path.name} "
+                             f"(a Hugging Face {' or '.join(ARCHITECTURES)} config)")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path} cannot be read: {err}") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _architecture(path: Path, raw: dict[str, Any]) -> str:
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs:
+        raise UsageError(f"{path}: field 'architectures' is missing or empty; it must name one of "
+                         f"{', '.join(ARCHITECTURES)}")
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise UsageError(f"{path}: field 'architectures' is {archs}; supported: {', '.join(ARCHITECTURES)}")
+    return known[0]
+
+
+def _resolve_aliases(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    for alias, name in _ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if name in out and out[name] != value:
+            raise UsageError(f"{path}: fields {alias!r} ({value!r}) and {name!r} ({out[name]!r}) disagree")
+        out[name] = value
+    return out
+
+
+class _Fields:
+    """Typed reads of config fields; a wrong type is a UsageError naming the file and the field."""
+
+    def __init__(self, path: Path, values: dict[str, Any]) -> None:
+        self.path, self.values = path, values
+
+    def get(self, name: str) -> Any:
+        return self.values.get(name)
+
+    def _bad(self, name: str, what: str) -> UsageError:
+        return UsageError(f"{self.path}: field {name!r} is {self.values.get(name)!r}; it must be {what}")
+
+    def positive_int(self, name: str) -> int:
+        value = self.values.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self._bad(name, "a positive integer")
+        return value
+
+    def positive_float(self, name: str) -> float:
+        value = self.values.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise self._bad(name, "a positive number")
+        return float(value)
+
+    def boolean(self, name: str) -> bool:
+        value = self.values.get(name)
+        if not isinstance(value, bool):
+            raise self._bad(name, "true or false")
+        return value
+
+    def int_list(self, name: str, *, below: int) -> set[int]:
+        value = self.values.get(name)
+        if value is None:
+            return set()
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < below
+                                              for v in value):
+            raise self._bad(name, f"a list of layer indices in [0, {below})")
+        return set(value)
+
+
+def _rope_theta(path: Path, cfg: _Fields) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise UsageError(f"{path}: field 'rope_parameters' must be an object, found {params!r}")
+    params = params or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise UsageError(f"{path}: field 'rope_parameters.rope_type' is {kind!r}; only the default rope is "
+                         "supported (no rope scaling)")
+    if "rope_theta" in params:
+        return _Fields(path, {"rope_parameters.rope_theta": params["rope_theta"]}).positive_float(
+            "rope_parameters.rope_theta")
+    return cfg.positive_float("rope_theta")
+
+
+def _eos_ids(directory: Path, cfg: _Fields) -> tuple[int, ...]:
+    """End-of-sequence ids as `generate` uses them: generation_config.json's, else config.json's."""
+    gen_path = directory / GENERATION_CONFIG
+    generation = _read_json(gen_path, required=False)
+    path, value = (gen_path, generation["eos_token_id"]) if "eos_token_id" in generation else (
+        cfg.path, cfg.get("eos_token_id"))
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise UsageError(f"{path}: field 'eos_token_id' is {value!r}; it must be a token id or a list of them")
+    return tuple(values)
+
+
+def _tensor_files(directory: Path) -> dict[str, str]:
+    """Tensor name -> file name, from the header of every *.safetensors file (no tensor data is read)."""
+    from safetensors import safe_open
+
+    paths = sorted(directory.glob("*.safetensors"))
+    if not paths:
+        raise UsageError(f"{directory} has no *.safetensors files (the checkpoint's weights); "
+                         "save the model with save_pretrained(..., safe_serialization=True)")
+    files: dict[str, str] = {}
+    for path in paths:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                names = list(handle.keys())
+        except Exception as err:  # safetensors raises its own error types for a bad header
+            raise UsageError(f"{path} is not a readable safetensors file: {err}") from None
+        for name in names:
+            if name in files:
+                raise UsageError(f"{path}: tensor {name!r} is also in {files[name]}; each tensor must be in one file")
+            files[name] = path.name
+    return files
+
+
+def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> None:
+    """Every tensor the model reads exists, with the shape the config implies and a float dtype."""
+    from safetensors import safe_open
+
+    wanted = [(name, shape, source.fields) for source in all_sources(spec) for name, shape in source.parts]
+    missing = [name for name, _, _ in wanted if name not in files]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise UsageError(f"{directory}: the *.safetensors files lack {len(missing)} tensor(s) that {CONFIG} "
+                         f"({spec.architecture}) implies: {shown}")
+    by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[str, ...]]]] = {}
+    for name, shape, fields in wanted:
+        by_file.setdefault(files[name], []).append((name, shape, fields))
+    for file_name, tensors in by_file.items():
+        with safe_open(str(directory / file_name), framework="pt") as handle:
+            for name, shape, fields in tensors:
+                view = handle.get_slice(name)
+                found, dtype = tuple(view.get_shape()), view.get_dtype()
+                if found != shape:
+                    raise UsageError(f"{directory / file_name}: tensor {name!r} has shape {list(found)}, but "
+                                     f"{CONFIG} implies {list(shape)} from its fields "
+                                     f"{', '.join(repr(f) for f in fields)}")
+                if dtype not in FLOAT_DTYPES:
+                    raise UsageError(f"{directory / file_name}: tensor {name!r} has dtype {dtype}; "
+                                     f"expected one of {', '.join(FLOAT_DTYPES)}")
+
+
+class CheckpointReader:
+    """Reads single tensors of a checkpoint, opening each safetensors file once (memory-mapped)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        if not spec.is_checkpoint:
+            raise ValueError(f"{spec.source} is a recipe model; it has no checkpoint to read")
+        self.directory = Path(spec.source)
+        self.files = spec.file_of()
+        self._handles: dict[str, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor `name` as stored (dtype converted by the caller)."""
+        from safetensors import safe_open
+
+        file_name = self.files.get(name)
+        if file_name is None:
+            raise UsageError(f"{self.directory}: tensor {name!r} is not in any *.safetensors file")
+        handle = self._handles.get(file_name)
+        if handle is None:
+            handle = safe_open(str(self.directory / file_name), framework="pt")
+            self._handles[file_name] = handle
+        return handle.get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- recipes ----------------------------------------------------------------------------------------
+
+def _recipe_spec(name: str, *, seed: int, num_layers: int | None, dtype: str) -> ModelSpec:
+    """A recipe's model shrunk as the training runtime shrinks it for one CPU process, routing left free."""
+    from mbridge_epoverlap.config.recipes import family_of, load_recipe
+    from mbridge_epoverlap.config.shrink import CpuShape, shrink_for_cpu
+
+    if num_layers is not None and num_layers < 1:
+        raise UsageError(f"--layers {num_layers}: a model needs at least one MoE layer")
+    shape = CpuShape(force_balanced_routing=False, **({"num_layers": num_layers} if num_layers else {}))
+    m = shrink_for_cpu(load_recipe(name), 1, shape=shape).model
+    freq = m.moe_layer_freq
+    moe_layers = tuple(bool(v) for v in freq) if isinstance(freq, list) else tuple(
+        i % freq == 0 for i in range(m.num_layers))
+    heads = m.num_attention_heads
+    return ModelSpec(
+        architecture="recipe", source=name, num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=heads,
+        num_kv_heads=m.num_query_groups or heads, head_dim=m.kv_channels or m.hidden_size // heads,
+        vocab_size=m.vocab_size, num_experts=m.num_moe_experts or 1, top_k=m.moe_router_topk,
+        expert_ffn=m.moe_ffn_hidden_size or m.ffn_hidden_size, moe_layers=moe_layers,
+        dense_ffn=(m.ffn_hidden_size or 4 * m.hidden_size) if not all(moe_layers) else 0,
+        shared_expert_ffn=m.moe_shared_expert_intermediate_size or 0, qk_norm=m.qk_layernorm,
+        normalization=m.normalization, norm_eps=1e-6 if m.normalization == "RMSNorm" else 1e-5,
+        norm_topk_prob=True, rope_theta=_RECIPE_ROPE_THETA.get(family_of(name) or "", 10000.0),
+        dtype=dtype, seed=seed,
+    )

@@ -1,0 +1,357 @@
+"""The inference model in two parts, as disaggregated serving places them.
+
+- `AttentionPart`: everything but the routed experts: embedding, per layer the norms, attention with
+  rotary embeddings and a KV cache, the router (or the dense MLP of a dense layer, and a shared expert if
+  any), the final norm and the output head. Attention workers hold one each.
+- `ExpertPart`: a subset of the routed experts of every MoE layer. Expert workers hold one each.
+
+One decode step per layer is `attention_step` -> each (token, slot) row through its expert
+(`ExpertPart.forward`, wherever that expert lives) -> `post_step`. `LocalModel` chains them in one
+process and `generate_reference` decodes with it: the output every engine mode must reproduce.
+
+The arithmetic follows Hugging Face `transformers` (eager attention, eager experts) step by step, in
+the same order, so greedy decoding gives the same tokens as `generate(do_sample=False)`: routing is a
+softmax over all experts then top-k (then renormalised), and a token's expert outputs are added in
+ascending expert id starting from zero, as `index_add_` over experts does there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.moe.attention import SelfAttention, cached_attention
+from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP, expert_swiglu
+from mbridge_epoverlap.moe.model import seeded_normal
+from mbridge_epoverlap.moe.norm import LayerNorm, RMSNorm
+from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
+from mbridge_epoverlap.moe.router import TopKRouter
+from mbridge_epoverlap.moe.wgrad import Linear
+from mbridge_epoverlap.serving.batch import TokenBatch
+from mbridge_epoverlap.serving.kv_cache import KVCache
+from mbridge_epoverlap.serving.sampling import StopRule, greedy
+from mbridge_epoverlap.serving.spec import ModelSpec
+
+__all__ = [
+    "AttentionPart", "AttnOut", "ExpertPart", "KVCache", "LocalModel", "TokenBatch", "generate_reference",
+    "load_attention_part", "load_expert_part", "run_experts",
+]
+
+
+@dataclass
+class AttnOut:
+    """What `AttentionPart.attention_step` hands to the experts and to `post_step`.
+
+    Attributes:
+        resid: [T, hidden] the layer input plus attention (the residual stream).
+        tokens: [T, hidden] the normalised input of the experts (or of the dense MLP).
+        expert_ids: [T, k] int64 global expert ids, or None for a dense layer.
+        gate_weights: [T, k] fp32 combine weights, or None for a dense layer.
+    """
+
+    resid: torch.Tensor
+    tokens: torch.Tensor
+    expert_ids: torch.Tensor | None
+    gate_weights: torch.Tensor | None
+
+
+def _norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> torch.nn.Module:
+    if spec.normalization == "LayerNorm":
+        return LayerNorm(size, eps=spec.norm_eps, dtype=dtype)
+    return RMSNorm(size, eps=spec.norm_eps, dtype=dtype)
+
+
+class DecodeLayer(torch.nn.Module):
+    """The attention-side modules of one layer."""
+
+    def __init__(self, spec: ModelSpec, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h = spec.hidden_size
+        self.input_norm = _norm(spec, h, dtype)
+        self.attention = SelfAttention(h, spec.num_heads, spec.num_kv_heads, spec.head_dim, qk_norm=spec.qk_norm,
+                                       dtype=dtype, norm_eps=spec.norm_eps)
+        self.post_norm = _norm(spec, h, dtype)
+        self.router = TopKRouter(h, spec.num_experts, spec.top_k, dtype=dtype) if spec.is_moe(layer) else None
+        self.mlp = None if spec.is_moe(layer) else SwiGLUMLP(h, spec.dense_ffn, dtype=dtype)
+        self.shared_expert = (SwiGLUMLP(h, spec.shared_expert_ffn, dtype=dtype)
+                              if spec.is_moe(layer) and spec.shared_expert_ffn else None)
+
+
+class AttentionPart(torch.nn.Module):
+    """Embedding, attention, routers, dense MLPs, final norm and head; parameters uninitialised
+    (`load_attention_part` fills them)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        dtype = spec.torch_dtype()
+        self.spec = spec
+        self.embedding = torch.nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype))
+        self.layers = torch.nn.ModuleList(DecodeLayer(spec, i, dtype) for i in range(spec.num_layers))
+        self.final_norm = _norm(spec, spec.hidden_size, dtype)
+        self.head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]."""
+        return F.embedding(token_ids, self.embedding)
+
+    @torch.no_grad()
+    def attention_step(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: KVCache) -> AttnOut:
+        """Attention of layer `layer` for the batch's tokens (their keys/values go into `cache`), then the
+        pre-MLP norm and the router.
+
+        Args:
+            layer: 0-based layer index.
+            x: [T, hidden] the layer input, rows in batch order.
+            batch: the tokens' sequence ids and positions.
+            cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
+        """
+        block = self.layers[layer]
+        q, k, v = block.attention.project_qkv(block.input_norm(x))
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        heads = torch.empty(x.shape[0], self.spec.num_heads * self.spec.head_dim, dtype=x.dtype)
+        for seg in batch.segments:
+            keys, values = cache.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
+            heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
+                                               sliding_window=self.spec.sliding_window)
+        resid = x + block.attention.project_out(heads)
+        tokens = block.post_norm(resid)
+        if block.router is None:
+            return AttnOut(resid=resid, tokens=tokens, expert_ids=None, gate_weights=None)
+        routing = block.router.softmax_topk(tokens, normalize=self.spec.norm_topk_prob)
+        return AttnOut(resid=resid, tokens=tokens, expert_ids=routing.experts, gate_weights=routing.weights)
+
+    @torch.no_grad()
+    def post_step(self, layer: int, attn: AttnOut, expert_out: torch.Tensor | None) -> torch.Tensor:
+        """The layer output [T, hidden]: residual + the gate-weighted sum of the k expert outputs
+        (`expert_out` [T, k, hidden], column j from expert `attn.expert_ids[:, j]`), added in ascending
+        expert id, (+ shared expert); for a dense layer the dense MLP runs here (`expert_out` None)."""
+        block = self.layers[layer]
+        if attn.expert_ids is None or attn.gate_weights is None:
+            if block.mlp is None:
+                raise ValueError(f"layer {layer} is a MoE layer; its AttnOut needs expert ids and gate weights")
+            return attn.resid + block.mlp(attn.tokens)
+        if expert_out is None or expert_out.shape[:2] != attn.expert_ids.shape:
+            shape = None if expert_out is None else list(expert_out.shape)
+            raise ValueError(f"layer {layer}: expert outputs {shape} do not match expert ids "
+                             f"{list(attn.expert_ids.shape)} (expected [T, k, hidden])")
+        order = torch.argsort(attn.expert_ids, dim=1)
+        outs = expert_out.gather(1, order[..., None].expand(-1, -1, expert_out.shape[2]))
+        weights = attn.gate_weights.gather(1, order)
+        mlp = torch.zeros_like(attn.resid)
+        for j in range(outs.shape[1]):
+            mlp = mlp + (outs[:, j] * weights[:, j, None]).to(mlp.dtype)
+        if block.shared_expert is not None:
+            mlp = mlp + block.shared_expert(attn.tokens)
+        return attn.resid + mlp
+
+    @torch.no_grad()
+    def logits(self, x_last: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] last-layer outputs -> [n, vocab] fp32 logits (final norm, then the head)."""
+        weight = self.embedding if self.head is None else self.head.weight
+        return F.linear(self.final_norm(x_last), weight).float()
+
+
+class ExpertPart(torch.nn.Module):
+    """The routed experts `expert_ids` (global ids) of every MoE layer; uninitialised until loaded."""
+
+    def __init__(self, spec: ModelSpec, expert_ids: Sequence[int]) -> None:
+        super().__init__()
+        ids = [int(e) for e in expert_ids]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= e < spec.num_experts for e in ids):
+            raise UsageError(f"expert ids {ids} must be distinct ids in [0, {spec.num_experts}) and not empty")
+        self.spec, self.expert_ids = spec, tuple(sorted(ids))
+        local = torch.full((spec.num_experts,), -1, dtype=torch.int64)
+        local[list(self.expert_ids)] = torch.arange(len(ids))
+        self.register_buffer("local_index", local, persistent=False)
+        dtype = spec.torch_dtype()
+        self.experts = torch.nn.ModuleDict({
+            str(layer): GroupedExperts(len(ids), spec.hidden_size, spec.expert_ffn, dtype=dtype)
+            for layer in spec.moe_layer_ids
+        })
+        self.requires_grad_(False)
+
+    def owns(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Boolean mask of the ids this part holds."""
+        return self.local_index[expert_ids] >= 0
+
+    @torch.no_grad()
+    def forward(self, layer: int, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Each row of tokens [n, hidden] through its expert expert_ids[n] (global), unweighted -> [n, hidden]."""
+        if str(layer) not in self.experts:
+            raise ValueError(f"layer {layer} is not a MoE layer of {self.spec.source}")
+        experts = self.experts[str(layer)]
+        local = self.local_index[expert_ids]
+        if bool((local < 0).any()):
+            stray = sorted(set(expert_ids[local < 0].tolist()))
+            raise ValueError(f"experts {stray} are not in this part (it holds {list(self.expert_ids)})")
+        out = tokens.new_empty(tokens.shape)
+        for e in torch.unique(local).tolist():
+            rows = (local == e).nonzero().squeeze(1)
+            out[rows] = expert_swiglu(tokens[rows], experts.w1[e], experts.w2[e])
+        return out
+
+
+def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch.Tensor:
+    """In one process, every (token, slot) row of `attn` through the part holding its expert -> [T, k, hidden]."""
+    if attn.expert_ids is None:
+        raise ValueError(f"layer {layer} is dense; it has no routed experts")
+    t, k = attn.expert_ids.shape
+    flat_ids = attn.expert_ids.reshape(-1)
+    rows = attn.tokens.repeat_interleave(k, dim=0)
+    out = rows.new_empty(rows.shape)
+    covered = torch.zeros(t * k, dtype=torch.bool)
+    for part in parts:
+        idx = (part.owns(flat_ids) & ~covered).nonzero().squeeze(1)
+        if idx.numel():
+            out[idx] = part(layer, rows[idx], flat_ids[idx])
+            covered[idx] = True
+    if not bool(covered.all()):
+        raise ValueError(f"no expert part holds experts {sorted(set(flat_ids[~covered].tolist()))}")
+    return out.view(t, k, -1)
+
+
+# --- loading ----------------------------------------------------------------------------------------
+
+def load_attention_part(spec: ModelSpec) -> AttentionPart:
+    """An `AttentionPart` with the checkpoint's tensors (only those it holds) or the recipe seed's."""
+    part = AttentionPart(spec)
+    if spec.is_checkpoint:
+        from mbridge_epoverlap.serving.checkpoint import CheckpointReader
+        from mbridge_epoverlap.serving.hf_layout import attention_sources
+
+        with CheckpointReader(spec) as reader, torch.no_grad():
+            for name, source in attention_sources(spec).items():
+                part.get_parameter(name).copy_(torch.cat([reader.get(n) for n, _ in source.parts]))
+    else:
+        _init_attention(part, spec.seed)
+    return part
+
+
+def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int]) -> ExpertPart:
+    """An `ExpertPart` for `expert_ids`, reading only those experts' tensors (or drawing them from the seed)."""
+    part = ExpertPart(spec, expert_ids)
+    reader = None
+    if spec.is_checkpoint:
+        from mbridge_epoverlap.serving.checkpoint import CheckpointReader
+
+        reader = CheckpointReader(spec)
+    with torch.no_grad():
+        for layer in spec.moe_layer_ids:
+            experts = part.experts[str(layer)]
+            for local, e in enumerate(part.expert_ids):
+                if reader is not None:
+                    from mbridge_epoverlap.serving.hf_layout import expert_sources
+
+                    up, down = expert_sources(spec, layer, e)
+                    experts.w1[local].copy_(torch.cat([reader.get(n) for n, _ in up.parts]))
+                    experts.w2[local].copy_(reader.get(down.parts[0][0]))
+                else:
+                    key = f"{spec.seed}/layers.{layer}.experts.{e}"
+                    experts.w1[local].copy_(seeded_normal(experts.w1.shape[1:], _std(spec.hidden_size), f"{key}.w1"))
+                    experts.w2[local].copy_(seeded_normal(experts.w2.shape[1:], _std(spec.expert_ffn), f"{key}.w2"))
+    if reader is not None:
+        reader.close()
+    return part
+
+
+def _std(fan_in: int) -> float:
+    """1/sqrt(fan_in): activations keep unit scale, so the random model's logits are far from ties (a
+    0.02 init would make every logit nearly equal, and greedy choices would hinge on rounding)."""
+    return 1.0 / math.sqrt(fan_in)
+
+
+def _init_attention(part: AttentionPart, seed: int) -> None:
+    with torch.no_grad():
+        for name, param in part.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            elif name == "embedding":
+                param.copy_(seeded_normal(param.shape, 1.0, f"{seed}/{name}"))
+            else:
+                param.copy_(seeded_normal(param.shape, _std(param.shape[-1]), f"{seed}/{name}"))
+
+
+# --- single-process decoding ------------------------------------------------------------------------
+
+class LocalModel:
+    """An attention part and expert parts in one process: a whole model step by step."""
+
+    def __init__(self, attention: AttentionPart, experts: Sequence[ExpertPart]) -> None:
+        self.attention, self.experts, self.spec = attention, list(experts), attention.spec
+
+    def forward(self, batch: TokenBatch, cache: KVCache) -> torch.Tensor:
+        """All layers for the batch -> the last layer's output [T, hidden]."""
+        x = self.attention.embed(batch.token_ids)
+        for layer in range(self.spec.num_layers):
+            attn = self.attention.attention_step(layer, x, batch, cache)
+            expert_out = run_experts(self.experts, layer, attn) if attn.expert_ids is not None else None
+            x = self.attention.post_step(layer, attn, expert_out)
+        return x
+
+    def next_tokens(self, batch: TokenBatch, cache: KVCache) -> dict[int, int]:
+        """One step: sequence id -> the greedy token after its last token in the batch."""
+        x = self.forward(batch, cache)
+        rows, seqs = batch.last_rows()
+        return dict(zip(seqs, greedy(self.attention.logits(x[rows])), strict=True))
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding: all prompts prefilled in one batch, then one token per sequence per step."""
+        check_prompts(self.spec, prompts)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        if max_new_tokens < 1:
+            return outputs
+        stop = StopRule(max_new_tokens, self.spec.eos_token_ids)
+        cache = KVCache.for_spec(self.spec)
+        for seq in range(len(prompts)):
+            cache.add(seq)
+        batch = TokenBatch.from_chunks([(seq, prompt, 0) for seq, prompt in enumerate(prompts)])
+        while len(batch):
+            chunks = []
+            for seq, token in self.next_tokens(batch, cache).items():
+                outputs[seq].append(token)
+                if stop.done(outputs[seq]):
+                    cache.free(seq)
+                else:
+                    chunks.append((seq, [token], len(prompts[seq]) + len(outputs[seq]) - 1))
+            batch = TokenBatch.from_chunks(chunks)
+        return outputs
+
+
+def check_prompts(spec: ModelSpec, prompts: Sequence[Sequence[int]]) -> None:
+    """Every prompt is a non-empty list of token ids below the vocabulary size."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise UsageError(f"prompt {i} is empty; give at least one token id")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < spec.vocab_size]
+        if bad:
+            raise UsageError(f"prompt {i}: token ids {bad[:5]} are not in [0, {spec.vocab_size}) "
+                             f"(the vocabulary of {spec.source})")
+
+
+def generate_reference(spec: ModelSpec, prompts: list[list[int]], max_new_tokens: int, *,
+                       expert_groups: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Single-process greedy decode of `prompts`: the new token ids of each (EOS included when it stops it).
+
+    Args:
+        spec: the model.
+        prompts: token ids of each prompt.
+        max_new_tokens: the most tokens generated per prompt.
+        expert_groups: split the experts over several `ExpertPart`s (each id in exactly one group);
+            None for one part holding all.
+    """
+    check_prompts(spec, prompts)
+    groups = [list(g) for g in expert_groups] if expert_groups is not None else [list(range(spec.num_experts))]
+    placed = sorted(e for g in groups for e in g)
+    if placed != list(range(spec.num_experts)):
+        raise UsageError(f"expert groups {groups} must hold each of the {spec.num_experts} experts exactly once")
+    model = LocalModel(load_attention_part(spec), [load_expert_part(spec, g) for g in groups])
+    return model.generate(prompts, max_new_tokens)
