@@ -19,6 +19,7 @@ this script writes blocks built from the code, so they cannot drift from it:
 - run_script_flags every flag of `scripts/performance/run_script.py`, from the harness's `build_parser()`.
 - cli              every `mbridge-epoverlap` subcommand and option, from `mbridge_epoverlap.cli.build_parser()`.
 - cli_summary      the subcommands only (one line each).
+- env_vars         the `MBRIDGE_EPOVERLAP_*` environment variables, from `mbridge_epoverlap.envvars`.
 - results          the CPU A/B table from docs/results/cpu_ab.json, or "not yet measured".
 - results_yaml     the same figures for card.yaml.
 - results_figure   the A/B chart next to the results JSON, else the simulator's Gantt picture.
@@ -400,6 +401,12 @@ def render_cli_summary() -> str:
     return _table(["command", "what it does"], rows)
 
 
+def render_env_vars() -> str:
+    from mbridge_epoverlap.envvars import env_markdown
+
+    return env_markdown()
+
+
 def load_results(path: Path | None = None) -> dict[str, Any] | None:
     path = path or RESULTS_JSON  # looked up at call time so tests can point it elsewhere
     if not path.is_file():
@@ -621,6 +628,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "run_script_flags": render_run_script_flags,
     "cli": render_cli,
     "cli_summary": render_cli_summary,
+    "env_vars": render_env_vars,
     "results": render_results,
     "results_yaml": render_results_yaml,
     "results_figure": render_results_figure,

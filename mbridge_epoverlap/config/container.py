@@ -67,8 +67,10 @@ class RunConfig:
 
     def validate(self, env: Environment | None = None) -> list[Violation]:
         """Every EP-overlap and layout violation of this run, errors and warnings."""
+        from mbridge_epoverlap.config.fixes import agree_on_ep
+
         run = RunShape(self.num_gpus, self.train.global_batch_size, self.train.micro_batch_size)
-        return self.comm_overlap.validate(self.model, self.ddp, env, run=run)
+        return agree_on_ep(self.comm_overlap.validate(self.model, self.ddp, env, run=run), self)
 
     def copy(self) -> RunConfig:
         return copy.deepcopy(self)

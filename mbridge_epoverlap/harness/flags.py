@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,8 +157,14 @@ class HarnessParser(argparse.ArgumentParser):
     """argparse already exits with 2 and a one-line message on bad input; only the wording is ours."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.print_usage()
+        self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _env_epilog() -> str:
+    from mbridge_epoverlap.envvars import env_epilog
+
+    return env_epilog()
 
 
 def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
@@ -174,7 +181,9 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
             "  %(prog)s -m qwen -mr qwen3_30b_a3b -g cpu -ng 2 --ab ep_overlap\n"
             "  %(prog)s -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 --ab ep_overlap -a ACCOUNT -p PARTITION\n"
             "  %(prog)s -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 --dryrun comm_overlap.delay_wgrad_compute=false\n"
-            "  %(prog)s --from_logs ep_overlap_off=off.log ep_overlap_on=on.log --results_json ab.json"
+            "  %(prog)s --from_logs ep_overlap_off=off.log ep_overlap_on=on.log --results_json ab.json\n\n"
+            "exit status: 0 done, 1 invalid configuration or failed run, 2 usage error.\n\n"
+            + _env_epilog()
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -261,9 +270,11 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                               "runs nothing")
 
     target = parser.add_argument_group("software on the target (validation checks for these)")
-    target.add_argument("--te_version", default=None, help="Transformer Engine version the job will run")
-    target.add_argument("--torch_version", default=None, help="PyTorch version the job will run")
-    target.add_argument("--mcore_version", default=None, help="Megatron-Core version the job will run")
+    target.add_argument("--te_version", "--te-version", default=None,
+                        help="Transformer Engine version the job will run")
+    target.add_argument("--torch_version", "--torch-version", default=None, help="PyTorch version the job will run")
+    target.add_argument("--mcore_version", "--mcore-version", default=None,
+                        help="Megatron-Core version the job will run")
 
     launch = parser.add_argument_group("launching")
     launch.add_argument("--executor", choices=EXECUTORS, default=None,

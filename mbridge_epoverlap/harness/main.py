@@ -31,12 +31,14 @@ def _err(line: str) -> None:
 def main(argv: Sequence[str] | None = None, prog: str = "run_script.py") -> int:
     """Run the harness; return the exit status (errors are printed, never raised)."""
     args = build_parser(prog).parse_intermixed_args(argv)  # --help and flag errors exit here, before imports
+    from mbridge_epoverlap.cli_io import reader_may_leave
     from mbridge_epoverlap.harness.cases import ValidationFailed
 
     try:
-        if args.from_logs:
-            return report_logs(args)
-        return run(args)
+        with reader_may_leave():  # `run_script.py ... | head` keeps the run's own exit status
+            if args.from_logs:
+                return report_logs(args)
+            return run(args)
     except ValidationFailed as exc:
         _err(f"error: {exc.report()}")
         return EXIT_FAILED
@@ -99,13 +101,23 @@ def run(args: argparse.Namespace) -> int:
     if stray:
         warnings.append(f"cases also differ in {', '.join(stray)}; the comparison is not matched")
     window, clip_warning = clip_window(window, resolved.max_steps)
-    if clip_warning:
-        warnings.append(clip_warning)
     for warning in warnings:
         _err(f"warning: {warning}")
+    if clip_warning:
+        # Printed once: now for a dry run, else as a note under the results table, where it qualifies the figures.
+        if args.dryrun:
+            _err(f"warning: {clip_warning}")
+        warnings.append(clip_warning)
+    if executor == "local":
+        crowded = oversubscription(cfg.num_gpus)
+        if crowded:
+            _err(f"warning: {crowded}")
     results_path = Path(args.results_json or default_results_path(
         cfg.recipe, cfg.task, args.gpu, cfg.num_gpus, args.ab)).resolve()
     if args.save_config_filepath:
+        config_dir = Path(args.save_config_filepath).parent
+        if not config_dir.exists():
+            _err(f"note: creating folder {config_dir} for --save_config_filepath")
         for path in save_configs(Path(args.save_config_filepath), cases):
             _err(f"resolved config written to {path}")
     exp = _experiment(args, resolved, cases, window, results_path, executor, warnings)
@@ -166,7 +178,42 @@ def _run_local(args: argparse.Namespace, exp: Experiment, cases: list[Case], res
                              trace_root=results_path.with_suffix(".traces"), progress=_progress)
     results = executor.run(exp, cases)
     paths = write_outputs(results, results_path)
-    return _finish(results, paths)
+    status = _finish(results, paths)
+    _print_traces(results)
+    return status
+
+
+def _print_traces(results: dict[str, Any]) -> None:
+    """Where each case's profiled traces are, and the command that reads them."""
+    traces = [(case["name"], case.get("trace_dir")) for case in results["cases"] if case.get("trace_dir")]
+    if not traces:
+        return
+    width = max(len(name) for name, _ in traces)
+    print("traces (one file per rank; `mbridge-epoverlap profile FOLDER`):")
+    for name, folder in traces:
+        print(f"  {name:<{width}}  {_shown(folder)}")
+    if len(traces) >= 2:
+        print(f"compare: mbridge-epoverlap profile {_shown(traces[0][1])} {_shown(traces[1][1])} --compare")
+
+
+def _shown(path: str) -> str:
+    """A path relative to the working directory when it lies below it (shorter to paste)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def oversubscription(processes: int) -> str | None:
+    """A warning when -g cpu starts more rank processes than this machine has cores."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if processes <= cores:
+        return None
+    return (f"-ng {processes} starts {processes} CPU processes on {cores} core(s): ranks will share cores, so step "
+            f"times measure contention more than overlap; use -ng {max(cores - cores % 2, 1)} or fewer for figures "
+            "that mean something")
 
 
 def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, cases: list[Case],
@@ -241,6 +288,21 @@ def result_problems(results: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
+def _check_log_cases(items: list[tuple[str, str]]) -> None:
+    """Several logs of one case are its repeats, which is said; logs of one case only compare nothing."""
+    seen: dict[str, list[str]] = {}
+    for name, path in items:
+        seen.setdefault(name, []).append(path)
+    if len(seen) == 1 and len(items) > 1:
+        name = next(iter(seen))
+        raise UsageError(f"--from_logs gives only case {name!r} ({len(items)} logs), so there is nothing to compare; "
+                         f"name each case, e.g. --from_logs ep_overlap_off={items[0][1]} ep_overlap_on={items[1][1]}")
+    for name, paths in seen.items():
+        if len(paths) > 1:
+            _err(f"note: --from_logs: case {name!r} has {len(paths)} logs ({', '.join(paths)}), read as {len(paths)} "
+                 "repeats of one case; give different cases different names")
+
+
 def report_logs(args: argparse.Namespace) -> int:
     """--from_logs: training logs of finished runs -> the same results JSON, table and chart."""
     from mbridge_epoverlap.config.environment import GPU_CATALOG, Environment
@@ -254,6 +316,7 @@ def report_logs(args: argparse.Namespace) -> int:
     if args.ab or args.dryrun:
         raise UsageError("--from_logs reports finished runs; it takes no --ab or --dryrun")
     runs: dict[str, list[RunMetrics]] = {}
+    _check_log_cases(args.from_logs)
     for name, path in args.from_logs:
         if not Path(path).is_file():
             raise UsageError(f"--from_logs {name}={path}: no such file")

@@ -194,6 +194,13 @@ def _tflops(exp: Experiment, record: CaseRecord, runs: list[RunMetrics],
     return None, None
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temporary file in the same directory and rename it into place.
 
@@ -206,6 +213,8 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        # mkstemp makes the file private (0600); results are ordinary files, so give them the user's umask.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mbridge_epoverlap.config.divisors import largest_divisor
+from mbridge_epoverlap.config.fixes import expert_layout_fix
 from mbridge_epoverlap.config.rules.registry import RuleContext, rule, violation
 from mbridge_epoverlap.config.violations import Violation
 
@@ -66,7 +66,10 @@ def _expert_parallel(ctx: RuleContext) -> Violation | None:
     return violation("layout_expert_parallel",
                      f"EP*ETP={expert_group} does not divide the {per_stage} GPUs of a pipeline stage "
                      f"(num_gpus={ctx.run.num_gpus}, PP={pp})",
-                     f"-ep {largest_divisor(per_stage, ep)}, or -ng a multiple of {expert_group}")
+                     expert_layout_fix(ctx.run.num_gpus, tp=ctx.get("tensor_model_parallel_size") or 1, pp=pp,
+                                       cp=ctx.get("context_parallel_size") or 1, ep=ep,
+                                       etp=ctx.get("expert_tensor_parallel_size") or 1,
+                                       experts=ctx.get("num_moe_experts")))
 
 
 @rule("layout_batch", "layout", "mbridge_epoverlap", "global_batch_size divisible by micro_batch_size * DP",

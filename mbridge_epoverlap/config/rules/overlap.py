@@ -179,12 +179,15 @@ def _shared_expert_overlap(ctx: RuleContext) -> Violation | None:
 def _mtp_layers(ctx: RuleContext) -> Violation | None:
     mtp = ctx.get("mtp_num_layers")
     allowed = (None, 0, 1) if ctx.core.mtp_allows_zero else (None, 1)
+    pp = ctx.get("pipeline_model_parallel_size") or 1
     if mtp not in allowed:
         choices = ", ".join("null" if a is None else str(a) for a in allowed)
+        # Where one MTP layer needs PP > 1 (below), only null passes without pipeline stages.
+        only_null = pp <= 1 and ctx.core.mtp_one_needs_pp
+        fix = "model.mtp_num_layers=null" if only_null else "model.mtp_num_layers=1 (or null)"
         return violation("mtp_layers",
                          f"EP overlap supports mtp_num_layers in ({choices}) on Megatron-Core {ctx.core.version}, "
-                         f"got {mtp}", "model.mtp_num_layers=1 (or null)")
-    pp = ctx.get("pipeline_model_parallel_size") or 1
+                         f"got {mtp}", fix)
     if mtp == 1 and pp <= 1 and ctx.core.mtp_one_needs_pp:
         return violation("mtp_layers",
                          f"EP overlap with an MTP layer needs pipeline_model_parallel_size > 1 on Megatron-Core "

@@ -59,7 +59,8 @@ def test_flag_ab_flips_true_to_off():
     assert cases[1].name == "moe_permute_fusion_off" and cases[1].cfg.model.moe_permute_fusion is False
 
 
-@pytest.mark.parametrize(("ab", "message"), [("model.hidden_size", "expected"), ("model.nope", "unknown config key"),
+@pytest.mark.parametrize(("ab", "message"), [("model.hidden_size", "not a switch"),
+                                             ("model.nope", "unknown config key"),
                                              ("env_vars.NCCL_DEBUG", "environment"),
                                              ("ep_overlap,model.moe_permute_fusion", "separate")])
 def test_flag_ab_rejects(ab, message):
