@@ -9,7 +9,22 @@ end. Backends share one interface (`M2NCommunicator`: `isend`, `irecv`, `close`;
 - `gloo`: `torch.distributed.batch_isend_irecv` on gloo, the baseline every comparison uses;
 - `m2n`: the fastest backend available (`shm` when every rank is on one host).
 
-Importing this package does not import torch or mooncake; `make_communicator` imports the backend it needs.
+Typical use (every rank of the job does the same with its own rank and peers; one communicator carries both
+directions, e.g. dispatch to the expert ranks and combine back):
+
+    store = torch.distributed.TCPStore(host, port, None, is_master=rank == 0)
+    comm = make_communicator("m2n", rank=rank, peers=expert_ranks, store=store, slot_bytes=1 << 20,
+                             timeout_s=60, roles={r: "expert worker" for r in expert_ranks})
+    sends = [comm.isend(e, [tokens[e], expert_ids[e], gate_weights[e]], tag=layer) for e in expert_ranks]
+    recvs = [comm.irecv(e, tag=layer) for e in expert_ranks]
+    outputs = [w.wait() for w in recvs]   # list of tensors per expert rank; PeerError names a dead one
+    for w in sends:
+        w.wait()
+    comm.close()
+
+Sent tensors must not change until their send completed. Ranks should pass a barrier (e.g. on the store)
+before closing, so that no peer still writes to a closed rank. Importing this package does not import torch
+or mooncake; `make_communicator` imports the backend it needs.
 """
 
 from __future__ import annotations
