@@ -71,7 +71,7 @@ def test_two_by_two_exchange_is_bit_exact(backend: str, tmp_path: Path) -> None:
     assert _shm_names(pids) == []
 
 
-@pytest.mark.parametrize("backend", ["shm", "mooncake"])
+@pytest.mark.parametrize("backend", ["shm", "mooncake", "torch"])
 def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path) -> None:
     _need(backend)
     procs = _start("survivor", backend, 2, 1, tmp_path)
