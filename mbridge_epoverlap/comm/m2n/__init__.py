@@ -67,7 +67,8 @@ def mooncake_available() -> bool:
 
 def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int,
                       slots: int = 2, timeout_s: float, key_prefix: str = "m2n", single_host: bool = True,
-                      roles: dict[int, str] | None = None, world_size: int | None = None) -> M2NCommunicator:
+                      roles: dict[int, str] | None = None, world_size: int | None = None,
+                      host: str | None = None) -> M2NCommunicator:
     """Create this rank's end of an M2N exchange; every rank in `peers` must make one too (same settings).
 
     Args:
@@ -84,6 +85,8 @@ def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: A
         single_host: whether every rank runs on this host (decides what `m2n` means).
         roles: optional names for peers ("expert worker"), used in error messages.
         world_size: the process-group size for `torch`/`gloo` (default: the largest rank seen + 1).
+        host: the address `mooncake` listens on and publishes (default: `MBRIDGE_EPOVERLAP_M2N_HOST`, else
+            127.0.0.1 on one host and this host's address otherwise).
 
     Raises:
         UsageError: a bad setting, an unknown backend, or mooncake missing.
@@ -109,7 +112,13 @@ def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: A
             raise UsageError(MOONCAKE_INSTALL)
         from mbridge_epoverlap.comm.m2n.mooncake import MooncakeCommunicator
 
-        return MooncakeCommunicator(**common)
+        if host is None:
+            import os
+            import socket
+
+            host = os.environ.get("MBRIDGE_EPOVERLAP_M2N_HOST") or (
+                "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname()))
+        return MooncakeCommunicator(**common, host=host)
     from mbridge_epoverlap.comm.m2n.torch_p2p import GlooBatchCommunicator, TorchCommunicator
 
     cls = TorchCommunicator if name == "torch" else GlooBatchCommunicator

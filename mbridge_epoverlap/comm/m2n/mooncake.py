@@ -69,7 +69,7 @@ class MooncakeCommunicator(M2NCommunicator):
 
     def __init__(self, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int, slots: int = 2,
                  timeout_s: float, key_prefix: str = "m2n", roles: dict[int, str] | None = None,
-                 host: str | None = None, protocol: str = "tcp") -> None:
+                 host: str = "127.0.0.1", protocol: str = "tcp") -> None:
         super().__init__(rank=rank, peers=peers, slot_bytes=slot_bytes, slots=slots, timeout_s=timeout_s,
                          roles=roles)
         from mooncake.engine import TransferEngine
@@ -89,7 +89,7 @@ class MooncakeCommunicator(M2NCommunicator):
         self._index = {p: i for i, p in enumerate(self.peers)}
         self._peers: dict[int, _Peer] = {}
         self._engine = TransferEngine()
-        self._host = host or os.environ.get("MBRIDGE_EPOVERLAP_M2N_HOST", "127.0.0.1")
+        self._host = host
         if self._engine.initialize(self._host, "P2PHANDSHAKE", protocol, "") != 0:
             raise RuntimeError(f"the Mooncake Transfer Engine did not start on {self._host} ({protocol})")
         if self._engine.register_memory(self._base, total) != 0:
