@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mbridge_epoverlap.profiling.cli",
     "mbridge_epoverlap.schedule.cli",
     "mbridge_epoverlap.serving.cli",
+    "mbridge_epoverlap.comm.cli",
 )
 
 

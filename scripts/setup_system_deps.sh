@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the test suite uses: a one-node Slurm (slurm-wlm, munge) and iproute2
-# for the emulated-link tests. Idempotent; does nothing when everything is present. Without root it
+# Installs the Debian packages the test suite uses: a one-node Slurm (slurm-wlm, munge), iproute2
+# for the emulated-link tests, and libibverbs1 (the Mooncake Transfer Engine loads it at import). Idempotent; does nothing when everything is present. Without root it
 # only reports what is missing: the tests that need these packages skip with a reason.
 set -uo pipefail
 need=()
@@ -8,6 +8,7 @@ command -v slurmctld >/dev/null 2>&1 || need+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || need+=(munge)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v tc >/dev/null 2>&1 || need+=(iproute2)
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || need+=(libibverbs1)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

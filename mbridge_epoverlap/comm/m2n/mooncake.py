@@ -1,0 +1,271 @@
+"""The `mooncake` backend: one-sided writes with the Mooncake Transfer Engine (TCP here, RDMA on a cluster).
+
+Each rank registers one memory region, once, holding: an inbound channel per peer (a write-count word and a
+ring of `slots` slots, as in the `shm` backend), an outbound staging ring per peer, a credit word per peer
+(how many of our messages that peer has consumed, written by the peer), and source words for the counters it
+writes. Engines find each other with Mooncake's peer-to-peer handshake (no metadata server); addresses are
+exchanged once through the store.
+
+Sending a message: pack it into the staging slot, write it into the receiver's slot, then write the new
+write count into the receiver's channel word; the second write starts after the first completed, so a
+receiver that sees the count sees the whole message. Receiving: copy the tensors out of the local slot and
+write the consumed count into the sender's credit word, without waiting for that write (a later count
+supersedes an earlier one). Writes are submitted asynchronously and their completion polled, spinning
+briefly and then sleeping in short steps: the engine's transfer threads need the same few cores (the
+engine's synchronous write spins until done). A write that fails (the peer is gone) is a `PeerError`; a
+wait polls its word the same way until its deadline.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mbridge_epoverlap.comm.m2n import wire
+from mbridge_epoverlap.comm.m2n.base import M2NCommunicator, PeerError, Work
+from mbridge_epoverlap.comm.m2n.rendezvous import PeerWatch, Rendezvous, this_host
+from mbridge_epoverlap.comm.m2n.shm import slot_stride
+
+_CTRL_BYTES = 128
+_WORD_BYTES = 64  # one counter per cache line
+_SPIN_S = 30e-6
+_SLEEP_MAX_S = 200e-6
+
+
+@dataclass
+class _Pending:
+    tag: int
+    tensors: Sequence[torch.Tensor] | None = None
+    done: bool = False
+    result: list[torch.Tensor] | None = None
+
+
+@dataclass
+class _Peer:
+    rank: int
+    segment: str  # "host:rpc_port" of the peer's engine
+    watch: PeerWatch
+    remote_channel: int  # address of our inbound channel in the peer's region
+    remote_credit: int  # address of the peer's credit word for us
+    capacity: int
+    sent: int = 0
+    consumed: int = 0
+    sends: collections.deque[_Pending] = field(default_factory=collections.deque)
+    recvs: list[_Pending] = field(default_factory=list)
+    stash: dict[int, collections.deque[list[torch.Tensor]]] = field(default_factory=dict)
+    credit_writes: list[int] = field(default_factory=list)
+
+
+class MooncakeCommunicator(M2NCommunicator):
+    """M2N over the Mooncake Transfer Engine (see the module docstring for the protocol)."""
+
+    backend = "mooncake"
+
+    def __init__(self, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int, slots: int = 2,
+                 timeout_s: float, key_prefix: str = "m2n", roles: dict[int, str] | None = None,
+                 host: str = "127.0.0.1", protocol: str = "tcp") -> None:
+        super().__init__(rank=rank, peers=peers, slot_bytes=slot_bytes, slots=slots, timeout_s=timeout_s,
+                         roles=roles)
+        from mooncake.engine import TransferEngine
+
+        self._stride = slot_stride(slot_bytes)
+        n = len(self.peers)
+        self._channel_bytes = _CTRL_BYTES + slots * self._stride
+        inbound = n * self._channel_bytes
+        staging = n * slots * self._stride
+        self._credit_at = inbound + staging
+        self._scratch_at = self._credit_at + n * _WORD_BYTES
+        total = self._scratch_at + 2 * n * _WORD_BYTES
+        self._region = torch.zeros(total, dtype=torch.uint8)
+        self._base = self._region.data_ptr()
+        self._words = memoryview(self._region.numpy()).cast("q")  # the region as int64 words
+        self._bytes = memoryview(self._region.numpy())
+        self._index = {p: i for i, p in enumerate(self.peers)}
+        self._peers: dict[int, _Peer] = {}
+        self._engine = TransferEngine()
+        self._host = host
+        if self._engine.initialize(self._host, "P2PHANDSHAKE", protocol, "") != 0:
+            raise RuntimeError(f"the Mooncake Transfer Engine did not start on {self._host} ({protocol})")
+        if self._engine.register_memory(self._base, total) != 0:
+            raise RuntimeError(f"the Mooncake Transfer Engine could not register {total} bytes")
+        self._registered = True
+        segment = f"{self._host}:{self._engine.get_rpc_port()}"
+        rdv = Rendezvous(store, f"{key_prefix}/mooncake", self.rank, self.timeout_s, self.roles)
+        rdv.publish({"pid": os.getpid(), "host": this_host(), "segment": segment, "base": self._base,
+                     "slot_bytes": slot_bytes, "slots": slots, "stride": self._stride,
+                     "channels": {str(p): self._base + i * self._channel_bytes for i, p in enumerate(self.peers)},
+                     "credits": {str(p): self._base + self._credit_at + i * _WORD_BYTES
+                                 for i, p in enumerate(self.peers)}})
+        for peer, rec in rdv.fetch(self.peers).items():
+            if rec["slots"] != slots or rec["stride"] != self._stride:
+                raise PeerError(peer, f"was created with slots={rec['slots']}, slot_bytes={rec['slot_bytes']}; "
+                                      f"this rank has slots={slots}, slot_bytes={slot_bytes}: create every "
+                                      "communicator of a job with the same settings", self.roles.get(peer))
+            if str(self.rank) not in rec["channels"]:
+                raise PeerError(peer, f"does not list rank {self.rank} among its peers", self.roles.get(peer))
+            self._peers[peer] = _Peer(peer, rec["segment"], PeerWatch(int(rec["pid"]), rec["host"]),
+                                      int(rec["channels"][str(self.rank)]), int(rec["credits"][str(self.rank)]),
+                                      int(rec["slot_bytes"]))
+        rdv.barrier(self.peers, "attached")
+
+    # --- layout ------------------------------------------------------------------------------------
+
+    def _inbound(self, peer: int) -> int:
+        return self._index[peer] * self._channel_bytes
+
+    def _staging(self, peer: int, slot: int) -> int:
+        return len(self.peers) * self._channel_bytes + (self._index[peer] * self.slots + slot) * self._stride
+
+    def _slot_views(self, offset: int) -> tuple[memoryview, torch.Tensor]:
+        return self._bytes[offset:offset + self._stride], self._region[offset:offset + self._stride]
+
+    # --- the interface ------------------------------------------------------------------------------
+
+    def isend(self, peer: int, tensors: Sequence[torch.Tensor], tag: int = 0) -> Work:
+        self._check_peer(peer)
+        p = self._peers[peer]
+        wire.check_message(tensors, min(self.slot_bytes, p.capacity))
+        item = _Pending(tag, tuple(tensors))
+        p.sends.append(item)
+        self._progress_sends(p)
+        return self._work(peer, f"send (tag {tag}) to rank {peer}", lambda: self._poll(p, item),
+                          lambda deadline: self._block(p, item, deadline), lambda: None)
+
+    def irecv(self, peer: int, tag: int = 0) -> Work:
+        self._check_peer(peer)
+        p = self._peers[peer]
+        item = _Pending(tag)
+        p.recvs.append(item)
+        return self._work(peer, f"receive (tag {tag}) from rank {peer}", lambda: self._poll(p, item),
+                          lambda deadline: self._block(p, item, deadline), lambda: item.result)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        end = time.monotonic() + 1.0  # let credit writes in flight finish before the memory goes
+        for p in self._peers.values():
+            while p.credit_writes and time.monotonic() < end:
+                self._reap_credits(p)
+                time.sleep(1e-4)
+            p.watch.close()
+        self._peers.clear()
+        if getattr(self, "_registered", False):
+            self._engine.unregister_memory(self._base)
+            self._registered = False
+        self._words.release()
+        self._bytes.release()
+
+    # --- progress -----------------------------------------------------------------------------------
+
+    def _write(self, p: _Peer, local_offset: int, remote_addr: int, nbytes: int) -> None:
+        """Write and wait for completion, yielding the CPU while waiting (the engine's own threads need it)."""
+        batch = self._submit(p, local_offset, remote_addr, nbytes)
+        spin_end = time.monotonic() + _SPIN_S
+        sleep_s = 5e-6
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            status = self._engine.transfer_check_status(batch)
+            if status == 1:
+                return
+            if status < 0:
+                raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} failed (the peer is gone)")
+            now = time.monotonic()
+            if now > deadline:
+                raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} did not complete within "
+                                               f"{self.timeout_s:g} s")
+            if now > spin_end:
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
+
+    def _submit(self, p: _Peer, local_offset: int, remote_addr: int, nbytes: int) -> int:
+        batch = self._engine.transfer_submit_write(p.segment, self._base + local_offset, remote_addr, nbytes)
+        if batch < 0:
+            raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} was refused (the peer is gone)")
+        return batch
+
+    def _submit_credit(self, p: _Peer, scratch: int) -> int:
+        # A sender that already left (it sent its last message) cannot take the slot back; that is fine.
+        return self._engine.transfer_submit_write(p.segment, self._base + scratch, p.remote_credit, 8)
+
+    def _reap_credits(self, p: _Peer) -> None:
+        # Credit writes are not waited for (a later value supersedes an earlier one); their handles are
+        # checked here so the engine can free them. A failed one means the sender left: nothing to do.
+        p.credit_writes = [b for b in p.credit_writes if self._engine.transfer_check_status(b) == 0]
+
+    def _progress_sends(self, p: _Peer) -> None:
+        credit_word = (self._credit_at + self._index[p.rank] * _WORD_BYTES) // 8
+        while p.sends and p.sent - self._words[credit_word] < self.slots:
+            item = p.sends[0]
+            slot = p.sent % self.slots
+            offset = self._staging(p.rank, slot)
+            raw, data = self._slot_views(offset)
+            size = wire.write_message(raw, data, item.tensors or (), seq=p.sent, tag=item.tag)
+            self._write(p, offset, p.remote_channel + _CTRL_BYTES + slot * self._stride, size)
+            p.sent += 1
+            scratch = self._scratch_at + 2 * self._index[p.rank] * _WORD_BYTES
+            self._words[scratch // 8] = p.sent
+            self._write(p, scratch, p.remote_channel, 8)  # publish after the payload landed
+            p.sends.popleft()
+            item.tensors, item.done = None, True
+
+    def _progress_recvs(self, p: _Peer) -> None:
+        for item in p.recvs:
+            queue = p.stash.get(item.tag)
+            if queue:
+                item.result, item.done = queue.popleft(), True
+        p.recvs = [r for r in p.recvs if not r.done]
+        channel = self._inbound(p.rank)
+        while p.recvs and self._words[channel // 8] > p.consumed:
+            raw, data = self._slot_views(channel + _CTRL_BYTES + (p.consumed % self.slots) * self._stride)
+            seq, tag, tensors = wire.read_message(raw, data)
+            if seq != p.consumed:
+                raise self._peer_error(p.rank, f"message {p.consumed} arrived with sequence number {seq}")
+            p.consumed += 1
+            scratch = self._scratch_at + (2 * self._index[p.rank] + 1) * _WORD_BYTES
+            self._words[scratch // 8] = p.consumed
+            self._reap_credits(p)
+            if len(p.credit_writes) >= 4 * self.slots:  # bound the handles in flight
+                self._write(p, scratch, p.remote_credit, 8)
+            else:
+                batch = self._submit_credit(p, scratch)
+                if batch >= 0:
+                    p.credit_writes.append(batch)
+            for i, item in enumerate(p.recvs):
+                if item.tag == tag:
+                    item.result, item.done = tensors, True
+                    del p.recvs[i]
+                    break
+            else:
+                p.stash.setdefault(tag, collections.deque()).append(tensors)
+
+    def _poll(self, p: _Peer, item: _Pending) -> bool:
+        if not item.done:
+            if self._closed:
+                raise RuntimeError(f"M2N communicator of rank {self.rank} is closed")
+            self._progress_sends(p)
+            self._progress_recvs(p)
+        return item.done
+
+    def _block(self, p: _Peer, item: _Pending, deadline: float) -> bool:
+        spin_end = time.monotonic() + _SPIN_S
+        sleep_s = 10e-6
+        checked = time.monotonic()
+        while not self._poll(p, item):
+            now = time.monotonic()
+            if now > deadline:
+                return False
+            if now > spin_end:
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
+            if now - checked > 0.1:
+                checked = now
+                if not p.watch.alive() and not self._poll(p, item):
+                    raise self._peer_error(p.rank, f"process {p.watch.pid} exited")
+        return True
