@@ -10,6 +10,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_PYTHON", "Python on the Slurm nodes that has Megatron-Bridge (GPU jobs; default python3)"),
     ("MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S", "seconds any collective may take before the run fails (default 120)"),
     ("MBRIDGE_EPOVERLAP_DTYPE", "fp32 or bf16: override the config's precision in the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_CPU_FLAGS", "CPU flags (space or comma separated) used instead of /proc/cpuinfo's when "
+     "choosing the CPU compute dtype (native bf16: avx512_bf16 or amx_bf16)"),
     ("MBRIDGE_EPOVERLAP_OPTIMIZER", "adam (default) or sgd, for the reference runtime"),
     ("MBRIDGE_EPOVERLAP_DEVICE", "auto (default), cpu or cuda, for the reference runtime"),
     ("MBRIDGE_EPOVERLAP_BACKEND", "auto (default), nccl or gloo, for the reference runtime"),

@@ -1,6 +1,6 @@
 """A fix that is pasted makes its rule pass: every suggested alternative is applied and re-validated.
 
-The broken configs are the failure-diagnosis reproducers of the docs (one per rule) plus layouts with
+The broken configs are the rules' own reproducers (one per rule, as the docs show them) plus layouts with
 pipeline parallelism, where the expert-parallel fix must account for the pipeline stages. Each
 violation's fix is split into its alternatives ("A, or B"); an alternative made of overrides or flags
 is applied to the same config, and the rule must no longer fire. When two rules suggest an EP size,
@@ -18,6 +18,7 @@ import pytest
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.overrides import apply_overrides
 from mbridge_epoverlap.config.recipes import load_recipe
+from mbridge_epoverlap.config.rules import all_rules
 from tests.unit_tests.cli_runner import REPO
 
 
@@ -77,13 +78,13 @@ def _replace(overrides: list[str], new: list[str]) -> list[str]:
 def broken_configs() -> list[tuple[str, str, str, dict[str, str], list[str]]]:
     """(id, recipe, gpu, versions, overrides) of configs that break at least one rule."""
     gen = _generator()
+    names = {"--torch-version": "torch_version", "--te-version": "te_version", "--mcore-version": "mcore_version"}
     configs = []
-    for d in gen.DIAGNOSES:
+    for rule in all_rules():
         versions = dict(gen.BASE_VERSIONS)
-        versions.update(dict(d.versions))
-        names = {"--torch-version": "torch_version", "--te-version": "te_version", "--mcore-version": "mcore_version"}
-        configs.append((d.rule, "qwen3_30b_a3b", d.gpu, {names[k]: v for k, v in versions.items()},
-                        list(d.overrides)))
+        versions.update(dict(rule.example_versions))
+        configs.append((rule.id, "qwen3_30b_a3b", rule.example_gpu, {names[k]: v for k, v in versions.items()},
+                        list(rule.example)))
     newest = {"torch_version": "2.7", "te_version": "2.9", "mcore_version": "0.16"}
     for ng, ep in ((16, 8), (32, 16), (16, 16), (24, 8)):
         configs.append((f"mixtral-ng{ng}-ep{ep}", "mixtral_8x22b", "h100", newest,
