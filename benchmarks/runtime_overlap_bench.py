@@ -43,6 +43,7 @@ from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
 from mbridge_epoverlap.harness.stats import overlap_ceiling  # noqa: E402
 from mbridge_epoverlap.profiling import analyze_trace  # noqa: E402
 from mbridge_epoverlap.runtime import RunMetrics, run_local  # noqa: E402
+from mbridge_epoverlap.schedule.predict import predict  # noqa: E402
 
 CASES = {
     "ep_overlap_off": (False, False),
@@ -71,8 +72,11 @@ def machine() -> dict[str, str]:
     model = cpu_model()
     import torch
 
+    from mbridge_epoverlap.config.cpu_precision import cpu_flags, reported_flags
+
     return {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform()}
+            "torch": torch.__version__, "platform": platform.platform(),
+            "cpu_flags": " ".join(reported_flags(cpu_flags())) or "none of avx2/avx512f/avx512_bf16/amx_bf16"}
 
 
 def window_mean(metrics: RunMetrics, first: int, last: int) -> float:
@@ -106,6 +110,40 @@ def series_median(runs: list[RunMetrics], attribute: str, first: int, last: int)
     return statistics.median(means) if means else None
 
 
+def stage_costs(runs: list[RunMetrics], first: int, last: int) -> dict[str, float]:
+    """Per range name, the median over repeats of the window mean of one occurrence's duration."""
+    names = sorted({n for r in runs for n in (r.stage_s or {})})
+    return {n: statistics.median(statistics.fmean(r.stage_s[n][first - 1:last]) for r in runs
+                                 if r.stage_s and n in r.stage_s) for n in names}
+
+
+def print_predictions(runs: dict[str, list[RunMetrics]], first: int, last: int) -> dict[str, dict]:
+    """The simulator fed each case's measured stage costs, against the measured schedule time."""
+    print("\nsimulator with each case's measured stage costs (schedule only; step = schedule + reduction/optimizer):")
+    print("| case | measured schedule | predicted | error | comm hidden: measured / simulated / upper bound "
+          "| simulated hidden if issuing were free | worst-modelled stall (measured / predicted per iteration) |")
+    print("|---|---|---|---|---|---|---|")
+    out = {}
+    for case, rs in runs.items():
+        if not all(r.stage_s and r.schedule and r.schedule_s for r in rs):
+            continue
+        measured = statistics.median(statistics.fmean(r.schedule_s[first - 1:last]) for r in rs)
+        costs = stage_costs(rs, first, last)
+        p = predict(rs[0].schedule, costs)
+        # Handing a collective to the communication thread holds the training thread on a loaded CPU; what
+        # the order itself hides shows with that cost taken out.
+        free = predict(rs[0].schedule, {k: 0.0 if k.endswith(".issue") else v for k, v in costs.items()})
+        gap = p.largest_gap()
+        hidden = "n/a" if p.measured_hidden_fraction is None else f"{p.measured_hidden_fraction:.1%}"
+        worst = "n/a" if gap is None else f"{gap[0]} ({gap[1] * 1e3:.1f} / {gap[2] * 1e3:.1f} ms)"
+        print(f"| {case} | {measured * 1e3:.1f} ms | {p.schedule_s * 1e3:.1f} ms | "
+              f"{p.schedule_s / measured - 1:+.1%} | {hidden} / {p.hidden_fraction:.1%} / "
+              f"{p.hidden_upper_bound:.1%} | {free.hidden_fraction:.1%} | {worst} |")
+        out[case] = {"measured_schedule_s": measured, **p.to_dict(),
+                     "hidden_fraction_free_issue": free.hidden_fraction}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="qwen3_30b_a3b")
@@ -134,7 +172,8 @@ def main() -> int:
     info = machine()
     link = f"emulated {args.emulate_link_gbps:g} Gbit/s (netns + tbf)" if args.emulate_link_gbps else "loopback"
     m = configs[args.cases[0]].model
-    print(f"machine: {info['nproc']} CPUs, {info['cpu']}, Python {info['python']}, torch {info['torch']}")
+    print(f"machine: {info['nproc']} CPUs, {info['cpu']}, flags {info['cpu_flags']}, Python {info['python']}, "
+          f"torch {info['torch']}")
     print(f"run: {args.recipe} CPU-shrunk, {args.procs} processes, EP {m.expert_model_parallel_size}, link {link}, "
           f"{args.iters} iterations, window {first}-{last}, {args.repeats} repeats interleaved")
     print(f"shape: {dataclasses.asdict(shape)}; model: layers {m.num_layers}, hidden {m.hidden_size}, "
@@ -211,6 +250,9 @@ def main() -> int:
               "takes the waits off, but the CPU work of moving the bytes stays on cores that all compute")
         for case in args.cases:
             summary[case].update(comm_wait_s=waits[case], comm_cpu_s=cpus[case])
+    predictions = print_predictions(runs, first, last)
+    for case, prediction in predictions.items():
+        summary[case]["prediction"] = prediction
     print(f"\nbenchmark wall time {elapsed:.0f} s")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "link": link, "shape": dataclasses.asdict(shape),

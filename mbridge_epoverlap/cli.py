@@ -1,4 +1,4 @@
-"""The `mbridge-epoverlap` command: thin subcommands over the library.
+"""The `mbridge-epoverlap` command: check, measure and plan expert-parallel overlap of MoE models.
 
 Each subcommand lives in the module that owns its feature and exposes `register(subparsers)`, which
 adds a parser whose `handler` default is a callable `handler(args) -> int`. Registration imports
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
 from mbridge_epoverlap import __version__
-from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_USAGE, UsageError
+from mbridge_epoverlap.errors import EXIT_USAGE, UsageError
 
 # (module, description) per subcommand; the module provides register(subparsers).
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -22,8 +21,31 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mbridge_epoverlap.profiling.cli",
     "mbridge_epoverlap.schedule.cli",
     "mbridge_epoverlap.serving.cli",
+    "mbridge_epoverlap.comm.cli",
     "mbridge_epoverlap.serving.serve_cli",
 )
+
+
+DESCRIPTION = """\
+Check, measure and plan expert-parallel (EP) communication overlap of Mixture-of-Experts models:
+validate a recipe's overlap settings for a cluster before submitting it, read overlap from profiler
+traces, simulate overlap schedules and plan disaggregated serving deployments.
+
+Training A/B runs (overlap off vs on, on CPU here or on a Slurm cluster) are started with
+scripts/performance/run_script.py (see its --help).
+"""
+
+EPILOG = """\
+examples:
+  mbridge-epoverlap validate -mr qwen3_30b_a3b -g h100 --te-version 2.9 comm_overlap.delay_wgrad_compute=true
+  mbridge-epoverlap profile off_traces/ on_traces/ --compare
+  mbridge-epoverlap plan --model Mixtral-8x22B --attn-gpu H20 --expert-gpu L40S
+  mbridge-epoverlap simulate --schedule pingpong --micro-batches 3 --t-comm 0.3
+  python scripts/performance/run_script.py -g cpu -ng 2 --ab ep_overlap
+
+exit status: 0 done (validate: valid), 1 failed (validate: invalid config), 2 usage error.
+Run `mbridge-epoverlap COMMAND --help` for each command's options.
+"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,7 +53,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="mbridge-epoverlap", description=__doc__.splitlines()[0])
+    from mbridge_epoverlap.envvars import env_epilog
+
+    parser = _Parser(prog="mbridge-epoverlap", description=DESCRIPTION, epilog=EPILOG + "\n" + env_epilog(),
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
@@ -46,18 +71,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    from mbridge_epoverlap.cli_io import reader_may_leave
+
     try:
-        return int(handler(args) or 0)
+        # A reader that leaves early (`... | head`) must not change the exit status.
+        with reader_may_leave():
+            return int(handler(args) or 0)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # The reader went away (`... --json | head`); silence the flush at exit too.
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-        return EXIT_FAILED
 
 
 if __name__ == "__main__":

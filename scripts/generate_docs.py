@@ -9,14 +9,17 @@ docs/training/communication-overlap.md; between marker comments
 
 this script writes blocks built from the code, so they cannot drift from it:
 
-- rules            every validator rule: `mbridge_epoverlap.config.rules.all_rules()` and `LAYOUT_RULES`.
-- diagnosis        the failure-diagnosis table: one row per rule id (the symptom and cause are written
-                   here in `DIAGNOSES`; the message and the fix are what the validator prints for a
-                   reproducer run at generation time) plus the failures no rule can catch.
+- rules            every validator rule: `mbridge_epoverlap.config.rules.all_rules()`.
+- diagnosis        the failure-diagnosis table: one row per rule (the symptom, cause and reproducer each rule
+                   carries; the message and the fix are what the validator prints for the reproducer run at
+                   generation time) plus the failures no rule can catch.
 - failure_modes    the same rows as YAML, for card.yaml.
+- core_versions    which Megatron-Core release enforces which rule: `mbridge_epoverlap.config.versions`.
+- differences      the deliberate differences from Megatron-Bridge: `mbridge_epoverlap.config.differences`.
 - run_script_flags every flag of `scripts/performance/run_script.py`, from the harness's `build_parser()`.
 - cli              every `mbridge-epoverlap` subcommand and option, from `mbridge_epoverlap.cli.build_parser()`.
 - cli_summary      the subcommands only (one line each).
+- env_vars         the `MBRIDGE_EPOVERLAP_*` environment variables, from `mbridge_epoverlap.envvars`.
 - results          the CPU A/B table from docs/results/cpu_ab.json, or "not yet measured".
 - results_yaml     the same figures for card.yaml.
 - results_figure   the A/B chart next to the results JSON, else the simulator's Gantt picture.
@@ -77,161 +80,19 @@ _YAML_BLOCK = re.compile(
 
 # ---- Failure diagnosis ---------------------------------------------------------------------------------
 
-# Reproducers run against this software unless a row says otherwise: new enough that only the
+# Reproducers run against this software unless a rule's example says otherwise: new enough that only the
 # setting a row changes trips a rule, and pinned so the generated text does not depend on this machine.
-BASE_VERSIONS = {"--torch-version": "2.7.0", "--te-version": "2.12.0", "--mcore-version": "0.19.0"}
-OVERLAP_ON = "comm_overlap.overlap_moe_expert_parallel_comm=true"
-OVERLAP_OFF = "comm_overlap.overlap_moe_expert_parallel_comm=false"
-DELAY_ON = "comm_overlap.delay_wgrad_compute=true"
+BASE_VERSIONS = {"--torch-version": "2.7.0", "--te-version": "2.12.0", "--mcore-version": "0.20.0"}
 
 
-@dataclass(frozen=True)
-class Diagnosis:
-    """One failure-diagnosis row for a validator rule.
-
-    Attributes:
-        rule: rule id.
-        symptom: what a job shows when the rule is broken and nobody validated first.
-        cause: why it happens.
-        check: where to look (settings, flags) besides the reproducer.
-        overrides: dotted overrides on the default recipe that break exactly this rule.
-        gpu: target GPU of the reproducer.
-        versions: version flags that differ from `BASE_VERSIONS`.
-    """
-
-    rule: str
-    symptom: str
-    cause: str
-    check: str
-    overrides: tuple[str, ...]
-    gpu: str = "h100"
-    versions: tuple[tuple[str, str], ...] = ()
-
-    def command(self) -> list[str]:
-        """`mbridge-epoverlap validate ...` arguments (after the program name) that reproduce the row."""
-        versions = dict(BASE_VERSIONS)
-        versions.update(dict(self.versions))
-        args = ["validate", "-g", self.gpu]
-        for flag, value in versions.items():
-            args += [flag, value]
-        return args + list(self.overrides)
-
-
-_MCORE_ASSERT = "Megatron-Core's `TransformerConfig` stops at start-up with an `AssertionError`"
-_BRIDGE_ASSERT = "the job stops in Megatron-Bridge's config validation"
-
-DIAGNOSES: tuple[Diagnosis, ...] = (
-    Diagnosis("ep_size", f"{_MCORE_ASSERT} about expert_model_parallel_size",
-              "EP overlap hides the expert all-to-all; with EP = 1 there is none to hide",
-              "`-ep` / `model.expert_model_parallel_size`",
-              (OVERLAP_ON, "model.expert_model_parallel_size=1")),
-    Diagnosis("num_experts", f"{_BRIDGE_ASSERT} (num_moe_experts)",
-              "overlap was switched on for a dense model or a recipe without experts",
-              "`model.num_moe_experts`", (OVERLAP_ON, "model.num_moe_experts=1")),
-    Diagnosis("dispatcher", f"{_MCORE_ASSERT} about moe_token_dispatcher_type",
-              "only the alltoall and flex dispatchers split dispatch/combine into overlappable stages",
-              "`model.moe_token_dispatcher_type`",
-              (OVERLAP_ON, "model.moe_token_dispatcher_type=allgather")),
-    Diagnosis("precision", f"{_MCORE_ASSERT} about bf16/fp16",
-              "the overlapped schedule is only implemented for bf16 and fp16 models",
-              "`-c` / `model.bf16`, `model.fp16`", (OVERLAP_ON, "model.bf16=false")),
-    Diagnosis("torch_version", "the job stops at start-up where Megatron-Core checks the version; where nothing "
-              "checks it, it hangs at the first overlapped layer with no error",
-              "PyTorch before 2.6 deadlocks the overlapped streams",
-              "`python -c 'import torch; print(torch.__version__)'` inside the job's container",
-              (OVERLAP_ON,), versions=(("--torch-version", "2.5.1"),)),
-    Diagnosis("pp_needs_vpp", f"{_MCORE_ASSERT} about virtual_pipeline_model_parallel_size",
-              "with pipeline parallelism the combined 1F1B schedule is built on the interleaved (virtual) pipeline",
-              "`-pp`, `-vp` / `model.virtual_pipeline_model_parallel_size`",
-              (OVERLAP_ON, "model.pipeline_model_parallel_size=2", "model.expert_model_parallel_size=8")),
-    Diagnosis("recompute_full", f"{_MCORE_ASSERT} about recompute_granularity",
-              "full recompute re-runs the layer inside backward, which the overlapped schedule cannot split",
-              "`--recompute_granularity` / `model.recompute_granularity`",
-              (OVERLAP_ON, "model.recompute_granularity=full")),
-    Diagnosis("recompute_method", f"{_MCORE_ASSERT} about recompute_method",
-              "a recompute method implies whole-layer recompute",
-              "`--recompute_method` / `model.recompute_method`", (OVERLAP_ON, "model.recompute_method=uniform")),
-    Diagnosis("recompute_layers", f"{_MCORE_ASSERT} about recompute_num_layers",
-              "a recompute layer count implies whole-layer recompute",
-              "`-rl` / `model.recompute_num_layers`", (OVERLAP_ON, "model.recompute_num_layers=1")),
-    Diagnosis("recompute_moe", f"{_MCORE_ASSERT} from Megatron-Core 0.17 on; older releases start and lose the "
-              "overlap (reported as a warning for them)",
-              "recomputing the MoE block repeats its all-to-alls inside backward",
-              "`--recompute_modules` / `model.recompute_modules`", (OVERLAP_ON, "model.recompute_modules=moe")),
-    Diagnosis("shared_expert_overlap", f"{_MCORE_ASSERT} about moe_shared_expert_overlap",
-              "shared-expert overlap and EP overlap both schedule the shared expert against the all-to-all",
-              "`model.moe_shared_expert_overlap` (a recipe may turn it on)",
-              (OVERLAP_ON, "model.moe_shared_expert_overlap=true")),
-    Diagnosis("mtp_layers", f"{_MCORE_ASSERT} about mtp_num_layers (which values pass depends on the "
-              "Megatron-Core release)",
-              "the overlapped schedule handles at most one multi-token-prediction layer; 0.16-0.17 also need PP > 1",
-              "`model.mtp_num_layers`, `model.pipeline_model_parallel_size`, `--mcore-version`",
-              (OVERLAP_ON, "model.mtp_num_layers=2")),
-    Diagnosis("cuda_graph_moe", f"{_MCORE_ASSERT} about cuda_graph_scope",
-              "a CUDA graph around the MoE block freezes the dispatch/compute order the overlap interleaves",
-              "`--cuda_graph_impl`, `--cuda_graph_scope`",
-              (OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe")),
-    Diagnosis("cuda_graph_local", f"{_MCORE_ASSERT} about cuda_graph_impl",
-              "local (full-iteration) graphs capture the whole step, overlap schedule included",
-              "`--cuda_graph_impl`", (OVERLAP_ON, "model.cuda_graph_impl=local")),
-    Diagnosis("delay_needs_overlap", f"{_MCORE_ASSERT} about delay_wgrad_compute",
-              "delayed wgrad fills the dispatch-backward window that only EP overlap creates",
-              "`--moe_a2a_overlap`, `--delay_wgrad_compute`", (OVERLAP_OFF, DELAY_ON)),
-    Diagnosis("delay_te_grad_reduce", f"{_BRIDGE_ASSERT} (Transformer Engine version)",
-              "before TE 2.7 the delayed weight gradients miss the grad-reduce hooks",
-              "`--te-version` (the job's container), `ddp.overlap_grad_reduce`",
-              (OVERLAP_ON, DELAY_ON), versions=(("--te-version", "2.6.0"),)),
-    Diagnosis("delay_te_grad_accum", f"{_BRIDGE_ASSERT} (Transformer Engine version)",
-              "before TE 2.7 fused gradient accumulation does not support delayed weight gradients",
-              "`--te-version`, `model.gradient_accumulation_fusion`",
-              (OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=false", "model.gradient_accumulation_fusion=true"),
-              versions=(("--te-version", "2.6.0"),)),
-    Diagnosis("delay_cuda_graph_te", f"{_MCORE_ASSERT} from Megatron-Core 0.16 on (Transformer Engine version)",
-              "TE graphs before 2.10 cannot replay a layer whose weight gradients run later",
-              "`--te-version`, `--cuda_graph_impl`",
-              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe_router"),
-              versions=(("--te-version", "2.9.0"),)),
-    Diagnosis("delay_graph_te", f"{_BRIDGE_ASSERT} (Transformer Engine version)",
-              "a weight gradient inside a captured graph (attn scope, or moe_router with an un-overlapped shared "
-              "expert) needs TE 2.12 to be split out",
-              "`--te-version`, `--cuda_graph_scope`",
-              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn",
-               "model.gradient_accumulation_fusion=true"), versions=(("--te-version", "2.11.0"),)),
-    Diagnosis("delay_graph_grad_accum", f"{_BRIDGE_ASSERT} (gradient_accumulation_fusion)",
-              "graphed weight gradients are delayed through the fused accumulation path only",
-              "`model.gradient_accumulation_fusion`, `--cuda_graph_scope`",
-              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn")),
-    Diagnosis("delay_graph_attn_bias", f"{_BRIDGE_ASSERT} (attention biases)",
-              "graphed attention with delayed wgrad does not handle bias gradients",
-              "`model.add_bias_linear`, `model.add_qkv_bias`, `--cuda_graph_scope`",
-              (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn",
-               "model.gradient_accumulation_fusion=true", "model.add_qkv_bias=true")),
-    Diagnosis("delay_legacy_grouped_gemm", f"{_MCORE_ASSERT} about moe_use_legacy_grouped_gemm",
-              "the legacy grouped GEMM has no separate weight-gradient step",
-              "`model.moe_use_legacy_grouped_gemm`",
-              (OVERLAP_ON, DELAY_ON, "model.moe_use_legacy_grouped_gemm=true")),
-    Diagnosis("early_attn_release_needs_overlap", f"{_MCORE_ASSERT} about ep_overlap_early_attn_memory_release",
-              "the early attention-memory release is part of the overlapped schedule",
-              "`model.ep_overlap_early_attn_memory_release`",
-              (OVERLAP_OFF, "model.ep_overlap_early_attn_memory_release=true")),
-    Diagnosis("ep_divides_experts", f"{_MCORE_ASSERT} about num_moe_experts and the EP size",
-              "every EP rank must hold the same number of experts",
-              "`-ep`, `model.num_moe_experts`", ("model.num_moe_experts=120",)),
-    Diagnosis("flex_backend_gpu", "Megatron-Bridge warns and keeps alltoall (no flex, no error), or its "
-              "validation raises; the run is slower than expected",
-              "DeepEP runs on Ampere, Hopper, B200 and B300 only; HybridEP also on GB200/GB300",
-              "`-g`, `--moe_flex_dispatcher_backend`",
-              ("model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep"), gpu="gb200"),
-    Diagnosis("layout_world_size", "the launcher stops building process groups (world size not divisible)",
-              "the GPUs do not split into TP x PP x CP groups",
-              "`-ng`, `-tp`, `-pp`, `-cp`", ("num_gpus=12", "model.tensor_model_parallel_size=8")),
-    Diagnosis("layout_expert_parallel", "the launcher stops building expert process groups",
-              "EP x ETP must divide the GPUs of one pipeline stage",
-              "`-ng`, `-ep`, `-et`, `-pp`", ("num_gpus=8",)),
-    Diagnosis("layout_batch", "the job stops computing the number of micro-batches",
-              "the global batch must split evenly over data-parallel ranks and micro-batches",
-              "`-gb`, `-mb`, `-ng`", ("train.global_batch_size=1000",)),
-)
+def rule_command(rule: Any) -> list[str]:
+    """`mbridge-epoverlap validate ...` arguments (after the program name) that reproduce a rule's example."""
+    versions = dict(BASE_VERSIONS)
+    versions.update(dict(rule.example_versions))
+    args = ["validate", "-g", rule.example_gpu]
+    for flag, value in versions.items():
+        args += [flag, value]
+    return args + list(rule.example)
 
 
 @dataclass(frozen=True)
@@ -411,13 +272,11 @@ def _option_rows(parser: argparse.ArgumentParser, meanings: dict[str, str] | Non
 
 
 def render_rules() -> str:
-    from mbridge_epoverlap.config.layout import LAYOUT_RULES
     from mbridge_epoverlap.config.rules import all_rules
 
-    when_text = {"overlap": "EP overlap on", "delay_wgrad": "delayed wgrad on", "always": "always"}
+    when_text = {"overlap": "EP overlap on", "delay_wgrad": "delayed wgrad on", "always": "always",
+                 "layout": "always (run layout)"}
     rows = [[_code(r.id), when_text.get(r.when, r.when), r.source, r.summary] for r in all_rules()]
-    rows += [[_code(rule_id), "always (run layout)", "mbridge_epoverlap", summary]
-             for rule_id, summary in LAYOUT_RULES.items()]
     return (f"{len(rows)} rules (`mbridge-epoverlap validate --list-rules` prints the same list). All are checked "
             "on every validation and every violation is reported at once.\n\n"
             + _table(["rule", "checked when", "source", "constraint"], rows))
@@ -425,59 +284,87 @@ def render_rules() -> str:
 
 @dataclass(frozen=True)
 class Reproduced:
-    """What the validator says for a diagnosis row's reproducer."""
+    """What the validator says for a rule's reproducer."""
 
-    diagnosis: Diagnosis
     rules: tuple[str, ...]  # every rule the reproducer breaks (errors and warnings)
     message: str
     fix: str
     severity: str
 
 
-def reproduce(diagnosis: Diagnosis) -> Reproduced:
-    """Run a row's reproducer through the validator (in process, exactly as `validate` would)."""
+def reproduce(rule: Any) -> Reproduced:
+    """Run a rule's reproducer through the validator (in process, exactly as `validate` would)."""
     from mbridge_epoverlap.config.environment import Environment
     from mbridge_epoverlap.config.overrides import apply_overrides
     from mbridge_epoverlap.config.recipes import load_recipe
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
 
-    args = cli_parser().parse_args(diagnosis.command())
+    args = cli_parser().parse_args(rule_command(rule))
     # All three versions are given, so this is the environment `validate` builds, without probing torch.
     env = Environment.for_gpu(args.gpu, torch_version=args.torch_version, te_version=args.te_version,
                               mcore_version=args.mcore_version)
     cfg = load_recipe(args.recipe or DEFAULT_RECIPE, args.task)
     apply_overrides(cfg, args.overrides)
     violations = cfg.validate(env)
-    mine = [v for v in violations if v.rule == diagnosis.rule]
+    mine = [v for v in violations if v.rule == rule.id]
     if not mine:
-        raise RuntimeError(f"diagnosis reproducer for {diagnosis.rule!r} does not trip it "
-                           f"(it trips {[v.rule for v in violations]}); fix DIAGNOSES in {__file__}")
-    return Reproduced(diagnosis, tuple(v.rule for v in violations), mine[0].message, mine[0].fix, mine[0].severity)
+        raise RuntimeError(f"the example of rule {rule.id!r} does not trip it (it trips "
+                           f"{[v.rule for v in violations]}); fix its `example` in mbridge_epoverlap/config/rules/")
+    return Reproduced(tuple(v.rule for v in violations), mine[0].message, mine[0].fix, mine[0].severity)
 
 
 def diagnosis_rows() -> list[dict[str, str]]:
-    """Every failure-diagnosis row: one per rule id (reproduced), then the non-rule failures."""
-    from mbridge_epoverlap.config.layout import LAYOUT_RULES
+    """Every failure-diagnosis row: one per rule (its own symptom, cause and reproducer), then the rest."""
     from mbridge_epoverlap.config.rules import all_rules
 
-    by_rule = {d.rule: d for d in DIAGNOSES}
     rows = []
-    for rule_id in [r.id for r in all_rules()] + list(LAYOUT_RULES):
-        d = by_rule.get(rule_id)
-        if d is None:
-            raise RuntimeError(f"rule {rule_id!r} has no failure-diagnosis row; add a Diagnosis to DIAGNOSES "
-                               f"in {__file__}")
-        r = reproduce(d)
+    for rule in all_rules():
+        r = reproduce(rule)
         rows.append({
-            "id": rule_id,
-            "symptom": f"{d.symptom}; `validate` says: {r.message}",
-            "cause": d.cause,
-            "check": f"{d.check}; reproduce: `mbridge-epoverlap {shlex.join(d.command())}`",
+            "id": rule.id,
+            "symptom": f"{rule.symptom}; `validate` says: {r.message}",
+            "cause": rule.cause,
+            "check": f"{rule.where}; reproduce: `mbridge-epoverlap {shlex.join(rule_command(rule))}`",
             "fix": r.fix,
         })
     for o in OTHER_FAILURES:
         rows.append({"id": o.name, "symptom": o.symptom, "cause": o.cause, "check": o.check, "fix": o.fix})
     return rows
+
+
+_CORE_ROWS = (
+    ("mtp_allows_zero", "`mtp_num_layers = 0` allowed with overlap (None and 1 always are)"),
+    ("mtp_one_needs_pp", "`mtp_num_layers = 1` needs PP > 1"),
+    ("rejects_moe_recompute", "`moe` in `recompute_modules` rejected (Megatron-Bridge: always)"),
+    ("graph_impl_must_be_te", "any CUDA graph with overlap must be `transformer_engine`"),
+    ("rejects_te_graph_of_moe", "`transformer_engine` graph of `moe`/`mlp` rejected"),
+    ("delay_te_graph_needs_te_2_10", "delayed wgrad + `transformer_engine` graphs needs TE >= 2.10"),
+    ("delay_rejects_legacy_grouped_gemm", "delayed wgrad rejects `moe_use_legacy_grouped_gemm`"),
+    ("has_early_attn_release", "`model.ep_overlap_early_attn_memory_release` exists (needs overlap)"),
+    ("has_graph_modules", "graph scope in `cuda_graph_modules`; `full_iteration` implementation"),
+    ("has_dispatch_wgrad_overlap", "`overlap_dispatch_backward_with_experts_wgrad` exists (excludes overlap)"),
+)
+
+
+def render_core_versions() -> str:
+    from mbridge_epoverlap.config.versions import KNOWN_RELEASES, core_rules
+
+    rules = [core_rules(release) for release in KNOWN_RELEASES]
+    rows = [[text, *("yes" if getattr(r, field) else "no" for r in rules)] for field, text in _CORE_ROWS]
+    return ("What each Megatron-Core release's `TransformerConfig` enforces (read from the release tags; "
+            "`--mcore-version` picks the column, the newest when unknown). A whole-layer `transformer_engine` graph "
+            "with overlap passes `TransformerConfig` in every release but fails when the layer is built "
+            "(`cuda_graph_whole_layer`).\n\n"
+            + _table(["rule", *KNOWN_RELEASES], rows))
+
+
+def render_differences() -> str:
+    from mbridge_epoverlap.config.differences import DIFFERENCES
+
+    rows = [[d.topic, d.upstream, d.ours, d.why] for d in DIFFERENCES]
+    return ("Deliberate differences from Megatron-Bridge (HEAD: Megatron-Core 0.20, Transformer Engine 2.18, torch "
+            "2.13). Everything else behaves as upstream; any other difference is a bug.\n\n"
+            + _table(["topic", "Megatron-Bridge", "mbridge_epoverlap", "why"], rows))
 
 
 def render_diagnosis() -> str:
@@ -514,6 +401,12 @@ def render_cli_summary() -> str:
     rows = [[_code(f"mbridge-epoverlap {name}"), help_text] for name, (help_text, _) in
             subcommands(cli_parser()).items()]
     return _table(["command", "what it does"], rows)
+
+
+def render_env_vars() -> str:
+    from mbridge_epoverlap.envvars import env_markdown
+
+    return env_markdown()
 
 
 def load_results(path: Path | None = None) -> dict[str, Any] | None:
@@ -561,12 +454,32 @@ def machine_text(doc: dict[str, Any]) -> str:
     return ", ".join(parts) or "not recorded"
 
 
+def cpu_text(doc: dict[str, Any]) -> str:
+    """The CPU flags a result was measured with and the dtype it computed in: CPU step times depend on
+    native bf16 (`avx512_bf16`/`amx_bf16`) several-fold."""
+    env = doc.get("environment") or {}
+    machine = env.get("machine") if isinstance(env, dict) else None
+    flags = machine.get("cpu_flags") if isinstance(machine, dict) else None
+    if flags is None:
+        text = ("CPU flags not recorded (measured before the harness recorded them; re-run `make run` to "
+                "record them)")
+    else:
+        native = any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+        text = (f"CPU flags {' '.join(flags) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'} "
+                f"({'native bf16' if native else 'no native bf16'})")
+    precision = env.get("compute_dtype") if isinstance(env, dict) else None
+    if isinstance(precision, dict) and precision.get("reason"):
+        text += f"; computed in {precision['reason']}"
+    return text
+
+
 def results_markdown(doc: dict[str, Any]) -> str:
     """The A/B table of a harness results JSON (the harness's own table), with where and how it ran."""
     from mbridge_epoverlap.harness.report import markdown_table
     from mbridge_epoverlap.harness.stats import overlap_ceiling
 
     lines = [f"- machine: {machine_text(doc)}",
+             f"- CPU: {cpu_text(doc)}",
              f"- command: {_code(equivalent_command(doc))}",
              f"- measured: {doc.get('created_utc') or 'date not recorded'}"
              f" ({doc.get('executor') or 'local'} executor, {doc.get('repeats')} interleaved repeat(s))",
@@ -634,11 +547,13 @@ def render_flex_support() -> str:
     for key, spec in GPU_CATALOG.items():
         env = Environment.for_gpu(key)
         support = ["yes" if backend_supports_gpu(b, env) else "no" for b in FLEX_BACKENDS]
-        rows.append([_code(key), spec.device_name, f"{spec.compute_capability[0]}.{spec.compute_capability[1]}",
+        capability = ".".join(map(str, spec.compute_capability)) if spec.compute_capability else "not known here"
+        rows.append([_code(key), spec.device_name or "not known here", capability, str(spec.nvlink_domain),
                      *support])
     return ("Where `apply_flex_dispatcher_backend` enables each flex backend (`-g` values; from "
-            "`config/flex.py` and the GPU catalog):\n\n"
-            + _table(["-g", "device name", "compute capability", *FLEX_BACKENDS], rows))
+            "`config/flex.py` and the GPU catalog `mbridge_epoverlap/gpus.py`; a GPU whose capability is not "
+            "known here gets neither backend):\n\n"
+            + _table(["-g", "device name", "compute capability", "NVLink domain", *FLEX_BACKENDS], rows))
 
 
 def render_recipes() -> str:
@@ -749,11 +664,14 @@ def render_serving_results() -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "rules": render_rules,
+    "differences": render_differences,
+    "core_versions": render_core_versions,
     "diagnosis": render_diagnosis,
     "failure_modes": render_failure_modes,
     "run_script_flags": render_run_script_flags,
     "cli": render_cli,
     "cli_summary": render_cli_summary,
+    "env_vars": render_env_vars,
     "results": render_results,
     "results_yaml": render_results_yaml,
     "results_figure": render_results_figure,

@@ -12,6 +12,7 @@ kernels queued in between overlap with the transfer.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -55,10 +56,25 @@ class CommContext:
         return cls(timeout_s=timeout_s, thread=thread, thread_native_id=native_id)
 
     def submit(self, job: Callable[[], torch.Tensor]) -> Future[torch.Tensor]:
-        """Run `job` on the communication thread (after everything submitted before it)."""
+        """Run `job` on the communication thread (after everything submitted before it).
+
+        The future carries `span`: [start, end] of the job on the thread (`time.perf_counter`), filled in as
+        it runs, so callers can time each collective apart from the wait for it.
+        """
         if self.thread is None:
             raise RuntimeError("this context has no communication thread")
-        return self.thread.submit(job)
+        span: list[float] = []
+
+        def timed() -> torch.Tensor:
+            span.append(time.perf_counter())
+            try:
+                return job()
+            finally:
+                span.append(time.perf_counter())
+
+        future = self.thread.submit(timed)
+        future.span = span  # type: ignore[attr-defined]
+        return future
 
     @property
     def timeout(self) -> timedelta:
@@ -80,8 +96,15 @@ class PendingAllToAll:
         self._work = work
         self._done = done
         self._future = future
+        self._span_source = future
         self._ctx = ctx or CommContext()
         self._what = what
+
+    def span(self) -> tuple[float, float] | None:
+        """[start, end] (`time.perf_counter`) of the collective on the communication thread once it finished;
+        None without a communication thread (GPU streams, gloo issued from the caller, one rank)."""
+        span = getattr(self._span_source, "span", None)
+        return (span[0], span[1]) if span is not None and len(span) == 2 else None
 
     def wait(self) -> torch.Tensor:
         """Block (CPU) or make the compute stream wait (CUDA) until the data arrived."""

@@ -10,21 +10,46 @@ import json
 import sys
 from typing import Any
 
-from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK
+from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, UsageError
+
+EPILOG = """\
+exit status: 0 valid (warnings allowed), 1 errors found, 2 usage error (bad flag, override or recipe).
+
+recipe files: -mr FILE.py[:FUNCTION] loads FUNCTION (default: the file's function named `recipe`, or
+its only public function) and calls it as FUNCTION(task), task being "pretrain" or "sft"; it returns
+a mbridge_epoverlap.config.RunConfig, e.g. by copying a built-in recipe:
+
+  from mbridge_epoverlap.recipes import qwen3_30b_a3b
+
+  def recipe(task="pretrain"):
+      cfg = qwen3_30b_a3b(task)
+      cfg.model.expert_model_parallel_size = 4
+      return cfg
+
+examples:
+  mbridge-epoverlap validate -mr qwen3_30b_a3b -g h100 --te-version 2.9 comm_overlap.delay_wgrad_compute=true
+  mbridge-epoverlap validate -mr my_recipes.py:big_moe -g b200 --json
+  mbridge-epoverlap validate --list-rules
+"""
+
+RECIPE_HELP = "recipe name or FILE.py[:FUNCTION] (see \"recipe files\" below; default: qwen3_30b_a3b)"
 
 
 def register(subparsers: Any) -> None:
+    from mbridge_epoverlap.harness.flags import GPUS
+
     parser = subparsers.add_parser(
         "validate",
         help="check EP-overlap settings of a recipe, reporting every problem with a fix",
         description="Validate a recipe's EP-overlap and delayed-wgrad settings for a target GPU and "
-        "Megatron-Core / Transformer Engine versions. Every violation is reported at once.",
+        "Megatron-Core / Transformer Engine versions. Every violation is reported at once, each with a fix.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--recipe", "-mr", default=None,
-                        help="recipe name or FILE.py[:FUNCTION] (default: qwen3_30b_a3b)")
-    parser.add_argument("--task", choices=("pretrain", "sft"), default="pretrain")
-    parser.add_argument("--gpu", "-g", default=None,
-                        help="target GPU family (a100, h100, h200, h20, l40s, b200, b300, gb200, gb300, cpu); "
+    parser.add_argument("--recipe", "-mr", default=None, help=RECIPE_HELP)
+    parser.add_argument("--task", choices=("pretrain", "sft"), default="pretrain", help="default: pretrain")
+    parser.add_argument("--gpu", "-g", default=None, type=str.lower, choices=GPUS, metavar="GPU",
+                        help=f"target GPU family ({', '.join(GPUS)}; H100-style names work too); "
                         "default: this machine")
     parser.add_argument("--te-version", "--te_version", default=None,
                         help="Transformer Engine version of the job (default: installed)")
@@ -49,15 +74,41 @@ def resolve_environment(gpu: str | None, te_version: str | None, torch_version: 
         "torch_version": parse_version(torch_version, "--torch-version"),
         "mcore_version": parse_version(mcore_version, "--mcore-version"),
     }
-    detected = Environment.detect()
+    installed = installed_versions()
+    if gpu is None and _may_have_cuda_gpu():
+        return Environment.detect().with_versions(**versions)  # probes the GPU through torch (seconds)
     if gpu is None or gpu.lower() == "cpu":
-        env = detected if gpu is None else Environment(detected.torch_version, detected.te_version,
-                                                       detected.mcore_version)
-        return env.with_versions(**versions)
+        return Environment(**installed).with_versions(**versions)
     # A cluster job: unknown versions default to what is installed here, the usual case of one container.
-    defaults = {"te_version": detected.te_version, "torch_version": detected.torch_version,
-                "mcore_version": detected.mcore_version}
-    return Environment.for_gpu(gpu, **{k: versions[k] or defaults[k] for k in versions})
+    return Environment.for_gpu(gpu, **{k: versions[k] or installed[k] for k in versions})
+
+
+def installed_versions() -> dict[str, str | None]:
+    """Versions of torch, Transformer Engine and Megatron-Core installed here, from package metadata.
+
+    Reading metadata instead of importing torch keeps a pre-submit check well under a second.
+    """
+    from importlib import metadata
+
+    def version_of(*dists: str) -> str | None:
+        for dist in dists:
+            try:
+                return metadata.version(dist).split("+")[0]
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    return {"torch_version": version_of("torch"),
+            "te_version": version_of("transformer-engine", "transformer_engine"),
+            "mcore_version": version_of("megatron-core", "megatron_core")}
+
+
+def _may_have_cuda_gpu() -> bool:
+    """False when this machine certainly has no NVIDIA GPU (no driver), so torch need not be imported."""
+    import glob
+    import os
+
+    return os.path.exists("/proc/driver/nvidia") or bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -69,6 +120,10 @@ def run_validate(args: argparse.Namespace) -> int:
 
     if args.list_rules:
         return _list_rules(all_rules(), args.json)
+    if args.overrides and any("=" not in item for item in args.overrides) and args.recipe is None:
+        bare = next(item for item in args.overrides if "=" not in item)
+        if bare.endswith(".py") or ".py:" in bare:
+            raise UsageError(f"{bare!r} looks like a recipe file; pass it as -mr {bare}")
     env = resolve_environment(args.gpu, args.te_version, args.torch_version, args.mcore_version)
     cfg = load_recipe(args.recipe or DEFAULT_RECIPE, args.task)
     apply_overrides(cfg, args.overrides)
@@ -119,15 +174,12 @@ def _print_table(report: dict[str, Any], env_text: str) -> None:
 
 
 def _list_rules(rules: list, as_json: bool) -> int:
-    from mbridge_epoverlap.config.layout import LAYOUT_RULES
-
     rows = [(r.id, r.when, r.source, r.summary) for r in rules]
-    rows += [(rule_id, "always", "mbridge_epoverlap", summary) for rule_id, summary in LAYOUT_RULES.items()]
     if as_json:
         keys = ("rule", "when", "source", "summary")
         print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], indent=2))
         return EXIT_OK
     width = max(len(row[0]) for row in rows)
     for rule_id, when, source, summary in rows:
-        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<22}  {summary}\n")
+        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<40}  {summary}\n")
     return EXIT_OK

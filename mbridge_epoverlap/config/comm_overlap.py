@@ -14,7 +14,7 @@ from typing import Any
 
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.model import model_attr
-from mbridge_epoverlap.config.rules import RuleContext, all_rules
+from mbridge_epoverlap.config.rules import RuleContext, RunShape, evaluate
 from mbridge_epoverlap.config.versions import core_rules
 from mbridge_epoverlap.config.violations import ConfigValidationError, Violation, errors_of
 from mbridge_epoverlap.fields import get_field, set_field
@@ -64,7 +64,8 @@ class CommOverlapConfig:
             return False
         return bool(get_field(ddp_config, "overlap_grad_reduce", False))
 
-    def validate(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None) -> list[Violation]:
+    def validate(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None,
+                 run: RunShape | None = None) -> list[Violation]:
         """Every violated rule for this overlap config on `model_cfg`, errors and warnings.
 
         Args:
@@ -73,6 +74,7 @@ class CommOverlapConfig:
                 attributes take Megatron-Core's defaults.
             ddp_config: the DDP config (reads `overlap_grad_reduce`), or None.
             env: versions and GPU to check for; None means this machine (`Environment.detect()`).
+            run: GPU count and batch shape of a whole run; the layout rules apply only with it.
         """
         env = env if env is not None else Environment.detect()
         ctx = RuleContext(
@@ -82,14 +84,9 @@ class CommOverlapConfig:
             overlap_grad_reduce=self.effective_overlap_grad_reduce(ddp_config),
             env=env,
             core=core_rules(env.mcore_version),
+            run=run,
         )
-        found = []
-        for registered in all_rules():
-            if registered.applies(ctx):
-                violation = registered.check(ctx)
-                if violation is not None:
-                    found.append(violation)
-        return found
+        return evaluate(ctx)
 
     def finalize(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None) -> list[Violation]:
         """Validate, raise `ConfigValidationError` with every error, then write the EP switches to the model.

@@ -12,33 +12,10 @@ from importlib import metadata
 from packaging.version import InvalidVersion, Version
 
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.gpus import GPU_FACTS, GpuFacts, gpu_facts
 
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """Catalog entry: the CUDA device name and compute capability of a GPU family."""
-
-    key: str
-    device_name: str
-    compute_capability: tuple[int, int]
-    nvlink_domain: int  # GPUs per NVLink domain in the usual system (NVL72 racks for GB200/GB300)
-
-
-# Device names as torch.cuda.get_device_name reports them; capabilities from NVIDIA's CUDA GPU list.
-GPU_CATALOG: dict[str, GpuSpec] = {
-    spec.key: spec
-    for spec in (
-        GpuSpec("a100", "NVIDIA A100-SXM4-80GB", (8, 0), 8),
-        GpuSpec("h100", "NVIDIA H100 80GB HBM3", (9, 0), 8),
-        GpuSpec("h200", "NVIDIA H200", (9, 0), 8),
-        GpuSpec("h20", "NVIDIA H20", (9, 0), 8),
-        GpuSpec("l40s", "NVIDIA L40S", (8, 9), 1),
-        GpuSpec("b200", "NVIDIA B200", (10, 0), 8),
-        GpuSpec("b300", "NVIDIA B300 SXM6 AC", (10, 3), 8),
-        GpuSpec("gb200", "NVIDIA GB200", (10, 0), 72),
-        GpuSpec("gb300", "NVIDIA GB300", (10, 3), 72),
-    )
-}
+# The harness's GPU targets with their device facts (one catalog for the whole project).
+GPU_CATALOG: dict[str, GpuFacts] = GPU_FACTS
 
 
 def parse_version(value: str | None, setting: str) -> str | None:
@@ -68,6 +45,8 @@ class Environment:
         mcore_version: Megatron-Core version whose rules apply; None means the newest rules.
         gpu_name: CUDA device name (e.g. "NVIDIA H100 80GB HBM3"); None means no GPU is known.
         compute_capability: (major, minor); None means no GPU is known.
+        gpu_probe_error: why probing this machine's GPU failed (CUDA present but broken); None when the
+            probe worked or was not run. A failed probe is never read as "no GPU".
     """
 
     torch_version: str | None = None
@@ -75,6 +54,7 @@ class Environment:
     mcore_version: str | None = None
     gpu_name: str | None = None
     compute_capability: tuple[int, int] | None = None
+    gpu_probe_error: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("torch_version", "te_version", "mcore_version"):
@@ -90,16 +70,8 @@ class Environment:
             torch_version = torch_version.split("+")[0]
         te_version = _installed("transformer-engine") or _installed("transformer_engine")
         mcore_version = _installed("megatron-core") or _installed("megatron_core")
-        gpu_name = capability = None
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                gpu_name = torch.cuda.get_device_name(0)
-                capability = tuple(torch.cuda.get_device_capability(0))
-        except Exception:  # a broken CUDA setup means "no GPU known", not a crash
-            gpu_name = capability = None
-        return cls(torch_version, te_version, mcore_version, gpu_name, capability)
+        gpu_name, capability, probe_error = _probe_gpu()
+        return cls(torch_version, te_version, mcore_version, gpu_name, capability, probe_error)
 
     @classmethod
     def for_gpu(cls, name: str, **versions: str | None) -> Environment:
@@ -109,7 +81,9 @@ class Environment:
         if unknown:
             raise UsageError(f"Environment.for_gpu: unknown setting(s) {sorted(unknown)}; "
                              "use torch_version, te_version, mcore_version")
-        return cls(gpu_name=spec.device_name, compute_capability=spec.compute_capability, **versions)
+        # A target whose device name is not known here still counts as a GPU (its backends are then unsupported).
+        return cls(gpu_name=spec.device_name or f"NVIDIA {spec.name}", compute_capability=spec.compute_capability,
+                   **versions)
 
     def with_versions(self, **versions: str | None) -> Environment:
         """A copy with the given versions replaced (None values are ignored)."""
@@ -119,8 +93,13 @@ class Environment:
     def has_gpu(self) -> bool:
         return self.gpu_name is not None or self.compute_capability is not None
 
+    def require_gpu_probe(self) -> None:
+        """Raise `GpuProbeError` when this machine's GPU probe failed (so nothing treats it as absent)."""
+        if self.gpu_probe_error is not None:
+            raise GpuProbeError(self.gpu_probe_error)
+
     def describe(self) -> str:
-        gpu = self.gpu_name or "no GPU"
+        gpu = self.gpu_name or ("GPU probe failed" if self.gpu_probe_error else "no GPU")
         te = self.te_version or "not installed"
         core = self.mcore_version or "newest"
         return f"GPU {gpu}; torch {self.torch_version or 'unknown'}; TE {te}; Megatron-Core rules {core}"
@@ -132,14 +111,33 @@ class Environment:
             "mcore_version": self.mcore_version,
             "gpu_name": self.gpu_name,
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
+            "gpu_probe_error": self.gpu_probe_error,
         }
 
 
-def gpu_spec(name: str) -> GpuSpec:
-    key = name.strip().lower()
-    if key not in GPU_CATALOG:
-        raise UsageError(f"unknown GPU {name!r}; known: {', '.join(GPU_CATALOG)}")
-    return GPU_CATALOG[key]
+class GpuProbeError(RuntimeError):
+    """CUDA is present but probing the GPU failed; the message names the probe and the fix."""
+
+
+def _probe_gpu() -> tuple[str | None, tuple[int, int] | None, str | None]:
+    """(device name, capability, probe error) of GPU 0; no torch or no CUDA means (None, None, None)."""
+    try:
+        import torch
+    except ImportError:
+        return None, None, None
+    try:
+        if not torch.cuda.is_available():
+            return None, None, None
+        return torch.cuda.get_device_name(0), tuple(torch.cuda.get_device_capability(0)), None
+    except Exception as exc:  # noqa: BLE001 - any CUDA failure is reported, with its type and text
+        return None, None, (f"the CUDA probe (torch.cuda.get_device_name/get_device_capability of GPU 0) failed: "
+                            f"{type(exc).__name__}: {exc}; fix the CUDA setup (driver, CUDA_VISIBLE_DEVICES), or "
+                            "name the target GPU explicitly (-g/--gpu)")
+
+
+def gpu_spec(name: str) -> GpuFacts:
+    """The catalog entry of a GPU target (either spelling: `h100` or `H100`)."""
+    return gpu_facts(name)
 
 
 def version_at_least(version: str | None, minimum: str) -> bool:

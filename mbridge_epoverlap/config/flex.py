@@ -1,8 +1,9 @@
 """Switching the MoE token dispatcher to flex (DeepEP or HybridEP) only where the GPU supports it.
 
 Setting `moe_flex_dispatcher_backend` alone does not enable flex: `apply_flex_dispatcher_backend` must
-also set the dispatcher type. On an unsupported GPU it says so (a `FlexDispatcherWarning`) and keeps
-alltoall, or raises with `strict=True`; it never falls back silently.
+also set the dispatcher type. On an unsupported GPU it says so (a `FlexDispatcherWarning`) and falls back
+to alltoall with the backend cleared, as Megatron-Bridge does, or raises with `strict=True`; it never
+falls back silently, and a failed CUDA probe is an error, not "no GPU".
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def flex_backend_problem(backend: str | None, env: Environment) -> str | None:
     """Why `backend` cannot run on the environment's GPU, or None when it can (or no GPU is known)."""
     if backend not in FLEX_BACKENDS:
         return f"moe_flex_dispatcher_backend={backend!r} is not one of {', '.join(FLEX_BACKENDS)}"
+    if env.gpu_probe_error is not None:
+        return env.gpu_probe_error
     if not env.has_gpu or backend_supports_gpu(backend, env):
         return None
     gpu = env.gpu_name or f"compute capability {env.compute_capability}"
@@ -61,58 +64,76 @@ def _warn(message: str) -> None:
     warnings.warn(message, FlexDispatcherWarning, stacklevel=3)
 
 
-def apply_flex_dispatcher_backend(model_cfg: Any, backend: str | None, *, env: Environment | None = None,
-                                  strict: bool = False) -> Any:
-    """Switch the token dispatcher to flex with `backend` where the target GPU supports it.
+def apply_flex_dispatcher_backend(model_config: Any, moe_flex_dispatcher_backend: str | None = None, *,
+                                  env: Environment | None = None, strict: bool = False) -> Any:
+    """Switch the token dispatcher to flex with the backend where the target GPU supports it.
+
+    Megatron-Bridge's signature (`model_config, moe_flex_dispatcher_backend=None`) and behaviour, plus
+    two extras: `env` (check for a cluster's GPU from anywhere) and `strict` (raise instead of falling back).
 
     Args:
-        model_cfg: a TransformerConfig-like object (changed in place and returned).
-        backend: "deepep", "hybridep", or None (no change).
+        model_config: a TransformerConfig-like object (changed in place and returned).
+        moe_flex_dispatcher_backend: "deepep", "hybridep", or None (no change).
         env: the target environment; None means this machine (`Environment.detect()`). With no GPU
-            known (a recipe built on a CPU machine for a cluster) flex is set without probing.
-        strict: raise instead of warning and keeping alltoall on an unsupported GPU.
+            known (a recipe built on a CPU machine for a cluster) flex is set without probing; a failed
+            CUDA probe raises `GpuProbeError` instead of being read as "no GPU".
+        strict: raise instead of warning and falling back to alltoall on an unsupported GPU.
 
     Returns:
-        `model_cfg`. On success its dispatcher is "flex", its backend `backend` and
-        `moe_shared_expert_overlap` is False (flex and shared-expert overlap are exclusive).
+        `model_config`. On success its dispatcher is "flex", its backend the given one and
+        `moe_shared_expert_overlap` is False (flex and shared-expert overlap are exclusive). On an
+        unsupported GPU (not strict) the dispatcher is "alltoall" and the backend None, with a warning.
+        Models with `num_moe_experts` None or 0 are skipped with a warning.
 
     Raises:
         UsageError (a ValueError): unsupported GPU with `strict`, or an invalid backend with `strict`.
+        GpuProbeError: probing this machine's GPU failed.
     """
+    backend = moe_flex_dispatcher_backend
     if backend is None or str(backend).lower() in ("none", "null", ""):
-        return model_cfg
+        return model_config
     backend = str(backend).lower()
+    experts = model_attr(model_config, "num_moe_experts")
+    if experts is None or experts == 0:
+        _warn(f"flex dispatcher ({backend}) requested for a model without experts (num_moe_experts={experts}); "
+              "dispatcher unchanged")
+        return model_config
     if backend not in FLEX_BACKENDS:
         message = (f"moe_flex_dispatcher_backend={backend!r} is not one of {', '.join(FLEX_BACKENDS)}; "
                    "dispatcher unchanged")
         if strict:
             raise UsageError(message)
         _warn(message)
-        return model_cfg
-    experts = model_attr(model_cfg, "num_moe_experts")
-    if not experts or experts <= 1:
-        _warn(f"flex dispatcher ({backend}) requested for a model without experts (num_moe_experts={experts}); "
-              "dispatcher unchanged")
-        return model_cfg
+        return model_config
     env = env or Environment.detect()
+    env.require_gpu_probe()
     problem = flex_backend_problem(backend, env)
     if problem is not None:
         if strict:
             raise UsageError(f"{problem}; use --moe_flex_dispatcher_backend hybridep or the alltoall dispatcher")
-        _warn(f"{problem}; keeping the alltoall dispatcher")
-        _set(model_cfg, "moe_token_dispatcher_type", "alltoall")
-        return model_cfg
-    _set(model_cfg, "moe_token_dispatcher_type", "flex")
-    _set(model_cfg, "moe_flex_dispatcher_backend", backend)
-    _set(model_cfg, "moe_shared_expert_overlap", False)
-    return model_cfg
+        _warn(f"{problem}; falling back to the alltoall dispatcher")
+        _set(model_config, "moe_token_dispatcher_type", "alltoall")
+        _set(model_config, "moe_flex_dispatcher_backend", None)
+        return model_config
+    _set(model_config, "moe_token_dispatcher_type", "flex")
+    _set(model_config, "moe_flex_dispatcher_backend", backend)
+    _set(model_config, "moe_shared_expert_overlap", False)
+    return model_config
 
 
-def validate_flex_dispatcher_backend(model_cfg: Any, env: Environment | None = None) -> None:
-    """Raise UsageError (a ValueError) when the model uses flex with a backend its GPU cannot run."""
-    if model_attr(model_cfg, "moe_token_dispatcher_type") != "flex":
+def validate_flex_dispatcher_backend(model_config: Any, env: Environment | None = None) -> None:
+    """Raise UsageError (a ValueError) when the model uses flex with a backend its GPU cannot run.
+
+    As Megatron-Bridge does, flex without a backend becomes alltoall (the model is changed in place).
+    """
+    if model_attr(model_config, "moe_token_dispatcher_type") != "flex":
         return
-    problem = flex_backend_problem(model_attr(model_cfg, "moe_flex_dispatcher_backend"), env or Environment.detect())
+    if model_attr(model_config, "moe_flex_dispatcher_backend") is None:
+        _set(model_config, "moe_token_dispatcher_type", "alltoall")
+        return
+    env = env or Environment.detect()
+    env.require_gpu_probe()
+    problem = flex_backend_problem(model_attr(model_config, "moe_flex_dispatcher_backend"), env)
     if problem is not None:
         raise UsageError(f"{problem}; use --moe_flex_dispatcher_backend hybridep or "
                          "model.moe_token_dispatcher_type=alltoall")

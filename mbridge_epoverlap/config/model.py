@@ -45,6 +45,7 @@ MCORE_DEFAULTS: dict[str, Any] = {
     "overlap_moe_expert_parallel_comm": False,
     "delay_wgrad_compute": False,
     "ep_overlap_early_attn_memory_release": False,
+    "overlap_dispatch_backward_with_experts_wgrad": False,
 }
 
 _MISSING = object()
@@ -125,6 +126,7 @@ class MoEModelConfig:
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
     ep_overlap_early_attn_memory_release: bool = False
+    overlap_dispatch_backward_with_experts_wgrad: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

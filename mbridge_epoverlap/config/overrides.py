@@ -16,6 +16,7 @@ import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, Union
 
+from mbridge_epoverlap.config.sizes import check_size
 from mbridge_epoverlap.errors import UsageError
 
 OVERLAP_FIELD = "overlap_moe_expert_parallel_comm"
@@ -155,7 +156,9 @@ def _apply(cfg: Any, pairs: list[tuple[str, Any]]) -> Any:
     planned = []
     for key, value in pairs:
         owner, name, annotation = _resolve(cfg, key)
-        planned.append((owner, name, coerce(value, annotation, key)))
+        value = coerce(value, annotation, key)
+        check_size(key, value)  # the same bounds as the key's flag (-ep 0 and model.expert_model_parallel_size=0)
+        planned.append((owner, name, value))
     for owner, name, value in planned:
         if isinstance(owner, dict):
             owner[name] = str(value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mbridge_epoverlap.config.container import RunConfig
-from mbridge_epoverlap.config.layout import largest_divisor
+from mbridge_epoverlap.config.divisors import largest_divisor
 from mbridge_epoverlap.errors import UsageError
 
 

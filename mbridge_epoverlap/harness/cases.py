@@ -108,10 +108,27 @@ def _b(value: bool) -> str:
     return "true" if value else "false"
 
 
+def _require_switch(cfg: RunConfig, key: str) -> None:
+    """--ab flips switches: a key that holds a number, text or list is named as not a switch."""
+    from mbridge_epoverlap.config.overrides import _resolve
+
+    try:
+        _, _, annotation = _resolve(cfg, key)
+    except UsageError as exc:
+        raise UsageError(f"--ab {key}: {exc} (--ab takes boolean config keys such as model.moe_permute_fusion)") \
+            from None
+    if annotation is not bool and annotation != (bool | None):
+        value = get_path(cfg, key)
+        raise UsageError(f"--ab {key}: not a switch (it holds {type(value).__name__} {value!r}); --ab flips "
+                         f"true/false keys such as model.moe_permute_fusion; to compare values of {key}, run "
+                         f"once per value with {key}=VALUE")
+
+
 def _effective_switch(cfg: RunConfig, key: str) -> bool:
     """The value a boolean switch has in the run (None in comm_overlap means "as the model/DDP says")."""
     if key.startswith("env_vars."):
         raise UsageError(f"--ab {key}: environment variables are strings, not switches; A/B them with two runs")
+    _require_switch(cfg, key)
     probe = cfg.copy()
     try:
         apply_overrides(probe, [f"{key}=true"])

@@ -93,10 +93,20 @@ def cpu_model(fallback: str = "unknown") -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    """The machine a measurement ran on (reports carry it next to the ratios)."""
+    """The machine a measurement ran on (reports carry it next to the ratios).
+
+    `cpu_flags` are the GEMM-relevant CPU flags (`avx2`, `avx512f`, `avx512_bf16`, `amx_bf16`): whether the
+    CPU has native bf16 changes CPU step times several-fold.
+    """
+    from mbridge_epoverlap.config.cpu_precision import cpu_flags, has_native_bf16, reported_flags
+
+    flags = cpu_flags()
     return {
         "hostname": socket.gethostname(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
+        "cpu_flags": reported_flags(flags),
+        "native_bf16": has_native_bf16(flags),
         "platform": platform.platform(terse=True),
         "python": platform.python_version(),
     }

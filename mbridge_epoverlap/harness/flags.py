@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-GPUS = ("cpu", "a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300")
+from mbridge_epoverlap.gpus import GPU_FACTS
+
+GPUS = ("cpu", *GPU_FACTS)  # the project's one GPU catalog; -g H100 works too (lowercased)
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
-TASKS = ("pretrain", "sft", "serve_bench")
+TASKS = ("pretrain", "sft", "peft", "serve_bench")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
@@ -102,6 +105,11 @@ def graph_scopes(text: str) -> list[str]:
     return scopes
 
 
+def recipe_name(text: str) -> str:
+    """A recipe name, lowercased as Megatron-Bridge does; a FILE.py[:FUNCTION] path is kept as written."""
+    return text if ("/" in text or ".py" in text) else text.lower()
+
+
 def string_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -149,8 +157,14 @@ class HarnessParser(argparse.ArgumentParser):
     """argparse already exits with 2 and a one-line message on bad input; only the wording is ours."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.print_usage()
+        self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _env_epilog() -> str:
+    from mbridge_epoverlap.envvars import env_epilog
+
+    return env_epilog()
 
 
 def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
@@ -167,7 +181,9 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
             "  %(prog)s -m qwen -mr qwen3_30b_a3b -g cpu -ng 2 --ab ep_overlap\n"
             "  %(prog)s -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 --ab ep_overlap -a ACCOUNT -p PARTITION\n"
             "  %(prog)s -mr qwen3_30b_a3b -g h100 -ng 16 -gn 8 --dryrun comm_overlap.delay_wgrad_compute=false\n"
-            "  %(prog)s --from_logs ep_overlap_off=off.log ep_overlap_on=on.log --results_json ab.json"
+            "  %(prog)s --from_logs ep_overlap_off=off.log ep_overlap_on=on.log --results_json ab.json\n\n"
+            "exit status: 0 done, 1 invalid configuration or failed run, 2 usage error.\n\n"
+            + _env_epilog()
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -179,10 +195,11 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     what = parser.add_argument_group("what to run")
     what.add_argument("-m", "--model_family_name", type=str.lower, default=None,
                       help="model family (qwen, deepseek, mixtral, dbrx); checked against the recipe")
-    what.add_argument("-mr", "--model_recipe_name", default=None,
+    what.add_argument("-mr", "--model_recipe_name", type=recipe_name, default=None,
                       help="recipe name (e.g. qwen3_30b_a3b) or FILE.py[:FUNCTION]; default: the family's first")
     what.add_argument("--task", choices=TASKS, default="pretrain",
-                      help="pretrain, sft, or serve_bench (the serving bench, roles by rank); default: pretrain")
+                      help="pretrain or sft (default: pretrain); peft is accepted as upstream does, but the project's "
+                           "recipes define pretrain and sft; serve_bench runs the serving bench (roles by rank)")
     what.add_argument("-g", "--gpu", type=str.lower, choices=GPUS, default=None,
                       help="target GPU; cpu runs the reference runtime in CPU processes (default: cpu)")
     what.add_argument("-c", "--compute_dtype", type=str.lower, choices=COMPUTE_DTYPES, default=UNSET,
@@ -257,9 +274,11 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                               "runs nothing")
 
     target = parser.add_argument_group("software on the target (validation checks for these)")
-    target.add_argument("--te_version", default=None, help="Transformer Engine version the job will run")
-    target.add_argument("--torch_version", default=None, help="PyTorch version the job will run")
-    target.add_argument("--mcore_version", default=None, help="Megatron-Core version the job will run")
+    target.add_argument("--te_version", "--te-version", default=None,
+                        help="Transformer Engine version the job will run")
+    target.add_argument("--torch_version", "--torch-version", default=None, help="PyTorch version the job will run")
+    target.add_argument("--mcore_version", "--mcore-version", default=None,
+                        help="Megatron-Core version the job will run")
 
     launch = parser.add_argument_group("launching")
     launch.add_argument("--executor", choices=EXECUTORS, default=None,
@@ -269,14 +288,19 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     launch.add_argument("--save_config_filepath", default=None, metavar="PATH",
                         help="write the resolved config as YAML (A/B: PATH holds the first case, "
                              "STEM.<case>.yaml beside it the others)")
-    launch.add_argument("--detach", action="store_true",
-                        help="slurm: submit, print the job id and where results will appear, and return")
+    launch.add_argument("--detach", type=bool_arg, nargs="?", const=True, default=False, metavar="{true,false}",
+                        help="slurm: submit, print the job id and where results will appear, and return (bare "
+                             "--detach means true; default false: follow the job to report the A/B)")
 
     slurm = parser.add_argument_group("slurm")
     slurm.add_argument("-a", "--account", default=None)
     slurm.add_argument("-p", "--partition", default=None)
     slurm.add_argument("-t", "--time_limit", type=time_limit, default=time_limit(DEFAULT_TIME_LIMIT),
                        help=f"job time limit, HH:MM:SS (default {DEFAULT_TIME_LIMIT}); also bounds following the job")
+
+    from mbridge_epoverlap.harness.upstream_flags import add_upstream_flags
+
+    add_upstream_flags(parser)  # every other flag of Megatron-Bridge's run_script.py, passed through
     return parser
 
 

@@ -31,12 +31,14 @@ def _err(line: str) -> None:
 def main(argv: Sequence[str] | None = None, prog: str = "run_script.py") -> int:
     """Run the harness; return the exit status (errors are printed, never raised)."""
     args = build_parser(prog).parse_intermixed_args(argv)  # --help and flag errors exit here, before imports
+    from mbridge_epoverlap.cli_io import reader_may_leave
     from mbridge_epoverlap.harness.cases import ValidationFailed
 
     try:
-        if args.from_logs:
-            return report_logs(args)
-        return run(args)
+        with reader_may_leave():  # `run_script.py ... | head` keeps the run's own exit status
+            if args.from_logs:
+                return report_logs(args)
+            return run(args)
     except ValidationFailed as exc:
         _err(f"error: {exc.report()}")
         return EXIT_FAILED
@@ -90,23 +92,36 @@ def run(args: argparse.Namespace) -> int:
     resolved = resolve(args)
     for note in resolved.notes:
         _err(f"note: {note}")
+    precision_warning = resolved.cpu_precision.warning if resolved.cpu_precision else None
     cfg = resolved.cfg
     if executor == "slurm":
         from mbridge_epoverlap.harness.executors.slurm import job_shape
 
         job_shape(cfg.num_gpus, cfg.gpus_per_node, gpus=args.gpu != "cpu")  # a layout Slurm cannot place
     cases, warnings = build_cases(resolved, case_specs(args.ab, cfg, resolved.explicit))
+    if precision_warning:
+        warnings.append(precision_warning)
     stray = same_except_switches(cases)
     if stray:
         warnings.append(f"cases also differ in {', '.join(stray)}; the comparison is not matched")
     window, clip_warning = clip_window(window, resolved.max_steps)
-    if clip_warning:
-        warnings.append(clip_warning)
     for warning in warnings:
         _err(f"warning: {warning}")
+    if clip_warning:
+        # Printed once: now for a dry run, else as a note under the results table, where it qualifies the figures.
+        if args.dryrun:
+            _err(f"warning: {clip_warning}")
+        warnings.append(clip_warning)
+    if executor == "local":
+        crowded = oversubscription(cfg.num_gpus)
+        if crowded:
+            _err(f"warning: {crowded}")
     results_path = Path(args.results_json or default_results_path(
         cfg.recipe, cfg.task, args.gpu, cfg.num_gpus, args.ab)).resolve()
     if args.save_config_filepath:
+        config_dir = Path(args.save_config_filepath).parent
+        if not config_dir.exists():
+            _err(f"note: creating folder {config_dir} for --save_config_filepath")
         for path in save_configs(Path(args.save_config_filepath), cases):
             _err(f"resolved config written to {path}")
     exp = _experiment(args, resolved, cases, window, results_path, executor, warnings)
@@ -124,12 +139,15 @@ def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case],
     environment: dict[str, Any] = {"target": args.gpu, **resolved.target.env.to_dict()}
     if executor == "local":
         environment["machine"] = machine_info()
+    if resolved.cpu_precision is not None:
+        environment["compute_dtype"] = resolved.cpu_precision.to_dict()
     records = [CaseRecord(case.name, list(case.overrides), dict(case.launch_env),
                           model_flops_per_iteration=model_flops_per_iteration(case.cfg)) for case in cases]
     return Experiment(
         recipe=cfg.recipe, task=cfg.task, gpu=args.gpu, num_gpus=cfg.num_gpus, gpus_per_node=cfg.gpus_per_node,
         environment=environment, cases=records, repeats=args.repeats, max_steps=resolved.max_steps, window=window,
-        results_json=str(results_path), ab=args.ab, executor=executor, profile=args.profile, warnings=list(warnings))
+        results_json=str(results_path), ab=args.ab, executor=executor,
+        profile=args.profile or args.enable_nsys or args.pytorch_profiler, warnings=list(warnings))
 
 
 def save_configs(path: Path, cases: list[Case]) -> list[Path]:
@@ -164,13 +182,49 @@ def _run_local(args: argparse.Namespace, exp: Experiment, cases: list[Case], res
                              trace_root=results_path.with_suffix(".traces"), progress=_progress)
     results = executor.run(exp, cases)
     paths = write_outputs(results, results_path)
-    return _finish(results, paths)
+    status = _finish(results, paths)
+    _print_traces(results)
+    return status
+
+
+def _print_traces(results: dict[str, Any]) -> None:
+    """Where each case's profiled traces are, and the command that reads them."""
+    traces = [(case["name"], case.get("trace_dir")) for case in results["cases"] if case.get("trace_dir")]
+    if not traces:
+        return
+    width = max(len(name) for name, _ in traces)
+    print("traces (one file per rank; `mbridge-epoverlap profile FOLDER`):")
+    for name, folder in traces:
+        print(f"  {name:<{width}}  {_shown(folder)}")
+    if len(traces) >= 2:
+        print(f"compare: mbridge-epoverlap profile {_shown(traces[0][1])} {_shown(traces[1][1])} --compare")
+
+
+def _shown(path: str) -> str:
+    """A path relative to the working directory when it lies below it (shorter to paste)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def oversubscription(processes: int) -> str | None:
+    """A warning when -g cpu starts more rank processes than this machine has cores."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if processes <= cores:
+        return None
+    return (f"-ng {processes} starts {processes} CPU processes on {cores} core(s): ranks will share cores, so step "
+            f"times measure contention more than overlap; use -ng {max(cores - cores % 2, 1)} or fewer for figures "
+            "that mean something")
 
 
 def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, cases: list[Case],
                results_path: Path) -> int:
     from mbridge_epoverlap.harness.executors.slurm import SlurmExecutor, job_shape, require_tool
     from mbridge_epoverlap.harness.executors.slurm_script import ScriptOptions
+    from mbridge_epoverlap.harness.job_options import slurm_options
     from mbridge_epoverlap.harness.results import sibling
 
     cfg = resolved.cfg
@@ -181,7 +235,7 @@ def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, ca
         job_dir=results_path.with_suffix(".slurm"), repo_root=repo_root,
         python=sys.executable if args.gpu == "cpu" else "python3", time_limit=args.time_limit,
         account=args.account, partition=args.partition, mixed_precision=resolved.mixed_precision,
-        tokenizer_type=resolved.tokenizer_type)
+        tokenizer_type=resolved.tokenizer_type, **slurm_options(args, cfg))
     shape = job_shape(cfg.num_gpus, cfg.gpus_per_node, gpus=args.gpu != "cpu")
     executor = SlurmExecutor(options, shape, detach=args.detach, poll_s=2.0 if args.gpu == "cpu" else 10.0,
                              progress=_progress)
@@ -238,6 +292,21 @@ def result_problems(results: dict[str, Any]) -> list[tuple[str, str]]:
     return problems
 
 
+def _check_log_cases(items: list[tuple[str, str]]) -> None:
+    """Several logs of one case are its repeats, which is said; logs of one case only compare nothing."""
+    seen: dict[str, list[str]] = {}
+    for name, path in items:
+        seen.setdefault(name, []).append(path)
+    if len(seen) == 1 and len(items) > 1:
+        name = next(iter(seen))
+        raise UsageError(f"--from_logs gives only case {name!r} ({len(items)} logs), so there is nothing to compare; "
+                         f"name each case, e.g. --from_logs ep_overlap_off={items[0][1]} ep_overlap_on={items[1][1]}")
+    for name, paths in seen.items():
+        if len(paths) > 1:
+            _err(f"note: --from_logs: case {name!r} has {len(paths)} logs ({', '.join(paths)}), read as {len(paths)} "
+                 "repeats of one case; give different cases different names")
+
+
 def report_logs(args: argparse.Namespace) -> int:
     """--from_logs: training logs of finished runs -> the same results JSON, table and chart."""
     from mbridge_epoverlap.config.environment import GPU_CATALOG, Environment
@@ -251,6 +320,7 @@ def report_logs(args: argparse.Namespace) -> int:
     if args.ab or args.dryrun:
         raise UsageError("--from_logs reports finished runs; it takes no --ab or --dryrun")
     runs: dict[str, list[RunMetrics]] = {}
+    _check_log_cases(args.from_logs)
     for name, path in args.from_logs:
         if not Path(path).is_file():
             raise UsageError(f"--from_logs {name}={path}: no such file")

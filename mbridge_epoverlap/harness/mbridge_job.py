@@ -1,10 +1,12 @@
 """GPU job entry point: train one case with Megatron-Bridge from a resolved config.
 
 Started once per GPU (`python -m mbridge_epoverlap.harness.mbridge_job --config CASE.yaml ...`) with
-RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment. It builds Megatron-Bridge's own
-recipe for the model, writes every setting of the resolved config that Megatron-Bridge has onto it
-(model provider, comm_overlap, train, ddp), logs every iteration, and calls Megatron-Bridge's
-`pretrain`/`finetune`. The training log is what the harness reads back (`mbridge_logs`).
+RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment. It builds the recipe Megatron-Bridge's
+own `run_script.py` would (a flat performance recipe for the GPU, precision, GPU count and `-cv` variant; the
+library recipe with `--use_recipes`; see `bridge_recipes`), writes every setting of the resolved config that
+Megatron-Bridge has onto it (model provider, comm_overlap, train, ddp) and the pass-through flags it has a
+place for, logs every iteration, and calls Megatron-Bridge's `pretrain`/`finetune`. The training log is what
+the harness reads back (`mbridge_logs`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,8 @@ from typing import Any
 
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.errors import EXIT_NO_BRIDGE
+from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe, choose_perf_recipe, library_recipe
 
-# Megatron-Bridge recipe function names tried per task, in order ({name} is our recipe name).
-RECIPE_FUNCTIONS = {
-    "pretrain": ("{name}_pretrain_config",),
-    "sft": ("{name}_sft_config", "{name}_finetune_config"),
-}
 TRAIN_FIELDS = ("global_batch_size", "micro_batch_size")
 
 
@@ -41,23 +39,81 @@ def import_bridge() -> Any:
             "MBRIDGE_EPOVERLAP_PYTHON at that Python when submitting") from None
 
 
-def bridge_recipe(family: str | None, name: str, task: str) -> Any:
-    """Megatron-Bridge's ConfigContainer for our recipe name, found in `megatron.bridge.recipes.<family>`."""
-    modules = [f"megatron.bridge.recipes.{family}"] if family else []
-    modules.append("megatron.bridge.recipes")
-    tried = []
-    for module_name in modules:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            tried.append(f"{module_name} (not importable)")
-            continue
-        for pattern in RECIPE_FUNCTIONS[task]:
-            function = getattr(module, pattern.format(name=name), None)
-            if callable(function):
-                return function()
-            tried.append(f"{module_name}.{pattern.format(name=name)}")
-    raise LookupError(f"no Megatron-Bridge recipe for {name!r} ({task}); tried {', '.join(tried)}")
+def installed_perf_recipe_names() -> list[str]:
+    """Flat performance recipe names of the installed Megatron-Bridge, read from its files (not imported)."""
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("megatron.bridge.perf_recipes")
+    except ImportError:  # megatron.bridge itself is absent
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    pattern = re.compile(r"^def ([A-Za-z0-9_]+_config)\(", re.MULTILINE)
+    names: set[str] = set()
+    for root in spec.submodule_search_locations:
+        for path in Path(root).rglob("*.py"):
+            names.update(pattern.findall(path.read_text(encoding="utf-8", errors="replace")))
+    return sorted(names)
+
+
+def choose_recipe(family: str | None, name: str, task: str, *, gpu: str, compute_dtype: str | None,
+                  num_gpus: int | None, config_variant: str | None, use_recipes: bool,
+                  perf_names: list[str] | None = None) -> BridgeRecipe:
+    """The Megatron-Bridge recipe Megatron-Bridge's run_script.py would build for these flags."""
+    if family is None:
+        raise LookupError(f"recipe {name!r} has no Megatron-Bridge model family; use a built-in recipe name")
+    if use_recipes:
+        return library_recipe(family, name, task)
+    names = installed_perf_recipe_names() if perf_names is None else perf_names
+    return choose_perf_recipe(names, family=family, model=name, task=task, gpu=gpu, compute_dtype=compute_dtype,
+                              num_gpus=num_gpus, config_variant=config_variant)
+
+
+def bridge_recipe(recipe: BridgeRecipe) -> Any:
+    """Build the chosen recipe's ConfigContainer."""
+    try:
+        module = importlib.import_module(recipe.module)
+    except ImportError as exc:
+        raise LookupError(f"{recipe.module} is not importable ({exc})") from None
+    function = getattr(module, recipe.function, None)
+    if not callable(function):
+        raise LookupError(f"no Megatron-Bridge recipe {recipe.module}.{recipe.function}")
+    return function()
+
+
+# Pass-through flags the job writes onto the ConfigContainer: flag -> (section, field).
+JOB_SETTINGS = {
+    "lr": ("optimizer", "lr"), "min_lr": ("optimizer", "min_lr"), "warmup_iters": ("scheduler", "lr_warmup_iters"),
+    "pretrained_checkpoint": ("checkpoint", "pretrained_checkpoint"), "save_dir": ("checkpoint", "save"),
+    "load_dir": ("checkpoint", "load"), "save_interval": ("checkpoint", "save_interval"),
+    "most_recent_k": ("checkpoint", "most_recent_k"),
+    "distributed_timeout_minutes": ("dist", "distributed_timeout_minutes"),
+    "hidden_size": ("model", "hidden_size"), "num_layers": ("model", "num_layers"),
+    "num_moe_experts": ("model", "num_moe_experts"), "first_k_dense_replace": ("model", "first_k_dense_replace"),
+    "pipeline_model_parallel_layout": ("model", "pipeline_model_parallel_layout"),
+    "activation_offload_layers": ("model", "cpu_offloading_num_layers"),
+    "deterministic": ("model", "deterministic_mode"),
+    "tokenizer_model": ("tokenizer", "tokenizer_model"), "vocab_size": ("tokenizer", "vocab_size"),
+    "nccl_ub": ("ddp", "nccl_ub"), "use_megatron_fsdp": ("ddp", "use_megatron_fsdp"),
+    "wandb_project_name": ("logger", "wandb_project"), "wandb_entity_name": ("logger", "wandb_entity"),
+    "wandb_experiment_name": ("logger", "wandb_exp_name"), "wandb_save_dir": ("logger", "wandb_save_dir"),
+    "profiling_ranks": ("profiling", "profile_ranks"), "record_memory_history": ("profiling", "record_memory_history"),
+}
+
+
+def apply_job_settings(bridge_cfg: Any, settings: dict[str, Any]) -> list[str]:
+    """Write the pass-through flags the ConfigContainer has a place for; return the ones it has none for."""
+    unused = []
+    for flag, value in settings.items():
+        section, field = JOB_SETTINGS.get(flag, (None, None))
+        target = getattr(bridge_cfg, section, None) if section else None
+        if target is not None and hasattr(target, field):
+            setattr(target, field, value)
+        else:
+            unused.append(f"--{flag}")
+    return unused
 
 
 def apply_run_config(bridge_cfg: Any, run: RunConfig, *, max_steps: int, mixed_precision: str | None,
@@ -104,13 +160,13 @@ def apply_run_config(bridge_cfg: Any, run: RunConfig, *, max_steps: int, mixed_p
     return missing
 
 
-def _enable_profiling(bridge_cfg: Any, start: int, end: int) -> None:
+def _enable_profiling(bridge_cfg: Any, start: int, end: int, pytorch: bool = False) -> None:
     profiling = getattr(bridge_cfg, "profiling", None)
     if profiling is None:
         print("warning: this Megatron-Bridge has no profiling config; the run is not profiled", file=sys.stderr)
         return
-    for name, value in (("use_nsys_profiler", True), ("profile_step_start", start), ("profile_step_end", end),
-                        ("profile_ranks", [0])):
+    for name, value in (("use_nsys_profiler", not pytorch), ("use_pytorch_profiler", pytorch),
+                        ("profile_step_start", start), ("profile_step_end", end), ("profile_ranks", [0])):
         if hasattr(profiling, name):
             setattr(profiling, name, value)
 
@@ -126,18 +182,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mixed-precision", default=None)
     parser.add_argument("--tokenizer-type", default=None)
     parser.add_argument("--profile-window", default=None, help="START:END iterations to profile with nsys")
+    parser.add_argument("--gpu", default=None, help="target GPU as run_script.py -g spells it (recipe lookup)")
+    parser.add_argument("--compute-dtype", default=None, help="run_script.py -c (recipe lookup; default bf16)")
+    parser.add_argument("--num-gpus", type=int, default=None, help="GPUs of the job (recipe lookup)")
+    parser.add_argument("--config-variant", default=None, help="run_script.py -cv")
+    parser.add_argument("--use-recipes", action="store_true", help="build the library recipe, not the perf recipe")
+    parser.add_argument("--pytorch-profiler", action="store_true",
+                        help="profile with the PyTorch profiler (Kineto traces) instead of nsys")
+    parser.add_argument("--job-settings", default=None,
+                        help="JSON object of the pass-through run_script.py flags for the job")
     args = parser.parse_args(argv)
     try:
         import_bridge()
     except BridgeMissing as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NO_BRIDGE
+    import json
+
+    from mbridge_epoverlap.errors import UsageError
+
     run = RunConfig.from_dict(yaml.safe_load(args.config.read_text()))
     try:
-        bridge_cfg = bridge_recipe(family_of(run.recipe), run.recipe, run.task)
-    except LookupError as exc:
+        recipe = choose_recipe(family_of(run.recipe), run.recipe, run.task, gpu=args.gpu or "h100",
+                               compute_dtype=args.compute_dtype, num_gpus=args.num_gpus,
+                               config_variant=args.config_variant, use_recipes=args.use_recipes)
+        print(f"Megatron-Bridge recipe: {recipe.describe()}", file=sys.stderr)
+        bridge_cfg = bridge_recipe(recipe)
+    except (LookupError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.job_settings is not None:
+        unused = apply_job_settings(bridge_cfg, json.loads(args.job_settings))
+        if unused:
+            print(f"note: passed to the job but this Megatron-Bridge has no setting for {', '.join(unused)}",
+                  file=sys.stderr)
     missing = apply_run_config(bridge_cfg, run, max_steps=args.max_steps, mixed_precision=args.mixed_precision,
                                tokenizer_type=args.tokenizer_type)
     if missing:
@@ -150,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flex.apply_flex_dispatcher_backend(bridge_cfg.model, run.model.moe_flex_dispatcher_backend)
     if args.profile_window:
         start, _, end = args.profile_window.partition(":")
-        _enable_profiling(bridge_cfg, int(start), int(end))
+        _enable_profiling(bridge_cfg, int(start), int(end), pytorch=args.pytorch_profiler)
     step = importlib.import_module("megatron.bridge.training.gpt_step")
     if run.task == "sft":
         train = importlib.import_module("megatron.bridge.training.finetune").finetune

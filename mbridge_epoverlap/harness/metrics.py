@@ -26,6 +26,8 @@ class RunMetrics:
         comm_step_s: per iteration, the training thread's time in communication steps (the reference
             runtime measures it; None elsewhere).
         comm_cpu_s: per iteration, CPU time of the ranks' other threads (the reference runtime; None elsewhere).
+        schedule_s, stage_s, schedule: the reference runtime's schedule time per iteration, per-stage costs per
+            iteration and schedule shape (None elsewhere).
     """
 
     step_times_s: list[float]
@@ -39,6 +41,9 @@ class RunMetrics:
     tflops_per_step: list[float] | None = field(default=None)
     comm_step_s: list[float] | None = None
     comm_cpu_s: list[float] | None = None
+    schedule_s: list[float] | None = None
+    stage_s: dict[str, list[float]] | None = None
+    schedule: dict[str, Any] | None = None
 
     def iteration_numbers(self) -> list[int]:
         return list(self.iterations) if self.iterations is not None else list(range(1, len(self.step_times_s) + 1))
@@ -75,6 +80,10 @@ class RunMetrics:
             tflops_per_step=_floats(data.get("tflops_per_step")),
             comm_step_s=_floats(data.get("comm_step_s")),
             comm_cpu_s=_floats(data.get("comm_cpu_s")),
+            schedule_s=_floats(data.get("schedule_s")),
+            stage_s=None if data.get("stage_s") is None else {
+                str(name): [float(x) for x in series] for name, series in data["stage_s"].items()},
+            schedule=None if data.get("schedule") is None else dict(data["schedule"]),
         )
 
 

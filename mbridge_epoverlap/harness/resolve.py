@@ -11,10 +11,12 @@ import argparse
 from dataclasses import dataclass, field
 
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.cpu_precision import CpuPrecision, choose_cpu_precision
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides, parse_override
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.fields import get_path
+from mbridge_epoverlap.gpus import GPU_FACTS
 from mbridge_epoverlap.harness.flags import DEFAULT_CPU_PROCS, DEFAULT_MAX_STEPS, MODEL_FLAGS, given
 
 # Megatron-Bridge mixed-precision recipe names per -c value (GPU jobs).
@@ -70,6 +72,7 @@ class Resolved:
         tokenizer_type: tokenizer of GPU jobs, or None for the recipe's.
         explicit: dotted keys the user set (overrides and flags).
         notes: things the user should know (printed on stderr).
+        cpu_precision: -g cpu: the dtype the runtime computes in and why (None for GPU targets).
     """
 
     cfg: RunConfig
@@ -79,6 +82,7 @@ class Resolved:
     tokenizer_type: str | None
     explicit: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    cpu_precision: CpuPrecision | None = None
 
 
 def pick_recipe(family: str | None, recipe: str | None) -> str:
@@ -132,10 +136,37 @@ def resolve(args: argparse.Namespace) -> Resolved:
     max_steps = args.max_steps if given(args, "max_steps") else (
         cfg.train.train_iters if "train.train_iters" in explicit else DEFAULT_MAX_STEPS)
     cfg.train.train_iters = max_steps
+    precision = None
     if target.is_cpu:
         cfg = _shrink(cfg, args, explicit, notes)
+        precision = _cpu_precision(cfg, args, explicit)
+        notes.append(f"-g cpu computes in {precision.reason}")
     mixed = _mixed_precision(cfg, args)
-    return Resolved(cfg, target, max_steps, mixed, args.tokenizer_type, explicit, notes)
+    return Resolved(cfg, target, max_steps, mixed, args.tokenizer_type, explicit, notes, precision)
+
+
+def _cpu_precision(cfg: RunConfig, args: argparse.Namespace, explicit: set[str]) -> CpuPrecision:
+    """Choose the CPU runtime's dtype and hand it to the ranks through `MBRIDGE_EPOVERLAP_DTYPE`.
+
+    Explicit means `-c`, a dotted `model.bf16`/`model.fp16` override, or the variable itself set with
+    `env_vars.MBRIDGE_EPOVERLAP_DTYPE=...`; otherwise the CPU's flags decide (see `config.cpu_precision`).
+    """
+    from mbridge_epoverlap.runtime.options import PREFIX
+
+    variable = PREFIX + "DTYPE"
+    low = bool(cfg.model.bf16 or cfg.model.fp16)
+    requested = None
+    if given(args, "compute_dtype"):
+        requested = args.compute_dtype
+    elif {"model.bf16", "model.fp16"} & explicit:
+        requested = "bf16" if cfg.model.bf16 else "fp16" if cfg.model.fp16 else "fp32"
+    if cfg.env_vars.get(variable):
+        requested = str(cfg.env_vars[variable])
+        if requested not in ("fp32", "bf16"):
+            raise UsageError(f"env_vars.{variable}={requested!r}: use fp32 or bf16 (or -c instead)")
+    precision = choose_cpu_precision(low, requested=requested)
+    cfg.env_vars[variable] = precision.dtype
+    return precision
 
 
 def _flag_of(key: str) -> str:
@@ -163,8 +194,8 @@ def _apply_flags(cfg: RunConfig, args: argparse.Namespace, target: Target, overr
     if given(args, "gpus_per_node"):
         cfg.gpus_per_node = args.gpus_per_node
         keys.add("gpus_per_node")
-    elif target.gpu in ("gb200", "gb300") and "gpus_per_node" not in overridden:
-        cfg.gpus_per_node = 4  # one GB200/GB300 compute tray holds four GPUs
+    elif target.gpu in GPU_FACTS and GPU_FACTS[target.gpu].gpus_per_node != 8 and "gpus_per_node" not in overridden:
+        cfg.gpus_per_node = GPU_FACTS[target.gpu].gpus_per_node  # GB200/GB300/VR200 trays: 4; R100: 1
     for dest, key in (("global_batch_size", "train.global_batch_size"), ("micro_batch_size", "train.micro_batch_size"),
                       ("max_steps", "train.train_iters")):
         if given(args, dest):

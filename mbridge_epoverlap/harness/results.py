@@ -11,7 +11,11 @@ Layout (extra keys beyond these are informational)::
 stable mean over this case's; `losses` are the first repeat's, one per iteration (null where not finite).
 Runs of the reference runtime add `comm_wait_s` (the training thread's time in communication steps per
 iteration: the exposed communication) and `comm_cpu_s` (CPU time of the other threads per iteration),
-stable-window means, median over repeats.
+stable-window means, median over repeats; `schedule`, `schedule_time_s` and `stage_costs_s` (the schedule
+it ran, its time per iteration and the mean cost of each of its steps, same statistics); and `predicted`:
+the simulator's step time, exposed communication and hidden share for those stage costs, its error against
+the measurement, and, where the error exceeds 15 %, the stage whose stall the model gets most wrong
+(`schedule.predict`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ def build_results(exp: Experiment, runs: dict[str, list[RunMetrics]],
         case["loss_mismatch_iters"] = mismatches
         case["loss_max_abs_diff"] = max_abs_diff(base_losses, losses)
     base["loss_match_baseline"] = None
+    for case in cases:
+        case["predicted"] = _prediction(case)
+    if any(case.get("trace_dir") for case in cases):  # a profiled A/B: the analyzer reads every case's traces
+        from mbridge_epoverlap.harness.trace_figures import add_trace_figures
+
+        add_trace_figures({"max_steps": exp.max_steps, "cases": cases})
     return {
         "recipe": exp.recipe,
         "task": exp.task,
@@ -104,7 +114,50 @@ def _case(exp: Experiment, record: CaseRecord, runs: list[RunMetrics], trace_dir
         "trace_dir": trace_dir,
         "comm_wait_s": _window_median(exp, runs, "comm_step_s"),
         "comm_cpu_s": _window_median(exp, runs, "comm_cpu_s"),
+        "schedule": first.schedule,
+        "schedule_time_s": _window_median(exp, runs, "schedule_s"),
+        "stage_costs_s": _stage_costs(exp, runs),
     }
+
+
+def _stage_costs(exp: Experiment, runs: list[RunMetrics]) -> dict[str, float] | None:
+    """Per range name, the median over repeats of the stable-window mean cost of one occurrence."""
+    names = sorted({name for run in runs for name in (run.stage_s or {})})
+    if not names:
+        return None
+    out = {}
+    for name in names:
+        means = [window_mean(run.iteration_numbers()[: len(run.stage_s[name])], run.stage_s[name], exp.window)
+                 for run in runs if run.stage_s and name in run.stage_s]
+        means = [m for m in means if m is not None]
+        if means:
+            out[name] = statistics.median(means)
+    return out or None
+
+
+def _prediction(case: dict[str, Any]) -> dict[str, Any] | None:
+    """The simulator's step time for the case's own stage costs, beside the measured one (None without costs)."""
+    from mbridge_epoverlap.schedule.predict import TOLERANCE, predict
+
+    costs, schedule, measured = case.get("stage_costs_s"), case.get("schedule"), case.get("stable_mean_s")
+    if not costs or not schedule or not measured or case.get("schedule_time_s") is None:
+        return None
+    pred = predict(schedule, costs)
+    # Gradient reduction and the optimizer run outside the schedule; the simulator models the schedule only.
+    outside = measured - case["schedule_time_s"]
+    step = pred.schedule_s + outside
+    error = step / measured - 1.0
+    out: dict[str, Any] = {
+        "step_s": step, "error": error, "within_tolerance": abs(error) <= TOLERANCE,
+        "schedule_s": pred.schedule_s, "schedule_error": pred.schedule_s / case["schedule_time_s"] - 1.0,
+        "exposed_comm_s": pred.exposed_comm_s, "comm_s": pred.comm_s, "hidden_fraction": pred.hidden_fraction,
+        "hidden_upper_bound": pred.hidden_upper_bound, "measured_hidden_fraction": pred.measured_hidden_fraction,
+        "stalls_s": pred.stalls_s, "measured_stalls_s": pred.measured_stalls_s, "largest_gap": None,
+    }
+    gap = pred.largest_gap()
+    if gap is not None and not out["within_tolerance"]:
+        out["largest_gap"] = {"stall": gap[0], "measured_s": gap[1], "predicted_s": gap[2]}
+    return out
 
 
 def _window_median(exp: Experiment, runs: list[RunMetrics], attribute: str) -> float | None:
@@ -141,6 +194,13 @@ def _tflops(exp: Experiment, record: CaseRecord, runs: list[RunMetrics],
     return None, None
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it; it is put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temporary file in the same directory and rename it into place.
 
@@ -153,6 +213,8 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        # mkstemp makes the file private (0600); results are ordinary files, so give them the user's umask.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -116,15 +116,19 @@ class GroupedExperts(torch.nn.Module):
         super().__init__()
         self.w1 = torch.nn.Parameter(torch.empty(local_experts, 2 * ffn, hidden, dtype=dtype, device=device))
         self.w2 = torch.nn.Parameter(torch.empty(local_experts, hidden, ffn, dtype=dtype, device=device))
+        self.wgrad_store: WeightGradStore | None = None  # see `moe.wgrad.use_weight_grad_store`
 
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int], store: WeightGradStore | None = None
                 ) -> torch.Tensor:
-        """x: [rows, hidden] grouped by local expert (`tokens_per_expert` rows each) -> [rows, hidden]."""
+        """x: [rows, hidden] grouped by local expert (`tokens_per_expert` rows each) -> [rows, hidden].
+
+        The weight gradient goes to `store`, else to `wgrad_store`, else to the default store.
+        """
         if sum(tokens_per_expert) != x.shape[0] or len(tokens_per_expert) != self.w1.shape[0]:
             raise ValueError(f"tokens_per_expert {tokens_per_expert} does not match {x.shape[0]} rows and "
                              f"{self.w1.shape[0]} local experts")
         return _GroupedSwiGLU.apply(x.contiguous(), self.w1, self.w2, list(tokens_per_expert),
-                                    store or default_store())
+                                    store or self.wgrad_store or default_store())
 
 
 class SwiGLUMLP(torch.nn.Module):

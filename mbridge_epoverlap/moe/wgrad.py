@@ -111,12 +111,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None 
 
 
 class Linear(torch.nn.Module):
-    """A bias-free linear layer with deferrable weight gradient."""
+    """A bias-free linear layer with deferrable weight gradient.
+
+    Attributes:
+        wgrad_store: where its weight-gradient closures go (the default store if None); the executor of a
+            schedule points it at its own store with `use_weight_grad_store`.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.wgrad_store: WeightGradStore | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.wgrad_store)
+
+
+def use_weight_grad_store(module: torch.nn.Module, store: WeightGradStore) -> int:
+    """Point every submodule of `module` that defers weight gradients (has `wgrad_store`) at `store`.
+
+    Returns:
+        How many submodules now queue into `store`.
+    """
+    count = 0
+    for sub in module.modules():
+        if hasattr(sub, "wgrad_store"):
+            sub.wgrad_store = store
+            count += 1
+    return count

@@ -23,7 +23,7 @@ from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.profiling.classify import COMBINE_RANGE, COMM, COMPUTE, DISPATCH_RANGE, MEMORY, Classifier
 from mbridge_epoverlap.profiling.intervals import clip, in_window, intersection_length, union
 from mbridge_epoverlap.profiling.model import Lane, TraceData
-from mbridge_epoverlap.profiling.sources import expand, sniff
+from mbridge_epoverlap.profiling.sources import expand, is_gzip, sniff
 from mbridge_epoverlap.profiling.window import WindowSpec, parse_window, resolve
 
 NS_PER_MS = 1_000_000
@@ -122,10 +122,32 @@ def load_trace(path: str, classifier: Classifier) -> TraceData:
     if sniff(path) == "nsys":
         from mbridge_epoverlap.profiling.nsys import load_nsys
 
+        if is_gzip(path):
+            return _load_gzipped_nsys(path, classifier)
         return load_nsys(path, classifier)
     from mbridge_epoverlap.profiling.kineto import load_kineto
 
     return load_kineto(path, classifier)
+
+
+def _load_gzipped_nsys(path: str, classifier: Classifier) -> TraceData:
+    """SQLite reads only plain files: decompress a `.sqlite.gz` export into a temporary file first."""
+    import dataclasses
+    import gzip
+    import shutil
+    import tempfile
+
+    from mbridge_epoverlap.profiling.nsys import load_nsys
+
+    with tempfile.TemporaryDirectory(prefix="mbridge_epoverlap_nsys_") as tmp:
+        plain = os.path.join(tmp, os.path.basename(path).removesuffix(".gz") or "trace.sqlite")
+        try:
+            with gzip.open(path, "rb") as src, open(plain, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except (OSError, EOFError) as exc:
+            raise UsageError(f"{path}: cannot decompress ({exc}); compress the export again") from None
+        data = load_nsys(plain, classifier)
+    return dataclasses.replace(data, path=path)
 
 
 def _nvtx(data: TraceData, lane: Lane, lo: int | None, hi: int | None) -> dict:

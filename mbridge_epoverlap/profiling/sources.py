@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 from mbridge_epoverlap.errors import UsageError
 
-TRACE_SUFFIXES = (".sqlite", ".json", ".json.gz")
+TRACE_SUFFIXES = (".sqlite", ".sqlite.gz", ".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"rank[-_.]?(\d+)", re.IGNORECASE)
 _GZIP_MAGIC = b"\x1f\x8b"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -38,7 +38,8 @@ def expand(path: str) -> list[str]:
     ]
     if not found:
         raise UsageError(
-            f"{path}: folder holds no trace files (*.sqlite, *.json, *.json.gz); pass the folder the ranks wrote to"
+            f"{path}: folder holds no trace files (*.sqlite, *.sqlite.gz, *.json, *.json.gz); pass the folder the "
+            "ranks wrote to"
         )
 
     def order(p: str) -> tuple[int, str]:
@@ -64,13 +65,24 @@ def sniff(path: str) -> str:
     if head.startswith(_SQLITE_MAGIC):
         return "nsys"
     if head.startswith(_GZIP_MAGIC):
-        return "kineto"
+        try:
+            with gzip.open(path, "rb") as fh:
+                inner = fh.read(len(_SQLITE_MAGIC))
+        except (OSError, EOFError) as exc:
+            raise UsageError(f"{path}: damaged gzip file ({exc}); compress the trace again") from None
+        return "nsys" if inner.startswith(_SQLITE_MAGIC) else "kineto"
     if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{"):
         return "kineto"
     raise UsageError(
         f"{path}: not a trace (expected an Nsight Systems SQLite export or a PyTorch/Kineto JSON trace, "
         "optionally .gz); convert .nsys-rep files with `nsys export --type sqlite`"
     )
+
+
+def is_gzip(path: str) -> bool:
+    """Whether a file is gzip-compressed (from its first bytes)."""
+    with open(path, "rb") as fh:
+        return fh.read(2) == _GZIP_MAGIC
 
 
 def open_binary(path: str) -> BinaryIO:

@@ -30,7 +30,7 @@ import torch
 
 from mbridge_epoverlap.moe.dispatcher import DispatchHandle
 from mbridge_epoverlap.moe.model import MoEGPT
-from mbridge_epoverlap.moe.wgrad import WeightGradStore, default_store
+from mbridge_epoverlap.moe.wgrad import WeightGradStore, default_store, use_weight_grad_store
 from mbridge_epoverlap.runtime.ranges import Ranges
 from mbridge_epoverlap.schedule.program import (
     ATTN,
@@ -133,7 +133,8 @@ class ScheduleExecutor:
 
     Args:
         model: the rank's model (its layers provide the stages).
-        store: where deferred weight gradients queue (the default store if None).
+        store: where deferred weight gradients queue (the default store if None); the model's deferrable
+            layers are pointed at it, so the `*_wgrad` steps run what the `*_dgrad` steps queued.
         ranges: profiler/NVTX ranges around every step (none if None).
         on_step: called with (index, step) before each step (heartbeats, fault injection).
         trace: record every executed step with the stage results it read (`self.trace`), to compare the
@@ -144,6 +145,7 @@ class ScheduleExecutor:
                  on_step: Callable[[int, Step], None] | None = None, trace: bool = False) -> None:
         self.model = model
         self.store = store or default_store()
+        use_weight_grad_store(model, self.store)
         self.ranges = ranges
         self.on_step = on_step
         self._states: dict[tuple[int, int], _LayerState] = {}
@@ -152,6 +154,12 @@ class ScheduleExecutor:
         self._loss_scale = 1.0
         self._validated: Sequence[Step] | None = None
         self.comm_step_s = 0.0  # training-thread time in communication steps (issue + wait) of the last run
+        # Durations of the last run, per range name (`attn`, `dispatch.issue`, `dispatch.wait`, ...), one entry
+        # per step; per COMM stage name the collective's own time on the communication thread (CPU only), and
+        # per wait `<stage>.blocked` (1.0 if it blocked, else 0.0) and `<stage>.resume` (how long a blocked wait
+        # took to return after the collective ended, else 0): the stage costs the simulator takes.
+        self.step_s: dict[str, list[float]] = {}
+        self.run_s = 0.0  # wall time of the last run
         self.trace: list[tuple[Step, frozenset[StageKey]]] | None = [] if trace else None
         self._reads: set[StageKey] = set()
         self._ends: dict[int, list[tuple[int, int]]] = {}
@@ -184,13 +192,16 @@ class ScheduleExecutor:
         self._states.clear()
         self._losses.clear()
         self.comm_step_s = 0.0
+        self.step_s = {}
         if self.trace is not None:
             self.trace.clear()
+        run_start = time.perf_counter()
         try:
             # Forward-only: no backward will come, so build no autograd graph.
             with torch.no_grad() if self._forward_only else contextlib.nullcontext():
                 for index, step in enumerate(steps):
                     self._step(index, step)
+            self.run_s = time.perf_counter() - run_start
             if self._states or self.store.pending():
                 raise RuntimeError(f"schedule left work behind: layers {sorted(self._states)}, "
                                    f"weight gradients {self.store.pending()}")
@@ -203,16 +214,29 @@ class ScheduleExecutor:
         if self.on_step is not None:
             self.on_step(index, step)
         handler = self._handlers[(step.stage, step.phase)]
+        name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
+        pending = None
+        if step.phase is Phase.WAIT and (step.micro_batch, step.layer) in self._states:
+            pending = self._states[(step.micro_batch, step.layer)].pending.get(step.stage)
         self._reads = set()
         start = time.perf_counter()
         if self.ranges is None:
             handler(step.micro_batch, step.layer)
         else:
-            name = step.stage if step.phase is Phase.RUN else f"{step.stage}.{step.phase.value}"
             with self.ranges(name):
                 handler(step.micro_batch, step.layer)
+        elapsed = time.perf_counter() - start
+        self.step_s.setdefault(name, []).append(elapsed)
         if step.phase is not Phase.RUN:
-            self.comm_step_s += time.perf_counter() - start
+            self.comm_step_s += elapsed
+        span = pending.span() if hasattr(pending, "span") else None
+        if span is not None:
+            self.step_s.setdefault(step.stage, []).append(span[1] - span[0])
+            # Whether the wait blocked, and how long the thread then took to resume once it ended.
+            blocked = span[1] > start
+            self.step_s.setdefault(f"{step.stage}.blocked", []).append(float(blocked))
+            self.step_s.setdefault(f"{step.stage}.resume", []).append(
+                max(0.0, start + elapsed - span[1]) if blocked else 0.0)
         if self.trace is not None:
             self.trace.append((step, frozenset(self._reads)))
         for key in self._ends.get(index, ()):

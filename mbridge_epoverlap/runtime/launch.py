@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from mbridge_epoverlap.comm.errors import EXIT_COMM
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.rules import global_batch_problem
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.runtime import heartbeat as hb
@@ -166,10 +167,9 @@ def check_layout(cfg: RunConfig) -> None:
         problems.append(f"model.expert_model_parallel_size={ep} does not divide num_gpus={world}")
     if ep >= 1 and experts % ep:
         problems.append(f"model.num_moe_experts={experts} is not divisible by model.expert_model_parallel_size={ep}")
-    per_step = cfg.train.micro_batch_size * max(world, 1)
-    if per_step < 1 or cfg.train.global_batch_size % per_step:
-        problems.append(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-                        f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {world} data-parallel ranks")
+    batch = global_batch_problem(cfg.train.global_batch_size, cfg.train.micro_batch_size, max(world, 1))
+    if batch is not None:
+        problems.append(batch)
     if problems:
         raise UsageError("; ".join(problems))
 

@@ -3,7 +3,9 @@
 They travel as environment variables so that the same settings reach ranks started by `run_local` (via
 `RunConfig.env_vars`) and by Slurm `srun`:
 
-    MBRIDGE_EPOVERLAP_DTYPE           fp32 | bf16: override the config's precision (fp32 for exact tests)
+    MBRIDGE_EPOVERLAP_DTYPE           fp32 | bf16: the compute dtype (unset: the config's precision, but fp32
+                                      on a CPU without native bf16; see `config.cpu_precision`)
+    MBRIDGE_EPOVERLAP_CPU_FLAGS       replaces the CPU flags of /proc/cpuinfo in that choice (tests)
     MBRIDGE_EPOVERLAP_OPTIMIZER       adam (default) | sgd
     MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S  seconds any collective may take before the run fails (default 120)
     MBRIDGE_EPOVERLAP_DEVICE          auto (default) | cpu | cuda

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce
 from mbridge_epoverlap.comm.groups import ParallelGroups
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.cpu_precision import choose_cpu_precision
+from mbridge_epoverlap.config.rules import global_batch_problem
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.model import MoEGPT
@@ -52,20 +54,23 @@ class RankContext:
     options: RuntimeOptions
 
 
-def resolve_dtype(cfg: RunConfig, options: RuntimeOptions) -> torch.dtype:
-    """bf16 when the config says bf16 (or fp16, which runs as bf16 here), unless the options force fp32."""
+def resolve_dtype(cfg: RunConfig, options: RuntimeOptions, device: torch.device | None = None) -> torch.dtype:
+    """`MBRIDGE_EPOVERLAP_DTYPE` if set; else bf16 when the config says bf16 (or fp16, which runs as bf16
+    here), except on a CPU without native bf16, where it is fp32 (`config.cpu_precision`)."""
     if options.dtype is not None:
         return torch.float32 if options.dtype == "fp32" else torch.bfloat16
-    return torch.bfloat16 if (cfg.model.bf16 or cfg.model.fp16) else torch.float32
+    low = bool(cfg.model.bf16 or cfg.model.fp16)
+    if low and (device is None or device.type == "cpu"):
+        low = choose_cpu_precision(True).dtype == "bf16"
+    return torch.bfloat16 if low else torch.float32
 
 
 def num_micro_batches(cfg: RunConfig, world: int) -> int:
     """global_batch_size / (micro_batch_size * data-parallel size); every rank is data parallel here."""
-    per_step = cfg.train.micro_batch_size * world
-    if per_step < 1 or cfg.train.global_batch_size % per_step:
-        raise UsageError(f"train.global_batch_size={cfg.train.global_batch_size} is not a multiple of "
-                         f"train.micro_batch_size ({cfg.train.micro_batch_size}) x {world} data-parallel ranks")
-    return cfg.train.global_batch_size // per_step
+    problem = global_batch_problem(cfg.train.global_batch_size, cfg.train.micro_batch_size, world)
+    if problem is not None:
+        raise UsageError(problem)
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
 
 
 def schedule_for(cfg: RunConfig, micro_batches: int) -> list[Step]:
@@ -118,7 +123,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     if max_steps < 1:
         raise UsageError(f"max_steps={max_steps}: need at least one iteration")
     g, device = ctx.groups, ctx.device
-    dtype = resolve_dtype(cfg, ctx.options)
+    dtype = resolve_dtype(cfg, ctx.options, device)
     micro_batches = num_micro_batches(cfg, g.world)
     steps = schedule_for(cfg, micro_batches)
     model = build_model(cfg, ctx, dtype)
@@ -134,6 +139,8 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     step_times, losses, skipped, nans = [], [], 0, 0
     comm_step_s: list[float] = []
     comm_cpu_s: list[float] = []
+    schedule_s: list[float] = []
+    stage_s: dict[str, list[float]] = {}
     profiling = False
     try:
         for iteration in range(1, max_steps + 1):
@@ -172,6 +179,9 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
             # CPU of every other thread of this rank (on CPU: gloo's threads and the communication thread).
             comm_cpu_s.append(max(0.0, (time.process_time() - process_cpu) - (time.thread_time() - own_cpu)))
             comm_step_s.append(executor.comm_step_s)
+            schedule_s.append(executor.run_s)
+            for name, durations in executor.step_s.items():
+                stage_s.setdefault(name, []).append(sum(durations) / len(durations))
             loss = float(stats[0].item()) / g.world
             nans += 0 if math.isfinite(loss) else 1
             losses.append(loss)
@@ -197,11 +207,21 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     comm = torch.tensor([comm_step_s, comm_cpu_s], dtype=torch.float64, device=device)
     all_reduce(comm, g.world_group, ctx.comm, what="communication-time all-reduce")
     comm_step_s, comm_cpu_s = (comm / g.world).tolist()
+    # Per-stage costs and the schedule's own time of the slowest rank (every rank runs the same steps): step
+    # times are the slowest rank's too, and a collective ends when its last rank joined it.
+    names = sorted(stage_s)
+    costs = torch.tensor([schedule_s] + [stage_s[n] for n in names], dtype=torch.float64, device=device)
+    all_reduce(costs, g.world_group, ctx.comm, op=dist.ReduceOp.MAX, what="stage-time all-reduce")
+    rows = costs.tolist()
     return RunMetrics(
         step_times_s=step_times, losses=losses, skipped_iters=skipped, nan_iters=nans,
         peak_mem_bytes=int(peak.item()), tflops_per_gpu=tflops_per_gpu(cfg, step_times),
         trace_dir=str(profile_dir) if profile_dir is not None else None,
-        comm_step_s=comm_step_s, comm_cpu_s=comm_cpu_s,
+        comm_step_s=comm_step_s, comm_cpu_s=comm_cpu_s, schedule_s=rows[0],
+        stage_s=dict(zip(names, rows[1:], strict=True)),
+        schedule={"micro_batches": micro_batches, "layers": cfg.model.num_layers,
+                  "overlap": bool(cfg.model.overlap_moe_expert_parallel_comm),
+                  "delay_wgrad": bool(cfg.model.delay_wgrad_compute)},
     )
 
 

@@ -162,13 +162,20 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
     """Backward of one micro-batch through every layer (last layer first) with no overlap.
 
     With `delay_wgrad`, each layer's expert weight gradient runs after its dispatch backward has been
-    issued, and the attention weight gradient after the next layer's dgrad; with no other micro-batch
-    to overlap, this only moves work, it never changes a value.
+    issued, and each layer's attention weight gradient after the combine backward of the layer below
+    has been issued (the last layer's at the end): with no other micro-batch to overlap, weight
+    gradients are what can fill those windows. This only moves work, it never changes a value.
     """
     steps: list[Step] = []
     for layer in reversed(range(num_layers)):
         for stage in BACKWARD_STAGES:
-            if delay_wgrad and stage is EXPERTS_WGRAD:
+            if delay_wgrad and stage in (EXPERTS_WGRAD, ATTN_WGRAD):
+                continue
+            if delay_wgrad and stage is COMBINE_BWD:
+                steps.append(issue(mb, layer, COMBINE_BWD.name))
+                if layer + 1 < num_layers:
+                    steps.append(run(mb, layer + 1, ATTN_WGRAD.name))
+                steps.append(wait(mb, layer, COMBINE_BWD.name))
                 continue
             if delay_wgrad and stage is DISPATCH_BWD:
                 steps += [
@@ -178,39 +185,59 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
                 ]
                 continue
             steps += stage_steps(mb, layer, stage)
+        if delay_wgrad and layer == 0:
+            steps.append(run(mb, 0, ATTN_WGRAD.name))
     return steps
 
 
-def combined_layer_pair(f_mb: int, f_layer: int, b_mb: int, b_layer: int, *, delay_wgrad: bool) -> list[Step]:
+def combined_layer_pair(f_mb: int, f_layer: int, b_mb: int, b_layer: int, *, delay_wgrad: bool,
+                        backward_started: bool = False, start_next_backward: bool = False) -> list[Step]:
     """Forward of one layer of `f_mb` interleaved with backward of one layer of `b_mb`.
 
-    Megatron-Core's issue order: each COMM stage of one micro-batch is issued, a COMPUTE stage of the
-    other runs, and the wait comes at the latest point the next stage needs the result. With
-    `delay_wgrad`, the expert weight gradient fills the dispatch-backward window instead of running
-    right after the expert data gradient.
+    Megatron-Core's order of the pair: B's combine backward, F's attention, B's expert dgrad, F's
+    dispatch, (B's expert wgrad,) B's dispatch backward, F's experts, F's combine, B's attention dgrad
+    and wgrad; on the communication channel, combine_bwd, dispatch, dispatch_bwd, combine. Each
+    collective is issued as soon as its input exists (F's dispatch right after F's attention, F's combine
+    right after F's experts, queued behind the other micro-batch's collective on the channel) and waited
+    for only where the next stage needs it, so a collective's window is everything the other micro-batch
+    computes in between. With `delay_wgrad`, the expert weight gradient runs after B's dispatch backward
+    was issued, in its window.
+
+    Args:
+        f_mb, f_layer: the forward micro-batch and layer; b_mb, b_layer: the backward ones.
+        delay_wgrad: delay the expert weight gradient into the dispatch-backward window.
+        backward_started: B's post backward ran and its combine backward was issued already (by the
+            previous pair, see `start_next_backward`).
+        start_next_backward: right after B's attention dgrad, run the post backward of B's next layer
+            (`b_layer - 1`) and issue its combine backward, so that collective already flies during B's
+            attention wgrad, F's post and the next pair's F attention. Megatron-Core gets the same from its
+            streams (the comm stream starts the next combine backward as soon as its input exists); with
+            explicit issue steps it has to be written here.
     """
-    steps = [
-        run(b_mb, b_layer, "post_bwd"),
-        issue(b_mb, b_layer, "combine_bwd"),
+    steps: list[Step] = []
+    if not backward_started:
+        steps += [run(b_mb, b_layer, "post_bwd"), issue(b_mb, b_layer, "combine_bwd")]
+    steps += [
         run(f_mb, f_layer, "attn"),
-        wait(b_mb, b_layer, "combine_bwd"),
         issue(f_mb, f_layer, "dispatch"),
+        wait(b_mb, b_layer, "combine_bwd"),
         run(b_mb, b_layer, "experts_dgrad"),
     ]
     if not delay_wgrad:
         steps.append(run(b_mb, b_layer, "experts_wgrad"))
-    # B's dispatch backward is issued as soon as its input exists, behind F's dispatch on the comm
-    # channel; F's dispatch is waited only where F's experts need it, so the delayed wgrad runs while
-    # both collectives are in flight.
     steps.append(issue(b_mb, b_layer, "dispatch_bwd"))
     if delay_wgrad:
         steps.append(run(b_mb, b_layer, "experts_wgrad"))
     steps += [
         wait(f_mb, f_layer, "dispatch"),
         run(f_mb, f_layer, "experts"),
-        wait(b_mb, b_layer, "dispatch_bwd"),
         issue(f_mb, f_layer, "combine"),
+        wait(b_mb, b_layer, "dispatch_bwd"),
         run(b_mb, b_layer, "attn_dgrad"),
+    ]
+    if start_next_backward:
+        steps += [run(b_mb, b_layer - 1, "post_bwd"), issue(b_mb, b_layer - 1, "combine_bwd")]
+    steps += [
         run(b_mb, b_layer, "attn_wgrad"),
         wait(f_mb, f_layer, "combine"),
         run(f_mb, f_layer, "post"),
@@ -225,7 +252,8 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
         num_micro_batches: micro-batches per iteration (>= 1).
         num_layers: MoE layers in the model (>= 1).
         overlap: False runs each F and B whole, one after the other (the baseline); True interleaves
-            F_i with B_{i-1} layer pair by layer pair (combined 1F1B), F going up while B comes down.
+            F_i with B_{i-1} layer pair by layer pair (combined 1F1B), F going up while B comes down, each
+            pair starting the next B layer's combine backward before it ends (`combined_layer_pair`).
         delay_wgrad: delay expert weight gradients into the dispatch-backward window (needs overlap
             to hide anything; allowed without it for testing).
 
@@ -242,7 +270,9 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
             continue
         # F walks layers upwards while B walks them downwards: pair F layer i with B layer L-1-i.
         for i in range(num_layers):
-            steps += combined_layer_pair(mb, i, mb - 1, num_layers - 1 - i, delay_wgrad=delay_wgrad)
+            b_layer = num_layers - 1 - i
+            steps += combined_layer_pair(mb, i, mb - 1, b_layer, delay_wgrad=delay_wgrad, backward_started=i > 0,
+                                         start_next_backward=b_layer > 0)
     steps += backward_steps(num_micro_batches - 1, num_layers, delay_wgrad=delay_wgrad)
     return steps
 

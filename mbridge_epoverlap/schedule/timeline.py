@@ -77,11 +77,23 @@ class Timeline:
         events: every timed stage, in the order the simulator produced them.
         resources: resource names, streams first, then channels, each in order of first use.
         channels: the resources that carry collectives (the rest run compute).
+        stalls: the time streams spent on communication steps instead of compute: issuing a collective
+            (kind "issue", when issuing has a cost) and blocking in a wait (kind "wait"), one event each
+            with the step's stage; not part of `events`, so busy time stays compute time.
     """
 
     events: tuple[Event, ...]
     resources: tuple[str, ...]
     channels: frozenset[str] = field(default_factory=frozenset)
+    stalls: tuple[Event, ...] = ()
+
+    def stalled(self) -> dict[str, float]:
+        """Total stall time per "<stage>.<kind>" (e.g. "dispatch_bwd.wait"): where the streams waited."""
+        out: dict[str, float] = {}
+        for e in self.stalls:
+            key = f"{e.stage}.{e.kind}"
+            out[key] = out.get(key, 0.0) + e.duration
+        return out
 
     @property
     def makespan(self) -> float:

@@ -1,10 +1,10 @@
 """Catalogs of GPUs and MoE models, with where each number comes from.
 
-GPU figures are vendor datasheet peaks (dense bf16 tensor FLOP/s, i.e. without 2:4 sparsity), HBM
-capacity and bandwidth, the per-GPU scale-out NIC of the usual 8-GPU server, and the scale-up link
-(aggregate bidirectional NVLink, or PCIe where there is none). Prices are relative rental prices per
-GPU-hour, only good for ratios; pass your own (`prices=` in Python, `--price GPU=X` on the command
-line) for a real decision.
+GPU figures come from `mbridge_epoverlap.gpus` (vendor datasheet peaks: dense bf16 tensor FLOP/s, i.e.
+without 2:4 sparsity, HBM capacity and bandwidth, the per-GPU scale-out NIC of the usual 8-GPU server,
+and the scale-up link, aggregate bidirectional NVLink or PCIe where there is none). Prices are relative
+rental prices per GPU-hour, only good for ratios; pass your own (`prices=` in Python, `--price GPU=X` on
+the command line) for a real decision.
 
 Model figures are copied from each model's public `config.json` (Hugging Face); each entry names it.
 """
@@ -16,88 +16,13 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.gpus import GPU_FACTS, GpuFacts, gpu_facts
 
+# The GPU figures live in the one project-wide catalog (`mbridge_epoverlap.gpus`); the planner models the
+# entries whose serving figures are known, under their display names.
+GPU = GpuFacts
 
-@dataclass(frozen=True)
-class GPU:
-    """One accelerator type.
-
-    Attributes:
-        name: catalog name.
-        tflops_bf16: dense bf16 tensor throughput, TFLOP/s.
-        hbm_tbs: memory bandwidth, TB/s.
-        hbm_gb: memory capacity, GB (10^9 bytes).
-        nic_gbps: scale-out network bandwidth per GPU, Gbit/s.
-        scale_up_gbs: scale-up bandwidth per GPU, GB/s, aggregate over both directions.
-        scale_up: "nvlink" or "pcie".
-        price: relative price per GPU-hour.
-    """
-
-    name: str
-    tflops_bf16: float
-    hbm_tbs: float
-    hbm_gb: float
-    nic_gbps: float
-    scale_up_gbs: float
-    scale_up: str
-    price: float
-
-    @property
-    def flops(self) -> float:
-        return self.tflops_bf16 * 1e12
-
-    @property
-    def mem_bw(self) -> float:
-        """bytes/s"""
-        return self.hbm_tbs * 1e12
-
-    @property
-    def mem_bytes(self) -> float:
-        return self.hbm_gb * 1e9
-
-    @property
-    def nic_bw(self) -> float:
-        """bytes/s, one direction"""
-        return self.nic_gbps * 1e9 / 8
-
-    @property
-    def scale_up_bw(self) -> float:
-        """bytes/s, one direction (half the aggregate)"""
-        return self.scale_up_gbs * 1e9 / 2
-
-
-# Prices: H20 = 1.85 and L40S = 1.08 are MegaScale-Infer's normalized per-chip prices (Table 3 of
-# the paper). The others are rough ratios of 2025 public on-demand cloud rates against those two,
-# not quotes.
-GPUS: dict[str, GPU] = {
-    gpu.name: gpu
-    for gpu in (
-        # NVIDIA A100 80GB SXM datasheet: 312 TFLOPS bf16 dense, 2,039 GB/s, NVLink 600 GB/s.
-        # DGX A100: 8x ConnectX-6 200 Gb/s for compute traffic.
-        GPU("A100-80G", 312, 2.039, 80, 200, 600, "nvlink", 1.6),
-        # NVIDIA L40S datasheet: 362 TFLOPS bf16 dense (733 with sparsity), 48 GB GDDR6 at 864 GB/s,
-        # PCIe Gen4 x16 (64 GB/s both directions), no NVLink. Typical L40S servers carry one 400 Gb/s
-        # NIC per two GPUs.
-        GPU("L40S", 362, 0.864, 48, 200, 64, "pcie", 1.08),
-        # NVIDIA H20 (MegaScale-Infer Table 3 and vendor spec): 148 TFLOPS bf16, 96 GB HBM3 at 4.0 TB/s,
-        # NVLink 900 GB/s; one 400 Gb/s NIC per GPU.
-        GPU("H20", 148, 4.0, 96, 400, 900, "nvlink", 1.85),
-        # NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s.
-        # DGX H100: 8x ConnectX-7 400 Gb/s.
-        GPU("H100", 989, 3.35, 80, 400, 900, "nvlink", 2.9),
-        # NVIDIA H200 SXM datasheet: 989 TFLOPS bf16 dense, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
-        GPU("H200", 989, 4.8, 141, 400, 900, "nvlink", 3.5),
-        # NVIDIA HGX/DGX B200: 2.25 PFLOPS bf16 dense per GPU, 180 GB HBM3e, 8 TB/s, NVLink 5 1.8 TB/s;
-        # DGX B200 has 8x ConnectX-7 400 Gb/s.
-        GPU("B200", 2250, 8.0, 180, 400, 1800, "nvlink", 5.0),
-        # NVIDIA HGX B300 (Blackwell Ultra): 2.25 PFLOPS bf16 dense per GPU, 288 GB HBM3e, 8 TB/s,
-        # NVLink 5 1.8 TB/s; ConnectX-8 800 Gb/s per GPU.
-        GPU("B300", 2250, 8.0, 288, 800, 1800, "nvlink", 6.0),
-        # NVIDIA GB200 NVL72 (per GPU = rack figures / 72): 2.5 PFLOPS bf16 dense, 186 GB HBM3e,
-        # 8 TB/s, NVLink 5 1.8 TB/s in a 72-GPU domain; ConnectX-7 400 Gb/s per GPU.
-        GPU("GB200", 2500, 8.0, 186, 400, 1800, "nvlink", 6.5),
-    )
-}
+GPUS: dict[str, GPU] = {facts.name: facts for facts in GPU_FACTS.values() if facts.modelled}
 
 
 @dataclass(frozen=True)
@@ -337,7 +262,11 @@ def get_gpu(name: str, *, flag: str = "--attn-gpu/--expert-gpu", prices: dict[st
     Raises:
         UsageError: unknown name (the message lists the known ones) or a price that is not > 0.
     """
-    gpu = _lookup("GPU", flag, name, GPUS)
+    try:  # the harness spelling (h100, a100) names the same GPU as the display name (H100, A100-80G)
+        facts: GPU | None = gpu_facts(name, setting=flag)
+    except UsageError:
+        facts = None
+    gpu = facts if facts is not None and facts.modelled else _lookup("GPU", flag, name, GPUS)
     for key, price in (prices or {}).items():
         if key.casefold() == gpu.name.casefold():
             if not price > 0:

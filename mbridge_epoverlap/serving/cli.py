@@ -44,13 +44,28 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
         help="plan a disaggregated expert-parallel deployment (MegaScale-Infer Algorithm 1)",
-        description=(
-            "Search attention/expert TP sizes, attention replicas, micro-batches and batch size for the "
-            "highest decode throughput per cost that meets a time-between-tokens objective."
+        usage=(
+            "%(prog)s --model MODEL --attn-gpu GPU [--expert-gpu GPU] [options]\n"
+            "       %(prog)s --model MODEL --attn-gpu GPU --colocated [--tp-a N] [options]\n"
+            "       %(prog)s --model MODEL --compare [--gpus GPU,GPU...] [options]\n"
+            "       %(prog)s --list"
         ),
+        description=(
+            "Search attention/expert TP sizes, attention replicas, micro-batches and batch size for the\n"
+            "highest decode throughput per cost that meets a time-between-tokens objective.\n"
+            "--model is required, and --attn-gpu unless --compare is given."
+        ),
+        epilog=(
+            "examples:\n"
+            "  mbridge-epoverlap plan --model Mixtral-8x22B --attn-gpu H20 --expert-gpu L40S\n"
+            "  mbridge-epoverlap plan --model Mixtral-8x22B --attn-gpu H100 --colocated\n"
+            "  mbridge-epoverlap plan --model Mixtral-8x22B --compare --gpus H20,L40S,H100\n"
+            "  mbridge-epoverlap plan --list"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", help="model name (see --list)")
-    parser.add_argument("--attn-gpu", help="GPU for attention nodes (see --list)")
+    parser.add_argument("--model", help="model name (see --list); required")
+    parser.add_argument("--attn-gpu", help="GPU for attention nodes (see --list); required unless --compare")
     parser.add_argument("--expert-gpu", help="GPU for expert nodes (default: the attention GPU)")
     parser.add_argument("--tbt-slo-ms", type=float, default=150.0, help="time-between-tokens objective (default 150)")
     parser.add_argument("--context", type=int, default=730, help="tokens of context per sequence (default 730)")
@@ -74,7 +89,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--tp-e", type=int, default=None, help="fix the expert TP size (1, 2, 4, 8)")
     parser.add_argument("--experts-per-group", type=int, default=None, help="fix the experts held by one expert node")
     parser.add_argument(
-        "--link-util", type=float, default=None, help="share of NIC bandwidth M2N transfers reach (default 0.7)"
+        "--link-util", type=float, default=None,
+        help="share of NIC bandwidth M2N transfers reach, in (0, 1] (default 0.7)"
     )
     parser.add_argument("--list", action="store_true", help="list the known models and GPUs and exit")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -105,6 +121,7 @@ def handle(args: argparse.Namespace) -> int:
         return _print_catalog(args.json)
     if not args.model:
         raise UsageError(f"--model is required; known: {', '.join(catalog.MODELS)}")
+    _check_combinations(args)
     prices = parse_prices(args.price)
     for name in prices:
         catalog.get_gpu(name, flag="--price", prices=prices)
@@ -153,6 +170,34 @@ def handle(args: argparse.Namespace) -> int:
     else:
         _print_plan(result.to_dict())
     return 0
+
+
+# Options that fix one search axis of the disaggregated plan (ignored by --colocated and --compare).
+_DISAGGREGATED_ONLY = (
+    ("--m", "m"), ("--n-a", "n_a"), ("--tp-e", "tp_e"), ("--experts-per-group", "experts_per_group"),
+)
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    """Options the chosen mode would ignore are usage errors, never silently dropped."""
+    if args.link_util is not None and not 0 < args.link_util <= 1:
+        raise UsageError(f"--link-util is the share of NIC bandwidth M2N transfers reach, between 0 (excluded) and 1; "
+                         f"got {args.link_util:g}; pass e.g. --link-util 0.7")
+    if args.colocated and args.compare:
+        raise UsageError("--compare already ranks colocated EP beside every GPU pair; drop --colocated")
+    if args.gpus is not None and not args.compare:
+        raise UsageError("--gpus lists the GPUs --compare pairs; add --compare, or plan one pair with "
+                         "--attn-gpu GPU --expert-gpu GPU")
+    if args.colocated and args.expert_gpu:
+        raise UsageError("--colocated runs attention and experts on the same GPUs (--attn-gpu); drop --expert-gpu, "
+                         "or drop --colocated to plan experts on another GPU")
+    ignored = [flag for flag, dest in _DISAGGREGATED_ONLY if getattr(args, dest) is not None]
+    if args.compare:
+        ignored += [flag for flag in ("--tp-a",) if args.tp_a is not None]
+    mode = "--compare" if args.compare else "--colocated" if args.colocated else None
+    if mode and ignored:
+        raise UsageError(f"{', '.join(ignored)} fix(es) a search axis of one disaggregated plan, which {mode} does "
+                         f"not use; drop {mode} or drop {', '.join(ignored)}")
 
 
 def _dump(data: Any) -> None:

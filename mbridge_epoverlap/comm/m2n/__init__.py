@@ -9,7 +9,22 @@ end. Backends share one interface (`M2NCommunicator`: `isend`, `irecv`, `close`;
 - `gloo`: `torch.distributed.batch_isend_irecv` on gloo, the baseline every comparison uses;
 - `m2n`: the fastest backend available (`shm` when every rank is on one host).
 
-Importing this package does not import torch or mooncake; `make_communicator` imports the backend it needs.
+Typical use (every rank of the job does the same with its own rank and peers; one communicator carries both
+directions, e.g. dispatch to the expert ranks and combine back):
+
+    store = torch.distributed.TCPStore(host, port, None, is_master=rank == 0)
+    comm = make_communicator("m2n", rank=rank, peers=expert_ranks, store=store, slot_bytes=1 << 20,
+                             timeout_s=60, roles={r: "expert worker" for r in expert_ranks})
+    sends = [comm.isend(e, [tokens[e], expert_ids[e], gate_weights[e]], tag=layer) for e in expert_ranks]
+    recvs = [comm.irecv(e, tag=layer) for e in expert_ranks]
+    outputs = [w.wait() for w in recvs]   # list of tensors per expert rank; PeerError names a dead one
+    for w in sends:
+        w.wait()
+    comm.close()
+
+Sent tensors must not change until their send completed. Ranks should pass a barrier (e.g. on the store)
+before closing, so that no peer still writes to a closed rank. Importing this package does not import torch
+or mooncake; `make_communicator` imports the backend it needs.
 """
 
 from __future__ import annotations
@@ -52,7 +67,8 @@ def mooncake_available() -> bool:
 
 def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int,
                       slots: int = 2, timeout_s: float, key_prefix: str = "m2n", single_host: bool = True,
-                      roles: dict[int, str] | None = None, world_size: int | None = None) -> M2NCommunicator:
+                      roles: dict[int, str] | None = None, world_size: int | None = None,
+                      host: str | None = None) -> M2NCommunicator:
     """Create this rank's end of an M2N exchange; every rank in `peers` must make one too (same settings).
 
     Args:
@@ -69,6 +85,8 @@ def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: A
         single_host: whether every rank runs on this host (decides what `m2n` means).
         roles: optional names for peers ("expert worker"), used in error messages.
         world_size: the process-group size for `torch`/`gloo` (default: the largest rank seen + 1).
+        host: the address `mooncake` listens on and publishes (default: `MBRIDGE_EPOVERLAP_M2N_HOST`, else
+            127.0.0.1 on one host and this host's address otherwise).
 
     Raises:
         UsageError: a bad setting, an unknown backend, or mooncake missing.
@@ -94,7 +112,13 @@ def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: A
             raise UsageError(MOONCAKE_INSTALL)
         from mbridge_epoverlap.comm.m2n.mooncake import MooncakeCommunicator
 
-        return MooncakeCommunicator(**common)
+        if host is None:
+            import os
+            import socket
+
+            host = os.environ.get("MBRIDGE_EPOVERLAP_M2N_HOST") or (
+                "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname()))
+        return MooncakeCommunicator(**common, host=host)
     from mbridge_epoverlap.comm.m2n.torch_p2p import GlooBatchCommunicator, TorchCommunicator
 
     cls = TorchCommunicator if name == "torch" else GlooBatchCommunicator

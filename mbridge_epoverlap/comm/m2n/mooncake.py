@@ -9,8 +9,11 @@ exchanged once through the store.
 Sending a message: pack it into the staging slot, write it into the receiver's slot, then write the new
 write count into the receiver's channel word; the second write starts after the first completed, so a
 receiver that sees the count sees the whole message. Receiving: copy the tensors out of the local slot and
-write the consumed count into the sender's credit word. A write that fails (the peer is gone) is a
-`PeerError`; a wait polls its word, spinning briefly, then sleeping in short steps, until its deadline.
+write the consumed count into the sender's credit word, without waiting for that write (a later count
+supersedes an earlier one). Writes are submitted asynchronously and their completion polled, spinning
+briefly and then sleeping in short steps: the engine's transfer threads need the same few cores (the
+engine's synchronous write spins until done). A write that fails (the peer is gone) is a `PeerError`; a
+wait polls its word the same way until its deadline.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class _Peer:
     sends: collections.deque[_Pending] = field(default_factory=collections.deque)
     recvs: list[_Pending] = field(default_factory=list)
     stash: dict[int, collections.deque[list[torch.Tensor]]] = field(default_factory=dict)
+    credit_writes: list[int] = field(default_factory=list)
 
 
 class MooncakeCommunicator(M2NCommunicator):
@@ -65,7 +69,7 @@ class MooncakeCommunicator(M2NCommunicator):
 
     def __init__(self, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int, slots: int = 2,
                  timeout_s: float, key_prefix: str = "m2n", roles: dict[int, str] | None = None,
-                 host: str | None = None, protocol: str = "tcp") -> None:
+                 host: str = "127.0.0.1", protocol: str = "tcp") -> None:
         super().__init__(rank=rank, peers=peers, slot_bytes=slot_bytes, slots=slots, timeout_s=timeout_s,
                          roles=roles)
         from mooncake.engine import TransferEngine
@@ -85,7 +89,7 @@ class MooncakeCommunicator(M2NCommunicator):
         self._index = {p: i for i, p in enumerate(self.peers)}
         self._peers: dict[int, _Peer] = {}
         self._engine = TransferEngine()
-        self._host = host or os.environ.get("MBRIDGE_EPOVERLAP_M2N_HOST", "127.0.0.1")
+        self._host = host
         if self._engine.initialize(self._host, "P2PHANDSHAKE", protocol, "") != 0:
             raise RuntimeError(f"the Mooncake Transfer Engine did not start on {self._host} ({protocol})")
         if self._engine.register_memory(self._base, total) != 0:
@@ -145,7 +149,11 @@ class MooncakeCommunicator(M2NCommunicator):
         if self._closed:
             return
         self._closed = True
+        end = time.monotonic() + 1.0  # let credit writes in flight finish before the memory goes
         for p in self._peers.values():
+            while p.credit_writes and time.monotonic() < end:
+                self._reap_credits(p)
+                time.sleep(1e-4)
             p.watch.close()
         self._peers.clear()
         if getattr(self, "_registered", False):
@@ -157,8 +165,39 @@ class MooncakeCommunicator(M2NCommunicator):
     # --- progress -----------------------------------------------------------------------------------
 
     def _write(self, p: _Peer, local_offset: int, remote_addr: int, nbytes: int) -> None:
-        if self._engine.transfer_sync_write(p.segment, self._base + local_offset, remote_addr, nbytes) != 0:
-            raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} failed (the peer is gone)")
+        """Write and wait for completion, yielding the CPU while waiting (the engine's own threads need it)."""
+        batch = self._submit(p, local_offset, remote_addr, nbytes)
+        spin_end = time.monotonic() + _SPIN_S
+        sleep_s = 5e-6
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            status = self._engine.transfer_check_status(batch)
+            if status == 1:
+                return
+            if status < 0:
+                raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} failed (the peer is gone)")
+            now = time.monotonic()
+            if now > deadline:
+                raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} did not complete within "
+                                               f"{self.timeout_s:g} s")
+            if now > spin_end:
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
+
+    def _submit(self, p: _Peer, local_offset: int, remote_addr: int, nbytes: int) -> int:
+        batch = self._engine.transfer_submit_write(p.segment, self._base + local_offset, remote_addr, nbytes)
+        if batch < 0:
+            raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} was refused (the peer is gone)")
+        return batch
+
+    def _submit_credit(self, p: _Peer, scratch: int) -> int:
+        # A sender that already left (it sent its last message) cannot take the slot back; that is fine.
+        return self._engine.transfer_submit_write(p.segment, self._base + scratch, p.remote_credit, 8)
+
+    def _reap_credits(self, p: _Peer) -> None:
+        # Credit writes are not waited for (a later value supersedes an earlier one); their handles are
+        # checked here so the engine can free them. A failed one means the sender left: nothing to do.
+        p.credit_writes = [b for b in p.credit_writes if self._engine.transfer_check_status(b) == 0]
 
     def _progress_sends(self, p: _Peer) -> None:
         credit_word = (self._credit_at + self._index[p.rank] * _WORD_BYTES) // 8
@@ -191,9 +230,13 @@ class MooncakeCommunicator(M2NCommunicator):
             p.consumed += 1
             scratch = self._scratch_at + (2 * self._index[p.rank] + 1) * _WORD_BYTES
             self._words[scratch // 8] = p.consumed
-            # Give the slot back. A sender that already left (it sent its last message) cannot take it; one
-            # that is gone and still expected to send shows up as a failed write or a timeout later.
-            self._engine.transfer_sync_write(p.segment, self._base + scratch, p.remote_credit, 8)
+            self._reap_credits(p)
+            if len(p.credit_writes) >= 4 * self.slots:  # bound the handles in flight
+                self._write(p, scratch, p.remote_credit, 8)
+            else:
+                batch = self._submit_credit(p, scratch)
+                if batch >= 0:
+                    p.credit_writes.append(batch)
             for i, item in enumerate(p.recvs):
                 if item.tag == tag:
                     item.result, item.done = tensors, True

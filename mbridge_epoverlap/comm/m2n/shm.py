@@ -7,10 +7,10 @@ publishes the new write count; the receiver copies the tensors out and publishes
 serialisation, no per-message buffer.
 
 Waiting does not burn a core (all ranks share few cores here): a wait spins for a few tens of microseconds,
-then sleeps in `poll` on the rank's doorbell FIFO (every peer writes a byte to it after publishing a message
-or freeing a slot) and on the peer's pidfd, so a dead peer wakes it at once. Segment and FIFO names are
-removed from /dev/shm as soon as every peer has opened them, so a rank killed with SIGKILL later leaves
-nothing behind; `close()` removes them if set-up did not get that far.
+then sleeps in `poll` on the rank's doorbell FIFO (a sender writes a byte to it after publishing a message, a
+receiver after freeing a slot of a full ring) and on the peer's pidfd, so a dead peer wakes it at once.
+Segment and FIFO names are removed from /dev/shm as soon as every peer has opened them, so a rank killed
+with SIGKILL later leaves nothing behind; `close()` removes them if set-up did not get that far.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ NAME_PREFIX = "mbe-m2n-"
 _CTRL_BYTES = 128  # write count at word 0, consumed count at word 8 (a cache line apart)
 _SPIN_S = float(os.environ.get("MBRIDGE_EPOVERLAP_M2N_SPIN_US", "30")) * 1e-6
 _LIVENESS_POLL_S = 0.1
+_CREDIT_POLL_S = 0.001
 
 
 def slot_stride(slot_bytes: int) -> int:
@@ -248,9 +249,11 @@ class ShmCommunicator(M2NCommunicator):
             if seq != ch.count:
                 raise PeerError(p.rank, f"message {ch.count} arrived with sequence number {seq}: the channel is "
                                         "corrupt", self.roles.get(p.rank))
+            full = ch.ctrl[0] - ch.count >= self.slots
             ch.count += 1
             ch.ctrl[8] = ch.count
-            self._ring(p)
+            if full:  # only a sender that found the ring full can be waiting for this slot
+                self._ring(p)
             for i, item in enumerate(p.recvs):
                 if item.tag == tag:
                     item.result, item.done = tensors, True
@@ -301,4 +304,7 @@ class ShmCommunicator(M2NCommunicator):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            poller.poll(min(remaining, _LIVENESS_POLL_S) * 1e3)
+            # A sender waiting for a free slot re-checks every millisecond: the receiver rings only when it
+            # saw the ring full, and without a memory fence it can miss a sender that filled it a moment ago.
+            waiting_for_slot = item.tensors is not None
+            poller.poll(min(remaining, _CREDIT_POLL_S if waiting_for_slot else _LIVENESS_POLL_S) * 1e3)

@@ -35,7 +35,6 @@ class _Staging:
         self.buffers = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(count)]
         self.views = [memoryview(b.numpy()) for b in self.buffers]
         self.busy: list[Any] = [None] * count  # the in-flight handle per buffer
-        self.next = 0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -90,11 +89,7 @@ class TorchCommunicator(M2NCommunicator):
         self._check_peer(peer)
         wire.check_message(tensors, self.slot_bytes)
         ring = self._send[peer]
-        index = ring.next
-        ring.next = (index + 1) % self.slots
-        if ring.busy[index] is not None:  # the buffer's previous send must have left
-            for ref in ring.busy[index]:
-                self._wait_handle(peer, ref, self.timeout_s, "send")
+        index = self._free_send_buffer(peer, ring)
         buf = ring.buffers[index]
         size = wire.write_message(ring.views[index], buf, tensors, seq=self._seq[peer], tag=tag)
         self._seq[peer] += 1
@@ -176,6 +171,21 @@ class TorchCommunicator(M2NCommunicator):
             return result[0]
 
         return self._work(peer, f"receive (tag {tag}) from rank {peer}", poll, block, unpack)
+
+    def _free_send_buffer(self, peer: int, ring: _Staging) -> int:
+        """A staging buffer whose previous send left; a new one when all are in flight.
+
+        Growing (rather than waiting) keeps a sender from blocking on a receiver that is waiting for a later
+        message first (tags taken out of order); the ring stops growing once the traffic settles.
+        """
+        self._flush()
+        for index, refs in enumerate(ring.busy):
+            if refs is None or all(self._completed(peer, ref, "send") for ref in refs):
+                return index
+        ring.buffers.append(torch.zeros(self._stride, dtype=torch.uint8))
+        ring.views.append(memoryview(ring.buffers[-1].numpy()))
+        ring.busy.append(None)
+        return len(ring.buffers) - 1
 
     def _completed(self, peer: int, ref: list[Any], what: str) -> bool:
         try:

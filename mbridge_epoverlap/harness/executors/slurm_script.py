@@ -49,6 +49,11 @@ class ScriptOptions:
         python: default interpreter on the nodes (`$MBRIDGE_EPOVERLAP_PYTHON` overrides it at run time).
         time_limit, account, partition: sbatch settings.
         mixed_precision, tokenizer_type: passed to Megatron-Bridge (GPU jobs).
+        job_args: more arguments of the Megatron-Bridge job (recipe choice, pass-through settings).
+        sbatch_lines, srun_args, setup_lines: pass-through run_script.py flags for the script (#SBATCH
+            lines, srun arguments, exports and commands before the runs).
+        notes: comment lines (the chosen recipe, where each pass-through flag went).
+        profile_window: START:END iterations the profiler records (default: the stable window).
     """
 
     job_dir: Path
@@ -59,6 +64,12 @@ class ScriptOptions:
     partition: str | None = None
     mixed_precision: str | None = None
     tokenizer_type: str | None = None
+    job_args: tuple[str, ...] = ()
+    sbatch_lines: tuple[str, ...] = ()
+    srun_args: tuple[str, ...] = ()
+    setup_lines: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    profile_window: str | None = None
 
 
 def _q(value: object) -> str:
@@ -82,6 +93,7 @@ def sbatch_header(exp: Experiment, shape: JobShape, opts: ScriptOptions) -> list
     if opts.partition:
         lines.append(f"#SBATCH --partition={_q(opts.partition)}")
     lines.append(f"#SBATCH --output={_q(opts.job_dir / 'slurm-%j.out')}")
+    lines += list(opts.sbatch_lines)
     return lines
 
 
@@ -99,8 +111,10 @@ def _run_command(exp: Experiment, case: Case, opts: ScriptOptions, out: Path, pr
         cmd += ["--mixed-precision", _q(opts.mixed_precision)]
     if opts.tokenizer_type:
         cmd += ["--tokenizer-type", _q(opts.tokenizer_type)]
+    cmd += [_q(arg) for arg in opts.job_args]
     if profile:
-        cmd = ['${PROFILER[@]+"${PROFILER[@]}"}', *cmd, "--profile-window", f"{exp.window.start}:{exp.window.end}"]
+        window = opts.profile_window or f"{exp.window.start}:{exp.window.end}"
+        cmd = ['${PROFILER[@]+"${PROFILER[@]}"}', *cmd, "--profile-window", window]
     return cmd
 
 
@@ -113,6 +127,7 @@ def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: Scr
         "#",
         f"# mbridge-epoverlap: {exp.ab or 'single run'} of {exp.recipe} ({exp.task}) on {exp.gpu} x "
         f"{shape.num_tasks}; {len(cases)} case(s) x {exp.repeats} repeat(s), interleaved; {exp.max_steps} steps each",
+        *(f"# {note}" for note in opts.notes),
         "set -euo pipefail",
         "",
         f"JOB_DIR={_q(opts.job_dir)}",
@@ -122,6 +137,7 @@ def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: Scr
         "export MASTER_ADDR",
         "PORT_BASE=$(( 20000 + SLURM_JOB_ID % 20000 ))",
         f'log() {{ echo "{MARKER} $*"; }}',
+        *opts.setup_lines,
         "",
     ]
     if gpu_job:
@@ -148,7 +164,8 @@ def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: Scr
         '  local name=$1 repeat=$2 index=$3 logfile=$4; shift 4',
         "  export MASTER_PORT=$(( PORT_BASE + index ))",
         '  log "case $name repeat $repeat: start (port $MASTER_PORT)"',
-        f"  srun --ntasks={shape.num_tasks} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 \\",
+        f"  srun --ntasks={shape.num_tasks} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 "
+        + "".join(f"{_q(arg)} " for arg in opts.srun_args) + "\\",
         "    bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec \"$@\"' "
         'rank "$@" 2>&1 | tee "$logfile"',
         '  log "case $name repeat $repeat: done"',

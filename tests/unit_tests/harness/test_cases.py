@@ -59,7 +59,8 @@ def test_flag_ab_flips_true_to_off():
     assert cases[1].name == "moe_permute_fusion_off" and cases[1].cfg.model.moe_permute_fusion is False
 
 
-@pytest.mark.parametrize(("ab", "message"), [("model.hidden_size", "expected"), ("model.nope", "unknown config key"),
+@pytest.mark.parametrize(("ab", "message"), [("model.hidden_size", "not a switch"),
+                                             ("model.nope", "unknown config key"),
                                              ("env_vars.NCCL_DEBUG", "environment"),
                                              ("ep_overlap,model.moe_permute_fusion", "separate")])
 def test_flag_ab_rejects(ab, message):
@@ -82,7 +83,9 @@ def test_cases_carry_their_launch_environment():
     envs = [c.launch_env["CUDA_DEVICE_MAX_CONNECTIONS"] for c in cases]
     assert envs == ["1", "8", "8"]  # TP>1 without EP overlap wants 1; overlap needs more
     assert all(c.cfg.env_vars == c.launch_env for c in cases)
-    assert cases[0].launch_env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
+    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" not in cases[0].launch_env  # exported with hybridep only
+    hybrid, _ = cases_for("ep_overlap", *GPU, "--moe_flex_dispatcher_backend", "hybridep")
+    assert hybrid[0].launch_env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
 
 
 def test_cpu_ab_validates_on_this_machine():

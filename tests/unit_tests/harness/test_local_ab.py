@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 
+from mbridge_epoverlap.config.cpu_precision import CPU_FLAGS_ENV
 from mbridge_epoverlap.harness.results import REQUIRED_CASE_KEYS
 from tests.unit_tests.harness.conftest import run_harness
 
@@ -12,9 +14,10 @@ TINY = ("-g", "cpu", "-ng", "2", "--max_steps", "3", "-sl", "64")
 
 
 def test_ep_overlap_ab_locally(tmp_path):
+    # As on a CPU without native bf16: the runtime computes in fp32, and the cases must still agree bitwise.
     out = tmp_path / "local" / "ab.json"
     done = run_harness("-m", "qwen", "-mr", "qwen3_30b_a3b", *TINY, "--ab", "ep_overlap", "--stable_window", "2:3",
-                       "--results_json", str(out), timeout=240)
+                       "--results_json", str(out), env={**os.environ, CPU_FLAGS_ENV: "avx avx2 fma"}, timeout=240)
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert {"recipe", "task", "gpu", "num_gpus", "environment", "cases"} <= set(data)
@@ -32,6 +35,15 @@ def test_ep_overlap_ab_locally(tmp_path):
         assert case["losses"] == base["losses"]  # bitwise: JSON floats round-trip exactly
         assert case["loss_match_baseline"] is True
     assert data["environment"]["machine"]["cpus"] >= 1
+    assert data["environment"]["machine"]["cpu_flags"] == ["avx2"]
+    assert data["environment"]["compute_dtype"]["dtype"] == "fp32"
+    assert all(case["launch_env"]["MBRIDGE_EPOVERLAP_DTYPE"] == "fp32" for case in data["cases"])
+    assert "computes in fp32" in done.stderr and "computed in fp32" in done.stdout
+    for case in data["cases"]:  # the runtime timed every step and collective, and the simulator replayed them
+        assert case["schedule"]["micro_batches"] >= 1 and case["schedule_time_s"] > 0
+        assert {"attn", "experts_wgrad", "dispatch", "dispatch.issue", "dispatch.wait"} <= set(case["stage_costs_s"])
+        assert case["predicted"]["step_s"] > 0 and 0 <= case["predicted"]["hidden_upper_bound"] <= 1
+    assert "### Simulator against the measurement" in done.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} |" in table for name in CASES) and "bitwise" in table
@@ -49,3 +61,21 @@ def test_failed_local_run_writes_nothing(tmp_path):
     assert "Traceback" not in done.stderr
     assert not out.exists() and not out.with_suffix(".md").exists() and not out.with_suffix(".png").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pytorch_profiler_flag_adds_trace_columns(tmp_path):
+    """-pyp true (Megatron-Bridge's flag) records Kineto traces on -g cpu; the analyzer reads them into the table."""
+    out = tmp_path / "pyp" / "ab.json"
+    done = run_harness("-mr", "qwen3_30b_a3b", "-g", "cpu", "-ng", "2", "--max_steps", "2", "-sl", "64", "--ab",
+                       "comm_overlap.overlap_moe_expert_parallel_comm", "--stable_window", "2:2", "-pyp", "true",
+                       "--results_json", str(out), timeout=240)
+    assert done.returncode == 0, done.stderr
+    cases = json.loads(out.read_text())["cases"]
+    for case in cases:
+        assert case["trace_dir"] and 0 <= case["comm_hidden_pct"] <= 100, case
+        assert case["exposed_comm_per_iter_s"] > 0
+    plain, overlapped = cases  # the recipe runs without overlap; the second case switches it on
+    assert overlapped["overrides"] == ["comm_overlap.overlap_moe_expert_parallel_comm=true"]
+    assert overlapped["comm_hidden_pct"] > plain["comm_hidden_pct"]
+    table = out.with_suffix(".md").read_text()
+    assert "comm hidden % (trace)" in table and "exposed comm / iter (trace)" in table

@@ -155,3 +155,40 @@ def test_experiment_round_trip(tmp_path):
     assert exp.run_order() == [("a", 1), ("b", 1), ("c", 1), ("a", 2), ("b", 2), ("c", 2)]
     exp.save(tmp_path / "plan.json")
     assert Experiment.load(tmp_path / "plan.json") == exp
+
+
+def test_prediction_from_the_measured_stage_costs(tmp_path):
+    from mbridge_epoverlap.harness.report import markdown_report
+    from mbridge_epoverlap.schedule.costs import training_costs
+    from mbridge_epoverlap.schedule.predict import predict
+
+    schedule = {"micro_batches": 4, "layers": 2, "overlap": True, "delay_wgrad": False}
+    costs = {**training_costs(0.002, 0.003, 0.0015, t_post=0.0005),
+             **{f"{n}.{p}": 0.0001 for n in ("dispatch", "combine", "combine_bwd", "dispatch_bwd")
+                for p in ("issue", "wait")}}
+    makespan = predict(schedule, costs).schedule_s
+    stage_s = {name: [value] * 10 for name, value in costs.items()}
+
+    def measured(schedule_time, wait_extra=0.0):  # 50 ms per step outside the schedule
+        series = {**stage_s, "dispatch_bwd.wait": [costs["dispatch_bwd.wait"] + wait_extra] * 10}
+        return run([schedule_time + 0.05] * 10, comm_step_s=[0.01] * 10, schedule_s=[schedule_time] * 10,
+                   stage_s=series, schedule=schedule)
+
+    exp = experiment(tmp_path)
+    # "on" ran 50 % slower than its stage costs say, and waited longer on dispatch_bwd.
+    res = build_results(exp, {"off": [measured(makespan)], "on": [measured(1.5 * makespan, 0.01)]})
+    off, on = res["cases"]
+    assert off["predicted"]["error"] == pytest.approx(0.0, abs=1e-9) and off["predicted"]["within_tolerance"]
+    assert off["predicted"]["largest_gap"] is None
+    assert off["stage_costs_s"]["attn"] == pytest.approx(0.002) and off["schedule"] == schedule
+    assert on["predicted"]["error"] < -0.15 and not on["predicted"]["within_tolerance"]
+    assert on["predicted"]["largest_gap"]["stall"] == "dispatch_bwd.wait"
+    text = markdown_report(res)
+    assert "### Simulator against the measurement" in text and "(off)" in text
+    assert "the model gets `dispatch_bwd.wait` most wrong" in text
+    # Runs without stage costs (GPU jobs, logs) get no prediction and no table.
+    plain = build_results(exp, {"off": [run([1.0] * 10)], "on": [run([1.0] * 10)]})
+    assert plain["cases"][0]["predicted"] is None and "Simulator" not in markdown_report(plain)
+    back = RunMetrics.from_dict(measured(1.0).to_dict())
+    assert back.stage_s == stage_s | {"dispatch_bwd.wait": back.stage_s["dispatch_bwd.wait"]}
+    assert back.schedule == schedule

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from mbridge_epoverlap.errors import EXIT_NO_BRIDGE
 from tests.unit_tests.harness.conftest import run_harness
 
 pytestmark = pytest.mark.slurm
@@ -49,7 +50,7 @@ def test_gpu_job_without_megatron_bridge(slurm_cluster, tmp_path):
                        "-t", "00:05:00", "--results_json", str(out), env=slurm_cluster.env, timeout=180)
     assert done.returncode == 1
     assert "Megatron-Bridge is not importable" in done.stderr, done.stderr + slurm_cluster.log_tail()
-    assert "exit code 3" in done.stderr and "Traceback" not in done.stderr
+    assert f"exit code {EXIT_NO_BRIDGE}" in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()
 
 

@@ -28,6 +28,31 @@ def directives(script: str) -> dict[str, str]:
     return found
 
 
+def test_upstream_passthrough_flags_reach_the_script(tmp_path, capsys):
+    """Megatron-Bridge run_script.py flags this harness does not act on itself land in the sbatch script or
+    the job, and the dry run says where each went."""
+    rc, script, err = dry_run(tmp_path, capsys, "-mr", "qwen3_30b_a3b", "-g", "gb200", "-ng", "8", "-gn", "4",
+                              "-ep", "8",
+                              "-i", "nvcr.io/nvidia/nemo:25.09", "-cm", "/data:/data,/ckpt:/ckpt", "--gres", "gpu:4",
+                              "--additional_slurm_params", "constraint=gpu;exclusive", "-E", "NCCL_DEBUG=INFO",
+                              "-ce", "A=1,B=2", "--custom_srun_args=--mpi=pmix", "-cb", "module", "load", "cuda",
+                              "--lr", "1e-4", "--use_recipes", "--moe_flex_dispatcher_backend", "hybridep",
+                              "--kubeflow_namespace", "ns")
+    assert rc == 0, err
+    d = directives(script)
+    assert (d["gres"], d["constraint"], d["exclusive"]) == ("gpu:4", "gpu", "")
+    srun = "--container-image=nvcr.io/nvidia/nemo:25.09 --container-mounts=/data:/data,/ckpt:/ckpt --mpi=pmix"
+    assert srun in script
+    for line in ("export NCCL_DEBUG=INFO", "export A=1", "export B=2", "module load cuda",
+                 "export NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8", "export NVLINK_DOMAIN_SIZE=72",
+                 "export USE_MNNVL=1", "export CUDA_DEVICE_MAX_CONNECTIONS=32"):
+        assert line in script.splitlines(), line
+    assert "--use-recipes --job-settings '{\"lr\": 0.0001}'" in script
+    assert "megatron.bridge.recipes.qwen.qwen3_30b_a3b_pretrain_config (library recipe)" in script
+    assert "--kubeflow_namespace='ns' -> kubeflow: recorded only" in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
 def test_h100_two_nodes(tmp_path, capsys):
     rc, script, err = dry_run(tmp_path, capsys, "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16",
                               "-gn", "8", "--te_version", "2.9", "--ab", "ep_overlap", "-a", "myacct", "-p", "batch",
@@ -38,7 +63,9 @@ def test_h100_two_nodes(tmp_path, capsys):
     assert (d["time"], d["account"], d["partition"]) == ("01:00:00", "myacct", "batch")
     assert d["output"].endswith("ab.slurm/slurm-%j.out")
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=8" in script
-    assert "export NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8" in script
+    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" not in script  # exported with the hybridep backend only
+    assert "perf_recipes.qwen.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config" in script  # upstream's default recipe
+    assert "--gpu h100 --compute-dtype bf16 --num-gpus 16" in script
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
     assert "srun --ntasks=16 --ntasks-per-node=8" in script and "MASTER_PORT" in script
     assert "import megatron.bridge" in script and "mbridge_epoverlap.harness.mbridge_job" in script
@@ -93,3 +120,25 @@ def test_last_error_line(tmp_path):
                    "RuntimeError: rank 1 exited with status 3\nsrun: error: vm: task 1: Exited with exit code 3\n")
     assert last_error_line(log) == "srun: error: vm: task 1: Exited with exit code 3"
     assert last_error_line(tmp_path / "missing") is None
+
+
+def test_enable_nsys_profiles_every_case_over_the_profiling_steps(tmp_path, capsys):
+    """-en (Megatron-Bridge's flag): each case gets a run under nsys, over --profiling_start_step..stop_step."""
+    rc, script, err = dry_run(tmp_path, capsys, "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "--te_version",
+                              "2.9", "--ab", "ep_overlap", "-en", "--profiling_start_step", "3",
+                              "--profiling_stop_step", "5")
+    assert rc == 0, err
+    profiled = [line for line in script.splitlines() if line.startswith("run_case") and " profile " in line]
+    assert len(profiled) == 3 and all(line.endswith("--profile-window 3:5") for line in profiled)
+    assert "PROFILER=(nsys profile" in script
+
+
+def test_profile_window_is_clipped_to_the_run():
+    from types import SimpleNamespace
+
+    from mbridge_epoverlap.harness.job_options import profile_window
+
+    args = SimpleNamespace(enable_nsys=True, pytorch_profiler=False, profiling_start_step=10, profiling_stop_step=11)
+    assert profile_window(args, 10) == "10:10"
+    assert profile_window(args, 5) is None  # starts after the run: the stable window is profiled instead
+    assert profile_window(SimpleNamespace(enable_nsys=False, pytorch_profiler=False), 10) is None

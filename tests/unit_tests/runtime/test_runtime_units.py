@@ -161,6 +161,45 @@ def test_single_rank_schedules_bitwise_equal_and_match_autograd(make_tiny, recip
     assert any(g.abs().sum() > 0 for g in results[0][1])
 
 
+class _CountingStore(WeightGradStore):
+    """A real store that also records how many closures each flush ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushed: dict[tuple[int, int, str], int] = {}
+
+    def flush(self, key):  # noqa: ANN001, ANN201 - same signature as the base class
+        ran = super().flush(key)
+        self.flushed[key] = ran
+        return ran
+
+
+def _deferrable(*modules) -> int:
+    """Modules that queue one weight-gradient closure per backward (deferrable linears, grouped experts)."""
+    return sum(hasattr(sub, "wgrad_store") for module in modules if module is not None for sub in module.modules())
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_30b_a3b", "deepseek_v3"])
+@pytest.mark.parametrize(("overlap", "delay"), [(False, False), (True, True)])
+def test_wgrad_steps_run_the_closures_queued_in_the_executors_store(make_tiny, recipe, overlap, delay):
+    cfg = make_tiny(1, recipe=recipe)
+    model = _tiny_model(cfg)
+    store = _CountingStore()
+    steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay)
+    executor = ScheduleExecutor(model, store=store)
+    executor.run(steps, _batches(cfg, 3), loss_scale=1 / 3)
+    ranges = [s.stage if s.phase.value == "run" else f"{s.stage}.{s.phase.value}" for s in steps]
+    assert {name: len(times) for name, times in executor.step_s.items()} == {n: ranges.count(n) for n in ranges}
+    expected = {}
+    for mb in range(3):
+        for number, layer in enumerate(model.layers):
+            ffn = (layer.experts, layer.shared_expert) if layer.is_moe else (layer.mlp,)
+            expected[(mb, number, "experts")] = _deferrable(*ffn)
+            expected[(mb, number, "attn")] = _deferrable(layer.attention)
+    assert store.flushed == expected
+    assert all(n > 0 for n in expected.values())
+
+
 def test_executor_rejects_bad_schedules(make_tiny):
     cfg = make_tiny(1)
     steps = one_f_one_b(2, cfg.model.num_layers, overlap=False)

@@ -53,7 +53,8 @@ def test_registry_has_every_documented_rule_once():
     ids = [r.id for r in all_rules()]
     assert len(ids) == len(set(ids))
     assert REQUIRED_RULE_IDS <= set(ids)
-    assert all(r.summary and r.source and r.when in ("overlap", "delay_wgrad", "always") for r in all_rules())
+    assert all(r.summary and r.source and r.when in ("overlap", "delay_wgrad", "always", "layout")
+               and r.symptom and r.cause and r.where and r.example for r in all_rules())
 
 
 def test_good_config_passes_every_rule(overlap_on, ddp):
@@ -114,20 +115,21 @@ def test_wgrad_in_graph_via_router_with_unoverlapped_shared_expert(overlap_on, d
     assert overlap_on.validate(model, ddp, h100(te="2.11.0")) == []
 
 
-@pytest.mark.parametrize(("mcore", "severity"), [("0.15.2", "warning"), ("0.16.1", "warning"), ("0.17.0", "error"),
-                                                  ("0.19.0", "error"), (None, "error")])
-def test_recompute_moe_by_core_version(mcore, severity, overlap_on, ddp):
+@pytest.mark.parametrize("mcore", ["0.15.2", "0.16.1", "0.17.0", "0.19.0", "0.20.0", None])
+def test_recompute_moe_is_an_error_whatever_the_core_version(mcore, overlap_on, ddp):
+    """Megatron-Bridge rejects "moe" in recompute_modules with overlap itself, on every core release."""
     model = good_model(recompute_granularity="selective", recompute_modules=["moe"])
     (violation,) = overlap_on.validate(model, ddp, h100(mcore=mcore))
-    assert (violation.rule, violation.severity) == ("recompute_moe", severity)
+    assert (violation.rule, violation.severity) == ("recompute_moe", "error")
     assert violation.fix == "model.recompute_modules=null"
 
 
-@pytest.mark.parametrize(("mcore", "expected"), [("0.15.0", "warning"), ("0.16.1", "error"), ("0.17.3", "error"),
-                                                 ("0.18.0", "warning"), ("0.19.0", "warning"), (None, "warning")])
-def test_mtp_one_needs_pp_by_core_version(mcore, expected, overlap_on, ddp):
+@pytest.mark.parametrize(("mcore", "rejected"), [("0.15.0", False), ("0.16.1", True), ("0.17.3", True),
+                                                 ("0.18.0", False), ("0.19.0", False), ("0.20.0", False),
+                                                 (None, False)])
+def test_mtp_one_needs_pp_by_core_version(mcore, rejected, overlap_on, ddp):
     violations = overlap_on.validate(good_model(mtp_num_layers=1), ddp, h100(mcore=mcore))
-    assert [(v.rule, v.severity) for v in violations] == [("mtp_layers", expected)]
+    assert [(v.rule, v.severity) for v in violations] == ([("mtp_layers", "error")] if rejected else [])
     with_pp = good_model(mtp_num_layers=1, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     assert overlap_on.validate(with_pp, ddp, h100(mcore=mcore)) == []
 
@@ -176,9 +178,9 @@ def test_finalize_raises_with_every_error_and_writes_switches(overlap_on, ddp):
     assert isinstance(info.value, ValueError)
     assert {v.rule for v in info.value.violations} == {"ep_size", "precision"}
     assert "ep_size" in str(info.value) and "precision" in str(info.value)
-    model = good_model(recompute_granularity="selective", recompute_modules=["moe"])
-    warnings_found = overlap_on.finalize(model, ddp, h100(mcore="0.16.1"))
-    assert [w.rule for w in warnings_found] == ["recompute_moe"]
+    model = good_model(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router"])
+    warnings_found = overlap_on.finalize(model, ddp, h100(te="2.9.0", mcore="0.15.0"))
+    assert [w.rule for w in warnings_found] == ["delay_cuda_graph_te"]
     assert model.overlap_moe_expert_parallel_comm is True and model.delay_wgrad_compute is True
 
 
@@ -197,7 +199,7 @@ def test_finalize_works_on_a_real_transformer_config(ddp):
 def test_environment_versions_and_catalog():
     env = Environment.for_gpu("B200", te_version="2.10.0rc1")
     assert env.compute_capability == (10, 0) and env.gpu_name.startswith("NVIDIA B200")
-    for name in ("a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300"):
+    for name in ("a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300", "vr200", "r100", "H100"):
         assert Environment.for_gpu(name).has_gpu
     with pytest.raises(ValueError, match="unknown GPU 'v100'.*known: a100"):
         Environment.for_gpu("v100")

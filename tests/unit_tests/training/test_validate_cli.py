@@ -28,15 +28,15 @@ def test_errors_exit_1_with_every_violation_in_json():
     assert report["valid"] is False
     by_rule = {v["rule"]: v for v in report["violations"]}
     assert {"ep_size", "precision", "flex_backend_gpu", "delay_te_grad_reduce", "recompute_moe"} <= set(by_rule)
-    assert by_rule["recompute_moe"]["severity"] == "warning"
+    assert by_rule["recompute_moe"]["severity"] == "error"  # Megatron-Bridge rejects it on every core release
     assert all(set(v) == {"rule", "message", "fix", "severity"} for v in report["violations"])
     assert report["environment"]["gpu_name"] == "NVIDIA GB200"
 
 
 def test_warnings_only_exit_0():
-    result = run_cli("validate", "--json", "--gpu", "h100", "--te-version", "2.12", "--mcore-version", "0.16",
-                     "comm_overlap.overlap_moe_expert_parallel_comm=true", "model.recompute_granularity=selective",
-                     "model.recompute_modules=[moe]")
+    result = run_cli("validate", "--json", "--gpu", "h100", "--te-version", "2.9", "--mcore-version", "0.15",
+                     "comm_overlap.overlap_moe_expert_parallel_comm=true", "comm_overlap.delay_wgrad_compute=true",
+                     "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[moe_router]")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["valid"] is True and report["warnings"] == 1

@@ -1,0 +1,106 @@
+"""Which dtype the CPU reference runtime computes in, and why.
+
+A recipe's bf16 is a GPU setting. On a CPU, bf16 GEMMs are fast only with native bf16 instructions
+(`avx512_bf16` or `amx_bf16`); on an AVX2-only CPU torch emulates them and a bf16 GEMM is about 9x slower
+than fp32, which turns a one-second training step into ten. So `-g cpu` computes in fp32 unless the CPU
+has native bf16 or the user asked for bf16 explicitly (`-c bf16`), and says which and why.
+
+The CPU's flags come from /proc/cpuinfo; `MBRIDGE_EPOVERLAP_CPU_FLAGS` (space- or comma-separated flags)
+replaces them, so tests and users can try either branch on any machine. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+
+CPU_FLAGS_ENV = "MBRIDGE_EPOVERLAP_CPU_FLAGS"
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# The flags that decide CPU GEMM speed, recorded next to every CPU measurement.
+REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags(env: Mapping[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The CPU's feature flags: `MBRIDGE_EPOVERLAP_CPU_FLAGS` if set, else the first `flags` line of `cpuinfo`.
+
+    Returns an empty set where neither exists (not Linux).
+    """
+    env = os.environ if env is None else env
+    override = env.get(CPU_FLAGS_ENV)
+    if override is not None:
+        return frozenset(override.replace(",", " ").split())
+    try:
+        with open(cpuinfo) as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def reported_flags(flags: Iterable[str]) -> list[str]:
+    """The GEMM-relevant flags among `flags`, in a fixed order (what results and docs print)."""
+    present = set(flags)
+    return [flag for flag in REPORTED_FLAGS if flag in present]
+
+
+def has_native_bf16(flags: Iterable[str]) -> bool:
+    present = set(flags)
+    return any(flag in present for flag in NATIVE_BF16_FLAGS)
+
+
+@dataclass(frozen=True)
+class CpuPrecision:
+    """The CPU runtime's compute dtype and the reason for it.
+
+    Attributes:
+        dtype: "fp32" or "bf16" (the value of `MBRIDGE_EPOVERLAP_DTYPE` the ranks get).
+        reason: one sentence for the output and the results JSON.
+        native_bf16: whether the CPU has `avx512_bf16` or `amx_bf16`.
+        cpu_flags: the GEMM-relevant flags the choice was made with.
+        warning: set when the choice will be slow (explicit bf16 without native bf16).
+    """
+
+    dtype: str
+    reason: str
+    native_bf16: bool
+    cpu_flags: tuple[str, ...]
+    warning: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data["cpu_flags"] = list(self.cpu_flags)
+        return data
+
+
+def choose_cpu_precision(recipe_low_precision: bool, *, requested: str | None = None,
+                         flags: Iterable[str] | None = None) -> CpuPrecision:
+    """Pick the CPU compute dtype.
+
+    Args:
+        recipe_low_precision: the config asks for bf16 or fp16 (the recipe's GPU precision).
+        requested: the dtype the user asked for explicitly ("bf16", "fp16" or "fp32", e.g. `-c bf16`), or
+            None when it comes from the recipe.
+        flags: the CPU's feature flags (`cpu_flags()` if None).
+    """
+    flags = cpu_flags() if flags is None else frozenset(flags)
+    native = has_native_bf16(flags)
+    shown = tuple(reported_flags(flags))
+    flag_text = " ".join(shown) or "none of " + "/".join(REPORTED_FLAGS)
+    if requested == "fp32" or (requested is None and not recipe_low_precision):
+        why = "asked for with -c fp32" if requested == "fp32" else "the config's precision"
+        return CpuPrecision("fp32", f"fp32: {why}", native, shown)
+    if requested is not None:  # explicit bf16 or fp16 (fp16 runs as bf16 on the CPU runtime)
+        warning = None if native else (
+            f"-c {requested} on a CPU without native bf16 (flags: {flag_text}): bf16 GEMMs are emulated there and "
+            "run about 9x slower than fp32; drop -c to compute in fp32")
+        return CpuPrecision("bf16", f"bf16: asked for with -c {requested}", native, shown, warning)
+    if native:
+        have = " and ".join(f for f in NATIVE_BF16_FLAGS if f in flags)
+        return CpuPrecision("bf16", f"bf16: the recipe's precision, and this CPU has native bf16 ({have})",
+                            native, shown)
+    return CpuPrecision("fp32", f"fp32 instead of the recipe's bf16: this CPU has no native bf16 (flags: "
+                                f"{flag_text}; no {' or '.join(NATIVE_BF16_FLAGS)}), where bf16 GEMMs run about 9x "
+                                "slower; -c bf16 forces bf16", native, shown)

@@ -1,0 +1,35 @@
+"""The `MBRIDGE_EPOVERLAP_*` environment variables a user can set, for `--help` epilogs and the docs.
+
+The runtime reads them (`mbridge_epoverlap.runtime.options`, the Slurm script); this table is what a
+user sees. A test checks that every variable the code reads is listed here.
+"""
+
+from __future__ import annotations
+
+ENV_VARS: tuple[tuple[str, str], ...] = (
+    ("MBRIDGE_EPOVERLAP_PYTHON", "Python on the Slurm nodes that has Megatron-Bridge (GPU jobs; default python3)"),
+    ("MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S", "seconds any collective may take before the run fails (default 120)"),
+    ("MBRIDGE_EPOVERLAP_DTYPE", "fp32 or bf16: override the config's precision in the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_CPU_FLAGS", "CPU flags (space or comma separated) used instead of /proc/cpuinfo's when "
+     "choosing the CPU compute dtype (native bf16: avx512_bf16 or amx_bf16)"),
+    ("MBRIDGE_EPOVERLAP_OPTIMIZER", "adam (default) or sgd, for the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_DEVICE", "auto (default), cpu or cuda, for the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_BACKEND", "auto (default), nccl or gloo, for the reference runtime"),
+    ("MBRIDGE_EPOVERLAP_COMM_NICE", "nice value of the CPU communication threads (default -10; 0 leaves them alone)"),
+    ("MBRIDGE_EPOVERLAP_FAULT", "RANK:MODE:ITERATION, a test hook that makes one rank exit, raise or hang"),
+    ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),
+)
+
+
+def env_epilog(names: tuple[str, ...] | None = None) -> str:
+    """An `environment variables:` block for an argparse epilog (all variables, or those named)."""
+    rows = [(name, text) for name, text in ENV_VARS if names is None or name in names]
+    width = max(len(name) for name, _ in rows)
+    return "environment variables:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in rows) + "\n"
+
+
+def env_markdown() -> str:
+    """The same table in Markdown (for the docs)."""
+    lines = ["| variable | meaning |", "|---|---|"]
+    lines += [f"| `{name}` | {text.replace('|', chr(92) + '|')} |" for name, text in ENV_VARS]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,105 @@
+"""Which Megatron-Bridge recipe a GPU job builds, chosen as Megatron-Bridge's `run_script.py` chooses it.
+
+By default a flat performance recipe, `megatron.bridge.perf_recipes.<family>.
+{model}_{task}_{N}gpu_{gpu}_{precision}[_{variant}]_config`: the exact GPU count when it exists, else the
+default count (the largest, or the smaller one Megatron-Bridge names for a few workloads). With
+`--use_recipes` the library recipe `megatron.bridge.recipes.<family>.{model}_{task}_config`. The lookup
+works on a list of names, so it is tested against a released wheel's names without importing it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from mbridge_epoverlap.errors import UsageError
+
+# Megatron-Bridge's spelling of each -c value in recipe names.
+PRECISION_NAMES = {"bf16": "bf16", "fp8_cs": "fp8cs", "fp8_ds": "fp8ds", "fp8_mx": "fp8mx", "fp8_sc": "fp8sc",
+                   "nvfp4": "nvfp4"}
+# Workloads whose default flat recipe is not the largest GPU count (scripts/performance/utils/utils.py).
+DEFAULT_GPU_COUNTS = {
+    ("nemotronh_56b", "pretrain", "b200", "fp8cs", None): 64,
+    ("nemotronh_56b", "pretrain", "gb300", "fp8cs", None): 64,
+    **{("qwen3_30b_a3b", "pretrain", gpu, precision, None): count
+       for gpu, count in (("b200", 8), ("gb200", 8), ("gb300", 8), ("h100", 16)) for precision in ("bf16", "fp8cs")},
+}
+_GPU_COUNT = re.compile(r"_(\d+)gpu_")
+
+
+@dataclass(frozen=True)
+class BridgeRecipe:
+    """The recipe a GPU job builds.
+
+    Attributes:
+        module: the module that holds it (`megatron.bridge.perf_recipes.qwen`, `megatron.bridge.recipes.qwen`).
+        function: the function name.
+        kind: "performance" or "library".
+        num_gpus: the GPU count a performance recipe was tuned for (None for library recipes).
+    """
+
+    module: str
+    function: str
+    kind: str
+    num_gpus: int | None = None
+
+    def describe(self) -> str:
+        count = f", tuned for {self.num_gpus} GPUs" if self.num_gpus else ""
+        return f"{self.module}.{self.function} ({self.kind} recipe{count})"
+
+
+def precision_name(compute_dtype: str | None) -> str:
+    dtype = (compute_dtype or "bf16").lower()
+    return PRECISION_NAMES.get(dtype, dtype.replace("_", ""))
+
+
+def variant_suffix(config_variant: str | None) -> str:
+    """`_variant`, or "" for none (and for the retired v1/v2 labels, which name the canonical recipe)."""
+    if config_variant is None or config_variant.lower() in ("v1", "v2"):
+        return ""
+    return f"_{config_variant.lower()}"
+
+
+def perf_recipe_function(model: str, task: str, num_gpus: int, gpu: str, compute_dtype: str | None,
+                         config_variant: str | None = None) -> str:
+    return f"{model}_{task}_{num_gpus}gpu_{gpu}_{precision_name(compute_dtype)}{variant_suffix(config_variant)}_config"
+
+
+def choose_perf_recipe(names: Iterable[str], *, family: str, model: str, task: str, gpu: str,
+                       compute_dtype: str | None, num_gpus: int | None, config_variant: str | None = None
+                       ) -> BridgeRecipe:
+    """The flat performance recipe Megatron-Bridge's run_script.py picks among `names`.
+
+    Raises:
+        UsageError: no performance recipe for this model, task, GPU, precision and variant; the message
+            lists the variants that exist and suggests `--use_recipes`.
+    """
+    precision = precision_name(compute_dtype)
+    suffix = variant_suffix(config_variant)
+    pattern = re.compile(rf"^{re.escape(model)}_{re.escape(task)}_(\d+)gpu_{re.escape(gpu)}_"
+                         rf"{re.escape(precision)}{re.escape(suffix)}_config$")
+    matches = sorted((int(m.group(1)), name) for name in names if (m := pattern.match(name)))
+    module = f"megatron.bridge.perf_recipes.{family}"
+    if num_gpus is not None:
+        exact = [name for count, name in matches if count == num_gpus]
+        if exact:
+            return BridgeRecipe(module, exact[0], "performance", num_gpus)
+    if not matches:
+        variants = sorted({name.removesuffix("_config").split(f"gpu_{gpu}_{precision}", 1)[1].lstrip("_") or "default"
+                           for name in names if name.startswith(f"{model}_{task}_")
+                           and f"gpu_{gpu}_{precision}" in name})
+        raise UsageError(f"no Megatron-Bridge performance recipe for {model}/{task}/{gpu}/{precision}"
+                         f"/{config_variant or 'default'} (variants for -cv: {', '.join(variants) or 'none'}); "
+                         "pick another -g/-c/-cv, or build the library recipe with --use_recipes")
+    wanted = DEFAULT_GPU_COUNTS.get((model, task, gpu, precision, suffix.lstrip("_") or None))
+    for count, name in matches if wanted is not None else ():
+        if count == wanted:
+            return BridgeRecipe(module, name, "performance", count)
+    count, name = matches[-1]
+    return BridgeRecipe(module, name, "performance", count)
+
+
+def library_recipe(family: str, model: str, task: str) -> BridgeRecipe:
+    """The library recipe `--use_recipes` builds (`{model}_peft_config` for peft)."""
+    return BridgeRecipe(f"megatron.bridge.recipes.{family}", f"{model}_{task}_config", "library")

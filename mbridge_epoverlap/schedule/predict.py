@@ -1,0 +1,159 @@
+"""Predict a run of the reference runtime from its own measured stage costs, and say where the model is wrong.
+
+The runtime times every step of its schedule (`runtime.executor.ScheduleExecutor.step_s`): each compute
+stage, each issue and wait of a collective, and each collective's own time on the communication thread.
+Fed the mean of each into the simulator with the same step list, the simulator's makespan should match the
+measured schedule time, and its stalls (issue costs and blocked waits) the measured time in communication
+steps. Where they do not, the stall with the largest gap names the stage the model gets wrong. This is what
+lets the simulator's answer for other stage costs (a GPU cluster) be trusted.
+
+Stage costs are keyed by range name, as the runtime records them: `attn`, `experts_wgrad`, ... for compute;
+`dispatch`, `combine_bwd`, ... for a collective's own time; `dispatch.issue`, `dispatch.wait`, ... for the
+training thread's time in those steps; `dispatch.blocked` (share of waits that blocked) and
+`dispatch.resume`, ... (per wait, how long it took to return after its collective ended when it blocked, else
+0). Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mbridge_epoverlap.schedule.program import STAGES, Kind, Phase, Step, one_f_one_b
+from mbridge_epoverlap.schedule.simulator import simulate
+from mbridge_epoverlap.schedule.timeline import Timeline
+
+TOLERANCE = 0.15  # a prediction within 15 % of the measurement is a match
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The simulator's account of one iteration's schedule, next to the measured one (seconds).
+
+    Attributes:
+        schedule_s: simulated makespan of the schedule (forward and backward of every micro-batch).
+        exposed_comm_s: simulated time the compute stream spent issuing and waiting for collectives.
+        comm_s: total time of the collectives (on their channel).
+        hidden_fraction: share of the collectives' time overlapped with compute in the simulation.
+        hidden_upper_bound: the most any order of the same steps could hide with these costs: every
+            collective of the interleaved (F_i, B_i-1) part hidden, as far as that part's compute lasts; the
+            first forward has nothing to hide behind, the last backward only its own weight gradients.
+        stalls_s: simulated stall time per `<stage>.issue` / `<stage>.wait`.
+        measured_stalls_s: measured time per `<stage>.issue` / `<stage>.wait`.
+        measured_hidden_fraction: 1 - (measured issue and wait time, less the resume latency) / (measured
+            collective time), or None without collective times (no communication thread).
+    """
+
+    schedule_s: float
+    exposed_comm_s: float
+    comm_s: float
+    hidden_fraction: float
+    hidden_upper_bound: float
+    stalls_s: dict[str, float]
+    measured_stalls_s: dict[str, float]
+    measured_hidden_fraction: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def largest_gap(self) -> tuple[str, float, float] | None:
+        """(`<stage>.<issue|wait>`, measured, predicted) of the stall the model gets most wrong."""
+        keys = set(self.stalls_s) | set(self.measured_stalls_s)
+        if not keys:
+            return None
+        key = max(sorted(keys), key=lambda k: abs(self.measured_stalls_s.get(k, 0.0) - self.stalls_s.get(k, 0.0)))
+        return key, self.measured_stalls_s.get(key, 0.0), self.stalls_s.get(key, 0.0)
+
+
+def schedule_steps(schedule: Mapping[str, Any]) -> list[Step]:
+    """The step list a runtime schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`) ran."""
+    return one_f_one_b(int(schedule["micro_batches"]), int(schedule["layers"]), overlap=bool(schedule["overlap"]),
+                       delay_wgrad=bool(schedule.get("delay_wgrad", False)))
+
+
+def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
+    """Measured per-step means -> the simulator's costs.
+
+    A collective costs its time on the communication thread, its issue costs the stream what issuing
+    took, and a wait that blocks costs what resuming took after the collective ended. Without a
+    communication thread (no collective times), the issue and wait steps are the collective, run back to
+    back, and issuing is free.
+    """
+    costs: dict[str, float] = {}
+    for name, stage in STAGES.items():
+        if stage.kind is Kind.COMPUTE:
+            costs[name] = float(stage_s.get(name, 0.0))
+        elif name in stage_s:
+            costs[name] = float(stage_s[name])
+            costs[f"{name}.issue"] = float(stage_s.get(f"{name}.issue", 0.0))
+            blocked = float(stage_s.get(f"{name}.blocked", 0.0))
+            # Recorded per wait (0 where it did not block); the simulator wants it per blocked wait.
+            costs[f"{name}.resume"] = float(stage_s.get(f"{name}.resume", 0.0)) / blocked if blocked > 0 else 0.0
+        else:
+            costs[name] = float(stage_s.get(f"{name}.issue", 0.0)) + float(stage_s.get(f"{name}.wait", 0.0))
+    return costs
+
+
+def hidden_upper_bound(steps: Sequence[Step], costs: Mapping[str, float]) -> float:
+    """See `Prediction.hidden_upper_bound`."""
+    last_mb = max(step.micro_batch for step in steps)
+    comm = paired_comm = paired_compute = last_comm = last_wgrad = 0.0
+    for step in steps:
+        if step.phase is Phase.WAIT:
+            continue
+        # Micro-batch 0's forward and the last one's backward run alone in 1F1B; in the last backward only
+        # weight gradients (needed by nothing after them) can run while its collectives fly.
+        first = step.micro_batch == 0 and step.direction.value == "F"
+        last = step.micro_batch == last_mb and step.direction.value == "B"
+        cost = costs[step.stage]
+        if step.kind is Kind.COMM:
+            comm += cost
+            if last:
+                last_comm += cost
+            elif not first:
+                paired_comm += cost
+        elif last:
+            last_wgrad += cost if step.stage.endswith("_wgrad") else 0.0
+        elif not first:
+            paired_compute += cost
+    hideable = min(paired_comm, paired_compute) + min(last_comm, last_wgrad)
+    return hideable / comm if comm > 0 else 1.0
+
+
+def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float]) -> Prediction:
+    """Simulate the schedule a run executed with the stage costs it measured.
+
+    Args:
+        schedule: the run's schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`).
+        stage_s: mean duration of one occurrence per range name (see the module docstring).
+    """
+    steps = schedule_steps(schedule)
+    costs = simulator_costs(stage_s)
+    timeline: Timeline = simulate(steps, costs, validate=False)
+    comm = timeline.busy().get("comm", 0.0)
+    overlap = timeline.overlap(timeline.streams, timeline.channels)
+    counts = Counter((step.stage, step.phase) for step in steps)
+    measured: dict[str, float] = {}
+    resumed = 0.0
+    for (stage, phase), count in counts.items():
+        key = f"{stage}.{phase.value}"
+        if phase is not Phase.RUN and key in stage_s:
+            measured[key] = float(stage_s[key]) * count
+        if phase is Phase.WAIT:
+            resumed += float(stage_s.get(f"{stage}.resume", 0.0)) * count
+    collectives = sum(float(stage_s[name]) * counts[(name, Phase.ISSUE)] for name, stage in STAGES.items()
+                      if stage.kind is Kind.COMM and name in stage_s)
+    exposed = sum(measured.values()) - resumed
+    measured_hidden = min(1.0, max(0.0, 1.0 - exposed / collectives)) if collectives > 0 else None
+    return Prediction(
+        schedule_s=timeline.makespan,
+        exposed_comm_s=sum(timeline.stalled().values()),
+        comm_s=comm,
+        hidden_fraction=overlap / comm if comm > 0 else 1.0,
+        hidden_upper_bound=hidden_upper_bound(steps, costs),
+        stalls_s=timeline.stalled(),
+        measured_stalls_s=measured,
+        measured_hidden_fraction=measured_hidden,
+    )

@@ -1,0 +1,307 @@
+"""Megatron-Bridge's own cases for EP overlap, flex dispatch and CUDA-graph scopes, re-expressed here.
+
+Each test names the upstream test it mirrors (NVIDIA-NeMo/Megatron-Bridge `tests/unit_tests/training/
+test_comm_overlap.py`, `test_deepep.py`). Upstream checks for Megatron-Core 0.20 (what its HEAD pins), so
+the environment here is 0.20 unless a case is about an older release. Where upstream patches the GPU
+probe, these tests describe the GPU through `Environment.for_gpu` (the catalog), or fake only the CUDA
+calls a CPU machine cannot make, named as such.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+
+from mbridge_epoverlap.config import (
+    CommOverlapConfig,
+    Environment,
+    FlexDispatcherWarning,
+    apply_flex_dispatcher_backend,
+    validate_flex_dispatcher_backend,
+)
+from mbridge_epoverlap.config.container import DDPConfig
+from mbridge_epoverlap.config.environment import GpuProbeError
+from tests.unit_tests.training.conftest import good_model, rules_of
+
+UPSTREAM_CORE = "0.20.0"
+
+
+def env(te: str | None = "2.18.0", mcore: str | None = UPSTREAM_CORE, gpu: str = "h100") -> Environment:
+    return Environment.for_gpu(gpu, te_version=te, torch_version="2.13.0", mcore_version=mcore)
+
+
+def minimal_moe(**changes):
+    """Upstream's `create_gpt_config(...)` for the EP-overlap cases: EP 2, 2 experts, alltoall, bf16."""
+    base = dict(num_layers=4, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                expert_model_parallel_size=2, num_moe_experts=2, moe_token_dispatcher_type="alltoall", bf16=True,
+                fp16=False, recompute_granularity=None, moe_shared_expert_overlap=False, add_bias_linear=False)
+    base.update(changes)
+    return good_model(**base)
+
+
+OVERLAP = CommOverlapConfig(overlap_moe_expert_parallel_comm=True)
+DELAY = CommOverlapConfig(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+
+
+# ---- test_comm_overlap.py::TestMegatronCommOverlapConfig ---------------------------------------------------
+
+
+@pytest.mark.parametrize("mtp_num_layers", [None, 0, 1])
+def test_moe_ep_overlap_config_validation(mtp_num_layers):
+    """Mirrors test_moe_ep_overlap_config_validation: mtp None/0/1 with PP 1 pass on 0.20."""
+    assert OVERLAP.validate(minimal_moe(mtp_num_layers=mtp_num_layers), DDPConfig(), env()) == []
+
+
+def test_moe_ep_overlap_rejects_multiple_mtp_layers():
+    """Mirrors test_moe_ep_overlap_rejects_multiple_mtp_layers."""
+    assert rules_of(OVERLAP.validate(minimal_moe(mtp_num_layers=2), DDPConfig(), env()), "error") == {"mtp_layers"}
+
+
+@pytest.mark.parametrize("mcore", ["0.15.0", "0.16.1", UPSTREAM_CORE])
+def test_moe_ep_overlap_rejects_moe_in_recompute_modules(mcore):
+    """Mirrors test_moe_ep_overlap_rejects_moe_in_recompute_modules (Megatron-Bridge's own check: every core)."""
+    model = minimal_moe(recompute_granularity="selective", recompute_modules=["moe"])
+    assert rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error") == {"recompute_moe"}
+
+
+def test_delay_wgrad_config_validation():
+    """Mirrors test_delay_wgrad_config_validation."""
+    assert DELAY.validate(minimal_moe(), DDPConfig(overlap_grad_reduce=False), env()) == []
+
+
+def test_delay_wgrad_config_validation_with_overlap_grad_reduce():
+    """Mirrors test_delay_wgrad_config_validation_with_overlap_grad_reduce (TE >= 2.7 given)."""
+    model = minimal_moe(gradient_accumulation_fusion=True)
+    assert DELAY.validate(model, DDPConfig(overlap_grad_reduce=True), env()) == []
+    old_te = rules_of(DELAY.validate(model, DDPConfig(overlap_grad_reduce=True), env(te="2.6.0")), "error")
+    assert old_te == {"delay_te_grad_reduce", "delay_te_grad_accum"}
+
+
+def test_delay_wgrad_requires_ep_overlap():
+    """Mirrors test_delay_wgrad_requires_ep_overlap."""
+    cfg = CommOverlapConfig(overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=True)
+    assert rules_of(cfg.validate(minimal_moe(), DDPConfig(), env()), "error") == {"delay_needs_overlap"}
+
+
+# Upstream's cases leave cuda_graph_impl at "none" and call the overlap check directly; in a real run
+# Megatron-Bridge's ConfigContainer.validate clears the graph modules of a "none" config before that check,
+# so the whole-run outcome is what a transformer_engine graph of attn gives. The modules are set the 0.18+
+# way (`cuda_graph_modules`, as upstream's set_cuda_graph_modules does).
+def _attn_graph(**changes):
+    model = SimpleNamespace(**vars(minimal_moe(cuda_graph_impl="transformer_engine", **changes)))
+    model.cuda_graph_modules, model.cuda_graph_scope = ["attn"], None
+    return model
+
+
+def test_delay_wgrad_cuda_graph_attn_requires_grad_accum_fusion():
+    """Mirrors test_delay_wgrad_cuda_graph_attn_requires_grad_accum_fusion."""
+    model = _attn_graph(add_qkv_bias=False, gradient_accumulation_fusion=False)
+    assert rules_of(DELAY.validate(model, DDPConfig(), env()), "error") == {"delay_graph_grad_accum"}
+
+
+def test_delay_wgrad_cuda_graph_attn_rejects_attention_bias():
+    """Mirrors test_delay_wgrad_cuda_graph_attn_rejects_attention_bias."""
+    model = _attn_graph(add_bias_linear=True, gradient_accumulation_fusion=True)
+    assert rules_of(DELAY.validate(model, DDPConfig(), env()), "error") == {"delay_graph_attn_bias"}
+
+
+def test_delay_wgrad_cuda_graph_attn_validation_passes_with_supported_settings():
+    """Mirrors test_delay_wgrad_cuda_graph_attn_validation_passes_with_supported_settings."""
+    model = _attn_graph(add_qkv_bias=False, gradient_accumulation_fusion=True)
+    assert DELAY.validate(model, DDPConfig(), env()) == []
+
+
+# ---- CUDA-graph modules on real TransformerConfig objects, written both ways (core 0.18 moved the field) ----
+
+
+def _real_config_with_scope(scope: list[str]):
+    """A real installed-release TransformerConfig whose graph scope is set the pre-0.18 way."""
+    pytest.importorskip("megatron.core")
+    real = good_model(num_moe_experts=8).to_transformer_config()
+    real.cuda_graph_impl = "transformer_engine"
+    real.cuda_graph_scope = list(scope)
+    return real
+
+
+def _moved_to_modules(real):
+    """The same object as a 0.18+ `__post_init__` leaves it: modules in the new field, the old one cleared."""
+    real.cuda_graph_modules, real.cuda_graph_scope = list(real.cuda_graph_scope), None
+    return real
+
+
+@pytest.mark.parametrize("written", ["cuda_graph_scope", "cuda_graph_modules"])
+@pytest.mark.parametrize("mcore", ["0.18.0", "0.19.0", UPSTREAM_CORE])
+def test_graph_rules_read_both_fields(written, mcore):
+    """Mirrors upstream's utils/cuda_graph.py has_cuda_graph_module: the delayed-wgrad graph rules and the
+    overlap graph rule fire whichever field holds the modules."""
+    attn = _real_config_with_scope(["attn"])
+    moe = _real_config_with_scope(["moe"])
+    if written == "cuda_graph_modules":
+        attn, moe = _moved_to_modules(attn), _moved_to_modules(moe)
+    assert "delay_graph_grad_accum" in rules_of(DELAY.validate(attn, DDPConfig(), env(mcore=mcore)), "error")
+    assert "cuda_graph_moe" in rules_of(OVERLAP.validate(moe, DDPConfig(), env(mcore=mcore)), "error")
+
+
+@pytest.mark.parametrize(("mcore", "impl", "rejected"), [
+    ("0.15.0", "local", False), ("0.16.1", "local", True), ("0.17.0", "local", True), ("0.18.0", "local", False),
+    (UPSTREAM_CORE, "local", False), (UPSTREAM_CORE, "full_iteration", False), ("0.17.0", "full_iteration", True),
+])
+def test_cuda_graph_impl_with_overlap_by_core_release(mcore, impl, rejected):
+    """transformer_layer/TransformerConfig history: 0.16-0.17 accept only transformer_engine graphs with
+    overlap; 0.18 lifts it and adds the full_iteration implementation."""
+    errors = rules_of(OVERLAP.validate(minimal_moe(cuda_graph_impl=impl), DDPConfig(), env(mcore=mcore)), "error")
+    assert bool(errors) is rejected, errors
+
+
+@pytest.mark.parametrize("mcore", ["0.15.0", "0.16.1", UPSTREAM_CORE])
+def test_whole_layer_te_graph_with_overlap_is_caught_before_launch(mcore):
+    """TransformerConfig accepts it; transformer_layer.py fails at build time ("EP overlap must be disabled
+    when CUDA graph captures the whole MLP/MoE part")."""
+    model = minimal_moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=[])
+    assert rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error") == {"cuda_graph_whole_layer"}
+
+
+@pytest.mark.parametrize(("mcore", "rejected"), [("0.15.0", True), ("0.16.1", True), ("0.17.0", False),
+                                                 (UPSTREAM_CORE, False)])
+def test_legacy_grouped_gemm_with_delay_by_core_release(mcore, rejected):
+    model = minimal_moe(moe_use_legacy_grouped_gemm=True)
+    assert bool(rules_of(DELAY.validate(model, DDPConfig(), env(mcore=mcore)), "error")) is rejected
+
+
+# ---- test_deepep.py ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_apply_flex_dispatcher_backend_sets_configs_for_moe_model(gpu):
+    """Mirrors test_apply_flex_dispatcher_backend_sets_configs_for_moe_model_on_ampere / _on_hopper, with
+    upstream's keyword."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None,
+                            moe_shared_expert_overlap=True)
+    apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="deepep", env=env(gpu=gpu))
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", "deepep")
+    assert model.moe_shared_expert_overlap is False
+
+
+def test_apply_flex_dispatcher_backend_overrides_existing_configs_for_moe_model():
+    """Mirrors test_apply_flex_dispatcher_backend_overrides_existing_configs_for_moe_model."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="allgather",
+                            moe_flex_dispatcher_backend="hybridep", moe_shared_expert_overlap=True)
+    apply_flex_dispatcher_backend(model, "deepep", env=env())
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", "deepep")
+
+
+def test_apply_flex_dispatcher_backend_preserves_cuda_probe_errors(monkeypatch):
+    """Mirrors test_apply_flex_dispatcher_backend_preserves_cuda_probe_errors. Fake (no GPU here): CUDA reports
+    itself available and the device query fails, as a broken driver does."""
+    torch = pytest.importorskip("torch")
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("CUDA initialization failed")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", broken)
+    detected = Environment.detect()
+    assert detected.gpu_probe_error and "CUDA initialization failed" in detected.gpu_probe_error
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
+    with pytest.raises(GpuProbeError, match="CUDA probe.*CUDA initialization failed"):
+        apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="deepep")
+    assert model.moe_token_dispatcher_type == "alltoall"  # never switched unchecked
+    with pytest.raises(GpuProbeError):
+        validate_flex_dispatcher_backend(SimpleNamespace(moe_token_dispatcher_type="flex",
+                                                         moe_flex_dispatcher_backend="deepep"))
+    violations = CommOverlapConfig().validate(good_model(moe_token_dispatcher_type="flex",
+                                                         moe_flex_dispatcher_backend="deepep"), None, detected)
+    assert [(v.rule, v.severity) for v in violations] == [("flex_backend_gpu", "error")]
+
+
+@pytest.mark.parametrize("experts", [None, 0])
+def test_apply_flex_dispatcher_backend_warns_for_non_moe_model(experts):
+    """Mirrors test_apply_flex_dispatcher_backend_warns_for_non_moe_model_none_experts / _zero_experts."""
+    model = SimpleNamespace(num_moe_experts=experts, moe_token_dispatcher_type="alltoall")
+    with pytest.warns(FlexDispatcherWarning, match="without experts"):
+        apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="deepep", env=env())
+    assert model.moe_token_dispatcher_type == "alltoall"
+
+
+def test_one_expert_is_not_skipped():
+    """Upstream skips only None and 0 experts; one expert goes through the GPU check."""
+    model = SimpleNamespace(num_moe_experts=1, moe_token_dispatcher_type="alltoall")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_flex_dispatcher_backend(model, "deepep", env=env())
+    assert model.moe_token_dispatcher_type == "flex"
+
+
+@pytest.mark.parametrize("capability", [(7, 0), (6, 0)], ids=["volta", "pascal"])
+def test_apply_flex_dispatcher_backend_warns_for_unsupported_gpu(capability):
+    """Mirrors test_apply_flex_dispatcher_backend_warns_for_unsupported_gpu_volta / _pascal."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None,
+                            moe_shared_expert_overlap=True)
+    with pytest.warns(FlexDispatcherWarning, match="falling back to the alltoall"):
+        apply_flex_dispatcher_backend(model, "deepep",
+                                      env=Environment(gpu_name="NVIDIA Tesla", compute_capability=capability))
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("alltoall", None)
+    assert model.moe_shared_expert_overlap is True
+
+
+def test_none_backend_override_falls_back_to_alltoall():
+    """Mirrors TestFlexDispatcherFallback.test_none_backend_override_falls_back_to_alltoall."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend=None,
+                            moe_shared_expert_overlap=True)
+    apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="deepep", env=env())
+    model.moe_flex_dispatcher_backend = None
+    validate_flex_dispatcher_backend(model, env())
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("alltoall", None)
+
+
+@pytest.mark.parametrize(("backend", "gpu_env"), [
+    ("deepep", Environment.for_gpu("gb200")),
+    ("hybridep", Environment(gpu_name="NVIDIA X200", compute_capability=(11, 0))),
+], ids=["deepep-gb200", "hybridep-unsupported"])
+def test_unsupported_backend_falls_back_to_alltoall(backend, gpu_env):
+    """Mirrors TestFlexDispatcherFallback.test_unsupported_backend_falls_back_to_alltoall."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall",
+                            moe_flex_dispatcher_backend=backend, moe_shared_expert_overlap=True)
+    with pytest.warns(FlexDispatcherWarning):
+        apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend=backend, env=gpu_env)
+    validate_flex_dispatcher_backend(model, gpu_env)
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("alltoall", None)
+    assert model.moe_shared_expert_overlap is True
+
+
+@pytest.mark.parametrize(("backend", "gpu", "ok"), [
+    ("deepep", "a100", True), ("deepep", "h100", True), ("deepep", "b200", True), ("deepep", "gb200", False),
+    ("hybridep", "gb200", True), ("hybridep", "gb300", True), ("hybridep", "h100", True),
+])
+def test_validate_flex_dispatcher_backend(backend, gpu, ok):
+    """Mirrors TestValidateDeepEP / TestValidateHybridEP (ampere/hopper pass, unsupported raises)."""
+    model = SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+    if ok:
+        validate_flex_dispatcher_backend(model, Environment.for_gpu(gpu))
+    else:
+        with pytest.raises(ValueError, match="does not support"):
+            validate_flex_dispatcher_backend(model, Environment.for_gpu(gpu))
+
+
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
+def test_validate_flex_dispatcher_backend_future_gpu_raises_error(backend):
+    """Mirrors test_validate_flex_dispatcher_backend_future_gpu_raises_error (DeepEP and HybridEP)."""
+    model = SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend)
+    with pytest.raises(ValueError, match="does not support NVIDIA Future GPU"):
+        validate_flex_dispatcher_backend(model, Environment(gpu_name="NVIDIA Future GPU", compute_capability=(200, 0)))
+
+
+def test_validate_flex_dispatcher_backend_disabled_no_validation():
+    """Mirrors test_validate_flex_dispatcher_backend_disabled_no_validation."""
+    model = SimpleNamespace(moe_token_dispatcher_type="alltoall")
+    validate_flex_dispatcher_backend(model, Environment.for_gpu("gb200"))
+    assert model.moe_token_dispatcher_type == "alltoall"
+
+
+def test_apply_without_cuda_sets_flex_unchecked():
+    """Upstream: no CUDA (a recipe built on a CPU machine) sets flex without probing."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
+    apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="hybridep", env=Environment(torch_version="2.13"))
+    assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", "hybridep")
