@@ -128,15 +128,22 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="50 all-to-alls (benchmarks/run_all.py)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--_rank", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.iters = min(args.iters, 50)
     if args._rank:
         _rank_main(args.rows, args.hidden, args.dtype, args.iters, args._result)
         return 0
     if args.rows < args.procs or args.rows % args.procs or args.hidden < 1 or args.iters < 1 or args.procs < 2:
         parser.error("--rows must be a positive multiple of --procs (>= 2); --hidden and --iters positive")
     data = measure(args.rows, args.hidden, args.dtype, args.procs, args.iters)
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return 0
     print(f"{args.procs} ranks, {data['bytes'] / 2**20:.2f} MiB per rank per all-to-all ({args.rows} x {args.hidden} "
           f"{args.dtype}), loopback gloo, {args.iters} all-to-alls")
     print(f"wall {data['wall_ms']:.3f} ms, CPU {data['cpu_ms']:.3f} ms ({100 * data['cpu_share']:.0f} % of wall) "

@@ -14,6 +14,7 @@ medians, the per-plan cost inside B, and the machine.
 
     python benchmarks/planner_bench.py            # ~1 minute on 2 cores
     python benchmarks/planner_bench.py --json     # machine-readable summary
+    python benchmarks/planner_bench.py --quick    # two rounds
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="A B rounds (default 5)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.add_argument("--quick", action="store_true", help="two rounds (benchmarks/run_all.py)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
 
     timed(ONE_PLAN)  # warm the file cache and bytecode once; not counted
     one, everything, bare, in_process = [], [], [], []

@@ -16,6 +16,7 @@ file is analysed for time and peak RSS; `--kineto-gb 1.0` pads it with CPU-side 
 
     python benchmarks/profile_analyzer_bench.py                 # ~1-2 minutes
     python benchmarks/profile_analyzer_bench.py --kineto-gb 1.0 # adds the 1 GB streaming check
+    python benchmarks/profile_analyzer_bench.py --quick         # small traces (benchmarks/run_all.py)
 """
 
 from __future__ import annotations
@@ -376,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the traces (default: temp dir)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="50,000 kernels, one run per side (seconds)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.kernels, args.runs = min(args.kernels, 50_000), 1
     launcher = Launcher()
 
     tmp = tempfile.TemporaryDirectory(prefix="profile_bench_") if args.workdir is None else None

@@ -16,6 +16,7 @@ core computes. `gloo_alltoall_cost.py` shows that cost for a single all-to-all.
     python benchmarks/runtime_overlap_bench.py                          # loopback, ~2-3 minutes
     python benchmarks/runtime_overlap_bench.py --emulate-link-gbps 1    # 1 Gbit/s link (root)
     python benchmarks/runtime_overlap_bench.py --shape hidden_size=128  # try another CpuShape
+    python benchmarks/runtime_overlap_bench.py --quick                  # short profile (run_all.py)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: 
 from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
 from mbridge_epoverlap.harness.stats import overlap_ceiling  # noqa: E402
 from mbridge_epoverlap.profiling import analyze_trace  # noqa: E402
-from mbridge_epoverlap.runtime import CaseMetrics, run_local  # noqa: E402
+from mbridge_epoverlap.runtime import RunMetrics, run_local  # noqa: E402
 
 CASES = {
     "ep_overlap_off": (False, False),
@@ -74,7 +75,7 @@ def machine() -> dict[str, str]:
             "torch": torch.__version__, "platform": platform.platform()}
 
 
-def window_mean(metrics: CaseMetrics, first: int, last: int) -> float:
+def window_mean(metrics: RunMetrics, first: int, last: int) -> float:
     times = metrics.step_times_s[first - 1:last]
     return statistics.fmean(times)
 
@@ -99,8 +100,8 @@ def stage_times(trace: Path) -> dict[str, float]:
     return {k: statistics.fmean(v) for k, v in sorted(sums.items())}
 
 
-def series_median(runs: list[CaseMetrics], attribute: str, first: int, last: int) -> float | None:
-    """Median over repeats of the window mean of a per-iteration series of `CaseMetrics`."""
+def series_median(runs: list[RunMetrics], attribute: str, first: int, last: int) -> float | None:
+    """Median over repeats of the window mean of a per-iteration series of `RunMetrics`."""
     means = [statistics.fmean(getattr(r, attribute)[first - 1:last]) for r in runs if getattr(r, attribute)]
     return statistics.median(means) if means else None
 
@@ -119,7 +120,12 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--quick", action="store_true",
+                        help="overlap off and on, 5 iterations (window 3-5), one repeat, no profiled run")
     args = parser.parse_args()
+    if args.quick:
+        args.iters, args.window, args.repeats, args.profile_steps = 5, (3, 5), 1, 0
+        args.cases = [case for case in args.cases if case != "ep_overlap_on_delay_wgrad"] or args.cases
     first, last = args.window
     if not 1 <= first <= last <= args.iters:
         raise SystemExit(f"--window {first} {last} must lie within 1..{args.iters}")
@@ -134,7 +140,7 @@ def main() -> int:
     print(f"shape: {dataclasses.asdict(shape)}; model: layers {m.num_layers}, hidden {m.hidden_size}, "
           f"experts {m.num_moe_experts} top-{m.moe_router_topk}, expert ffn {m.moe_ffn_hidden_size}, "
           f"seq {m.seq_length}, bf16 {m.bf16}")
-    runs: dict[str, list[CaseMetrics]] = {case: [] for case in args.cases}
+    runs: dict[str, list[RunMetrics]] = {case: [] for case in args.cases}
     start = time.monotonic()
     for repeat in range(args.repeats):
         for case in args.cases:

@@ -6,9 +6,12 @@ A user error (bad flag, bad override, unknown name, impossible layout, unreadabl
 
 from __future__ import annotations
 
+# Exit statuses of every command and process the project starts; each has one meaning.
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_COMM = 3  # a rank stopped because a collective failed or timed out (a peer died), not by itself
+EXIT_NO_BRIDGE = 4  # a GPU job found no importable Megatron-Bridge on its node
 
 
 class UsageError(ValueError):

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import json
-import pkgutil
 import re
 import shlex
 import sys
@@ -310,27 +308,13 @@ def cli_parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
-def harness_parser() -> argparse.ArgumentParser | None:
-    """`run_script.py`'s parser: the `build_parser()` of a module of `mbridge_epoverlap.harness`, or None."""
-    try:
-        import mbridge_epoverlap.harness as harness
-    except ModuleNotFoundError:
-        return None
-    preferred = ("flags", "cli", "args", "parser")
-    names = [n for n in preferred] + sorted(m.name for m in pkgutil.iter_modules(harness.__path__)
-                                            if m.name not in preferred)
-    for name in names:
-        path = Path(harness.__path__[0]) / f"{name}.py"
-        # Read before importing so modules that cannot hold the parser are never imported.
-        if not path.is_file() or "def build_parser" not in path.read_text(encoding="utf-8"):
-            continue
-        module = importlib.import_module(f"mbridge_epoverlap.harness.{name}")
-        build = getattr(module, "build_parser", None)
-        if callable(build):
-            parser = build()
-            parser.prog = "run_script.py"
-            return parser
-    return None
+def harness_parser() -> argparse.ArgumentParser:
+    """`run_script.py`'s parser, as the harness builds it."""
+    from mbridge_epoverlap.harness.flags import build_parser
+
+    parser = build_parser()
+    parser.prog = "run_script.py"
+    return parser
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, tuple[str, argparse.ArgumentParser]]:
@@ -398,12 +382,9 @@ def _values_text(action: argparse.Action) -> str:
 def _harness_meanings() -> dict[str, str]:
     """{dest: meaning} for harness flags without help text: the setting a flag writes, or its sbatch option."""
     keys = {"global_batch_size": "train.global_batch_size", "micro_batch_size": "train.micro_batch_size"}
-    try:
-        from mbridge_epoverlap.harness.flags import MODEL_FLAGS
+    from mbridge_epoverlap.harness.flags import MODEL_FLAGS
 
-        keys.update({dest: f"model.{field}" for dest, field in MODEL_FLAGS})
-    except (ImportError, AttributeError):
-        pass
+    keys.update({dest: f"model.{field}" for dest, field in MODEL_FLAGS})
     meanings = {dest: f"sets {_code(key)}" for dest, key in keys.items()}
     meanings.update(account="Slurm account (`sbatch --account`)", partition="Slurm partition (`sbatch --partition`)")
     return meanings
@@ -516,8 +497,6 @@ def render_failure_modes() -> str:
 
 def render_run_script_flags() -> str:
     parser = harness_parser()
-    if parser is None:
-        return "The perf harness (`scripts/performance/run_script.py`) is not part of this build yet.\n"
     return ("Every flag of `scripts/performance/run_script.py` (from `build_parser()` in the harness). A flag that "
             "is absent keeps the recipe's value; positional `KEY=VALUE` items are dotted overrides.\n\n"
             + _table(["flag", "values", "default", "meaning"], _option_rows(parser, _harness_meanings())))
@@ -584,27 +563,19 @@ def machine_text(doc: dict[str, Any]) -> str:
 
 def results_markdown(doc: dict[str, Any]) -> str:
     """The A/B table of a harness results JSON (the harness's own table), with where and how it ran."""
-    try:
-        from mbridge_epoverlap.harness.report import markdown_table
-        from mbridge_epoverlap.harness.stats import overlap_ceiling
-    except ModuleNotFoundError:  # a build without the harness still shows the figures
-        markdown_table = overlap_ceiling = None
+    from mbridge_epoverlap.harness.report import markdown_table
+    from mbridge_epoverlap.harness.stats import overlap_ceiling
+
     lines = [f"- machine: {machine_text(doc)}",
              f"- command: {_code(equivalent_command(doc))}",
              f"- measured: {doc.get('created_utc') or 'date not recorded'}"
              f" ({doc.get('executor') or 'local'} executor, {doc.get('repeats')} interleaved repeat(s))",
-             ""]
-    if markdown_table is not None:
-        lines.append(markdown_table(doc).rstrip("\n"))
-    else:
-        rows = [[c.get("name"), c.get("stable_mean_s"), c.get("relative")] for c in doc.get("cases", [])]
-        lines.append(_table(["case", "stable-window mean (s)", "relative"], rows).rstrip("\n"))
+             "", markdown_table(doc).rstrip("\n")]
     lines += ["", "`relative` is the baseline's stable-window mean over the case's (above 1 is faster). CPU "
               "processes over gloo on loopback: a check of the method and the runtime, not a prediction for GPUs."]
     cases = doc.get("cases") or []
     base = cases[0] if cases else {}
-    if (overlap_ceiling is not None and base.get("comm_wait_s") is not None and base.get("comm_cpu_s") is not None
-            and base.get("stable_mean_s")):
+    if base.get("comm_wait_s") is not None and base.get("comm_cpu_s") is not None and base.get("stable_mean_s"):
         step, wait, cpu = base["stable_mean_s"], base["comm_wait_s"], base["comm_cpu_s"]
         ceiling = overlap_ceiling(step, wait, cpu)
         lines += ["", f"`exposed comm / iter` is the time the training thread spent issuing and waiting for "
@@ -721,17 +692,6 @@ def render_pingpong_sim() -> str:
                      rows))
 
 
-# Serving features of the intended design and words that identify them in a module's name or description;
-# a feature no module matches is reported as not in this build rather than described.
-SERVING_FEATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("deployment planner", ("planner",)),
-    ("attention and expert workers / ping-pong engine", ("worker", "engine")),
-    ("M2N communicator", ("m2n",)),
-    ("elastic EP (redundant experts, failure detection, re-placement)", ("elastic",)),
-    ("expert load balancing (EPLB)", ("eplb", "load balanc")),
-)
-
-
 def _first_paragraph(module_path: Path) -> str:
     import ast
 
@@ -740,21 +700,10 @@ def _first_paragraph(module_path: Path) -> str:
 
 
 def render_serving_modules() -> str:
-    modules = []
-    for package in ("serving", "comm"):
-        for path in sorted((ROOT / "mbridge_epoverlap" / package).glob("*.py")):
-            if path.stem in ("__init__", "cli"):
-                continue
-            modules.append((path, _first_paragraph(path)))
-    serving = [(p, d) for p, d in modules if p.parent.name == "serving"]
-    rows = [[_code(p.relative_to(ROOT).as_posix()), d] for p, d in serving]
-    missing = [feature for feature, words in SERVING_FEATURES
-               if not any(w in f"{p.stem} {d}".lower() for p, d in modules for w in words)]
-    text = ("The serving modules present (each with its own description):\n\n"
-            + _table(["module", "what it does"], rows))
-    if missing:
-        text += "\nNot in this build yet: " + "; ".join(missing) + ".\n"
-    return text
+    folder = ROOT / "mbridge_epoverlap" / "serving"
+    paths = [p for p in sorted(folder.glob("*.py")) if p.stem not in ("__init__", "cli")]
+    rows = [[_code(p.relative_to(ROOT).as_posix()), _first_paragraph(p)] for p in paths]
+    return "The serving modules (each with its own description):\n\n" + _table(["module", "what it does"], rows)
 
 
 def render_stage_table() -> str:

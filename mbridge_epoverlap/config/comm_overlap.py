@@ -17,6 +17,7 @@ from mbridge_epoverlap.config.model import model_attr
 from mbridge_epoverlap.config.rules import RuleContext, all_rules
 from mbridge_epoverlap.config.versions import core_rules
 from mbridge_epoverlap.config.violations import ConfigValidationError, Violation, errors_of
+from mbridge_epoverlap.fields import get_field, set_field
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,7 @@ class CommOverlapConfig:
             return bool(self.overlap_grad_reduce)
         if ddp_config is None:
             return False
-        if isinstance(ddp_config, dict):
-            return bool(ddp_config.get("overlap_grad_reduce", False))
-        return bool(getattr(ddp_config, "overlap_grad_reduce", False))
+        return bool(get_field(ddp_config, "overlap_grad_reduce", False))
 
     def validate(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None) -> list[Violation]:
         """Every violated rule for this overlap config on `model_cfg`, errors and warnings.
@@ -107,10 +106,7 @@ class CommOverlapConfig:
             logger.warning("[%s] %s (fix: %s)", v.rule, v.message, v.fix)
         overlap, delay = self.effective_overlap(model_cfg), self.effective_delay_wgrad(model_cfg)
         for name, value in (("overlap_moe_expert_parallel_comm", overlap), ("delay_wgrad_compute", delay)):
-            if isinstance(model_cfg, dict):
-                model_cfg[name] = value
-            else:
-                setattr(model_cfg, name, value)
+            set_field(model_cfg, name, value)
         return warnings_found
 
     def to_dict(self) -> dict[str, Any]:

@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from mbridge_epoverlap.fields import get_field
+
 # Megatron-Core 0.16 TransformerConfig defaults for the attributes the rules read.
 MCORE_DEFAULTS: dict[str, Any] = {
     "num_moe_experts": None,
@@ -50,10 +52,7 @@ _MISSING = object()
 
 def model_attr(model_cfg: Any, name: str) -> Any:
     """Attribute `name` of any TransformerConfig-like object, or Megatron-Core's default."""
-    if isinstance(model_cfg, dict):
-        value = model_cfg.get(name, _MISSING)
-    else:
-        value = getattr(model_cfg, name, _MISSING)
+    value = get_field(model_cfg, name, _MISSING)
     if value is _MISSING:
         return MCORE_DEFAULTS.get(name)
     return value

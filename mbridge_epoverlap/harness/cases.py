@@ -17,8 +17,9 @@ from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides
 from mbridge_epoverlap.config.violations import Violation
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.fields import get_path
 from mbridge_epoverlap.harness.launch_env import launch_environment
-from mbridge_epoverlap.harness.resolve import Resolved, Target, get_key
+from mbridge_epoverlap.harness.resolve import Resolved, Target
 
 EP_OVERLAP = "ep_overlap"
 OVERLAP_KEY = f"comm_overlap.{OVERLAP_FIELD}"
@@ -117,7 +118,7 @@ def _effective_switch(cfg: RunConfig, key: str) -> bool:
     except UsageError as exc:
         raise UsageError(f"--ab {key}: {exc} (--ab takes boolean config keys such as model.moe_permute_fusion)") \
             from None
-    current = get_key(cfg, key)
+    current = get_path(cfg, key)
     if current is None and key == OVERLAP_KEY:
         return cfg.comm_overlap.effective_overlap(cfg.model)
     if current is None and key == DELAY_KEY:

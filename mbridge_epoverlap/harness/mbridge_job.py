@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.errors import EXIT_NO_BRIDGE
 
-EXIT_NO_BRIDGE = 3
 # Megatron-Bridge recipe function names tried per task, in order ({name} is our recipe name).
 RECIPE_FUNCTIONS = {
     "pretrain": ("{name}_pretrain_config",),

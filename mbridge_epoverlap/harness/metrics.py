@@ -50,7 +50,7 @@ class RunMetrics:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "run") -> RunMetrics:
-        """From the runtime's `CaseMetrics.to_dict()` JSON (extra keys ignored, missing optional ones None).
+        """From `to_dict()` JSON, as the runtime's rank 0 writes it (extra keys ignored, missing optional ones None).
 
         Raises:
             RunFailedError: the data has no step times (the run did not produce results).
@@ -76,11 +76,6 @@ class RunMetrics:
             comm_step_s=_floats(data.get("comm_step_s")),
             comm_cpu_s=_floats(data.get("comm_cpu_s")),
         )
-
-    @classmethod
-    def from_case_metrics(cls, metrics: Any, source: str = "run") -> RunMetrics:
-        """From the runtime's `CaseMetrics` object."""
-        return cls.from_dict(metrics.to_dict() if hasattr(metrics, "to_dict") else asdict(metrics), source)
 
 
 def _floats(values: Any) -> list[float] | None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any
 
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides, parse_override
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.fields import get_path
 from mbridge_epoverlap.harness.flags import DEFAULT_CPU_PROCS, DEFAULT_MAX_STEPS, MODEL_FLAGS, given
 
 # Megatron-Bridge mixed-precision recipe names per -c value (GPU jobs).
@@ -105,13 +105,6 @@ def target_environment(args: argparse.Namespace) -> Target:
     return Target(args.gpu, Environment.for_gpu(args.gpu, **versions))
 
 
-def get_key(cfg: Any, key: str) -> Any:
-    owner = cfg
-    for part in key.split("."):
-        owner = owner[part] if isinstance(owner, dict) else getattr(owner, part)
-    return owner
-
-
 def resolve(args: argparse.Namespace) -> Resolved:
     """Build the base run config from parsed flags.
 
@@ -125,13 +118,13 @@ def resolve(args: argparse.Namespace) -> Resolved:
     cfg = load_recipe(pick_recipe(args.model_family_name, args.model_recipe_name), args.task)
     apply_overrides(cfg, args.overrides)
     override_keys = [parse_override(item)[0] for item in args.overrides]
-    before = {key: get_key(cfg, key) for key in override_keys}
+    before = {key: get_path(cfg, key) for key in override_keys}
     explicit = set(override_keys)
     notes: list[str] = []
 
     explicit |= _apply_flags(cfg, args, target, explicit)
-    conflicts = [f"{key}: the override says {before[key]!r}, {_flag_of(key)} says {get_key(cfg, key)!r}"
-                 for key in override_keys if get_key(cfg, key) != before[key]]
+    conflicts = [f"{key}: the override says {before[key]!r}, {_flag_of(key)} says {get_path(cfg, key)!r}"
+                 for key in override_keys if get_path(cfg, key) != before[key]]
     if conflicts:
         raise UsageError("a flag and a dotted override set the same setting differently (" + "; ".join(conflicts)
                          + "); give each setting once")
@@ -239,10 +232,10 @@ def _shrink(cfg: RunConfig, args: argparse.Namespace, explicit: set[str], notes:
     for key in sorted(explicit):
         if key in CPU_KEPT_KEYS:
             section, name = key.split(".")
-            setattr(getattr(shrunk, section), name, get_key(cfg, key))
+            setattr(getattr(shrunk, section), name, get_path(cfg, key))
         elif key.startswith("model.") and key != "model.expert_model_parallel_size" \
-                and get_key(shrunk, key) != get_key(cfg, key):
-            notes.append(f"-g cpu replaced {key}={get_key(cfg, key)!r} with {get_key(shrunk, key)!r} (CPU shape)")
+                and get_path(shrunk, key) != get_path(cfg, key):
+            notes.append(f"-g cpu replaced {key}={get_path(cfg, key)!r} with {get_path(shrunk, key)!r} (CPU shape)")
     if given(args, "gpus_per_node"):
         shrunk.gpus_per_node = args.gpus_per_node
     if was_flex:

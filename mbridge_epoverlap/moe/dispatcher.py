@@ -188,23 +188,31 @@ class AllToAllDispatcher:
         per_slot = per_slot.view(handle.num_tokens, handle.topk, -1)
         return torch.bmm(weights.unsqueeze(1).to(combined.dtype), per_slot).squeeze(1)
 
-    # --- whole round trip with autograd (no overlap) ---------------------------------------------
+    # --- synchronous, differentiable (no overlap) ------------------------------------------------
+    def dispatch_sync(self, handle: DispatchHandle, permuted: torch.Tensor) -> torch.Tensor:
+        """Exchange counts (if not yet) and send permuted rows to their experts' ranks; autograd sends the
+        gradients back. Returns the received rows, source-major."""
+        if handle.recv_counts is None:
+            self.exchange_counts(handle)
+        send, recv = handle.splits()
+        return AllToAll.apply(permuted, send, recv, self.group, self.comm)
+
+    def combine_sync(self, handle: DispatchHandle, expert_out: torch.Tensor) -> torch.Tensor:
+        """Send expert outputs (source-major, as received) back to the tokens' ranks; differentiable."""
+        send, recv = handle.splits()
+        return AllToAll.apply(expert_out, recv, send, self.group, self.comm)
+
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchHandle]:
         """Permute, exchange and sort in one differentiable call; returns (rows by local expert, handle).
 
         The rows for local expert e are the `handle.tokens_per_expert[e]` rows after those of experts < e.
         """
         permuted, handle = self.permute(x, routing)
-        self.exchange_counts(handle)
-        send, recv = handle.splits()
-        received = AllToAll.apply(permuted, send, recv, self.group, self.comm)
-        return self.sort_by_expert(handle, received), handle
+        return self.sort_by_expert(handle, self.dispatch_sync(handle, permuted)), handle
 
     def combine(self, handle: DispatchHandle, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Unsort, send back and unpermute in one differentiable call."""
-        back = self.unsort_from_expert(handle, expert_out)
-        send, recv = handle.splits()
-        combined = AllToAll.apply(back, recv, send, self.group, self.comm)
+        combined = self.combine_sync(handle, self.unsort_from_expert(handle, expert_out))
         return self.unpermute(handle, combined, weights)
 
 

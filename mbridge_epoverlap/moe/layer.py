@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from mbridge_epoverlap.comm.alltoall import AllToAll
 from mbridge_epoverlap.moe.attention import SelfAttention
 from mbridge_epoverlap.moe.dispatcher import AllToAllDispatcher, DispatchHandle
 from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP
@@ -114,10 +113,7 @@ class TransformerLayer(torch.nn.Module):
         if self.dispatcher is None or handle is None:
             mlp = self.experts_stage(out["tokens"], None)
             return self.post_stage(mlp["expert_out"], out["resid"], None)
-        d = self.dispatcher
-        d.exchange_counts(handle)
-        send, recv = handle.splits()
-        received = AllToAll.apply(out["tokens"], send, recv, d.group, d.comm)
+        received = self.dispatcher.dispatch_sync(handle, out["tokens"])
         mlp = self.experts_stage(received, handle, out.get("y"))
-        combined = AllToAll.apply(mlp["expert_out"], recv, send, d.group, d.comm)
+        combined = self.dispatcher.combine_sync(handle, mlp["expert_out"])
         return self.post_stage(combined, out["resid"], handle, out["probs"], mlp.get("shared_out"))

@@ -10,8 +10,14 @@ megabytes of text and a handful of numpy columns instead:
    (`"ph": "X", "cat", "name", "pid", "tid", "ts", "dur"` in kineto's key order) and skips `args`
    unparsed. The number of heads found must equal the number of `"cat": "<wanted>"` pairs in the
    block; otherwise some wanted event uses another key order or number format.
-3. Slow path, for such blocks (and for files without `{"ph"` openings): `json.JSONDecoder.raw_decode`
-   one event at a time. Numbers are kept as text in both paths and converted exactly.
+3. Slow path, for such blocks, for blocks with duration events (`"ph": "B"` / `"E"`) and for files
+   without `{"ph"` openings: `json.JSONDecoder.raw_decode` one event at a time. Numbers are kept as
+   text in both paths and converted exactly.
+
+Duration events are paired as the Chrome trace format defines them: an `E` ends the most recent open
+`B` of the same pid and tid (a stack per thread, kept across blocks), and the pair becomes one
+complete event with the `B`'s category and name. An `E` with no open `B`, and a `B` never ended, are
+dropped.
 
 Timestamps are microseconds; they are converted to integer nanoseconds by rounding half away from
 zero, from the decimal text, so epoch-based values (about 1.7e15 us) lose no precision.
@@ -36,6 +42,7 @@ _MAX_HEADER = 256 << 20
 
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _EVENT_START = re.compile(rb'\{\s*"ph"\s*:')
+_DURATION_EVENT = re.compile(rb'"ph"\s*:\s*"[BE]"')
 _STR = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
 _NUM = rb"(-?)(\d+)(?:\.(\d*))?"
 _SKIP = re.compile(r"[\s,]*")
@@ -100,7 +107,7 @@ def _json_string(raw: bytes) -> str:
 
 @dataclass
 class ScanResult:
-    """Complete (`ph: "X"`) events of the wanted categories, as columns.
+    """Complete (`ph: "X"`) events, and `B`/`E` pairs, of the wanted categories, as columns.
 
     Attributes:
         header: Top-level keys other than `traceEvents` (e.g. `distributedInfo`).
@@ -148,6 +155,8 @@ class EventScanner:
         self._cols: list[tuple[np.ndarray, ...]] = []
         self._header: dict = {}
         self._decoder = json.JSONDecoder(parse_float=str)
+        # Open `B` events per (pid, tid): (category code or None, name index, start ns).
+        self._open: dict[tuple[int, int], list[tuple[int | None, int, int]]] = {}
         self.fast_blocks = 0  # blocks read by the regex path; the rest went through raw_decode
         self.slow_blocks = 0
 
@@ -183,6 +192,8 @@ class EventScanner:
     # -- blocks ----------------------------------------------------------------------------------
 
     def _fast(self, block: bytes) -> bool:
+        if _DURATION_EVENT.search(block):
+            return False  # B/E pairs need the per-thread stacks of the slow path
         heads = self._head.findall(block)
         if len(heads) != len(self._cat_pairs.findall(block)):
             return False
@@ -203,7 +214,12 @@ class EventScanner:
         return True
 
     def _keep(self, ev: object, rows: list[tuple[int, int, int, int, int, int]]) -> None:
-        if not isinstance(ev, dict) or ev.get("ph") != "X":
+        if not isinstance(ev, dict):
+            return
+        if ev.get("ph") in ("B", "E"):
+            self._duration_event(ev, rows)
+            return
+        if ev.get("ph") != "X":
             return
         code = self._cat_code.get(ev.get("cat"))  # type: ignore[arg-type]
         if code is None:
@@ -224,6 +240,26 @@ class EventScanner:
                 dur,
             )
         )
+
+    def _duration_event(self, ev: dict, rows: list[tuple[int, int, int, int, int, int]]) -> None:
+        """Push a `B` on its thread's stack; an `E` pops it and, for a wanted category, adds the pair."""
+        try:
+            ts = micros_to_ns(ev.get("ts"))
+        except (ValueError, ArithmeticError):
+            return
+        pid, tid = self._value_from_obj(ev.get("pid", "")), self._value_from_obj(ev.get("tid", ""))
+        stack = self._open.setdefault((pid, tid), [])
+        if ev["ph"] == "B":
+            name = ev.get("name")
+            # Every B is pushed, wanted or not, so each E closes the right one.
+            stack.append((self._cat_code.get(ev.get("cat")),  # type: ignore[arg-type]
+                          self._name_from_str(name if isinstance(name, str) else str(name)), ts))
+            return
+        if not stack:
+            return  # an E without an open B
+        code, name_idx, start = stack.pop()
+        if code is not None and ts >= start:
+            rows.append((code, name_idx, pid, tid, start, ts - start))
 
     def _flush(self, rows: list[tuple[int, int, int, int, int, int]]) -> None:
         if rows:

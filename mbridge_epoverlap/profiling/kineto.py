@@ -1,9 +1,10 @@
 """PyTorch/Kineto chrome traces (`.json`, `.json.gz`), read as a stream.
 
-GPU traces: complete events with `cat` `kernel` are kernels (classified by name), `gpu_memcpy` and
-`gpu_memset` are memory operations. On these events `pid` is the GPU and `tid` the stream; the host
-process id is taken from the CPU-side `user_annotation` events. A trace without any GPU activity is
-analysed as a CPU trace (see `cpu_trace`), which needs a second pass for the `cpu_op` events.
+GPU traces: complete events (`X`, or `B`/`E` pairs) with `cat` `kernel` are kernels (classified by
+name), `gpu_memcpy` and `gpu_memset` are memory operations. On these events `pid` is the GPU and `tid`
+the stream; the host process id is taken from the CPU-side `user_annotation` events. A trace without
+any GPU activity is analysed as a CPU trace (see `cpu_trace`), which needs a second pass for the
+`cpu_op` events.
 """
 
 from __future__ import annotations
@@ -96,9 +97,3 @@ def load_kineto(path: str, classifier: Classifier) -> TraceData:
         activity=activity,
         ranges=ranges,
     )
-
-
-def second_pass(path: str, cats: tuple[str, ...]) -> ScanResult:
-    """Scan the file again for other categories (CPU traces need `cpu_op`)."""
-    with open_binary(path) as fh:
-        return scan_events(fh, path, cats)

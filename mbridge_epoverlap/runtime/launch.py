@@ -30,8 +30,8 @@ from typing import IO, Any
 from mbridge_epoverlap.comm.errors import EXIT_COMM
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.runtime import heartbeat as hb
-from mbridge_epoverlap.runtime.metrics import CaseMetrics
 from mbridge_epoverlap.runtime.options import PREFIX
 
 GRACE_S = 5.0  # after one rank fails, how long the others get to exit on their own
@@ -40,7 +40,7 @@ _TAIL_LINES = 15
 
 def run_local(cfg: RunConfig, *, max_steps: int, profile_dir: Path | None = None,
               emulate_link_gbps: float | None = None, timeout_s: float = 600.0,
-              progress: Callable[[str], None] | None = None) -> CaseMetrics:
+              progress: Callable[[str], None] | None = None) -> RunMetrics:
     """Run `cfg` in `cfg.num_gpus` local processes and return rank 0's metrics.
 
     Args:
@@ -60,7 +60,7 @@ def run_local(cfg: RunConfig, *, max_steps: int, profile_dir: Path | None = None
     """
     payload = launch_ranks(cfg, mode="train", max_steps=max_steps, profile_dir=profile_dir,
                            emulate_link_gbps=emulate_link_gbps, timeout_s=timeout_s, progress=progress)
-    return CaseMetrics.from_dict(payload)
+    return RunMetrics.from_dict(payload, "run_local")
 
 
 def launch_ranks(cfg: RunConfig, *, mode: str = "train", max_steps: int = 1, profile_dir: Path | None = None,

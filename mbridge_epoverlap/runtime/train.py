@@ -24,11 +24,12 @@ from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce
 from mbridge_epoverlap.comm.groups import ParallelGroups
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.model import MoEGPT
 from mbridge_epoverlap.runtime import heartbeat as hb
 from mbridge_epoverlap.runtime.data import mock_micro_batches
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
-from mbridge_epoverlap.runtime.metrics import CaseMetrics, tflops_per_gpu
+from mbridge_epoverlap.runtime.metrics import tflops_per_gpu
 from mbridge_epoverlap.runtime.optim import (
     Optimizer,
     attach_main_grads,
@@ -103,8 +104,8 @@ def inject_fault(fault: Fault | None, rank: int, iteration: int) -> None:
 
 
 def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path | None = None,
-          progress: Callable[[str], None] | None = None) -> CaseMetrics:
-    """Train `max_steps` iterations; every rank returns the same `CaseMetrics` (global values).
+          progress: Callable[[str], None] | None = None) -> RunMetrics:
+    """Train `max_steps` iterations; every rank returns the same `RunMetrics` (global values).
 
     Args:
         cfg: the (CPU-shrunk, finalized) run config.
@@ -196,7 +197,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     comm = torch.tensor([comm_step_s, comm_cpu_s], dtype=torch.float64, device=device)
     all_reduce(comm, g.world_group, ctx.comm, what="communication-time all-reduce")
     comm_step_s, comm_cpu_s = (comm / g.world).tolist()
-    return CaseMetrics(
+    return RunMetrics(
         step_times_s=step_times, losses=losses, skipped_iters=skipped, nan_iters=nans,
         peak_mem_bytes=int(peak.item()), tflops_per_gpu=tflops_per_gpu(cfg, step_times),
         trace_dir=str(profile_dir) if profile_dir is not None else None,

@@ -3,7 +3,7 @@
 
 Rank and world size come from `RANK`/`WORLD_SIZE` (or Slurm's `SLURM_PROCID`/`SLURM_NTASKS`), the local
 rank from `LOCAL_RANK`/`SLURM_LOCALID`, the rendezvous from `MASTER_ADDR`/`MASTER_PORT`. Rank 0 writes the
-results JSON (`CaseMetrics` for train, the self-check report for check).
+results JSON (`RunMetrics` for train, the self-check report for check).
 
 Exit codes: 0 done, 1 this rank failed, 2 usage error, 3 a collective failed or timed out (a peer died
 or hung): the launcher uses them to name the rank that caused a failure.

@@ -104,7 +104,6 @@ BACKWARD_STAGES: tuple[Stage, ...] = (POST_BWD, COMBINE_BWD, EXPERTS_DGRAD, EXPE
                                       ATTN_DGRAD, ATTN_WGRAD)
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in FORWARD_STAGES + BACKWARD_STAGES}
-COMM_STAGE_NAMES: frozenset[str] = frozenset(s.name for s in STAGES.values() if s.kind is Kind.COMM)
 
 @dataclass(frozen=True)
 class Step:

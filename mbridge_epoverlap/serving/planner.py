@@ -328,37 +328,42 @@ def plan(
     best = _best(per_cost, throughput, g["gpus"])
     binding = _binding(b[best], kv_limit[best])
     pick = {k: float(v[best]) for k, v in g.items()}
+    return _make_plan(
+        x, "disaggregated", x.expert,
+        layout=dict(tp_a=pick["tp_a"], tp_e=pick["tp_e"], n_a=pick["n_a"], n_e=pick["n_e"],
+                    experts_per_group=pick["epg"], m=pick["m"], B=batch[best], b_a=b[best], gpus=pick["gpus"]),
+        tokens_per_expert=float(t["tokens_per_expert"][best]),
+        times_s=dict(t_attn=t["t_attn"][best], t_expert=t["t_expert"][best], t_comm=t["t_comm"][best],
+                     t_other=t["t_other"][best], tbt=t["tbt"][best]),
+        throughput=float(throughput[best]), cost=float(cost[best]), binding=binding,
+        attn_bytes=pm.attention_weight_bytes(mod, p)
+        + pick["m"] * b[best] * pm.kv_bytes_per_sequence(mod, x.context, p),
+        expert_bytes=pm.expert_weight_bytes(mod, pick["epg"], p),
+    )
+
+
+def _make_plan(x: _Inputs, deployment: str, expert_gpu: GPU, *, layout: dict[str, Any], tokens_per_expert: float,
+               times_s: dict[str, Any], throughput: float, cost: float, binding: str, attn_bytes: float,
+               expert_bytes: float) -> Plan:
+    """The one place a `Plan` is built: integer layout, stage times in ms, derived throughput figures."""
+    fields = {name: int(value) for name, value in layout.items()}
     return Plan(
-        model=mod.name,
-        deployment="disaggregated",
+        model=x.model.name,
+        deployment=deployment,
         attn_gpu=x.attn.name,
-        expert_gpu=x.expert.name,
-        tp_a=int(pick["tp_a"]),
-        tp_e=int(pick["tp_e"]),
-        n_a=int(pick["n_a"]),
-        n_e=int(pick["n_e"]),
-        experts_per_group=int(pick["epg"]),
-        m=int(pick["m"]),
-        B=int(batch[best]),
-        b_a=int(b[best]),
-        tokens_per_expert=round(float(t["tokens_per_expert"][best]), 2),
-        t_attn_ms=float(t["t_attn"][best]) * 1e3,
-        t_expert_ms=float(t["t_expert"][best]) * 1e3,
-        t_comm_ms=float(t["t_comm"][best]) * 1e3,
-        t_other_ms=float(t["t_other"][best]) * 1e3,
-        tbt_ms=float(t["tbt"][best]) * 1e3,
+        expert_gpu=expert_gpu.name,
+        **fields,
+        tokens_per_expert=round(tokens_per_expert, 2),
+        **{f"{name}_ms": float(value) * 1e3 for name, value in times_s.items()},
         tbt_slo_ms=x.slo_s * 1e3,
         context=x.context,
-        gpus=int(pick["gpus"]),
-        throughput_tokens_s=float(throughput[best]),
-        throughput_per_gpu=float(throughput[best] / pick["gpus"]),
-        cost_per_hour=float(cost[best]),
-        throughput_per_cost=float(per_cost[best]),
+        throughput_tokens_s=throughput,
+        throughput_per_gpu=throughput / fields["gpus"],
+        cost_per_hour=cost,
+        throughput_per_cost=throughput / cost,
         binding_constraint=binding,
-        attn_memory_gb=_gb(
-            pm.attention_weight_bytes(mod, p) + pick["m"] * b[best] * pm.kv_bytes_per_sequence(mod, x.context, p)
-        ),
-        expert_memory_gb=_gb(pm.expert_weight_bytes(mod, pick["epg"], p)),
+        attn_memory_gb=_gb(attn_bytes),
+        expert_memory_gb=_gb(expert_bytes),
     )
 
 
@@ -443,39 +448,18 @@ def plan_colocated(
     per_cost = throughput / cost
     best = _best(per_cost, throughput, g["gpus"])
     groups, tp_best = int(g["groups"][best]), int(g["tp"][best])
-    return Plan(
-        model=mod.name,
-        deployment="colocated",
-        attn_gpu=x.attn.name,
-        expert_gpu=x.attn.name,
-        tp_a=tp_best,
-        tp_e=tp_best,
-        n_a=groups,
-        n_e=groups,
-        experts_per_group=mod.experts // groups,
-        m=1,
-        B=int(batch[best]),
-        b_a=int(b[best]),
-        tokens_per_expert=round(float(b[best] * groups * mod.top_k / mod.experts), 2),
-        t_attn_ms=float(t_attn[best]) * 1e3,
-        t_expert_ms=float(t_expert[best]) * 1e3,
-        t_comm_ms=float(t_comm[best]) * 1e3,
-        t_other_ms=float(tbt[best] - mod.moe_layers * (t_attn[best] + t_expert[best] + 2 * t_comm[best])) * 1e3,
-        tbt_ms=float(tbt[best]) * 1e3,
-        tbt_slo_ms=x.slo_s * 1e3,
-        context=x.context,
-        gpus=int(g["gpus"][best]),
-        throughput_tokens_s=float(throughput[best]),
-        throughput_per_gpu=float(throughput[best] / g["gpus"][best]),
-        cost_per_hour=float(cost[best]),
-        throughput_per_cost=float(per_cost[best]),
-        binding_constraint=_binding(b[best], kv_limit[best]),
-        attn_memory_gb=_gb(
-            pm.attention_weight_bytes(mod, p)
-            + expert_bytes[keep][best]
-            + b[best] * pm.kv_bytes_per_sequence(mod, x.context, p)
-        ),
-        expert_memory_gb=_gb(expert_bytes[keep][best]),
+    return _make_plan(
+        x, "colocated", x.attn,
+        layout=dict(tp_a=tp_best, tp_e=tp_best, n_a=groups, n_e=groups, experts_per_group=mod.experts // groups,
+                    m=1, B=batch[best], b_a=b[best], gpus=g["gpus"][best]),
+        tokens_per_expert=float(b[best] * groups * mod.top_k / mod.experts),
+        times_s=dict(t_attn=t_attn[best], t_expert=t_expert[best], t_comm=t_comm[best],
+                     t_other=tbt[best] - mod.moe_layers * (t_attn[best] + t_expert[best] + 2 * t_comm[best]),
+                     tbt=tbt[best]),
+        throughput=float(throughput[best]), cost=float(cost[best]), binding=_binding(b[best], kv_limit[best]),
+        attn_bytes=pm.attention_weight_bytes(mod, p) + expert_bytes[keep][best]
+        + b[best] * pm.kv_bytes_per_sequence(mod, x.context, p),
+        expert_bytes=expert_bytes[keep][best],
     )
 
 

@@ -16,6 +16,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from mbridge_epoverlap.errors import EXIT_NO_BRIDGE
 from mbridge_epoverlap.harness.cases import Case
 from mbridge_epoverlap.harness.collect import run_file, trace_dir
 from mbridge_epoverlap.harness.experiment import Experiment
@@ -129,7 +130,7 @@ def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: Scr
             'if ! "$PYTHON" -c "import megatron.bridge" >/dev/null 2>&1; then',
             f'  echo "error: Megatron-Bridge is not importable with $PYTHON on $(hostname); run the job in a '
             f'NeMo/Megatron-Bridge container or set {PYTHON_VAR} to a Python that has it" >&2',
-            "  exit 3",
+            f"  exit {EXIT_NO_BRIDGE}",
             "fi",
             "",
         ]

@@ -131,15 +131,9 @@ def check_run_script(argv: list[str], workdir: Path) -> None:
     errors) and the flags, and validates every A/B case for the target: a documented command must get
     through all of it (exit 0). Nothing is launched; what it writes lands in `workdir`.
     """
-    parser = gen.harness_parser()
-    if parser is None:
-        pytest.skip("the harness parser is not in this build")
-    _parse_intermixed(parser, argv)
-    try:
-        from mbridge_epoverlap.harness.main import main
-    except ModuleNotFoundError:  # parser without the harness front end: check the overrides on the recipe alone
-        _check_overrides_on_recipe(parser, argv)
-        return
+    from mbridge_epoverlap.harness.main import main
+
+    _parse_intermixed(gen.harness_parser(), argv)
     out, err = io.StringIO(), io.StringIO()
     with _chdir(workdir), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv + ["--dryrun", "--results_json", str(workdir / "ab.json")])
@@ -165,19 +159,6 @@ def _parse_intermixed(parser: argparse.ArgumentParser, argv: list[str]) -> argpa
             return parser.parse_intermixed_args(argv)
     except SystemExit as exc:
         pytest.fail(f"does not parse (exit {exc.code}): run_script.py {shlex.join(argv)}\n{err.getvalue()}")
-
-
-def _check_overrides_on_recipe(parser: argparse.ArgumentParser, argv: list[str]) -> None:
-    from mbridge_epoverlap.config.overrides import apply_overrides
-    from mbridge_epoverlap.config.recipes import load_recipe
-    from mbridge_epoverlap.errors import UsageError
-    from mbridge_epoverlap.recipes import DEFAULT_RECIPE
-
-    args = parser.parse_intermixed_args(argv)
-    try:
-        apply_overrides(load_recipe(args.model_recipe_name or DEFAULT_RECIPE, args.task), args.overrides)
-    except UsageError as exc:
-        pytest.fail(f"run_script.py {shlex.join(argv)}: {exc}")
 
 
 def check_cli(argv: list[str]) -> None:
@@ -265,8 +246,6 @@ def test_diagnosis_reproducers_trip_exactly_their_rule_through_the_cli():
 @pytest.mark.parametrize("path", [gen.SKILL_MD, gen.TRAINING_DOC], ids=_rel)
 def test_every_run_script_flag_is_documented(path):
     parser = gen.harness_parser()
-    if parser is None:
-        pytest.skip("the harness parser is not in this build")
     text = path.read_text(encoding="utf-8")
     flags = [s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")]
     missing = [flag for flag in flags if f"`{flag}`" not in text]
@@ -350,14 +329,13 @@ def test_a_broken_command_is_caught(tmp_path):
     with pytest.raises(broken):  # parses, but the config breaks a rule
         check_cli(["validate", "-g", "h100", "comm_overlap.overlap_moe_expert_parallel_comm=true",
                    "model.recompute_granularity=full"])
-    if gen.harness_parser() is not None:
-        with pytest.raises(broken):
-            check_run_script(["-g", "h100", "--moe_a2a_overlap", "maybe"], tmp_path)
-        with pytest.raises(broken):
-            check_run_script(["-g", "h100", "comm_overlap.no_such_switch=true"], tmp_path)
-        with pytest.raises(broken):  # parses, but breaks a rule: the dry run's validation says so
-            check_run_script(["-g", "h100", "-ng", "16", "--moe_a2a_overlap", "true",
-                              "model.recompute_granularity=full"], tmp_path)
+    with pytest.raises(broken):
+        check_run_script(["-g", "h100", "--moe_a2a_overlap", "maybe"], tmp_path)
+    with pytest.raises(broken):
+        check_run_script(["-g", "h100", "comm_overlap.no_such_switch=true"], tmp_path)
+    with pytest.raises(broken):  # parses, but breaks a rule: the dry run's validation says so
+        check_run_script(["-g", "h100", "-ng", "16", "--moe_a2a_overlap", "true",
+                          "model.recompute_granularity=full"], tmp_path)
 
 
 @pytest.mark.parametrize("path", MARKDOWN_FILES, ids=_rel)
@@ -395,7 +373,8 @@ def test_results_block_without_and_with_a_results_json(tmp_path, monkeypatch):
 
 
 def test_ab_case_names_in_the_docs_are_the_harness_cases():
-    cases = pytest.importorskip("mbridge_epoverlap.harness.cases")
+    from mbridge_epoverlap.harness import cases
+
     names = [name for name, _, _ in cases.EP_OVERLAP_CASES]
     for path in (gen.SKILL_MD, gen.TRAINING_DOC):
         text = path.read_text(encoding="utf-8")

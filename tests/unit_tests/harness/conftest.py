@@ -209,13 +209,3 @@ def run_harness(*args: str, env: dict[str, str] | None = None, cwd: Path | None 
     return Completed(proc.returncode, proc.stdout, proc.stderr)
 
 
-def runtime_available() -> bool:
-    try:
-        import mbridge_epoverlap.runtime.launch  # noqa: F401
-    except ModuleNotFoundError:
-        return False
-    return True
-
-
-needs_runtime = pytest.mark.skipif(not runtime_available(),
-                                   reason="the reference runtime (mbridge_epoverlap.runtime.launch) is not built yet")

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 from mbridge_epoverlap.harness.results import REQUIRED_CASE_KEYS
-from tests.unit_tests.harness.conftest import needs_runtime, run_harness
+from tests.unit_tests.harness.conftest import run_harness
 
 CASES = ["ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"]
 TINY = ("-g", "cpu", "-ng", "2", "--max_steps", "3", "-sl", "64")
 
 
-@needs_runtime
 def test_ep_overlap_ab_locally(tmp_path):
     out = tmp_path / "local" / "ab.json"
     done = run_harness("-m", "qwen", "-mr", "qwen3_30b_a3b", *TINY, "--ab", "ep_overlap", "--stable_window", "2:3",
@@ -41,7 +40,6 @@ def test_ep_overlap_ab_locally(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-@needs_runtime
 def test_failed_local_run_writes_nothing(tmp_path):
     out = tmp_path / "fail.json"
     done = run_harness(*TINY, "--ab", "ep_overlap", "env_vars.MBRIDGE_EPOVERLAP_FAULT=1:exit:2",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from mbridge_epoverlap.errors import RunFailedError
@@ -11,6 +9,7 @@ from mbridge_epoverlap.harness.cases import build_cases, case_specs
 from mbridge_epoverlap.harness.executors import local
 from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
 from mbridge_epoverlap.harness.flags import build_parser
+from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.harness.resolve import resolve
 from mbridge_epoverlap.harness.stats import Window
 
@@ -36,9 +35,8 @@ def fake_runtime(calls, fail_on=None, error=RunFailedError):
             raise error("rank 1 exited with status 3")
         progress("iteration 1/4 | loss 1.0")
         step = 1.0 if cfg.comm_overlap.overlap_moe_expert_parallel_comm else 2.0
-        return SimpleNamespace(to_dict=lambda: {"step_times_s": [step] * max_steps, "losses": [1.0] * max_steps,
-                                                "skipped_iters": 0, "nan_iters": 0, "peak_mem_bytes": 1,
-                                                "tflops_per_gpu": None, "trace_dir": str(profile_dir or "") or None})
+        return RunMetrics(step_times_s=[step] * max_steps, losses=[1.0] * max_steps, peak_mem_bytes=1,
+                          trace_dir=str(profile_dir or "") or None)
 
     return run_local
 

@@ -8,14 +8,13 @@ import time
 
 import pytest
 
-from tests.unit_tests.harness.conftest import needs_runtime, run_harness
+from tests.unit_tests.harness.conftest import run_harness
 
 pytestmark = pytest.mark.slurm
 
 TINY_CPU = ("-g", "cpu", "-ng", "2", "--max_steps", "3", "-sl", "64", "--executor", "slurm", "-t", "00:05:00")
 
 
-@needs_runtime
 def test_cpu_job_runs_and_reports(slurm_cluster, tmp_path):
     out = tmp_path / "slurm" / "run.json"
     done = run_harness(*TINY_CPU, "--results_json", str(out), env=slurm_cluster.env, timeout=240)
@@ -34,7 +33,6 @@ def test_cpu_job_runs_and_reports(slurm_cluster, tmp_path):
     assert (job_dir / "job.sbatch").exists() and (job_dir / "runs" / "run_r1.json").exists()
 
 
-@needs_runtime
 def test_failing_cpu_job(slurm_cluster, tmp_path):
     out = tmp_path / "fail.json"
     done = run_harness(*TINY_CPU, "env_vars.MBRIDGE_EPOVERLAP_FAULT=1:exit:2", "--results_json", str(out),
@@ -55,7 +53,6 @@ def test_gpu_job_without_megatron_bridge(slurm_cluster, tmp_path):
     assert not out.exists()
 
 
-@needs_runtime
 def test_detached_job_leaves_results(slurm_cluster, tmp_path):
     out = tmp_path / "detached.json"
     done = run_harness(*TINY_CPU, "--detach", "--results_json", str(out), env=slurm_cluster.env, timeout=60)

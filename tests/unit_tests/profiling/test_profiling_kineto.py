@@ -279,3 +279,36 @@ def test_project_gloo_folder_is_one_multi_rank_report(data_dir):
         assert d.nvtx["dispatch_ranges"] == 3 and d.nvtx["combine_ranges"] == 3
         assert d.overlap_ns <= min(d.comm_ns, d.compute_ns)
     assert any(d.overlap_ns > 0 for d in report.devices)
+
+
+def _as_begin_end(texts: list[str]) -> list[str]:
+    """The same events written as Chrome `B`/`E` pairs (the `E` carries only ph, pid, tid and ts), in time
+    order, so pairs nest per thread as the format requires."""
+    marks = []
+    for text in texts:
+        ev = json.loads(text, parse_float=Decimal)
+        start = int(Decimal(text.split('"ts": ')[1].split(",")[0]) * 1000) - BASE_NS
+        dur = int(Decimal(text.split('"dur": ')[1].split(",")[0]) * 1000)
+        head = {"cat": ev["cat"], "name": ev["name"], "pid": ev["pid"], "tid": ev["tid"]}
+        begin = json.dumps({"ph": "B", **head})[:-1] + f', "ts": {_us(start)}}}'
+        end = json.dumps({"ph": "E", "pid": ev["pid"], "tid": ev["tid"]})[:-1] + f', "ts": {_us(start + dur)}}}'
+        marks += [(start, 1, -dur, begin), (start + dur, 0, dur, end)]  # at one time: ends first, outer first
+    return [text for *_, text in sorted(marks)]
+
+
+@pytest.mark.parametrize("block", [None, 64])
+def test_begin_end_pairs_are_read_like_complete_events(tmp_path, monkeypatch, block):
+    timed = [t for t in GPU_EVENTS if '"cpu_op"' not in t and '"cuda_runtime"' not in t]
+    others = [t for t in GPU_EVENTS if t not in timed]
+    # An unwanted category nests around the stream-7 kernels, and a stray E opens the stream: neither may
+    # shift a pair.
+    wrapper = kineto_event("cpu_op", "aten::wrapper", 0, 7, _us(-10), "0")
+    events = (['{"ph": "E", "pid": 0, "tid": 7, "ts": 1}']
+              + _as_begin_end(timed + [wrapper.replace('"dur": 0', '"dur": 1000.000')]) + others)
+    path = write_kineto(tmp_path / "be.json", events)
+    assert '"ph": "X", "cat": "kernel"' not in path.read_text()
+    if block is not None:  # pairs split across blocks keep their stacks
+        monkeypatch.setattr(jsonstream, "_BLOCK", block)
+        monkeypatch.setattr(jsonstream, "_MAX_PENDING", 4 * block)
+    (d,) = analyze_trace(str(path)).devices
+    _check_gpu(d)

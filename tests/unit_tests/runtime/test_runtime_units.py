@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from mbridge_epoverlap.comm.alltoall import CommContext
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.dispatcher import AllToAllDispatcher, _source_to_expert_order
 from mbridge_epoverlap.moe.experts import GroupedExperts
 from mbridge_epoverlap.moe.model import MoEGPT
 from mbridge_epoverlap.moe.router import Routing, TopKRouter
 from mbridge_epoverlap.moe.wgrad import WeightGradStore, linear
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
-from mbridge_epoverlap.runtime.metrics import CaseMetrics, model_flops_per_iteration, tflops_per_gpu
+from mbridge_epoverlap.runtime.metrics import model_flops_per_iteration, tflops_per_gpu
 from mbridge_epoverlap.runtime.optim import attach_main_grads
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
 from mbridge_epoverlap.runtime.train import num_micro_batches, schedule_for
@@ -181,8 +182,8 @@ def test_schedule_follows_the_model_switches(make_tiny):
 
 def test_metrics_round_trip_and_flops(make_tiny):
     cfg = make_tiny(2)
-    m = CaseMetrics([0.5, 0.25, 0.25], [3.0, 2.0, 1.0], 0, 0, 1024, None, None)
-    assert CaseMetrics.from_dict(m.to_dict()) == m
+    m = RunMetrics([0.5, 0.25, 0.25], [3.0, 2.0, 1.0], 0, 0, 1024, None, None)
+    assert RunMetrics.from_dict(m.to_dict()) == m
     assert model_flops_per_iteration(cfg) > 0
     assert tflops_per_gpu(cfg, [1.0, 0.5]) == pytest.approx(model_flops_per_iteration(cfg) / 0.5 / 2 / 1e12)
     assert tflops_per_gpu(cfg, []) is None
@@ -218,11 +219,38 @@ def test_row_permutations_have_gather_backwards():
     assert torch.equal(expand_permute(x, order, torch.argsort(order), 2), x[order // 2])
 
 
-def test_comm_priority_is_a_no_op_when_asked_for_none():
+def test_comm_priority_finds_threads_by_name_and_is_a_no_op_when_asked_for_none():
+    import os
+    import threading
+
     from mbridge_epoverlap.comm.priority import comm_thread_ids, raise_comm_priority
 
-    assert raise_comm_priority(0) == 0
-    assert isinstance(comm_thread_ids(), list)
+    prefix = ("mbeo-probe",)
+    started, stop = threading.Event(), threading.Event()
+
+    def probe():
+        started.set()
+        stop.wait(30)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(10)
+        tid = thread.native_id
+        assert tid not in comm_thread_ids(prefix)
+        # The kernel's thread name is what gloo's threads carry; a thread may rename itself or its siblings.
+        with open(f"/proc/self/task/{tid}/comm", "w") as fh:
+            fh.write("mbeo-probe-1")
+        assert comm_thread_ids(prefix) == [tid]
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        assert raise_comm_priority(0, prefixes=prefix) == 0
+        assert os.getpriority(os.PRIO_PROCESS, tid) == before, "nice 0 changes nothing"
+        # Lowering priority needs no privilege, so this path runs everywhere.
+        assert raise_comm_priority(before + 1, prefixes=prefix) == 1
+        assert os.getpriority(os.PRIO_PROCESS, tid) == before + 1
+    finally:
+        stop.set()
+        thread.join(10)
 
 
 def test_backend_choice_keeps_ranks_that_share_a_gpu_off_nccl():

@@ -1,0 +1,161 @@
+"""Run every benchmark with its short profile (`--quick`) and print one summary table.
+
+Each benchmark runs as its own process (so one that fails or hangs does not take the others down),
+with `--quick --json`; the table shows its exit status, wall time and headline figures, and the
+full JSON of every benchmark goes to `--out` when given. Figures from `--quick` are a smoke check of
+the benchmarks and a rough reading; measure with the full profiles (each script's own command line,
+or `--full` here) before quoting numbers.
+
+    python benchmarks/run_all.py                   # every benchmark, short profile (`make bench`)
+    python benchmarks/run_all.py --only eplb planner
+    python benchmarks/run_all.py --full --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+
+
+def _eplb(doc: dict[str, Any]) -> str:
+    row = doc["rows"][-1]
+    b = row["balance"]
+    return (f"{row['experts']} experts on {row['gpus']} GPUs, max/mean load: none {b['none']:.2f}, greedy "
+            f"{b['greedy']:.2f}, EPLB {b['eplb-global']:.2f} (hier. {b['eplb-hier']:.2f}); "
+            f"solve {row['solve_ms']['eplb-global']:.0f} ms")
+
+
+def _planner(doc: dict[str, Any]) -> str:
+    one, every = doc["one_plan_s"], doc["all_pairs_all_models_s"]
+    return (f"one plan {one['median']:.2f} s (budget {one['budget']:g} s); all pairs {every['median']:.2f} s "
+            f"(budget {every['budget']:g} s)")
+
+
+def _profile(doc: dict[str, Any]) -> str:
+    s, k = doc["sqlite"], doc["kineto"]
+    return (f"{doc['kernels']:,} kernels: analyzer CLI (start-up included)/straightforward {s['ratio']:.2f} "
+            "(target <= 0.5 at 463k kernels), "
+            f"same figures {s['same_figures']}; kineto {k['analyzer_cli_s']:.2f} s, "
+            f"same as SQLite {k['same_figures_as_sqlite']}")
+
+
+def _runtime(doc: dict[str, Any]) -> str:
+    cases = doc["cases"]
+    on = cases.get("ep_overlap_on") or next(iter(cases.values()))
+    return (f"overlap on/off speedup {on['speedup']:.3f}x ({doc['link']}); losses bitwise equal "
+            f"{doc['losses_equal']}, finite {doc['finite']}")
+
+
+def _gloo(doc: dict[str, Any]) -> str:
+    return (f"one all-to-all of {doc['bytes'] / 2**20:.2f} MiB: wall {doc['wall_ms']:.2f} ms, CPU "
+            f"{100 * doc['cpu_share']:.0f} % of it")
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    script: str
+    json_to_file: bool  # writes its JSON to a path (`--json PATH`) instead of stdout (`--json`)
+    headline: Callable[[dict[str, Any]], str]
+
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark("eplb", "eplb_bench.py", False, _eplb),
+    Benchmark("planner", "planner_bench.py", False, _planner),
+    Benchmark("profile_analyzer", "profile_analyzer_bench.py", False, _profile),
+    Benchmark("gloo_alltoall_cost", "gloo_alltoall_cost.py", False, _gloo),
+    Benchmark("runtime_overlap", "runtime_overlap_bench.py", True, _runtime),
+)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def run(bench: Benchmark, quick: bool, timeout_s: float) -> dict[str, Any]:
+    """Run one benchmark; returns {"rc", "wall_s", "result" (its JSON or None), "error" (text or None)}."""
+    with tempfile.TemporaryDirectory(prefix="mbe-bench-") as tmp:
+        out_file = Path(tmp) / "result.json"
+        argv = [sys.executable, str(HERE / bench.script), *(["--quick"] if quick else [])]
+        argv += ["--json", str(out_file)] if bench.json_to_file else ["--json"]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=timeout_s,
+                                  env=dict(os.environ, PYTHONPATH=str(REPO)))
+        except subprocess.TimeoutExpired:
+            return {"rc": None, "wall_s": timeout_s, "result": None, "error": f"timed out after {timeout_s:g} s"}
+        wall = time.perf_counter() - start
+        text = out_file.read_text() if bench.json_to_file and out_file.is_file() else proc.stdout
+    try:
+        result = json.loads(text)
+    except ValueError:
+        result = None
+    error = None
+    if result is None:  # a benchmark that ran to the end prints its JSON even when its own check fails
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        error = " | ".join(tail) or f"exit status {proc.returncode}, no JSON"
+    return {"rc": proc.returncode, "wall_s": wall, "result": result, "error": error}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=[b.name for b in BENCHMARKS], help="run just these")
+    parser.add_argument("--full", action="store_true", help="each benchmark's full profile (minutes each)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per benchmark (default 900)")
+    parser.add_argument("--out", type=Path, default=None, help="write every benchmark's JSON here")
+    args = parser.parse_args(argv)
+    chosen = [b for b in BENCHMARKS if not args.only or b.name in args.only]
+    bf16 = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    print(f"machine: {cpu_model(platform.machine())}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"bf16 flags: {', '.join(bf16) or 'none'}; profile: {'full' if args.full else 'quick'}", flush=True)
+    outcomes: dict[str, dict[str, Any]] = {}
+    for bench in chosen:
+        print(f"  running {bench.script} ...", flush=True)
+        outcomes[bench.name] = run(bench, quick=not args.full, timeout_s=args.timeout)
+    print()
+    print("| benchmark | status | wall (s) | headline |")
+    print("|---|---|---|---|")
+    for bench in chosen:
+        o = outcomes[bench.name]
+        if o["error"] is None:
+            try:
+                headline = bench.headline(o["result"])
+            except (KeyError, TypeError, ValueError, StopIteration) as exc:
+                headline = f"result without the expected fields ({type(exc).__name__}: {exc})"
+        else:
+            headline = o["error"]
+        if o["error"] is not None:
+            status = f"FAILED (exit {o['rc']})"
+        else:  # it ran; a non-zero exit is its own verdict (a budget or property it checks)
+            status = "ok" if o["rc"] == 0 else f"check failed (exit {o['rc']})"
+        print(f"| {bench.name} | {status} | {o['wall_s']:.1f} | {headline} |")
+    if args.out:
+        args.out.write_text(json.dumps({name: o["result"] for name, o in outcomes.items()}, indent=1) + "\n")
+    failed = [name for name, o in outcomes.items() if o["rc"] != 0 or o["error"] is not None]
+    if failed:
+        print(f"\nnot ok: {', '.join(failed)} (timings on a busy machine miss budgets; rerun on a quiet one)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
