@@ -97,4 +97,19 @@ def test_elastic_bench_cli_bad_input_exits_2(tiny_mixtral_dir, capsys):
                  "--redundant-experts", "2", "--kill", "2", "--json"])
     assert code == 2
     assert "leaves no expert worker" in capsys.readouterr().err
-    assert json  # the JSON path is exercised by the bench script
+
+
+def test_serve_elastic_cli_json_and_bad_input_exit_2(tiny_mixtral_dir, prompts, hf_greedy, tmp_path, capsys):
+    from mbridge_epoverlap.cli import main
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    base = ["serve", "--checkpoint", str(tiny_mixtral_dir), "--prompts", str(path), "--max-new-tokens", "4", "--json"]
+    assert main(base + ["--expert-workers", "3", "--elastic", "--redundant-experts", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, 4)
+    assert result["elastic"]["lost_workers"] == []
+    assert main(base + ["--expert-workers", "3", "--elastic", "--redundant-experts", "1"]) == 2
+    assert "do not divide over --expert-workers 3" in capsys.readouterr().err
+    assert main(base + ["--redundant-experts", "2"]) == 2
+    assert "add --elastic" in capsys.readouterr().err
