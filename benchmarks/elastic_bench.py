@@ -9,7 +9,7 @@ run that kills `--kill` expert workers) and reports medians over the runs:
   model, so the figures differ in scale by far more than the method;
 * detection: from the kill to the first attention worker noticing it;
 * throughput after / before the failure, beside the survivors' share of expert workers;
-* no-failure cost: elastic over plain decode tokens/s, alternated A B A B ..., medians (target >= 0.97).
+* no-failure cost: elastic over plain decode tokens/s, alternated A B B A ..., medians (target >= 0.97).
 
     python benchmarks/elastic_bench.py            # ~5 minutes on 2 cores
     python benchmarks/elastic_bench.py --quick    # ~1 minute (benchmarks/run_all.py)

@@ -4,7 +4,7 @@ One run kills `--kill` expert workers mid-decode (SIGKILL, fault injection) and 
 (from the kill to the next token of every request in flight), when the loss was detected, throughput before
 and after (with the survivors' share of expert workers), lost requests, and whether every token equals a
 failure-free run of the same weights. Then the no-failure cost of elastic mode: the plain engine and the
-elastic engine on the same requests, alternated (A B A B ...), medians of decode tokens/s.
+elastic engine on the same requests, alternated (A B B A ...), medians of decode tokens/s.
 
 `register` only touches argparse; the engine is imported by the handler.
 """
@@ -75,11 +75,13 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     say = _progress(args)
     plain_rates, elastic_rates, reference = [], [], None
     for i in range(args.repeats):
-        say(f"no-failure pair {i + 1}/{args.repeats}: plain, then elastic")
-        first = run_engine(plain)
-        reference = reference or {c["id"]: c["output_ids"] for c in first["completions"]}
-        plain_rates.append(first["decode_tokens_per_s"])
-        elastic_rates.append(run_engine(elastic)["decode_tokens_per_s"])
+        # A B, then B A: neither side always runs first (warm caches, a neighbour's load).
+        say(f"no-failure pair {i + 1}/{args.repeats}: plain and elastic")
+        for which in ((plain, elastic) if i % 2 == 0 else (elastic, plain)):
+            run = run_engine(which)
+            (elastic_rates if which.elastic else plain_rates).append(run["decode_tokens_per_s"])
+            if not which.elastic and reference is None:
+                reference = {c["id"]: c["output_ids"] for c in run["completions"]}
     say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers at decode step {args.kill_step}")
     code = 0
     try:
