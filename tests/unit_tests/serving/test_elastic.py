@@ -128,3 +128,28 @@ def test_launcher_survives_only_expendable_ranks():
     assert result["lost_ranks"] == [2]
     with pytest.raises(RunFailedError, match="rank 2 failed with exit code 1"):
         launch_processes(3, command, collect=lambda workdir: {}, expendable=[1], timeout_s=60)
+
+
+def test_a_lost_attention_worker_fails_its_requests_clearly():
+    import signal
+    import threading
+
+    spec = load_spec("mixtral_8x22b")  # a recipe model has no EOS: every sequence runs past the kill
+    requests = [Request(f"r{i}", (3 + i, 5, 7)) for i in range(4)]
+    plan = make_elastic(make_plan(spec, requests, attn_workers=2, expert_workers=2, max_new_tokens=40,
+                                  timeout_s=20), redundant=2)
+    pids: list[int] = []
+    killed = threading.Event()
+
+    def kill_attention(line: str) -> None:
+        if "decode step" in line and not killed.is_set():
+            os.kill(pids[1], signal.SIGKILL)  # attention worker 1
+            killed.set()
+
+    with pytest.raises(EngineFailed) as info:
+        run_engine(plan, progress=kill_attention, on_start=pids.extend, run_timeout_s=120)
+    assert killed.is_set()
+    assert "attention worker 1 (rank 1) was killed by signal 9" in str(info.value)
+    statuses = {c["id"]: c["status"] for c in info.value.result["completions"]}
+    assert statuses["r1"] == "failed" and statuses["r3"] == "failed"  # attention worker 1's requests
+    assert _leftovers(pids) == ([], [])
