@@ -25,6 +25,9 @@ import torch
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.serving import eplb
 
+# Backends whose `Work.wait` can time out and be waited on again (the expert worker's sliced waits need it).
+RESUMABLE_BACKENDS = ("m2n", "shm")
+
 
 class ExpertsLostError(RunFailedError):
     """Every replica of some experts died and there is no weight copy to restore them from."""
@@ -218,6 +221,10 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
 
     if plan.mode == COLOCATED:
         raise UsageError("--elastic applies to disaggregated serving (attention and expert workers); drop --colocated")
+    if plan.backend not in RESUMABLE_BACKENDS:
+        raise UsageError(f"--backend {plan.backend} cannot serve --elastic: an expert worker waits in short slices "
+                         "(to serve resends in between) and this backend aborts a wait that times out; use "
+                         f"--backend {' or '.join(RESUMABLE_BACKENDS)}")
     if kill_step < 1:
         raise UsageError(f"kill step {kill_step} must be >= 1 (mid-decode, after the prefill step)")
     spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)

@@ -90,6 +90,12 @@ def test_bad_elastic_layouts_fail_before_start(workers, redundant, kill, message
         check_elastic(4, workers, redundant, kill)
 
 
+def test_elastic_needs_a_backend_whose_waits_resume(tiny_mixtral_dir, prompts):
+    plan = make_plan(load_spec(tiny_mixtral_dir), _requests(prompts), expert_workers=2, backend="torch")
+    with pytest.raises(UsageError, match="--backend torch cannot serve --elastic"):
+        make_elastic(plan, redundant=2)
+
+
 def test_elastic_bench_cli_bad_input_exits_2(tiny_mixtral_dir, capsys):
     from mbridge_epoverlap.cli import main
 
