@@ -150,18 +150,26 @@ def spread_replicas(slots: Sequence[int], workers: int) -> tuple[int, ...]:
 
 
 class Router:
-    """Per token and choice, the expert worker that runs it under one layout (replica = position % count)."""
+    """Per token and choice, the expert worker that runs it under one layout.
+
+    The rule of `eplb.choose_replicas` (replica `position % replica count`, replicas in slot order), with
+    the slot -> worker step folded into one table so a dispatch costs three indexing operations.
+    """
 
     def __init__(self, layout: ElasticLayout) -> None:
         phy2log = torch.tensor([layout.slots])
         log2phy, logcnt = eplb._log2phy(phy2log, layout.num_experts)  # the maps eplb derives from a table
         self.log2phy, self.logcnt = log2phy[0], logcnt[0]
         self.per_worker = layout.slots_per_worker
+        # Slot -> worker for every (expert, replica); padding (-1) stays -1 and is never indexed (count > 0).
+        self.replica_worker = torch.where(self.log2phy >= 0, torch.div(self.log2phy, self.per_worker,
+                                                                         rounding_mode="floor"), -1)
+        self.counts = self.logcnt.clamp(min=1)  # every expert has a live replica once `without` succeeded
 
     def workers(self, expert_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`[tokens, k]` expert worker index of each (token, choice)."""
-        slots = eplb.choose_replicas(expert_ids, positions, self.log2phy, self.logcnt)
-        return torch.div(slots, self.per_worker, rounding_mode="floor")
+        replica = positions.view(-1, 1) % self.counts[expert_ids]
+        return self.replica_worker[expert_ids, replica]
 
 
 class ExpertStore:

@@ -47,6 +47,19 @@ def test_layout_spreads_replicas_and_resolves_over_survivors():
     assert after.with_mask(0b0111) == (after, [])  # the same mask again changes nothing
 
 
+def test_router_follows_eplb_replica_choice():
+    import torch
+
+    from mbridge_epoverlap.serving import eplb
+
+    layout, _ = ElasticLayout.initial(8, 4, 4).without({1})
+    router = layout.router()
+    ids, positions = torch.randint(0, 8, (64, 2), generator=torch.Generator().manual_seed(0)), torch.arange(64)
+    slots = eplb.choose_replicas(ids, positions, router.log2phy, router.logcnt)
+    assert torch.equal(router.workers(ids, positions), eplb.slot_gpus(slots, len(layout.slots), 4))
+    assert 1 not in router.workers(ids, positions).unique().tolist()  # nothing goes to the dead worker
+
+
 def test_killed_expert_worker_mid_decode_loses_no_request(tiny_mixtral_dir, prompts, hf_greedy):
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
