@@ -67,6 +67,12 @@ def _gloo(doc: dict[str, Any]) -> str:
             f"{100 * doc['cpu_share']:.0f} % of it")
 
 
+def _elastic(doc: dict[str, Any]) -> str:
+    return (f"interruption {doc['interruption_s']:.3f} s, tokens/s after/before {doc['after_over_before']:.2f} "
+            f"(survivors {doc['survivors_share']:.2f}), elastic/plain {doc['elastic_over_plain']:.3f}, "
+            f"match {doc['outputs_match_reference']}")
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -81,6 +87,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("profile_analyzer", "profile_analyzer_bench.py", False, _profile),
     Benchmark("gloo_alltoall_cost", "gloo_alltoall_cost.py", False, _gloo),
     Benchmark("runtime_overlap", "runtime_overlap_bench.py", True, _runtime),
+    Benchmark("elastic", "elastic_bench.py", False, _elastic),
 )
 
 

@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mbridge_epoverlap.serving.cli",
     "mbridge_epoverlap.comm.cli",
     "mbridge_epoverlap.serving.serve_cli",
+    "mbridge_epoverlap.serving.elastic_cli",
 )
 
 

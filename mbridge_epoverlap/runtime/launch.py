@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -90,7 +90,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                      timeout_s: float = 600.0, progress: Callable[[str], None] | None = None,
                      results_name: str = "results.json", on_start: Callable[[list[int]], None] | None = None,
                      rank_names: Mapping[int, str] | None = None,
-                     collect: Callable[[Path], dict[str, Any]] | None = None) -> dict[str, Any]:
+                     collect: Callable[[Path], dict[str, Any]] | None = None,
+                     expendable: Collection[int] = ()) -> dict[str, Any]:
     """Start `world` local processes, supervise them, and return the JSON rank 0 wrote to `results_name`.
 
     The one launcher of the project (training ranks, serving workers): each process runs in its own
@@ -111,6 +112,9 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
         rank_names: how failure messages name a rank (e.g. "expert worker 1 (rank 3)"); "rank N" otherwise.
         collect: reads the results from the scratch directory instead of rank 0's `results_name` (every
             rank's file, say); on failure its answer is attached to the error as `partial`.
+        expendable: ranks whose failure the run survives (elastic serving's expert workers): their exit,
+            whatever its code, is not a failure; the ones that failed are listed under `lost_ranks` in
+            `collect`'s answer.
 
     Raises:
         RunFailedError: a process failed, hung or the run timed out.
@@ -131,7 +135,7 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                 env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
             else:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
-            ranks = stack.enter_context(_Ranks(workdir, rank_names))
+            ranks = stack.enter_context(_Ranks(workdir, rank_names, expendable))
             for rank in range(world):
                 prefix = link.command_prefix(rank) if link is not None else []
                 command = [arg.replace("{workdir}", str(workdir)) for arg in command_for(rank)]
@@ -146,7 +150,9 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                     exc.partial = collect(workdir)  # type: ignore[attr-defined]
                 raise
             if collect is not None:
-                return collect(workdir)
+                collected = collect(workdir)
+                collected["lost_ranks"] = ranks.lost()
+                return collected
             if not results.is_file():
                 raise RunFailedError(f"rank 0 finished but wrote no results ({results})")
             import json
@@ -231,10 +237,16 @@ class _Rank:
 class _Ranks:
     """The rank processes of one run: start, supervise, diagnose, and always kill what is left."""
 
-    def __init__(self, workdir: Path, names: Mapping[int, str] | None = None) -> None:
+    def __init__(self, workdir: Path, names: Mapping[int, str] | None = None,
+                 expendable: Collection[int] = ()) -> None:
         self.workdir = workdir
         self.ranks: list[_Rank] = []
         self.names = dict(names or {})
+        self.expendable = frozenset(expendable)
+
+    def lost(self) -> list[int]:
+        """Expendable ranks that exited with a failure (the run went on without them)."""
+        return [r.rank for r in self.ranks if r.rank in self.expendable and r.proc.returncode not in (0, None)]
 
     def name(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
@@ -262,11 +274,13 @@ class _Ranks:
         while True:
             self._forward_progress(progress)
             codes = [r.proc.poll() for r in self.ranks]
-            if all(c == 0 for c in codes):
+            if all(c == 0 or (c is not None and r.rank in self.expendable)
+                   for r, c in zip(self.ranks, codes, strict=True)):
                 self._forward_progress(progress)
                 return
             now = time.monotonic()
-            if failed_at is None and any(c not in (None, 0) for c in codes):
+            if failed_at is None and any(c not in (None, 0) and r.rank not in self.expendable
+                                         for r, c in zip(self.ranks, codes, strict=True)):
                 failed_at = now
             if failed_at is not None and (all(c is not None for c in codes) or now - failed_at > GRACE_S):
                 self.kill_all(mark=True)

@@ -17,6 +17,7 @@ ones in flight as failed (`EngineFailed.result`).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -104,13 +105,19 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     try:
         ranks = launch_processes(plan.world, lambda rank: command, files={"plan.json": plan.to_json()},
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
-                                 rank_names=plan.rank_names(), collect=_collect)
+                                 rank_names=plan.rank_names(), collect=_collect,
+                                 expendable=plan.expert_ranks if plan.elastic else ())
     except RunFailedError as exc:
         partial = getattr(exc, "partial", {"ranks": []})
         raise EngineFailed(str(exc), merge(plan, partial["ranks"], failed=True)) from None
     finally:
         _remove_shared_memory(pids)
-    return merge(plan, ranks["ranks"])
+    result = merge(plan, ranks["ranks"])
+    if plan.elastic:
+        from mbridge_epoverlap.serving.elastic_report import elastic_summary
+
+        result["elastic"] = elastic_summary(plan, ranks)
+    return result
 
 
 def _collect(workdir: Path) -> dict[str, Any]:
@@ -122,7 +129,11 @@ def _collect(workdir: Path) -> dict[str, Any]:
             ranks.append(json.loads(path.read_text()))
         except (OSError, ValueError):
             continue
-    return {"ranks": ranks}
+    killed = {}
+    for path in sorted(workdir.glob("killed*")):  # fault injection: when each killed worker died
+        with contextlib.suppress(OSError, ValueError):
+            killed[int(path.name.removeprefix("killed"))] = float(path.read_text())
+    return {"ranks": ranks, "killed_at": killed}
 
 
 def _remove_shared_memory(pids: list[int]) -> None:

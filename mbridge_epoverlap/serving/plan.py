@@ -36,6 +36,10 @@ class EnginePlan:
         slot_bytes: M2N buffer size, enough for the largest message.
         timeout_s: limit of every wait between workers.
         num_layers, seed, dtype: recipe-model settings passed to `load_spec`.
+        elastic: keep decoding through the loss of expert workers (`serving.elastic`).
+        slots: elastic mode's physical slots, the expert in each (`eplb` phy2log, worker by worker).
+        expert_restore: elastic mode may restore experts whose every replica died from the checkpoint.
+        kill: fault injection, `(expert worker index, decode step)` pairs: that worker SIGKILLs itself then.
     """
 
     source: str
@@ -55,6 +59,10 @@ class EnginePlan:
     num_layers: int | None = None
     seed: int = 0
     dtype: str = "float32"
+    elastic: bool = False
+    slots: tuple[int, ...] = ()
+    expert_restore: bool = True
+    kill: tuple[tuple[int, int], ...] = ()
 
     @property
     def world(self) -> int:
@@ -96,6 +104,8 @@ class EnginePlan:
         raw = json.loads(text)
         raw["placement"] = tuple(raw["placement"])
         raw["requests"] = tuple(tuple(r) for r in raw["requests"])
+        raw["slots"] = tuple(raw.get("slots", ()))
+        raw["kill"] = tuple(tuple(k) for k in raw.get("kill", ()))
         return cls(**raw)
 
 

@@ -50,6 +50,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help='JSONL, one request a line: {"id": ..., "prompt_ids": [int, ...]}')
     serve.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N", help="default 16")
     _layout_args(serve)
+    serve.add_argument("--elastic", action="store_true",
+                       help="survive the loss of expert workers (redundant experts, re-placement, resends)")
+    serve.add_argument("--redundant-experts", type=int, default=0, metavar="R",
+                       help="with --elastic: redundant expert slots over all expert workers (default 0)")
+    serve.add_argument("--no-expert-restore", action="store_true",
+                       help="with --elastic: no weight copy; losing every replica of an expert ends the run")
     serve.set_defaults(handler=handle_serve)
 
     bench = subparsers.add_parser(
@@ -110,6 +116,12 @@ def handle_serve(args: argparse.Namespace) -> int:
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
                      timeout_s=args.timeout, dtype=args.dtype)
+    if args.elastic:
+        from mbridge_epoverlap.serving.elastic import make_elastic
+
+        plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore)
+    elif args.redundant_experts or args.no_expert_restore:
+        raise UsageError("--redundant-experts and --no-expert-restore apply to --elastic serving; add --elastic")
     code = 0
     try:
         result = run_engine(plan, progress=_progress(args))
@@ -189,6 +201,10 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
                      f"{pred['utilization']['attention']:.0%}, expert {pred['utilization']['expert']:.0%}"))
     if result.get("failed_requests"):
         rows.append(("failed requests", ", ".join(result["failed_requests"])))
+    if "elastic" in result:
+        lost = result["elastic"]["lost_workers"]
+        rows.append(("elastic", f"lost expert workers {lost}, restored experts {result['elastic']['restored_experts']}"
+                     if lost else "no expert worker lost"))
     m = result["machine"]
     rows.append(("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, "
                  f"amx_bf16={m['amx_bf16']})"))

@@ -120,6 +120,8 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
                              slot_bytes=plan.slot_bytes, slots=plan.micro_batches + 1, timeout_s=plan.timeout_s,
                              roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
                              single_host=plan.backend != "torch")
+    if plan.elastic:
+        return _build_elastic(plan, spec, role, index, queue, comm, beat, progress)
     if role is Role.ATTENTION:
         return AttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue, comm,
                                plan.expert_ranks, placement, plan.micro_batches, plan.timeout_s, beat, progress)
@@ -127,8 +129,34 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
                         plan.micro_batches, plan.timeout_s, beat)
 
 
+def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
+                   progress: Any) -> Any:
+    from mbridge_epoverlap.serving import model as parts
+    from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertStore
+    from mbridge_epoverlap.serving.elastic_workers import ElasticAttentionWorker, ElasticExpertWorker
+    from mbridge_epoverlap.serving.placement import Placement
+
+    layout = ElasticLayout(spec.num_experts, plan.expert_workers, tuple(plan.slots),
+                           frozenset(range(plan.expert_workers)))
+    if role is Role.ATTENTION:
+        return ElasticAttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
+                                      comm, plan.expert_ranks, Placement.balanced(spec.num_experts, 1),
+                                      plan.micro_batches, plan.timeout_s, beat, progress, layout=layout,
+                                      restore=plan.expert_restore)
+    kill_at = next((step for worker, step in plan.kill if worker == index), None)
+    out = os.environ.get(PREFIX + "HEARTBEAT_DIR")
+    return ElasticExpertWorker(spec, ExpertStore(spec, layout.experts_of(index)), comm, plan.attention_ranks,
+                               plan.micro_batches, plan.timeout_s, beat, layout=layout, index=index,
+                               restore=plan.expert_restore, kill_at_step=kill_at,
+                               kill_file=os.path.join(out, f"killed{index}") if out else None)
+
+
 def _report(worker: Any, queue: Any, *, failed: bool = False) -> dict[str, Any]:
     report: dict[str, Any] = {"decode_steps": getattr(worker, "decode_steps", 0)}
+    if hasattr(worker, "events"):
+        report["events"] = worker.events
+        if queue is not None:
+            report["token_times"] = {s.request.id: list(s.token_times) for s in queue.running + queue.done}
     timer = getattr(worker, "timer", None)
     if timer is not None:
         report["stages"] = timer.summary()

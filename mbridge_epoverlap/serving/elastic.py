@@ -1,0 +1,242 @@
+"""Elastic expert parallelism for the disaggregated engine: redundant expert slots, and re-placement after a loss.
+
+The placement comes from `serving.eplb`: `num_experts + redundant` physical slots laid out worker by worker
+(`slots_per_worker` each), one table for every MoE layer (the workers hold the same experts in every layer).
+A token's expert runs on replica `position % replica count` (`eplb.choose_replicas`), so every attention
+worker routes the same token the same way without asking anybody.
+
+When expert workers die, every survivor derives the same new table from the same inputs (the initial layout
+and the alive set): `eplb.rebalance_over_survivors` with the dead workers' slots left empty. The alive set
+travels as a bit mask in every dispatch's control tensor and is merged by AND (a worker once dead stays
+dead), so expert workers learn of a loss from the first message that carries it, without a map exchange.
+Experts whose every replica died (`eplb.orphaned_experts`) are restored by their new holders from the
+checkpoint on disk (a recipe model redraws them from its seed): with `restore=False` there is no copy, and
+the loss ends the run naming those experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.serving import eplb
+
+# Backends whose `Work.wait` can time out and be waited on again (the expert worker's sliced waits need it).
+RESUMABLE_BACKENDS = ("m2n", "shm")
+
+
+class ExpertsLostError(RunFailedError):
+    """Every replica of some experts died and there is no weight copy to restore them from."""
+
+    def __init__(self, experts: Sequence[int], dead: Sequence[int]) -> None:
+        self.experts = list(experts)
+        super().__init__(f"experts {self.experts} lost every replica with expert workers {list(dead)} and there "
+                         "is no weight copy to restore them from; run with expert restore enabled (drop "
+                         "--no-expert-restore) or more redundant experts")
+
+
+def check_elastic(num_experts: int, expert_workers: int, redundant: int, kill: int = 0) -> None:
+    """Raise UsageError (before start) for an elastic layout that cannot run or cannot survive `kill` losses."""
+    if redundant < 0:
+        raise UsageError(f"--redundant-experts {redundant} must be >= 0")
+    if kill >= expert_workers:
+        raise UsageError(f"--kill {kill} of {expert_workers} expert workers leaves no expert worker; kill at most "
+                         f"{expert_workers - 1} or add expert workers")
+    total = num_experts + redundant
+    if total % expert_workers:
+        fit = -(-total // expert_workers) * expert_workers - num_experts
+        raise UsageError(f"{num_experts} experts + --redundant-experts {redundant} = {total} slots do not divide over "
+                         f"--expert-workers {expert_workers}; every worker holds the same number of slots: use "
+                         f"--redundant-experts {fit}")
+    per_worker = total // expert_workers
+    if per_worker > num_experts:
+        raise UsageError(f"--redundant-experts {redundant} gives each of the {expert_workers} expert workers "
+                         f"{per_worker} slots, more than the model's {num_experts} experts; use at most "
+                         f"{num_experts * expert_workers - num_experts} redundant experts")
+    eplb.check_elastic_layout(num_experts, total, expert_workers, kill)
+
+
+@dataclass(frozen=True)
+class ElasticLayout:
+    """One placement of `num_experts` experts in `workers * slots_per_worker` slots, and who is alive.
+
+    Attributes:
+        num_experts: logical experts per MoE layer.
+        workers: expert workers at start.
+        slots: `phy2log` of the placement: the expert in each physical slot (`eplb.EMPTY_SLOT` on a dead worker).
+        alive: indices of the live expert workers.
+    """
+
+    num_experts: int
+    workers: int
+    slots: tuple[int, ...]
+    alive: frozenset[int]
+
+    @classmethod
+    def initial(cls, num_experts: int, workers: int, redundant: int) -> ElasticLayout:
+        """The start placement: `eplb.rebalance_experts` on a uniform load (no load measured yet)."""
+        check_elastic(num_experts, workers, redundant)
+        solved = eplb.rebalance_experts(torch.ones(1, num_experts), num_experts + redundant, 1, 1, workers)
+        slots = spread_replicas(solved.phy2log[0].tolist(), workers)
+        return cls(num_experts, workers, slots, frozenset(range(workers)))
+
+    @property
+    def slots_per_worker(self) -> int:
+        return len(self.slots) // self.workers
+
+    @property
+    def mask(self) -> int:
+        """The alive set as bits (bit w: expert worker w is alive)."""
+        return sum(1 << w for w in self.alive)
+
+    def experts_of(self, worker: int) -> list[int]:
+        """The distinct experts `worker` holds, ascending (empty for a dead worker)."""
+        return sorted(set(eplb.experts_on_gpus(torch.tensor(self.slots), self.workers)[worker]))
+
+    def replica_counts(self) -> list[int]:
+        return [self.slots.count(e) for e in range(self.num_experts)]
+
+    def without(self, dead: Iterable[int]) -> tuple[ElasticLayout, list[int]]:
+        """The placement re-solved over the survivors, and the experts whose every replica died.
+
+        Raises:
+            UsageError: the survivors' slots cannot hold every expert (names the experts left out).
+        """
+        alive = self.alive - set(dead)
+        if alive == self.alive:
+            return self, []
+        if not alive:
+            raise UsageError(f"every expert worker is lost ({sorted(self.alive)}); an elastic run needs at least one")
+        weight = torch.ones(1, self.num_experts)
+        solved = eplb.rebalance_over_survivors(weight, len(self.slots), self.workers, sorted(alive))
+        orphans = eplb.orphaned_experts(torch.tensor([self.slots]), self.workers, sorted(alive)).get(0, [])
+        slots = spread_replicas(solved.phy2log[0].tolist(), self.workers)
+        return ElasticLayout(self.num_experts, self.workers, slots, frozenset(alive)), orphans
+
+    def with_mask(self, mask: int) -> tuple[ElasticLayout, list[int]]:
+        """`without` the workers whose bit is clear in `mask` (merge by AND: the dead stay dead)."""
+        return self.without(w for w in self.alive if not mask >> w & 1)
+
+    def router(self) -> Router:
+        return Router(self)
+
+
+def spread_replicas(slots: Sequence[int], workers: int) -> tuple[int, ...]:
+    """Move replicas of one expert that landed on one worker onto workers without it (deterministic swaps).
+
+    The packing balances load only, so equal loads can put both replicas of an expert on one worker, where
+    they protect nothing. Each such slot swaps with the first slot (in slot order) of another live worker
+    whose expert the first worker lacks and which lacks the duplicated expert.
+    """
+    table = list(slots)
+    per = len(table) // workers
+    rows = [table[w * per:(w + 1) * per] for w in range(workers)]
+    for w, row in enumerate(rows):
+        for i, expert in enumerate(row):
+            if expert == eplb.EMPTY_SLOT or row.index(expert) == i:
+                continue
+            for v, other in enumerate(rows):
+                if v == w or eplb.EMPTY_SLOT in other or expert in other:
+                    continue
+                j = next((j for j, y in enumerate(other) if y not in row), None)
+                if j is not None:
+                    row[i], other[j] = other[j], expert
+                    break
+    return tuple(e for row in rows for e in row)
+
+
+class Router:
+    """Per token and choice, the expert worker that runs it under one layout.
+
+    The rule of `eplb.choose_replicas` (replica `position % replica count`, replicas in slot order), with
+    the slot -> worker step folded into one table so a dispatch costs three indexing operations.
+    """
+
+    def __init__(self, layout: ElasticLayout) -> None:
+        phy2log = torch.tensor([layout.slots])
+        log2phy, logcnt = eplb._log2phy(phy2log, layout.num_experts)  # the maps eplb derives from a table
+        self.log2phy, self.logcnt = log2phy[0], logcnt[0]
+        self.per_worker = layout.slots_per_worker
+        # Slot -> worker for every (expert, replica); padding (-1) stays -1 and is never indexed (count > 0).
+        self.replica_worker = torch.where(self.log2phy >= 0, torch.div(self.log2phy, self.per_worker,
+                                                                         rounding_mode="floor"), -1)
+        self.counts = self.logcnt.clamp(min=1)  # every expert has a live replica once `without` succeeded
+
+    def workers(self, expert_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`[tokens, k]` expert worker index of each (token, choice)."""
+        replica = positions.view(-1, 1) % self.counts[expert_ids]
+        return self.replica_worker[expert_ids, replica]
+
+
+class ExpertStore:
+    """The expert weights an expert worker holds: its start share plus experts loaded after a re-placement.
+
+    Called like an `ExpertPart` (`store(layer, tokens, expert_ids)`); weights are never dropped, so tokens
+    routed by an attention worker that has not yet seen a loss still find their expert.
+    """
+
+    def __init__(self, spec: Any, expert_ids: Sequence[int]) -> None:
+        from mbridge_epoverlap.serving.model import load_expert_part
+
+        self.spec = spec
+        self.parts = [load_expert_part(spec, expert_ids)]
+
+    @property
+    def held(self) -> set[int]:
+        return {e for part in self.parts for e in part.expert_ids}
+
+    def ensure(self, expert_ids: Iterable[int]) -> list[int]:
+        """Load the experts of `expert_ids` not held yet (from the checkpoint on disk); return them."""
+        from mbridge_epoverlap.serving.model import load_expert_part
+
+        missing = sorted(set(expert_ids) - self.held)
+        if missing:
+            self.parts.append(load_expert_part(self.spec, missing))
+        return missing
+
+    def __call__(self, layer: int, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0](layer, tokens, expert_ids)
+        out = tokens.new_empty(tokens.shape)
+        for part in self.parts:
+            rows = part.owns(expert_ids).nonzero().squeeze(1)
+            if rows.numel():
+                out[rows] = part(layer, tokens[rows], expert_ids[rows])
+        return out
+
+
+def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True) -> Any:
+    """`plan` (disaggregated, from `engine.make_plan`) in elastic mode with `redundant` extra expert slots.
+
+    Args:
+        plan: the engine plan.
+        redundant: redundant expert slots over all expert workers.
+        kill: fault injection: this many expert workers (the first ones) SIGKILL themselves mid-decode.
+        kill_step: the decode step they die in.
+        restore: whether experts whose every replica died may be restored from the checkpoint.
+
+    Raises:
+        UsageError: a colocated plan, or a layout `check_elastic` rejects.
+    """
+    from dataclasses import replace
+
+    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.plan import COLOCATED
+
+    if plan.mode == COLOCATED:
+        raise UsageError("--elastic applies to disaggregated serving (attention and expert workers); drop --colocated")
+    if plan.backend not in RESUMABLE_BACKENDS:
+        raise UsageError(f"--backend {plan.backend} cannot serve --elastic: an expert worker waits in short slices "
+                         "(to serve resends in between) and this backend aborts a wait that times out; use "
+                         f"--backend {' or '.join(RESUMABLE_BACKENDS)}")
+    if kill_step < 1:
+        raise UsageError(f"kill step {kill_step} must be >= 1 (mid-decode, after the prefill step)")
+    spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
+    check_elastic(spec.num_experts, plan.expert_workers, redundant, kill)
+    layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant)
+    victims = tuple((worker, kill_step) for worker in range(kill))
+    return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims)

@@ -1,0 +1,141 @@
+"""`mbridge-epoverlap elastic-bench`: serve through the loss of expert workers and measure what it cost.
+
+One run kills `--kill` expert workers mid-decode (SIGKILL, fault injection) and reports the interruption
+(from the kill to the next token of every request in flight), when the loss was detected, throughput before
+and after (with the survivors' share of expert workers), lost requests, and whether every token equals a
+failure-free run of the same weights. Then the no-failure cost of elastic mode: the plain engine and the
+elastic engine on the same requests, alternated (A B B A ...), medians of decode tokens/s.
+
+`register` only touches argparse; the engine is imported by the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+from mbridge_epoverlap.errors import EXIT_FAILED
+from mbridge_epoverlap.serving.serve_cli import _model_args, _positive, _print, _progress, _rows, _source
+
+DEFAULT_RECIPE = "mixtral_8x22b"  # 8 experts: 4 expert workers with 4 redundant slots survive one loss
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "elastic-bench", help="decode through SIGKILLed expert workers: interruption, throughput, correctness",
+        description="Elastic EP: kill expert workers mid-decode and measure the interruption, detection time, "
+                    "throughput before/after and token equality with a failure-free run; then the cost of "
+                    f"elastic mode without failures against the plain engine. Default model: {DEFAULT_RECIPE}.")
+    _model_args(bench, required=False)
+    bench.add_argument("--attn-workers", type=_positive, default=1, metavar="A", help="attention workers (default 1)")
+    bench.add_argument("--expert-workers", type=_positive, default=4, metavar="E", help="expert workers (default 4)")
+    bench.add_argument("--redundant-experts", type=_count, default=4, metavar="R",
+                       help="redundant expert slots over all expert workers (default 4)")
+    bench.add_argument("--kill", type=_count, default=1, metavar="K", help="expert workers killed (default 1)")
+    bench.add_argument("--kill-step", type=_positive, default=8, metavar="S",
+                       help="decode step of the kill (default 8)")
+    bench.add_argument("--micro-batches", type=_positive, default=2, metavar="M", help="default 2")
+    bench.add_argument("--batch", type=_positive, default=16, metavar="B", help="requests (default 16)")
+    bench.add_argument("--steps", type=_positive, default=32, metavar="S", help="tokens per request (default 32)")
+    bench.add_argument("--repeats", type=_positive, default=3, metavar="N",
+                       help="plain/elastic pairs for the no-failure cost (default 3)")
+    bench.add_argument("--no-expert-restore", action="store_true",
+                       help="no weight copy: losing every replica of an expert ends the run naming it")
+    bench.set_defaults(handler=handle_elastic_bench)
+
+
+def handle_elastic_bench(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.serving.bench import machine, synthetic_requests
+    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.elastic import check_elastic, make_elastic
+    from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
+
+    source = args.checkpoint if args.checkpoint is not None else (args.recipe or DEFAULT_RECIPE)
+    spec = load_spec(str(source), dtype=args.dtype)
+    check_elastic(spec.num_experts, args.expert_workers, args.redundant_experts, args.kill)
+    requests = synthetic_requests(args.batch, spec.vocab_size)
+    plain = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
+                      micro_batches=args.micro_batches, max_new_tokens=args.steps, max_batch=args.batch,
+                      backend=args.backend, timeout_s=args.timeout, dtype=args.dtype)
+    elastic = make_elastic(plain, redundant=args.redundant_experts)
+    killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
+                           restore=not args.no_expert_restore)
+    say = _progress(args)
+    plain_rates, elastic_rates, reference = [], [], None
+    for i in range(args.repeats):
+        # A B, then B A: neither side always runs first (warm caches, a neighbour's load).
+        say(f"no-failure pair {i + 1}/{args.repeats}: plain and elastic")
+        for which in ((plain, elastic) if i % 2 == 0 else (elastic, plain)):
+            run = run_engine(which)
+            (elastic_rates if which.elastic else plain_rates).append(run["decode_tokens_per_s"])
+            if not which.elastic and reference is None:
+                reference = {c["id"]: c["output_ids"] for c in run["completions"]}
+    say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers at decode step {args.kill_step}")
+    code = 0
+    try:
+        result = run_engine(killing, progress=say)
+    except EngineFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        result, code = exc.result, EXIT_FAILED
+    summary = result.get("elastic", {})
+    got = {c["id"]: c["output_ids"] for c in result["completions"]}
+    plain_median, elastic_median = statistics.median(plain_rates), statistics.median(elastic_rates)
+    report: dict[str, Any] = {
+        "interruption_s": summary.get("interruption_s"), "detected_after_s": summary.get("detected_after_s"),
+        "throughput_before": summary.get("throughput_before"), "throughput_after": summary.get("throughput_after"),
+        "survivors_share": summary.get("survivors_share"),
+        "outputs_match_reference": code == 0 and got == reference,
+        "lost_requests": result["failed_requests"], "lost_workers": summary.get("lost_workers"),
+        "restored_experts": summary.get("restored_experts"), "events": summary.get("events", []),
+        "no_failure": {"plain_tokens_per_s": plain_rates, "elastic_tokens_per_s": elastic_rates,
+                       "elastic_over_plain": elastic_median / plain_median if plain_median else None},
+        "layout": {"attn_workers": args.attn_workers, "expert_workers": args.expert_workers,
+                   "redundant_experts": args.redundant_experts, "kill": args.kill, "kill_step": args.kill_step,
+                   "slots": list(killing.slots), "requests": args.batch, "tokens_per_request": args.steps},
+        "model": spec.describe(), "machine": machine(), "source": _source_name(args, source),
+    }
+    _print(report, args.json, _table)
+    return code
+
+
+def _source_name(args: argparse.Namespace, source: Any) -> str:
+    return str(source) if args.checkpoint is not None else _source(args) if args.recipe else DEFAULT_RECIPE
+
+
+def _fmt(value: Any, spec: str = "{:.3f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def _table(r: dict[str, Any]) -> None:
+    nf = r["no_failure"]
+    after = r["throughput_after"]
+    share = r["survivors_share"]
+    ratio = after / r["throughput_before"] if after and r["throughput_before"] else None
+    m = r["machine"]
+    _rows([
+        ("layout", f"{r['layout']['attn_workers']} attention, {r['layout']['expert_workers']} expert workers, "
+                   f"{r['layout']['redundant_experts']} redundant slots, {r['layout']['kill']} killed"),
+        ("detected after (s)", _fmt(r["detected_after_s"])),
+        ("interruption (s)", _fmt(r["interruption_s"])),
+        ("tokens/s before / after", f"{_fmt(r['throughput_before'], '{:,.1f}')} / {_fmt(after, '{:,.1f}')} "
+                                    f"(after/before {_fmt(ratio, '{:.2f}')}, "
+                                    f"survivors' share {_fmt(share, '{:.2f}')})"),
+        ("outputs match reference", str(r["outputs_match_reference"])),
+        ("lost requests", ", ".join(r["lost_requests"]) or "none"),
+        ("restored experts", str(r["restored_experts"])),
+        ("no failure: elastic/plain", f"{_fmt(nf['elastic_over_plain'])} (medians of "
+                                      f"{len(nf['plain_tokens_per_s'])} A/B pairs, decode tokens/s)"),
+        ("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, amx_bf16={m['amx_bf16']})"),
+    ])
