@@ -35,7 +35,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backends", default="gloo,shm,mooncake,torch", help="gloo first: the baseline")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 100 iterations")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.iters = 2, 100
     size = parse_size(args.size)
     backends = [b for b in args.backends.split(",") if b != "mooncake" or mooncake_available()]
     if "gloo" not in backends:

@@ -116,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20261130)
     parser.add_argument("--verbose", action="store_true", help="print up to 20 disagreeing samples per release")
     parser.add_argument("--worker", nargs=2, metavar=("TREE", "VERSION"), help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="60 samples per release")
+    parser.add_argument("--json", action="store_true", help="the tallies per release as JSON on stdout (last line)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.samples = 60
     if args.worker:
         worker(Path(args.worker[0]), args.worker[1], args.samples, args.seed)
         return 0
@@ -126,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'release':<8} {'source':<16} {'accepted':>8} {'overlap rej':>11} {'other rej':>9} {'missed':>6} "
           f"{'false':>5} {'false on object':>15}")
     worst = 0
+    tallies: dict[str, dict[str, int]] = {}
     for release in [r.strip() for r in args.releases.split(",") if r.strip()]:
         ref = resolve_ref(args.megatron_lm, release, overrides)
         with tempfile.TemporaryDirectory(prefix=f"mcore{release}-") as tmp:
@@ -138,13 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, 1)
             continue
         report = json.loads(result.stdout.strip().splitlines()[-1])
-        t = report["tally"]
+        t = tallies[release] = report["tally"]
         print(f"{release:<8} {ref:<16} {t['accepted']:>8} {t['overlap_rejected']:>11} {t['other_rejected']:>9} "
               f"{t['missed']:>6} {t['false']:>5} {t['false_on_object']:>15}")
         if args.verbose:
             for line in report["examples"]:
                 print(f"    {line[:400]}")
         worst = max(worst, int(bool(t["missed"] or t["false"] or t["false_on_object"])))
+    if args.json:
+        print(json.dumps({"samples": args.samples, "releases": tallies}))
     return worst
 
 

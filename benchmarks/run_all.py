@@ -73,12 +73,32 @@ def _elastic(doc: dict[str, Any]) -> str:
             f"match {doc['outputs_match_reference']}")
 
 
+def _m2n(doc: dict[str, Any]) -> str:
+    b = doc["backends"]
+    cells = [f"{name} {v['median_vs_gloo']:.2f}x / {v['p99_vs_gloo']:.2f}x" for name, v in b.items() if name != "gloo"]
+    return (f"{doc['senders']}x{doc['receivers']} at {doc['size_bytes'] // 1024} KiB, median / P99 vs gloo: "
+            + ", ".join(cells))
+
+
+def _serving(doc: dict[str, Any]) -> str:
+    r = doc["ratios"]
+    match = all(case.get("matches_reference", True) for case in doc["cases"].values())
+    return (f"ping-pong m=2/m=1 {r['m2_over_m1']:.2f}x, m=3/m=2 {r['m3_over_m2']:.2f}x, disaggregated/colocated "
+            f"{r['disaggregated_m2_over_colocated']:.2f}x; matches reference {match}")
+
+
+def _fuzz(doc: dict[str, Any]) -> str:
+    return ", ".join(f"{release}: missed {t['missed']} / false {t['false']}" for release, t in doc["releases"].items())
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
     script: str
     json_to_file: bool  # writes its JSON to a path (`--json PATH`) instead of stdout (`--json`)
     headline: Callable[[dict[str, Any]], str]
+    # An environment variable naming a path the benchmark needs (passed as `path_flag`); skipped when unset.
+    needs_path: tuple[str, str] | None = None
 
 
 BENCHMARKS: tuple[Benchmark, ...] = (
@@ -88,6 +108,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gloo_alltoall_cost", "gloo_alltoall_cost.py", False, _gloo),
     Benchmark("runtime_overlap", "runtime_overlap_bench.py", True, _runtime),
     Benchmark("elastic", "elastic_bench.py", False, _elastic),
+    Benchmark("m2n", "m2n_bench.py", False, _m2n),
+    Benchmark("serving", "serving_bench.py", True, _serving),
+    Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
+              needs_path=("MEGATRON_LM", "--megatron-lm")),
 )
 
 
@@ -99,12 +123,24 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def _json_document(text: str) -> Any:
+    """The benchmark's JSON: its whole output, or (after a printed table) its last line; None if neither."""
+    for candidate in (text, text.strip().rsplit("\n", 1)[-1]):
+        try:
+            return json.loads(candidate)
+        except ValueError:
+            continue
+    return None
+
+
 def run(bench: Benchmark, quick: bool, timeout_s: float) -> dict[str, Any]:
     """Run one benchmark; returns {"rc", "wall_s", "result" (its JSON or None), "error" (text or None)}."""
     with tempfile.TemporaryDirectory(prefix="mbe-bench-") as tmp:
         out_file = Path(tmp) / "result.json"
         argv = [sys.executable, str(HERE / bench.script), *(["--quick"] if quick else [])]
         argv += ["--json", str(out_file)] if bench.json_to_file else ["--json"]
+        if bench.needs_path is not None:
+            argv += [bench.needs_path[1], os.environ[bench.needs_path[0]]]
         start = time.perf_counter()
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=timeout_s,
@@ -113,10 +149,7 @@ def run(bench: Benchmark, quick: bool, timeout_s: float) -> dict[str, Any]:
             return {"rc": None, "wall_s": timeout_s, "result": None, "error": f"timed out after {timeout_s:g} s"}
         wall = time.perf_counter() - start
         text = out_file.read_text() if bench.json_to_file and out_file.is_file() else proc.stdout
-    try:
-        result = json.loads(text)
-    except ValueError:
-        result = None
+    result = _json_document(text)
     error = None
     if result is None:  # a benchmark that ran to the end prints its JSON even when its own check fails
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -136,13 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {cpu_model(platform.machine())}, {os.cpu_count()} cores, Python {platform.python_version()}, "
           f"bf16 flags: {', '.join(bf16) or 'none'}; profile: {'full' if args.full else 'quick'}", flush=True)
     outcomes: dict[str, dict[str, Any]] = {}
+    skipped = {b.name: f"skipped: set {b.needs_path[0]} to its path" for b in chosen
+               if b.needs_path is not None and not os.environ.get(b.needs_path[0])}
     for bench in chosen:
+        if bench.name in skipped:
+            continue
         print(f"  running {bench.script} ...", flush=True)
         outcomes[bench.name] = run(bench, quick=not args.full, timeout_s=args.timeout)
     print()
     print("| benchmark | status | wall (s) | headline |")
     print("|---|---|---|---|")
     for bench in chosen:
+        if bench.name in skipped:
+            print(f"| {bench.name} | skipped | - | {skipped[bench.name]} |")
+            continue
         o = outcomes[bench.name]
         if o["error"] is None:
             try:

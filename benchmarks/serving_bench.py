@@ -43,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=None, help="skip the balance probe: this per-mb size")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="one repeat, 3 tokens, micro-batch 16 (no probe)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.steps, args.micro_batch = 1, 3, args.micro_batch or 16
 
     spec = load_spec(args.recipe, num_layers=args.layers)
     if args.micro_batch is None:
