@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from mbridge_epoverlap.config.cpu_precision import cpu_flags  # noqa: E402
 from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
 
 
@@ -113,14 +114,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),
 )
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
-    except OSError:
-        return set()
 
 
 def _json_document(text: str) -> Any:

@@ -23,17 +23,10 @@ PROMPT_LEN = 8
 
 def machine() -> dict[str, Any]:
     """The CPU this ran on, with the bf16 matrix extensions named (figures are only comparable on one)."""
+    from mbridge_epoverlap.config.cpu_precision import cpu_flags
     from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
 
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = cpu_flags()
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
             "amx_bf16": "amx_bf16" in flags, **machine_info()}
 

@@ -45,17 +45,10 @@ def parse_size(text: str) -> int:
 
 def machine() -> dict[str, Any]:
     """The machine a figure was measured on: CPU model, count, and the bf16 flags that matter here."""
+    from mbridge_epoverlap.config.cpu_precision import cpu_flags
     from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
 
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = cpu_flags()
     info = machine_info()
     info.update(cpu_model=cpu_model(), avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
                 avx512f="avx512f" in flags, avx2="avx2" in flags)
