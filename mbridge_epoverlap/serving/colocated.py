@@ -18,7 +18,7 @@ import torch
 from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce, all_to_all_blocking, exchange_counts
 from mbridge_epoverlap.comm.errors import CommError
 from mbridge_epoverlap.runtime import heartbeat as hb
-from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, POST, Phase, Role
+from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, POST, Role
 from mbridge_epoverlap.schedule.serving_orders import sequential, two_batch_overlap
 from mbridge_epoverlap.serving.placement import Placement
 from mbridge_epoverlap.serving.requests import RequestQueue
@@ -65,10 +65,7 @@ class ColocatedWorker(AttentionWorker):
                 break
             handles = split_micro_batches(self.queue.running, self.m)
             started, before = time.perf_counter(), self._tokens_running()
-            for index, step in enumerate(self.steps):
-                if self.beat is not None:
-                    self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
-                self.handlers[(step.stage, step.phase)](handles[step.micro_batch], step.layer)
+            self._run_steps(handles)
             self._log_step(started, before)
             self.decode_steps += 1
             if self.progress is not None and self.decode_steps % 16 == 0:

@@ -13,23 +13,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from typing import Any
 
-from mbridge_epoverlap.errors import EXIT_FAILED
-from mbridge_epoverlap.serving.serve_cli import _model_args, _positive, _print, _progress, _rows, _source
+from mbridge_epoverlap.serving.serve_cli import (
+    _model_args,
+    _positive,
+    _print,
+    _progress,
+    _rows,
+    _source,
+    int_at_least,
+    run_reporting_failure,
+)
 
 DEFAULT_RECIPE = "mixtral_8x22b"  # 8 experts: 4 expert workers with 4 redundant slots survive one loss
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+_count = int_at_least(0)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,7 +60,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.bench import machine, synthetic_requests
     from mbridge_epoverlap.serving.checkpoint import load_spec
     from mbridge_epoverlap.serving.elastic import check_elastic, make_elastic
-    from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
+    from mbridge_epoverlap.serving.engine import make_plan, run_engine
 
     source = args.checkpoint if args.checkpoint is not None else (args.recipe or DEFAULT_RECIPE)
     spec = load_spec(str(source), dtype=args.dtype)
@@ -83,12 +83,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
             if not which.elastic and reference is None:
                 reference = {c["id"]: c["output_ids"] for c in run["completions"]}
     say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers at decode step {args.kill_step}")
-    code = 0
-    try:
-        result = run_engine(killing, progress=say)
-    except EngineFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        result, code = exc.result, EXIT_FAILED
+    result, code = run_reporting_failure(killing, say)
     summary = result.get("elastic", {})
     got = {c["id"]: c["output_ids"] for c in result["completions"]}
     plain_median, elastic_median = statistics.median(plain_rates), statistics.median(elastic_rates)

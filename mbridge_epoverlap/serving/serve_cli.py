@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,33 @@ from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
 DEFAULT_RECIPE = "qwen3_30b_a3b"
 
 
-def _positive(text: str) -> int:
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+_positive = int_at_least(1)
+
+
+def run_reporting_failure(plan: Any, progress: Callable[[str], None] | None) -> tuple[dict[str, Any], int]:
+    """Run the engine; a failed run still returns its partial result (failed requests named), with exit 1."""
+    from mbridge_epoverlap.serving.engine import EngineFailed, run_engine
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+        return run_engine(plan, progress=progress), 0
+    except EngineFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.result, EXIT_FAILED
 
 
 def _model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -103,7 +123,7 @@ def _progress(args: argparse.Namespace) -> Any:
 def handle_serve(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.bench import machine
     from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
+    from mbridge_epoverlap.serving.engine import make_plan
     from mbridge_epoverlap.serving.requests import load_prompts
 
     spec = load_spec(_source(args), dtype=args.dtype)
@@ -122,12 +142,7 @@ def handle_serve(args: argparse.Namespace) -> int:
         plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore)
     elif args.redundant_experts or args.no_expert_restore:
         raise UsageError("--redundant-experts and --no-expert-restore apply to --elastic serving; add --elastic")
-    code = 0
-    try:
-        result = run_engine(plan, progress=_progress(args))
-    except EngineFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        result, code = exc.result, EXIT_FAILED
+    result, code = run_reporting_failure(plan, _progress(args))
     result["machine"] = machine()
     result["model"] = spec.describe()
     _print(result, args.json, _serve_table)
@@ -137,7 +152,7 @@ def handle_serve(args: argparse.Namespace) -> int:
 def handle_bench(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.bench import balanced_micro_batch, machine, matches_reference, synthetic_requests
     from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
+    from mbridge_epoverlap.serving.engine import make_plan
 
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
@@ -154,12 +169,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     plan = make_plan(spec, requests, attn_workers=attn, expert_workers=experts, micro_batches=args.micro_batches,
                      colocated=colocated, order=args.order, max_new_tokens=args.steps, max_batch=batch,
                      backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype)
-    code = 0
-    try:
-        result = run_engine(plan, progress=_progress(args))
-    except EngineFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        result, code = exc.result, EXIT_FAILED
+    result, code = run_reporting_failure(plan, _progress(args))
     result["batch"] = batch
     result["balance_probes"] = probes
     result["matches_reference"] = code == 0 and matches_reference(spec, requests, result["completions"], args.steps)

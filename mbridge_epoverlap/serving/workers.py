@@ -153,10 +153,7 @@ class AttentionWorker:
             self.active = bool(self.queue.running)
             handles = split_micro_batches(self.queue.running, self.m)
             started, before = time.perf_counter(), self._tokens_running()
-            for index, step in enumerate(self.steps):
-                if self.beat is not None:
-                    self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
-                self.handlers[(step.stage, step.phase)](handles[step.micro_batch], step.layer)
+            self._run_steps(handles)
             for h in handles:
                 for work in h.sends:
                     work.wait(self.timeout_s)
@@ -239,6 +236,13 @@ class AttentionWorker:
             if layer == self.spec.num_layers - 1:
                 for seq, token in zip(h.seqs, self.greedy(self.part.logits(h.x[h.last_rows])), strict=True):
                     self.queue.append_token(seq, int(token))
+
+    def _run_steps(self, handles: list[MicroBatchHandle]) -> None:
+        """One decode step: this worker's steps of the order, in order, each reported to the heartbeat."""
+        for index, step in enumerate(self.steps):
+            if self.beat is not None:
+                self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
+            self.handlers[(step.stage, step.phase)](handles[step.micro_batch], step.layer)
 
 
 class ExpertWorker:
