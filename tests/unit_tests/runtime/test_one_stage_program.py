@@ -12,14 +12,13 @@ import random
 import pytest
 import torch
 
-from mbridge_epoverlap.moe.model import MoEGPT
 from mbridge_epoverlap.moe.wgrad import WeightGradStore
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
-from mbridge_epoverlap.runtime.optim import attach_main_grads
 from mbridge_epoverlap.schedule.program import STAGES, Direction, Phase, Step, one_f_one_b, predecessors
 from mbridge_epoverlap.schedule.resources import COLOCATED, DISAGGREGATED, TRAINING
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, sequential, two_batch_overlap
 from mbridge_epoverlap.schedule.simulator import simulate
+from tests.unit_tests.runtime.tiny_runs import micro_batches, tiny_model
 
 LAYERS = 2
 
@@ -32,20 +31,6 @@ SCHEDULES = {
     "two_batch_overlap": (lambda: two_batch_overlap(LAYERS, 2), COLOCATED),
     "sequential": (lambda: sequential(2, LAYERS), COLOCATED),
 }
-
-
-def _model(cfg):
-    model = MoEGPT(cfg.model, dtype=torch.float32)
-    model.init_parameters(cfg.train.seed)
-    attach_main_grads(model)
-    return model
-
-
-def _batches(cfg, n):
-    gen = torch.Generator().manual_seed(0)
-    shape = (cfg.train.micro_batch_size, cfg.model.seq_length)
-    return [(torch.randint(0, cfg.model.vocab_size, shape, generator=gen),
-             torch.randint(0, cfg.model.vocab_size, shape, generator=gen)) for _ in range(n)]
 
 
 def _closure(steps: list[Step]) -> dict[tuple[int, int, str], set[tuple[int, int, str]]]:
@@ -73,9 +58,9 @@ def test_executor_and_simulator_see_one_order_and_one_set_of_dependencies(make_t
     make_steps, resources = SCHEDULES[name]
     steps = make_steps()
     cfg = make_tiny(1)
-    micro_batches = max(s.micro_batch for s in steps) + 1
-    executor = ScheduleExecutor(_model(cfg), store=WeightGradStore(), trace=True)
-    executor.run(steps, _batches(cfg, micro_batches))
+    count = max(s.micro_batch for s in steps) + 1
+    executor = ScheduleExecutor(tiny_model(cfg), store=WeightGradStore(), trace=True)
+    executor.run(steps, micro_batches(cfg, count))
     executed = [step for step, _ in executor.trace]
     assert executed == steps
 
@@ -107,11 +92,11 @@ def test_executor_and_simulator_see_one_order_and_one_set_of_dependencies(make_t
 
 def test_forward_only_schedules_give_the_training_forward_losses(make_tiny):
     cfg = make_tiny(1)
-    batches = _batches(cfg, 2)
-    trained = ScheduleExecutor(_model(cfg), store=WeightGradStore()).run(one_f_one_b(2, LAYERS, overlap=False),
+    batches = micro_batches(cfg, 2)
+    trained = ScheduleExecutor(tiny_model(cfg), store=WeightGradStore()).run(one_f_one_b(2, LAYERS, overlap=False),
                                                                            batches)
     for steps in (ping_pong(2, LAYERS), two_batch_overlap(LAYERS, 2), sequential(2, LAYERS)):
-        executor = ScheduleExecutor(_model(cfg), store=WeightGradStore())
+        executor = ScheduleExecutor(tiny_model(cfg), store=WeightGradStore())
         losses = executor.run(steps, batches)
         assert all(torch.equal(a, b) for a, b in zip(losses, trained, strict=True))
         assert not executor._states  # every layer's state was freed after its last use

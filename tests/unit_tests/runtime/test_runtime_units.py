@@ -15,16 +15,15 @@ from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.dispatcher import AllToAllDispatcher, _source_to_expert_order
 from mbridge_epoverlap.moe.experts import GroupedExperts
-from mbridge_epoverlap.moe.model import MoEGPT
 from mbridge_epoverlap.moe.router import Routing, TopKRouter
 from mbridge_epoverlap.moe.wgrad import WeightGradStore, linear
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
 from mbridge_epoverlap.runtime.metrics import model_flops_per_iteration, tflops_per_gpu
-from mbridge_epoverlap.runtime.optim import attach_main_grads
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
 from mbridge_epoverlap.runtime.train import num_micro_batches, schedule_for
 from mbridge_epoverlap.runtime.worker import rank_and_world
 from mbridge_epoverlap.schedule.program import one_f_one_b
+from tests.unit_tests.runtime.tiny_runs import micro_batches, tiny_model
 
 
 def test_store_queues_under_capture_and_runs_in_order():
@@ -123,37 +122,23 @@ def test_source_to_expert_order_groups_by_expert_then_source(sources, local, dat
     assert keys == sorted(keys)
 
 
-def _tiny_model(cfg, dtype=torch.float32):
-    model = MoEGPT(cfg.model, dtype=dtype)
-    model.init_parameters(cfg.train.seed)
-    attach_main_grads(model)
-    return model
-
-
-def _batches(cfg, n):
-    gen = torch.Generator().manual_seed(0)
-    shape = (cfg.train.micro_batch_size, cfg.model.seq_length)
-    return [(torch.randint(0, cfg.model.vocab_size, shape, generator=gen),
-             torch.randint(0, cfg.model.vocab_size, shape, generator=gen)) for _ in range(n)]
-
-
 @pytest.mark.parametrize(("recipe", "balanced"), [("qwen3_30b_a3b", False), ("qwen3_30b_a3b", True),
                                                   ("deepseek_v3", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_single_rank_schedules_bitwise_equal_and_match_autograd(make_tiny, recipe, balanced, dtype):
     cfg = make_tiny(1, recipe=recipe)
     cfg.model.moe_router_force_load_balancing = balanced  # balanced: the batched-GEMM expert path
-    batches = _batches(cfg, 3)
+    batches = micro_batches(cfg, 3)
     results = []
     for overlap, delay in ((False, False), (True, False), (True, True), (False, True)):
-        model = _tiny_model(cfg, dtype)
+        model = tiny_model(cfg, dtype)
         steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay)
         losses = ScheduleExecutor(model, store=WeightGradStore()).run(steps, batches, loss_scale=1 / 3)
         results.append((losses, [p.main_grad.clone() for p in model.parameters()]))
     for losses, grads in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(losses, results[0][0], strict=True))
         assert all(torch.equal(a, b) for a, b in zip(grads, results[0][1], strict=True))
-    reference = _tiny_model(cfg, dtype)
+    reference = tiny_model(cfg, dtype)
     for tokens, labels in batches:
         (reference(tokens, labels) / 3).backward()
     for p, g in zip(reference.parameters(), results[0][1], strict=True):
@@ -183,11 +168,11 @@ def _deferrable(*modules) -> int:
 @pytest.mark.parametrize(("overlap", "delay"), [(False, False), (True, True)])
 def test_wgrad_steps_run_the_closures_queued_in_the_executors_store(make_tiny, recipe, overlap, delay):
     cfg = make_tiny(1, recipe=recipe)
-    model = _tiny_model(cfg)
+    model = tiny_model(cfg)
     store = _CountingStore()
     steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay)
     executor = ScheduleExecutor(model, store=store)
-    executor.run(steps, _batches(cfg, 3), loss_scale=1 / 3)
+    executor.run(steps, micro_batches(cfg, 3), loss_scale=1 / 3)
     ranges = [s.stage if s.phase.value == "run" else f"{s.stage}.{s.phase.value}" for s in steps]
     assert {name: len(times) for name, times in executor.step_s.items()} == {n: ranges.count(n) for n in ranges}
     expected = {}
@@ -204,9 +189,9 @@ def test_executor_rejects_bad_schedules(make_tiny):
     cfg = make_tiny(1)
     steps = one_f_one_b(2, cfg.model.num_layers, overlap=False)
     with pytest.raises(RuntimeError, match="left work behind"):
-        ScheduleExecutor(_tiny_model(cfg)).run(steps[:-1], _batches(cfg, 2))
+        ScheduleExecutor(tiny_model(cfg)).run(steps[:-1], micro_batches(cfg, 2))
     with pytest.raises(ValueError):
-        ScheduleExecutor(_tiny_model(cfg)).run(list(reversed(steps)), _batches(cfg, 2))
+        ScheduleExecutor(tiny_model(cfg)).run(list(reversed(steps)), micro_batches(cfg, 2))
 
 
 def test_schedule_follows_the_model_switches(make_tiny):
