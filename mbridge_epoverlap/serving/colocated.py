@@ -84,12 +84,7 @@ class ColocatedWorker(AttentionWorker):
         if not self.spec.is_moe(layer):
             return
         with self.timer.time(DISPATCH.name, record=not h.empty):
-            if h.empty:
-                hidden = torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype())
-                ids = torch.zeros(0, self.spec.top_k, dtype=torch.int64)
-            else:
-                hidden, ids = h.attn.tokens, h.attn.expert_ids
-            owners = self.owner[ids] if ids.numel() else ids
+            hidden, ids, owners = self._dispatch_rows(h)
             h.routes = [(owners == rank).nonzero(as_tuple=True) for rank in range(self.world)]
             send = [int(token.numel()) for token, _ in h.routes]
             rows = torch.cat([hidden[token] for token, _ in h.routes]).contiguous()

@@ -195,12 +195,7 @@ class AttentionWorker:
         control = torch.tensor([ACTIVE if self.active else IDLE], dtype=torch.int64)
         with self.timer.time(DISPATCH.name, record=not h.empty):
             h.routes = []
-            if h.empty:
-                hidden = torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype())
-                ids = torch.zeros(0, self.spec.top_k, dtype=torch.int64)
-            else:
-                hidden, ids = h.attn.tokens, h.attn.expert_ids
-            owners = self.owner[ids] if ids.numel() else ids
+            hidden, ids, owners = self._dispatch_rows(h)
             for worker, rank in enumerate(self.expert_ranks):
                 token, slot = (owners == worker).nonzero(as_tuple=True)
                 h.routes.append((token, slot))
@@ -236,6 +231,16 @@ class AttentionWorker:
             if layer == self.spec.num_layers - 1:
                 for seq, token in zip(h.seqs, self.greedy(self.part.logits(h.x[h.last_rows])), strict=True):
                     self.queue.append_token(seq, int(token))
+
+    def _dispatch_rows(self, h: MicroBatchHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens [T, hidden], expert ids [T, k], owning worker of each id) of a micro-batch to dispatch; an
+        empty micro-batch still takes part in the exchange, with zero rows."""
+        if h.empty:
+            hidden = torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype())
+            ids = torch.zeros(0, self.spec.top_k, dtype=torch.int64)
+        else:
+            hidden, ids = h.attn.tokens, h.attn.expert_ids
+        return hidden, ids, self.owner[ids] if ids.numel() else ids
 
     def _run_steps(self, handles: list[MicroBatchHandle]) -> None:
         """One decode step: this worker's steps of the order, in order, each reported to the heartbeat."""
