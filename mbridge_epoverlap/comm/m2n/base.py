@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -105,6 +106,21 @@ class M2NCommunicator(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every buffer, segment and connection (idempotent)."""
+
+    def connect(self, peer: int, store: Any, key_prefix: str) -> None:
+        """Open (or re-open) the channel to `peer`, a process that starts after this communicator: a replacement
+        of a lost peer rank, or a rank that was not a peer. It creates its communicator with `key_prefix`, this
+        rank among its peers and the same settings; both sides meet in `store`. Call it where no message to or
+        from `peer` is in flight (a step boundary); messages pending to the old process are dropped.
+
+        Raises:
+            UsageError: the backend cannot open channels after set-up.
+            PeerError: `peer` did not join within the timeout.
+        """
+        from mbridge_epoverlap.errors import UsageError
+
+        raise UsageError(f"the {self.backend} M2N backend cannot open a channel after set-up (a replacement worker "
+                         "joining back needs it); use backend shm (or m2n on one host)")
 
     def __enter__(self) -> M2NCommunicator:
         return self

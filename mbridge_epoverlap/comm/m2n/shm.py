@@ -11,6 +11,11 @@ then sleeps in `poll` on the rank's doorbell FIFO (a sender writes a byte to it 
 receiver after freeing a slot of a full ring) and on the peer's pidfd, so a dead peer wakes it at once.
 Segment and FIFO names are removed from /dev/shm as soon as every peer has opened them, so a rank killed
 with SIGKILL later leaves nothing behind; `close()` removes them if set-up did not get that far.
+
+`connect(peer, ...)` opens a channel after set-up (a replacement of a lost peer): this rank makes a new
+segment holding the one inbound channel and a new doorbell FIFO for it (the first ones' names are gone, so the
+newcomer could not open them), meets the newcomer in the store as at set-up, and drops the names again. The
+old process's mapping stays until `close()`.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class ShmCommunicator(M2NCommunicator):
         self._views: list[Any] = []
         self._maps: list[mmap.mmap] = []
         self._fds: list[int] = []
+        self._bells: list[int] = []  # read ends of this rank's doorbell FIFOs (one per set-up or connect)
         self._peers: dict[int, _Peer] = {}
         self._stride = slot_stride(slot_bytes)
         try:
@@ -111,28 +117,33 @@ class ShmCommunicator(M2NCommunicator):
     # --- set-up -------------------------------------------------------------------------------------
 
     def _setup(self, store: Any, key_prefix: str) -> None:
+        self._open(store, key_prefix, self.peers)
+
+    def _open(self, store: Any, key_prefix: str, peers: Sequence[int]) -> None:
+        """Make a segment with an inbound channel per peer in `peers`, meet them in `store`, map theirs."""
         base = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{self.rank}-{secrets.token_hex(4)}")
         channel_bytes = _CTRL_BYTES + self.slots * self._stride
         segment, fifo = base + ".seg", base + ".fifo"
         fd = os.open(segment, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         self._paths.append(segment)
         try:
-            os.ftruncate(fd, max(1, channel_bytes * len(self.peers)))
-            own = mmap.mmap(fd, max(1, channel_bytes * len(self.peers)),
+            os.ftruncate(fd, max(1, channel_bytes * len(peers)))
+            own = mmap.mmap(fd, max(1, channel_bytes * len(peers)),
                             flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self._maps.append(own)
         os.mkfifo(fifo, 0o600)
         self._paths.append(fifo)
-        self._bell = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # O_RDWR: never blocks, never sees EOF
-        self._fds.append(self._bell)
-        offsets = {p: i * channel_bytes for i, p in enumerate(self.peers)}
+        bell = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # O_RDWR: never blocks, never sees EOF
+        self._fds.append(bell)
+        self._bells.append(bell)
+        offsets = {p: i * channel_bytes for i, p in enumerate(peers)}
         rdv = Rendezvous(store, f"{key_prefix}/shm", self.rank, self.timeout_s, self.roles)
         rdv.publish({"pid": os.getpid(), "host": this_host(), "segment": segment, "fifo": fifo,
                      "slot_bytes": self.slot_bytes, "slots": self.slots, "stride": self._stride,
                      "offsets": {str(p): o for p, o in offsets.items()}})
-        records = rdv.fetch(self.peers)
+        records = rdv.fetch(peers)
         for peer, rec in records.items():
             if rec["host"] != this_host():
                 raise PeerError(peer, f"runs on host {rec['host']}, not {this_host()}: the shm backend needs "
@@ -151,14 +162,14 @@ class ShmCommunicator(M2NCommunicator):
             finally:
                 os.close(fd)
             self._maps.append(peer_map)
-            bell = os.open(rec["fifo"], os.O_WRONLY | os.O_NONBLOCK)
-            self._fds.append(bell)
+            peer_bell = os.open(rec["fifo"], os.O_WRONLY | os.O_NONBLOCK)
+            self._fds.append(peer_bell)
             out = self._channel(peer_map, int(rec["offsets"][str(self.rank)]))
             inbound = self._channel(own, offsets[peer])
-            self._peers[peer] = _Peer(peer, PeerWatch(int(rec["pid"]), rec["host"]), bell, out, inbound,
+            self._peers[peer] = _Peer(peer, PeerWatch(int(rec["pid"]), rec["host"]), peer_bell, out, inbound,
                                       capacity=int(rec["slot_bytes"]))
         # Everyone has opened our segment and FIFO once every peer passed this point: drop the names.
-        rdv.barrier(self.peers, "attached")
+        rdv.barrier(peers, "attached")
         self._unlink()
 
     def _channel(self, mapping: mmap.mmap, offset: int) -> _Channel:
@@ -202,6 +213,26 @@ class ShmCommunicator(M2NCommunicator):
         return self._work(peer, f"receive (tag {tag}) from rank {peer}", lambda: self._poll(p, item),
                           lambda deadline: self._block(p, item, deadline), lambda: item.result)
 
+    def connect(self, peer: int, store: Any, key_prefix: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"M2N communicator of rank {self.rank} is closed")
+        if peer == self.rank:
+            from mbridge_epoverlap.errors import UsageError
+
+            raise UsageError(f"rank {self.rank} cannot connect to itself")
+        old = self._peers.pop(peer, None)
+        if old is not None:  # the lost process: forget its channel (its mapping goes at close)
+            old.watch.close()
+            with contextlib.suppress(OSError):
+                os.close(old.doorbell)
+            self._fds.remove(old.doorbell)
+        self.peers = tuple(sorted(set(self.peers) | {peer}))
+        try:
+            self._open(store, key_prefix, [peer])
+        except BaseException:
+            self._unlink()
+            raise
+
     def close(self) -> None:
         if self._closed:
             return
@@ -214,6 +245,7 @@ class ShmCommunicator(M2NCommunicator):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds.clear()
+        self._bells.clear()
         for view in reversed(self._views):
             if isinstance(view, memoryview):
                 view.release()
@@ -269,9 +301,10 @@ class ShmCommunicator(M2NCommunicator):
             os.write(p.doorbell, b"\0")
 
     def _drain_doorbell(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._bell, 4096):
-                pass
+        for bell in self._bells:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(bell, 4096):
+                    pass
 
     def _poll(self, p: _Peer, item: _Pending) -> bool:
         if not item.done and not self._closed:
@@ -288,7 +321,8 @@ class ShmCommunicator(M2NCommunicator):
             if self._poll(p, item):
                 return True
         poller = select.poll()
-        poller.register(self._bell, select.POLLIN)
+        for bell in self._bells:
+            poller.register(bell, select.POLLIN)
         if p.watch.fd is not None:
             poller.register(p.watch.fd, select.POLLIN)
         while True:

@@ -6,6 +6,9 @@ Scenarios:
   message is refused and receivers that a receive nobody answers times out naming the peer.
 - victim / survivor: rank 0 (victim) sets up and sleeps until killed; rank 1 (survivor) waits on a receive
   from it and reports the error it gets.
+- host / victim1 / newcomer: rank 0 (host) and rank 1 (victim1) set up; the test kills rank 1; the host
+  notices, `connect`s the channel again, and exchanges a message each way with a new rank-1 process
+  (newcomer) that created its communicator later, in the namespace "rejoin/1".
 Each rank writes its outcome as JSON to OUT/rank{RANK}.json.
 """
 
@@ -52,8 +55,8 @@ def main() -> int:
     scenario, backend = sys.argv[1], sys.argv[2]
     rank, world, senders, port = (int(x) for x in sys.argv[3:7])
     out = Path(sys.argv[7])
-    store = dist.TCPStore("127.0.0.1", port, None, rank == 0, timeout=timedelta(seconds=30),
-                          wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", port, None, rank == 0 and scenario != "newcomer",
+                          timeout=timedelta(seconds=30), wait_for_workers=False)
     result: dict[str, object] = {"rank": rank}
     if scenario == "exchange":
         is_sender = rank < senders
@@ -114,6 +117,32 @@ def main() -> int:
         except PeerError as exc:
             result.update(error=str(exc), peer=exc.peer, seconds=time.monotonic() - start)
         comm.close()
+    elif scenario in ("host", "victim1"):
+        comm = make_communicator(backend, rank=rank, peers=[1 - rank], store=store, slot_bytes=1024, timeout_s=20,
+                                 world_size=2)
+        if rank == 1:
+            (out / "ready").write_text("1")
+            time.sleep(60)  # the test kills this process
+        try:
+            comm.irecv(1).wait()
+        except PeerError as exc:
+            result["lost"] = str(exc)
+        try:
+            comm.connect(1, store, "rejoin/1")
+        except UsageError as exc:
+            result["connect"] = str(exc)
+        else:
+            comm.isend(1, [torch.arange(5)], tag=3).wait()
+            result["reply"] = comm.irecv(1, tag=4).wait()[0].tolist()
+            store.wait(["left/1"], timedelta(seconds=30))
+        comm.close()
+    elif scenario == "newcomer":
+        with make_communicator(backend, rank=1, peers=[0], store=store, slot_bytes=1024, timeout_s=20,
+                               key_prefix="rejoin/1") as comm:
+            got = comm.irecv(0, tag=3).wait()[0]
+            comm.isend(0, [got * 10], tag=4).wait()
+            result["got"] = got.tolist()
+        store.set("left/1", "1")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     return 0
 

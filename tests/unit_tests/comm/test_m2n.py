@@ -93,6 +93,41 @@ def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path
     assert _shm_names([p.pid for p in procs]) == []
 
 
+@pytest.mark.parametrize("backend", ["shm", "torch"])
+def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path: Path) -> None:
+    procs = _start("host", backend, 1, 1, tmp_path)  # rank 0 only; rank 1's processes are started below
+    port = procs[0].args[7]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+
+    def start(scenario: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, str(PEER), scenario, backend, "1", "2", "1", port, str(tmp_path)],
+                                env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    victim = start("victim1")
+    newcomer = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline and victim.poll() is None, "the victim did not set up"
+            time.sleep(0.05)
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+        if backend == "shm":
+            newcomer = start("newcomer")
+    finally:
+        logs = _finish([procs[0]] + ([newcomer] if newcomer else []))
+    assert procs[0].returncode == 0, logs[0][-3000:]
+    host = json.loads((tmp_path / "rank0.json").read_text())
+    assert "peer rank 1" in host["lost"]
+    if backend == "shm":
+        assert host["reply"] == [0, 10, 20, 30, 40]
+        assert json.loads((tmp_path / "rank1.json").read_text())["got"] == [0, 1, 2, 3, 4]
+    else:
+        assert "cannot open a channel after set-up" in host["connect"] and "use backend shm" in host["connect"]
+    pids = [p.pid for p in procs] + [victim.pid] + ([newcomer.pid] if newcomer else [])
+    assert _shm_names(pids) == []
+
+
 def test_bench_json_shape() -> None:
     result = run_cli("m2n-bench", "--senders", "1", "--receivers", "2", "--sizes", "2K,3000", "--iters", "3",
                      "--backend", "m2n", "--json")
