@@ -9,11 +9,16 @@ run that kills `--kill` expert workers) and reports medians over the runs:
   model, so the figures differ in scale by far more than the method;
 * detection: from the kill to the first attention worker noticing it;
 * throughput after / before the failure, beside the survivors' share of expert workers;
-* no-failure cost: elastic over plain decode tokens/s, alternated A B B A ..., medians (target >= 0.97).
+* no-failure cost: elastic over plain decode tokens/s, alternated A B B A ..., medians (target >= 0.97);
+* with `--rejoin-after-steps N`: a replacement process joins back N steps after the loss: when (from the
+  kill), how long decoding waited for it, and tokens/s after it joined;
+* with `--rebalance-every K`: the placement is re-solved for the measured load every K steps (in the
+  no-failure elastic runs too): rebalances that moved experts, and max/mean load before and after.
 
     python benchmarks/elastic_bench.py            # ~5 minutes on 2 cores
     python benchmarks/elastic_bench.py --quick    # ~1 minute (benchmarks/run_all.py)
     python benchmarks/elastic_bench.py --json
+    python benchmarks/elastic_bench.py --rejoin-after-steps 16 --rebalance-every 8
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ sys.path.insert(0, str(REPO))
 def _run(args: argparse.Namespace, steps: int, repeats: int) -> dict:
     command = [sys.executable, "-m", "mbridge_epoverlap.cli", "elastic-bench", "--json",
                "--expert-workers", str(args.expert_workers), "--redundant-experts", str(args.redundant_experts),
-               "--kill", str(args.kill), "--steps", str(steps), "--repeats", str(repeats)]
+               "--kill", str(args.kill), "--steps", str(steps), "--repeats", str(repeats),
+               "--rebalance-every", str(args.rebalance_every), "--rejoin-after-steps", str(args.rejoin_after_steps)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"elastic-bench failed ({done.returncode}):\n{done.stderr[-2000:]}")
@@ -47,6 +53,8 @@ def main() -> int:
     parser.add_argument("--expert-workers", type=int, default=4)
     parser.add_argument("--redundant-experts", type=int, default=4)
     parser.add_argument("--kill", type=int, default=1)
+    parser.add_argument("--rebalance-every", type=int, default=0, metavar="K")
+    parser.add_argument("--rejoin-after-steps", type=int, default=0, metavar="N")
     args = parser.parse_args()
     runs, steps, repeats = (1, 16, 1) if args.quick else (args.runs, 32, 2)
     results = []
@@ -72,6 +80,10 @@ def main() -> int:
         "elastic_over_plain": statistics.median(elastic) / statistics.median(plain),
         "pairs": len(plain), "layout": results[0]["layout"], "model": results[0]["model"],
         "machine": results[0]["machine"],
+        "rejoined_after_s": median("rejoined_after_s"), "rejoin_wait_s": median("rejoin_wait_s"),
+        "throughput_after_rejoin": median("throughput_after_rejoin"),
+        "rejoined_every_run": all(r["rejoined_workers"] for r in results),
+        "rebalances_moved": [[b for b in r["rebalances"] if not b["kept"]] for r in results],
     }
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
@@ -88,7 +100,20 @@ def main() -> int:
     print(f"outputs match reference: {doc['outputs_match_reference']}; lost requests: {doc['lost_requests']}")
     print(f"no failure, elastic / plain decode tokens/s: {doc['elastic_over_plain']:.3f} (medians of "
           f"{doc['pairs']} A/B pairs; target >= 0.97)")
+    if args.rejoin_after_steps:
+        print(f"rejoined in every run: {doc['rejoined_every_run']}; after {_fmt(doc['rejoined_after_s'])} s from the "
+              f"kill (decoding waited {_fmt(doc['rejoin_wait_s'])} s for the replacement); tokens/s after rejoin "
+              f"{_fmt(doc['throughput_after_rejoin'], '{:.1f}')}")
+    if args.rebalance_every:
+        for i, moved in enumerate(doc["rebalances_moved"]):
+            print(f"run {i + 1} rebalances: " + ("; ".join(
+                f"step {b['step']}: {b['moved']} moved, max/mean {b['imbalance_before']:.3f} -> "
+                f"{b['imbalance_after']:.3f}" for b in moved) or "none lowered the load"))
     return 0
+
+
+def _fmt(value: float | None, spec: str = "{:.3f}") -> str:
+    return "-" if value is None else spec.format(value)
 
 
 if __name__ == "__main__":

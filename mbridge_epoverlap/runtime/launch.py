@@ -91,7 +91,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                      results_name: str = "results.json", on_start: Callable[[list[int]], None] | None = None,
                      rank_names: Mapping[int, str] | None = None,
                      collect: Callable[[Path], dict[str, Any]] | None = None,
-                     expendable: Collection[int] = ()) -> dict[str, Any]:
+                     expendable: Collection[int] = (),
+                     respawn: Callable[[int, int], list[str] | None] | None = None) -> dict[str, Any]:
     """Start `world` local processes, supervise them, and return the JSON rank 0 wrote to `results_name`.
 
     The one launcher of the project (training ranks, serving workers): each process runs in its own
@@ -115,6 +116,10 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
         expendable: ranks whose failure the run survives (elastic serving's expert workers): their exit,
             whatever its code, is not a failure; the ones that failed are listed under `lost_ranks` in
             `collect`'s answer.
+        respawn: `(rank, generation) -> argv or None`: when an expendable rank fails while a rank that is not
+            expendable still runs, start this command as replacement `generation` (1, 2, ...) of that rank,
+            with the same environment (`{workdir}` replaced; its output in `rank<R>.g<G>.out/.err`); `on_start`
+            is called again with its process id. None (or a None answer): no replacement.
 
     Raises:
         RunFailedError: a process failed, hung or the run timed out.
@@ -135,7 +140,17 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                 env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
             else:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
-            ranks = stack.enter_context(_Ranks(workdir, rank_names, expendable))
+            def started(rank: int, pid: int) -> None:
+                if on_start is not None:
+                    on_start([pid])
+
+            replace = None
+            if respawn is not None:
+                def replace(rank: int, generation: int) -> list[str] | None:
+                    command = respawn(rank, generation)
+                    return None if command is None else [arg.replace("{workdir}", str(workdir)) for arg in command]
+
+            ranks = stack.enter_context(_Ranks(workdir, rank_names, expendable, replace, started))
             for rank in range(world):
                 prefix = link.command_prefix(rank) if link is not None else []
                 command = [arg.replace("{workdir}", str(workdir)) for arg in command_for(rank)]
@@ -232,21 +247,40 @@ class _Rank:
     err_path: Path
     killed: bool = False
     read_pos: int = 0
+    generation: int = 0  # 0: the first process of this rank; G: its G-th replacement
+    replaced: bool = False
 
 
 class _Ranks:
     """The rank processes of one run: start, supervise, diagnose, and always kill what is left."""
 
     def __init__(self, workdir: Path, names: Mapping[int, str] | None = None,
-                 expendable: Collection[int] = ()) -> None:
+                 expendable: Collection[int] = (), respawn: Callable[[int, int], list[str] | None] | None = None,
+                 on_respawn: Callable[[int, int], None] | None = None) -> None:
         self.workdir = workdir
         self.ranks: list[_Rank] = []
         self.names = dict(names or {})
         self.expendable = frozenset(expendable)
+        self.respawn, self.on_respawn = respawn, on_respawn
+        self.envs: dict[int, dict[str, str]] = {}
 
     def lost(self) -> list[int]:
-        """Expendable ranks that exited with a failure (the run went on without them)."""
-        return [r.rank for r in self.ranks if r.rank in self.expendable and r.proc.returncode not in (0, None)]
+        """Expendable ranks that exited with a failure (the run went on without them, or with a replacement)."""
+        return sorted({r.rank for r in self.ranks if r.rank in self.expendable and r.proc.returncode not in (0, None)})
+
+    def _replace_lost(self) -> None:
+        """Start replacements for expendable ranks that failed, while the run still has work."""
+        if self.respawn is None or not any(r.proc.poll() is None for r in self.ranks if r.rank not in self.expendable):
+            return
+        for r in list(self.ranks):
+            if r.replaced or r.rank not in self.expendable or r.proc.poll() in (None, 0):
+                continue
+            r.replaced = True
+            command = self.respawn(r.rank, r.generation + 1)
+            if command is not None:
+                self.start(r.rank, command, self.envs[r.rank], generation=r.generation + 1)
+                if self.on_respawn is not None:
+                    self.on_respawn(r.rank, self.ranks[-1].proc.pid)
 
     def name(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
@@ -260,12 +294,14 @@ class _Ranks:
             r.out.close()
             r.err.close()
 
-    def start(self, rank: int, command: list[str], env: dict[str, str]) -> None:
-        out_path, err_path = self.workdir / f"rank{rank}.out", self.workdir / f"rank{rank}.err"
+    def start(self, rank: int, command: list[str], env: dict[str, str], generation: int = 0) -> None:
+        name = f"rank{rank}" + (f".g{generation}" if generation else "")
+        out_path, err_path = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
         out, err = open(out_path, "wb"), open(err_path, "wb")  # noqa: SIM115 - closed in __exit__
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
-        self.ranks.append(_Rank(rank, proc, out, err, out_path, err_path))
+        self.envs[rank] = env
+        self.ranks.append(_Rank(rank, proc, out, err, out_path, err_path, generation=generation))
 
     def supervise(self, *, timeout_s: float, progress: Callable[[str], None] | None) -> None:
         """Return when every rank exited with 0; raise RunFailedError otherwise."""
@@ -273,6 +309,7 @@ class _Ranks:
         failed_at: float | None = None
         while True:
             self._forward_progress(progress)
+            self._replace_lost()
             codes = [r.proc.poll() for r in self.ranks]
             if all(c == 0 or (c is not None and r.rank in self.expendable)
                    for r, c in zip(self.ranks, codes, strict=True)):

@@ -12,6 +12,12 @@ dead), so expert workers learn of a loss from the first message that carries it,
 Experts whose every replica died (`eplb.orphaned_experts`) are restored by their new holders from the
 checkpoint on disk (a recipe model redraws them from its seed): with `restore=False` there is no copy, and
 the loss ends the run naming those experts.
+
+A placement can also change while requests flow, at a step boundary, as a new layout *epoch*: periodic
+rebalancing (`ElasticLayout.resolved` with the load the attention workers measured) and a replacement expert
+worker joining back (`serving.elastic_sync` decides when; `serving.expert_moves` moves the weights). The
+epoch's table travels in the control tensor beside the alive mask; within an epoch, losses still follow the
+mask rule above.
 """
 
 from __future__ import annotations
@@ -77,6 +83,13 @@ class ElasticLayout:
     alive: frozenset[int]
 
     @classmethod
+    def from_slots(cls, num_experts: int, workers: int, slots: Sequence[int]) -> ElasticLayout:
+        """The layout a slot table describes; a worker is alive when its slots hold experts."""
+        per = len(slots) // workers
+        alive = frozenset(w for w in range(workers) if slots[w * per] != eplb.EMPTY_SLOT)
+        return cls(num_experts, workers, tuple(int(e) for e in slots), alive)
+
+    @classmethod
     def initial(cls, num_experts: int, workers: int, redundant: int) -> ElasticLayout:
         """The start placement: `eplb.rebalance_experts` on a uniform load (no load measured yet)."""
         check_elastic(num_experts, workers, redundant)
@@ -111,11 +124,23 @@ class ElasticLayout:
             return self, []
         if not alive:
             raise UsageError(f"every expert worker is lost ({sorted(self.alive)}); an elastic run needs at least one")
-        weight = torch.ones(1, self.num_experts)
-        solved = eplb.rebalance_over_survivors(weight, len(self.slots), self.workers, sorted(alive))
         orphans = eplb.orphaned_experts(torch.tensor([self.slots]), self.workers, sorted(alive)).get(0, [])
+        return self.resolved(alive), orphans
+
+    def resolved(self, alive: Iterable[int], load: torch.Tensor | None = None) -> ElasticLayout:
+        """The placement solved afresh over the workers `alive` for `load` (`[experts]` token counts; uniform
+        when None): `eplb.rebalance_over_survivors`, then `spread_replicas`. A function of its inputs only, so
+        every worker that calls it with the same alive set and load gets the same table."""
+        alive = frozenset(alive)
+        weight = torch.ones(1, self.num_experts) if load is None else load.reshape(1, -1).to(torch.float64)
+        solved = eplb.rebalance_over_survivors(weight, len(self.slots), self.workers, sorted(alive))
         slots = spread_replicas(solved.phy2log[0].tolist(), self.workers)
-        return ElasticLayout(self.num_experts, self.workers, slots, frozenset(alive)), orphans
+        return ElasticLayout(self.num_experts, self.workers, slots, alive)
+
+    def imbalance(self, load: torch.Tensor) -> float:
+        """max/mean load over the live workers for `load` (`[experts]` token counts), replicas sharing evenly."""
+        value = eplb.imbalance(load.reshape(1, -1), torch.tensor([self.slots]), self.workers, sorted(self.alive))
+        return float(value[0])
 
     def with_mask(self, mask: int) -> tuple[ElasticLayout, list[int]]:
         """`without` the workers whose bit is clear in `mask` (merge by AND: the dead stay dead)."""
@@ -173,17 +198,18 @@ class Router:
 
 
 class ExpertStore:
-    """The expert weights an expert worker holds: its start share plus experts loaded after a re-placement.
+    """The expert weights an expert worker holds: its start share plus experts loaded or received later.
 
-    Called like an `ExpertPart` (`store(layer, tokens, expert_ids)`); weights are never dropped, so tokens
-    routed by an attention worker that has not yet seen a loss still find their expert.
+    Called like an `ExpertPart` (`store(layer, tokens, expert_ids)`). A loss only adds weights (tokens routed
+    by an attention worker that has not yet seen the loss still find their expert); a new layout epoch, which
+    every worker enters at the same step boundary, drops the experts the worker no longer holds (`retain`).
     """
 
     def __init__(self, spec: Any, expert_ids: Sequence[int]) -> None:
         from mbridge_epoverlap.serving.model import load_expert_part
 
         self.spec = spec
-        self.parts = [load_expert_part(spec, expert_ids)]
+        self.parts = [load_expert_part(spec, expert_ids)] if expert_ids else []
 
     @property
     def held(self) -> set[int]:
@@ -198,6 +224,55 @@ class ExpertStore:
             self.parts.append(load_expert_part(self.spec, missing))
         return missing
 
+    def export(self, expert_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w1, w2)` of `expert_ids`, stacked `[moe layers, experts, ...]` (one message's worth of weights)."""
+        w1, w2 = [], []
+        for layer in self.spec.moe_layer_ids:
+            rows1, rows2 = [], []
+            for expert in expert_ids:
+                part = next(p for p in self.parts if expert in p.expert_ids)
+                local = int(part.local_index[expert])
+                grouped = part.experts[str(layer)]
+                rows1.append(grouped.w1[local])
+                rows2.append(grouped.w2[local])
+            w1.append(torch.stack(rows1))
+            w2.append(torch.stack(rows2))
+        return torch.stack(w1), torch.stack(w2)
+
+    def install(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """Hold `expert_ids` with the weights `export` gave (on another worker)."""
+        self.parts.append(self._part(expert_ids, w1, w2))
+
+    def retain(self, expert_ids: Iterable[int]) -> list[int]:
+        """Drop every expert not in `expert_ids`; return the dropped ones."""
+        keep = set(expert_ids)
+        dropped = sorted(self.held - keep)
+        if not dropped:
+            return []
+        parts = []
+        for part in self.parts:
+            kept = [e for e in part.expert_ids if e in keep]
+            if len(kept) == len(part.expert_ids):
+                parts.append(part)
+            elif kept:  # a smaller part with the kept experts' weights
+                local = [int(part.local_index[e]) for e in kept]
+                w1 = torch.stack([part.experts[str(layer)].w1[local] for layer in self.spec.moe_layer_ids])
+                w2 = torch.stack([part.experts[str(layer)].w2[local] for layer in self.spec.moe_layer_ids])
+                parts.append(self._part(kept, w1, w2))
+        self.parts = parts
+        return dropped
+
+    def _part(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> Any:
+        from mbridge_epoverlap.serving.model import ExpertPart
+
+        part = ExpertPart(self.spec, expert_ids)
+        order = [list(expert_ids).index(e) for e in part.expert_ids]  # the part keeps its ids sorted
+        with torch.no_grad():
+            for i, layer in enumerate(self.spec.moe_layer_ids):
+                part.experts[str(layer)].w1.copy_(w1[i, order])
+                part.experts[str(layer)].w2.copy_(w2[i, order])
+        return part
+
     def __call__(self, layer: int, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if len(self.parts) == 1:
             return self.parts[0](layer, tokens, expert_ids)
@@ -209,7 +284,8 @@ class ExpertStore:
         return out
 
 
-def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True) -> Any:
+def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
+                 rebalance_every: int = 0, rejoin_after_steps: int = 0) -> Any:
     """`plan` (disaggregated, from `engine.make_plan`) in elastic mode with `redundant` extra expert slots.
 
     Args:
@@ -218,13 +294,18 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
         kill: fault injection: this many expert workers (the first ones) SIGKILL themselves mid-decode.
         kill_step: the decode step they die in.
         restore: whether experts whose every replica died may be restored from the checkpoint.
+        rebalance_every: re-solve the placement for the measured expert load every this many decode steps,
+            moving the weights that change owner between expert workers (0: never).
+        rejoin_after_steps: start a replacement for each lost expert worker and admit it at the first step
+            boundary this many decode steps after the loss (0: never).
 
     Raises:
-        UsageError: a colocated plan, or a layout `check_elastic` rejects.
+        UsageError: a colocated plan, a layout `check_elastic` rejects, or a negative period.
     """
     from dataclasses import replace
 
     from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.expert_moves import weight_slot_bytes
     from mbridge_epoverlap.serving.plan import COLOCATED
 
     if plan.mode == COLOCATED:
@@ -235,8 +316,17 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
                          f"--backend {' or '.join(RESUMABLE_BACKENDS)}")
     if kill_step < 1:
         raise UsageError(f"kill step {kill_step} must be >= 1 (mid-decode, after the prefill step)")
+    if rebalance_every < 0:
+        raise UsageError(f"--rebalance-every {rebalance_every} must be >= 1 (decode steps between rebalances), "
+                         "or 0 to keep the start placement")
+    if rejoin_after_steps < 0:
+        raise UsageError(f"--rejoin-after-steps {rejoin_after_steps} must be >= 1 (decode steps between a loss and "
+                         "the replacement's admission), or 0 to go on without replacements")
     spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
     check_elastic(spec.num_experts, plan.expert_workers, redundant, kill)
     layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant)
     victims = tuple((worker, kill_step) for worker in range(kill))
-    return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims)
+    moving = rebalance_every or rejoin_after_steps
+    return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
+                   rebalance_every=rebalance_every, rejoin_after_steps=rejoin_after_steps,
+                   weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)

@@ -3,8 +3,11 @@
 One run kills `--kill` expert workers mid-decode (SIGKILL, fault injection) and reports the interruption
 (from the kill to the next token of every request in flight), when the loss was detected, throughput before
 and after (with the survivors' share of expert workers), lost requests, and whether every token equals a
-failure-free run of the same weights. Then the no-failure cost of elastic mode: the plain engine and the
-elastic engine on the same requests, alternated (A B B A ...), medians of decode tokens/s.
+failure-free run of the same weights. With `--rejoin-after-steps N` a replacement process joins back N steps
+after the loss (when it joined, throughput after it); with `--rebalance-every K` the placement is re-solved
+for the measured load every K decode steps (each rebalance: experts moved, max/mean load before and after).
+Then the no-failure cost of elastic mode: the plain engine and the elastic engine on the same requests,
+alternated (A B B A ...), medians of decode tokens/s.
 
 `register` only touches argparse; the engine is imported by the handler.
 """
@@ -15,6 +18,7 @@ import argparse
 import statistics
 from typing import Any
 
+from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.serve_cli import (
     _model_args,
     _positive,
@@ -53,7 +57,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="plain/elastic pairs for the no-failure cost (default 3)")
     bench.add_argument("--no-expert-restore", action="store_true",
                        help="no weight copy: losing every replica of an expert ends the run naming it")
+    epoch_args(bench)
     bench.set_defaults(handler=handle_elastic_bench)
+
+
+def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """`--rebalance-every` and `--rejoin-after-steps`, for serve (`when`: "with --elastic: ") and elastic-bench."""
+    parser.add_argument("--rebalance-every", type=_count, default=0, metavar="K",
+                        help=f"{when}re-solve the expert placement for the measured load every K decode "
+                             "steps, moving weights between expert workers (default 0: never)")
+    parser.add_argument("--rejoin-after-steps", type=_count, default=0, metavar="N",
+                        help=f"{when}start a replacement for a lost expert worker and admit it N decode "
+                             "steps after the loss, waiting for it then if it is still starting (default 0: never)")
 
 
 def handle_elastic_bench(args: argparse.Namespace) -> int:
@@ -65,13 +80,17 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     source = args.checkpoint if args.checkpoint is not None else (args.recipe or DEFAULT_RECIPE)
     spec = load_spec(str(source), dtype=args.dtype)
     check_elastic(spec.num_experts, args.expert_workers, args.redundant_experts, args.kill)
+    if args.rejoin_after_steps and not args.kill:
+        raise UsageError(f"--rejoin-after-steps {args.rejoin_after_steps} replaces a killed expert worker; add "
+                         "--kill 1 (or more)")
     requests = synthetic_requests(args.batch, spec.vocab_size)
     plain = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                       micro_batches=args.micro_batches, max_new_tokens=args.steps, max_batch=args.batch,
                       backend=args.backend, timeout_s=args.timeout, dtype=args.dtype)
-    elastic = make_elastic(plain, redundant=args.redundant_experts)
+    elastic = make_elastic(plain, redundant=args.redundant_experts, rebalance_every=args.rebalance_every)
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
-                           restore=not args.no_expert_restore)
+                           restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,
+                           rejoin_after_steps=args.rejoin_after_steps)
     say = _progress(args)
     plain_rates, elastic_rates, reference = [], [], None
     for i in range(args.repeats):
@@ -94,10 +113,15 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         "outputs_match_reference": code == 0 and got == reference,
         "lost_requests": result["failed_requests"], "lost_workers": summary.get("lost_workers"),
         "restored_experts": summary.get("restored_experts"), "events": summary.get("events", []),
+        "rejoined_workers": summary.get("rejoined_workers", []), "rejoined_after_s": summary.get("rejoined_after_s"),
+        "rejoin_wait_s": summary.get("rejoin_wait_s"),
+        "throughput_after_rejoin": summary.get("throughput_after_rejoin"),
+        "rebalances": summary.get("rebalances", []),
         "no_failure": {"plain_tokens_per_s": plain_rates, "elastic_tokens_per_s": elastic_rates,
                        "elastic_over_plain": elastic_median / plain_median if plain_median else None},
         "layout": {"attn_workers": args.attn_workers, "expert_workers": args.expert_workers,
                    "redundant_experts": args.redundant_experts, "kill": args.kill, "kill_step": args.kill_step,
+                   "rebalance_every": args.rebalance_every, "rejoin_after_steps": args.rejoin_after_steps,
                    "slots": list(killing.slots), "requests": args.batch, "tokens_per_request": args.steps},
         "model": spec.describe(), "machine": machine(), "source": _source_name(args, source),
     }
@@ -107,6 +131,20 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
 
 def _source_name(args: argparse.Namespace, source: Any) -> str:
     return str(source) if args.checkpoint is not None else _source(args) if args.recipe else DEFAULT_RECIPE
+
+
+def _epoch_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    if r["layout"]["rejoin_after_steps"]:
+        rows.append(("rejoined workers", f"{r['rejoined_workers'] or 'none'} after {_fmt(r['rejoined_after_s'])} s "
+                                         f"(waited {_fmt(r['rejoin_wait_s'])} s for the replacement), tokens/s "
+                                         f"after rejoin {_fmt(r['throughput_after_rejoin'], '{:,.1f}')}"))
+    moved = [b for b in r["rebalances"] if not b["kept"]]
+    if r["layout"]["rebalance_every"]:
+        rows.append(("rebalances", "; ".join(f"step {b['step']}: {b['moved']} moved, max/mean "
+                                             f"{b['imbalance_before']:.3f} -> {b['imbalance_after']:.3f}"
+                                             for b in moved) or f"none of {len(r['rebalances'])} lowered the load"))
+    return rows
 
 
 def _fmt(value: Any, spec: str = "{:.3f}") -> str:
@@ -130,6 +168,7 @@ def _table(r: dict[str, Any]) -> None:
         ("outputs match reference", str(r["outputs_match_reference"])),
         ("lost requests", ", ".join(r["lost_requests"]) or "none"),
         ("restored experts", str(r["restored_experts"])),
+        *_epoch_rows(r),
         ("no failure: elastic/plain", f"{_fmt(nf['elastic_over_plain'])} (medians of "
                                       f"{len(nf['plain_tokens_per_s'])} A/B pairs, decode tokens/s)"),
         ("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, amx_bf16={m['amx_bf16']})"),

@@ -17,7 +17,10 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
     every worker, in time order, seconds after the first kill when there was one), `restored_experts`,
     `detected_after_s` (first detection after the kill), `interruption_s` (from the kill to the moment
     every request in flight had produced its next token), `throughput_before` / `throughput_after`
-    (tokens/s before the kill and after that moment), `survivors_share` (live expert workers over all).
+    (tokens/s before the kill and after that moment, up to a rejoin), `survivors_share` (live expert workers
+    over all); `rebalances` (each layout epoch attention worker 0 started or considered: decode step, expert
+    copies moved, max/mean load of the measured window before and after); with a replacement,
+    `rejoined_workers`, `rejoined_after_s` (from the kill to its admission) and `throughput_after_rejoin`.
     """
     ranks = collected.get("ranks", [])
     first = min(plan.expert_ranks)
@@ -32,18 +35,33 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
     times = [ts for r in ranks for ts in r.get("token_times", {}).values()]
     restored = sorted({x for e in events for x in e.get("restored", []) + e.get("experts", [])
                        if e["event"] in ("re-placed", "restored")})
+    lead = [e for e in events if e["worker"] == "attention 0"]
+    rejoins = [e for e in lead if e["event"] == "rejoined"]
     summary: dict[str, Any] = {
         "lost_workers": lost, "restored_experts": restored,
         "survivors_share": (plan.expert_workers - len(lost)) / plan.expert_workers,
         "interruption_s": None, "detected_after_s": None, "throughput_before": None, "throughput_after": None,
+        "rebalances": [{k: e.get(k) for k in ("step", "epoch", "moved", "imbalance_before", "imbalance_after")}
+                       | {"kept": e["event"] == "rebalance-kept"}
+                       for e in lead if e["event"] in ("rebalanced", "rebalance-kept")],
+        "rejoined_workers": sorted({w for e in rejoins for w in e.get("joined", [])}),
+        "rejoined_after_s": None, "rejoin_wait_s": None, "throughput_after_rejoin": None,
     }
     if kill is not None:
         detected = [e["t"] for e in events if e["event"] == "detected"]
         summary["detected_after_s"] = min(detected) - kill if detected else None
         resumed = interruption_end(times, kill)
+        rejoined = min((e["t"] for e in rejoins if e["t"] > kill), default=None)
+        due = None
+        if rejoined is not None:
+            # Decoding held at the admission step while the replacement was still starting: not the survivors'
+            # throughput, so the "after" window ends where that wait began.
+            waited = sum(e.get("waited_s", 0.0) for e in lead if e["event"] == "rejoin-ready" and e["t"] <= rejoined)
+            summary["rejoined_after_s"], summary["rejoin_wait_s"] = rejoined - kill, waited
+            due = rejoined - waited
         if resumed is not None:
             summary["interruption_s"] = resumed - kill
-            summary.update(throughput_around(times, kill, resumed))
+            summary.update(throughput_around(times, kill, resumed, due, rejoined))
     origin = kill if kill is not None else (events[0]["t"] if events else 0.0)
     summary["events"] = [{**{k: v for k, v in e.items() if k != "t"}, "at_s": round(e["t"] - origin, 6)}
                          for e in events]
@@ -57,11 +75,19 @@ def interruption_end(token_times: Sequence[Sequence[float]], kill: float) -> flo
     return max(nexts) if nexts else None
 
 
-def throughput_around(token_times: Sequence[Sequence[float]], kill: float, resumed: float) -> dict[str, float]:
-    """Tokens/s from the first token to the kill, and from `resumed` to the last token."""
+def throughput_around(token_times: Sequence[Sequence[float]], kill: float, resumed: float,
+                      due: float | None = None, rejoined: float | None = None) -> dict[str, float | None]:
+    """Tokens/s from the first token to the kill, from `resumed` to the last token (or to `due`, when a
+    replacement's admission began), and from `rejoined` to the last token."""
     flat = sorted(t for times in token_times for t in times)
     start, end = flat[0], flat[-1]
-    before = sum(1 for t in flat if start < t <= kill)
-    after = sum(1 for t in flat if resumed < t <= end)
-    return {"throughput_before": before / (kill - start) if kill > start else 0.0,
-            "throughput_after": after / (end - resumed) if end > resumed else 0.0}
+
+    def rate(lo: float, hi: float) -> float:
+        return sum(1 for t in flat if lo < t <= hi) / (hi - lo) if hi > lo else 0.0
+
+    out: dict[str, float | None] = {"throughput_before": rate(start, kill)}
+    if due is not None and rejoined is not None and resumed < due <= rejoined < end:
+        out.update(throughput_after=rate(resumed, due), throughput_after_rejoin=rate(rejoined, end))
+    else:
+        out["throughput_after"] = rate(resumed, end)
+    return out

@@ -11,6 +11,17 @@ They are the engine's workers (`serving.workers`) with three steps replaced:
   mask drops a worker makes the expert worker re-solve the same placement and load the experts it now
   holds (restoring those whose every replica died from the checkpoint).
 
+Two more hooks make the layout change while requests flow, at step boundaries (layout epochs):
+
+- attention `_run_steps`: at a sync step (`serving.elastic_sync`) the attention workers merge what they know,
+  rebalance the placement for the load they recorded (`eplb.ExpertLoadRecorder`, fed by every dispatch)
+  every `rebalance_every` steps when that lowers max/mean load, and admit a replacement expert worker
+  `rejoin_after_steps` after a loss; a new layout becomes a new epoch, whose table travels in the control
+  tensor `[active, alive mask, layer, epoch, *epoch slots]`;
+- expert `_dispatch_wait` (and resends): the first message of a newer epoch makes the expert worker enter it:
+  connect a replacement's channel, move the weights that change owner (`serving.expert_moves`), drop the ones
+  it no longer holds. Every worker switches at the same step boundary, so no token is routed by an old table.
+
 Each worker records what happened (`events`: detected, re-placed, restored, resumed, with
 `time.monotonic()` stamps, comparable across processes on one host); attention worker 0 prints it as it
 happens. Fault injection for tests and the bench (`EnginePlan.kill`): an expert worker SIGKILLs itself at
@@ -29,6 +40,7 @@ import torch
 from mbridge_epoverlap.comm.m2n.base import PeerError
 from mbridge_epoverlap.schedule.program import DISPATCH
 from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertsLostError
+from mbridge_epoverlap.serving.expert_moves import rejoin_prefix, transfers
 from mbridge_epoverlap.serving.workers import (
     ACTIVE,
     CONTINUE,
@@ -63,14 +75,37 @@ class _SendToleratingLoss:
 
 
 class ElasticAttentionWorker(AttentionWorker):
-    """An attention worker that routes to replicas and re-routes around dead expert workers."""
+    """An attention worker that routes to replicas, re-routes around dead expert workers, and changes the layout
+    at step boundaries (rebalancing, a replacement joining).
 
-    def __init__(self, *args: Any, layout: ElasticLayout, restore: bool, **kwargs: Any) -> None:
+    Keyword Args:
+        layout: the start layout.
+        restore: whether experts whose every replica died may be restored from the checkpoint.
+        sync: the boundary agreement with the other attention workers (None: no layout epochs).
+        m2n_store: the M2N rendezvous store (to connect a replacement's channel).
+        rebalance_every: re-solve the placement for the measured load every this many decode steps (0: never).
+        rejoin_after_steps: admit a replacement this many steps after a loss (0: never).
+    """
+
+    def __init__(self, *args: Any, layout: ElasticLayout, restore: bool, sync: Any = None, m2n_store: Any = None,
+                 rebalance_every: int = 0, rejoin_after_steps: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.layout, self.restore = layout, restore
         self.route = layout.router()
         self.events: list[dict[str, Any]] = []
         self._resume_pending = False
+        self.sync, self.m2n_store = sync, m2n_store
+        self.rebalance_every, self.rejoin_after_steps = rebalance_every, rejoin_after_steps
+        self.recorder = None
+        if rebalance_every:
+            from mbridge_epoverlap.serving.eplb import ExpertLoadRecorder
+
+            self.recorder = ExpertLoadRecorder(self.spec.num_layers, self.spec.num_experts, rebalance_every)
+        self.epoch = 0
+        self._epoch_tail = [0, *layout.slots]  # control tensor's `[epoch, *epoch slots]`
+        self.lost_at: dict[int, int] = {}  # expert worker -> decode step its loss was seen
+        self.generations: dict[int, int] = {}  # expert worker -> replacements admitted
+        self._rejoin_tried: set[tuple[int, int]] = set()
 
     def _say(self, event: str, line: str, **fields: Any) -> None:
         self.events.append({"event": event, "t": time.monotonic(), **fields})
@@ -83,6 +118,8 @@ class ElasticAttentionWorker(AttentionWorker):
         if not dead:
             return
         self._say("detected", f"expert workers {sorted(dead)} lost ({how})", workers=sorted(dead))
+        for worker in dead:
+            self.lost_at[worker] = self.decode_steps
         layout, orphans = self.layout.without(dead)
         if orphans and not self.restore:
             raise ExpertsLostError(orphans, sorted(dead))
@@ -96,8 +133,90 @@ class ElasticAttentionWorker(AttentionWorker):
         self._resume_pending = True
 
     def _control(self, layer: int) -> torch.Tensor:
-        """`[active, alive mask, layer]`: the layer tells a resend's receiver which experts to run."""
-        return torch.tensor([ACTIVE if self.active else IDLE, self.layout.mask, layer], dtype=torch.int64)
+        """`[active, alive mask, layer, epoch, *epoch slots]`: the layer tells a resend's receiver which experts to
+        run; the epoch and its table tell an expert worker the layout it must hold."""
+        return torch.tensor([ACTIVE if self.active else IDLE, self.layout.mask, layer, *self._epoch_tail],
+                            dtype=torch.int64)
+
+    # --- layout epochs ------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            super().run()
+        finally:
+            if self.sync is not None and self.sync.index == 0 and self.rejoin_after_steps:
+                self.sync.finish()
+
+    def _run_steps(self, handles: list[MicroBatchHandle]) -> None:
+        step = self.decode_steps
+        if self.sync is not None and step > 0 and (self.rejoin_after_steps or step % self.rebalance_every == 0):
+            self._boundary(step)
+        super()._run_steps(handles)
+        if self.recorder is not None:
+            self.recorder.advance()
+
+    def _boundary(self, step: int) -> None:
+        """Merge what every attention worker knows, then maybe enter a new layout epoch (same on all of them)."""
+        rebalance = self.recorder is not None and step % self.rebalance_every == 0
+        load = self.recorder.load().sum(0) if rebalance else None
+        dead, load = self.sync.gather(step, sorted(set(range(self.layout.workers)) - self.layout.alive), load)
+        self.lose(dead, "another attention worker saw it")
+        admitted = self.sync.decide(step, lambda: self._admissions(step))
+        for worker, generation in admitted:
+            self.comm.connect(self.expert_ranks[worker], self.m2n_store, rejoin_prefix(worker, generation))
+            self.generations[worker] = generation
+        joined = {worker for worker, _ in admitted}
+        if not joined and load is None:
+            return
+        if load is not None and not int(load.sum()):
+            load = None  # nothing was routed: no measurement to balance for
+        candidate = self.layout.resolved(self.layout.alive | joined, load)
+        if joined:
+            self._enter(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined))
+        elif load is not None and candidate.imbalance(load) < self.layout.imbalance(load):
+            self._enter(candidate, step, load, "rebalanced")
+        elif load is not None:
+            self.events.append({"event": "rebalance-kept", "t": time.monotonic(), "step": step,
+                                "imbalance_before": self.layout.imbalance(load),
+                                "imbalance_after": self.layout.imbalance(load)})
+
+    def _admissions(self, step: int) -> list[list[int]]:
+        """(Attention worker 0) the replacements to admit at `step`: lost at least `rejoin_after_steps` ago and
+        ready (waiting up to the timeout for one whose turn has come)."""
+        admitted: list[list[int]] = []
+        if not self.rejoin_after_steps:
+            return admitted
+        for worker in sorted(set(range(self.layout.workers)) - self.layout.alive):
+            generation = self.generations.get(worker, 0) + 1
+            if (worker, generation) in self._rejoin_tried or \
+                    step - self.lost_at.get(worker, step) < self.rejoin_after_steps:
+                continue
+            self._rejoin_tried.add((worker, generation))
+            started = time.monotonic()
+            if not self.sync.wait_ready(worker, generation):
+                self._say("rejoin-timeout", f"no replacement for expert worker {worker} within {self.timeout_s:g} s: "
+                          "decoding goes on without it", worker=worker)
+                continue
+            self.sync.admit(worker, generation, step, self.epoch, self.layout.slots)
+            admitted.append([worker, generation])
+            self.events.append({"event": "rejoin-ready", "t": time.monotonic(), "worker": worker,
+                                "waited_s": time.monotonic() - started})
+        return admitted
+
+    def _enter(self, layout: ElasticLayout, step: int, load: torch.Tensor | None, why: str, **fields: Any) -> None:
+        moves = transfers(self.layout, layout)
+        moved = sum(len(ids) for ids in moves.values())
+        before = self.layout.imbalance(load) if load is not None else None
+        after = layout.imbalance(load) if load is not None else None
+        self.layout, self.route = layout, layout.router()
+        self.epoch += 1
+        self._epoch_tail = [self.epoch, *layout.slots]
+        balance = f", max/mean load {before:.3f} -> {after:.3f}" if before is not None else ""
+        self._say("rebalanced" if not fields.get("joined") else "rejoined",
+                  f"{why} at decode step {step}: layout epoch {self.epoch} over expert workers "
+                  f"{sorted(layout.alive)}, "
+                  f"{moved} expert copies moved{balance}", step=step, epoch=self.epoch, moved=moved,
+                  moves=[[src, dst, ids] for (src, dst), ids in moves.items()], imbalance_before=before,
+                  imbalance_after=after, slots=list(layout.slots), **fields)
 
     def _dispatch_issue(self, h: MicroBatchHandle, layer: int) -> None:
         if not self.spec.is_moe(layer):
@@ -112,6 +231,8 @@ class ElasticAttentionWorker(AttentionWorker):
             else:
                 hidden, ids = h.attn.tokens, h.attn.expert_ids
                 owners = self.route.workers(ids, h.batch.positions)
+                if self.recorder is not None:
+                    self.recorder.record(layer, ids)
             h.routes, h.receives = [], []
             for worker in sorted(self.layout.alive):
                 rank = self.expert_ranks[worker]
@@ -194,13 +315,17 @@ class ElasticAttentionWorker(AttentionWorker):
 
 
 class ElasticExpertWorker(ExpertWorker):
-    """An expert worker that serves resends and follows the alive mask the attention workers send."""
+    """An expert worker that serves resends, follows the alive mask the attention workers send, and enters the
+    layout epochs they start (moving weights with `mover`, a `WeightMover`; None when epochs are off)."""
 
     def __init__(self, *args: Any, layout: ElasticLayout, index: int, restore: bool,
-                 kill_at_step: int | None = None, kill_file: str | None = None, **kwargs: Any) -> None:
+                 kill_at_step: int | None = None, kill_file: str | None = None, mover: Any = None, epoch: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.layout, self.index, self.restore = layout, index, restore
         self.kill_at_step, self.kill_file = kill_at_step, kill_file
+        self.mover, self.epoch = mover, epoch
+        self.generations: dict[int, int] = {}  # expert worker -> replacements seen joining
         self.events: list[dict[str, Any]] = []
         self._last_moe = self.spec.moe_layer_ids[-1]
         self._resends = {rank: self.comm.irecv(rank, RESEND_TAG) for rank in self.attention_ranks}
@@ -218,6 +343,28 @@ class ElasticExpertWorker(ExpertWorker):
                             "alive": sorted(layout.alive)})
         self.layout = layout
 
+    def _enter_epoch(self, controls: list[torch.Tensor]) -> None:
+        """Enter the newest layout epoch the control tensors carry (all of one step carry the same one)."""
+        epochs = {int(c[3]) for c in controls}
+        newest = max(epochs)
+        if newest <= self.epoch:
+            return
+        if len(epochs) > 1:
+            raise RuntimeError(f"attention workers sent layout epochs {sorted(epochs)} in one step: they must switch "
+                               "at the same step boundary")
+        if self.mover is None:
+            raise RuntimeError(f"layout epoch {newest} started but expert worker {self.index} has no channel to the "
+                               "other expert workers (the plan enables neither rebalancing nor rejoining)")
+        new = ElasticLayout.from_slots(self.layout.num_experts, self.layout.workers, controls[0][4:].tolist())
+        self._follow(new.mask)  # losses the new epoch already accounts for, as within an epoch
+        for worker in sorted(new.alive - self.layout.alive):
+            self.generations[worker] = self.generations.get(worker, 0) + 1
+            if worker != self.index:
+                self.mover.connect(worker, self.generations[worker])
+        report = self.mover.move(newest, self.layout, new, self.part)
+        self.layout, self.epoch = new, newest
+        self.events.append({"event": "moved", "t": time.monotonic(), "step": self.decode_steps, **report})
+
     def _wait_serving(self, work: Any) -> list[torch.Tensor]:
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -233,6 +380,7 @@ class ElasticExpertWorker(ExpertWorker):
             if not work.done():
                 continue
             control, tokens, ids = work.wait(0)
+            self._enter_epoch([control])
             self._follow(int(control[1]))
             out = self.part(int(control[2]), tokens, ids) if tokens.shape[0] else tokens
             self.comm.isend(rank, [torch.tensor([CONTINUE], dtype=torch.int64), out.contiguous()], RESEND_TAG)
@@ -248,6 +396,7 @@ class ElasticExpertWorker(ExpertWorker):
         with self.timer.time("dispatch_wait"):
             works = [self.comm.irecv(rank, tag) for rank in self.attention_ranks]
             self._received[mb] = [self._wait_serving(work) for work in works]
+        self._enter_epoch([msg[0] for msg in self._received[mb]])
         mask = self.layout.mask
         for msg in self._received[mb]:
             mask &= int(msg[0][1])

@@ -102,11 +102,16 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
 
     command = [sys.executable, "-m", "mbridge_epoverlap.serving.worker_main", "--plan", "{workdir}/plan.json",
                "--out", "{workdir}"]
+
+    def replacement(rank: int, generation: int) -> list[str] | None:  # one replacement per lost expert worker
+        return command + ["--rejoin", str(generation)] if generation == 1 else None
+
     try:
         ranks = launch_processes(plan.world, lambda rank: command, files={"plan.json": plan.to_json()},
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
                                  rank_names=plan.rank_names(), collect=_collect,
-                                 expendable=plan.expert_ranks if plan.elastic else ())
+                                 expendable=plan.expert_ranks if plan.elastic else (),
+                                 respawn=replacement if plan.elastic and plan.rejoin_after_steps else None)
     except RunFailedError as exc:
         partial = getattr(exc, "partial", {"ranks": []})
         raise EngineFailed(str(exc), merge(plan, partial["ranks"], failed=True)) from None

@@ -40,6 +40,11 @@ class EnginePlan:
         slots: elastic mode's physical slots, the expert in each (`eplb` phy2log, worker by worker).
         expert_restore: elastic mode may restore experts whose every replica died from the checkpoint.
         kill: fault injection, `(expert worker index, decode step)` pairs: that worker SIGKILLs itself then.
+        rebalance_every: elastic mode re-solves the placement for the measured load every this many decode
+            steps, moving weights between expert workers (0: never).
+        rejoin_after_steps: elastic mode starts a replacement for a lost expert worker and admits it this many
+            decode steps after the loss (0: never).
+        weight_slot_bytes: M2N slot size of the channels between expert workers that carry moved weights.
     """
 
     source: str
@@ -63,6 +68,14 @@ class EnginePlan:
     slots: tuple[int, ...] = ()
     expert_restore: bool = True
     kill: tuple[tuple[int, int], ...] = ()
+    rebalance_every: int = 0
+    rejoin_after_steps: int = 0
+    weight_slot_bytes: int = 0
+
+    @property
+    def layout_epochs(self) -> bool:
+        """Whether the elastic layout can change at step boundaries (rebalancing or rejoining)."""
+        return self.elastic and bool(self.rebalance_every or self.rejoin_after_steps)
 
     @property
     def world(self) -> int:

@@ -76,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="with --elastic: redundant expert slots over all expert workers (default 0)")
     serve.add_argument("--no-expert-restore", action="store_true",
                        help="with --elastic: no weight copy; losing every replica of an expert ends the run")
+    from mbridge_epoverlap.serving.elastic_cli import epoch_args
+
+    epoch_args(serve, "with --elastic: ")
     serve.set_defaults(handler=handle_serve)
 
     bench = subparsers.add_parser(
@@ -139,9 +142,11 @@ def handle_serve(args: argparse.Namespace) -> int:
     if args.elastic:
         from mbridge_epoverlap.serving.elastic import make_elastic
 
-        plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore)
-    elif args.redundant_experts or args.no_expert_restore:
-        raise UsageError("--redundant-experts and --no-expert-restore apply to --elastic serving; add --elastic")
+        plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore,
+                            rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps)
+    elif args.redundant_experts or args.no_expert_restore or args.rebalance_every or args.rejoin_after_steps:
+        raise UsageError("--redundant-experts, --no-expert-restore, --rebalance-every and --rejoin-after-steps apply "
+                         "to --elastic serving; add --elastic")
     result, code = run_reporting_failure(plan, _progress(args))
     result["machine"] = machine()
     result["model"] = spec.describe()
@@ -215,6 +220,13 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
         lost = result["elastic"]["lost_workers"]
         rows.append(("elastic", f"lost expert workers {lost}, restored experts {result['elastic']['restored_experts']}"
                      if lost else "no expert worker lost"))
+        moved = [b for b in result["elastic"].get("rebalances", []) if not b["kept"]]
+        if moved:
+            rows.append(("rebalanced", "; ".join(f"step {b['step']}: {b['moved']} moved, max/mean "
+                                                 f"{b['imbalance_before']:.3f} -> {b['imbalance_after']:.3f}"
+                                                 for b in moved)))
+        if result["elastic"].get("rejoined_workers"):
+            rows.append(("rejoined", str(result["elastic"]["rejoined_workers"])))
     m = result["machine"]
     rows.append(("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, "
                  f"amx_bf16={m['amx_bf16']})"))

@@ -6,6 +6,10 @@ rank and world from `RANK`/`WORLD_SIZE` (or Slurm's variables), rendezvous at `M
 Each rank writes `DIR/rank<R>.json`: its completions (attention), its stage times and counters. On a
 lost peer an attention worker still writes what it finished, with the rest reported failed.
 
+A replacement expert worker (elastic mode, `--rejoin G`: generation G of that rank) starts after the others:
+it joins no process group, announces itself in the TCP store, waits for its admission, connects its M2N
+channels to the attention workers and the live expert workers, and serves from the admission's decode step.
+
 Exit codes as the training ranks: 0 done, 1 failed, 2 usage error, 3 a peer died or timed out.
 """
 
@@ -87,11 +91,16 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     payload.update(_report(worker, queue))
     _write(state["out"], payload)
     beat.beat(getattr(worker, "decode_steps", 0), 0, hb.DONE)
-    comm = getattr(worker, "comm", None)
-    if comm is not None:
-        comm.close()
+    _close(worker)
     dist.destroy_process_group()
     return EXIT_OK
+
+
+def _close(worker: Any) -> None:
+    """Close the worker's M2N communicators (dispatch/combine, and an elastic expert worker's weight channel)."""
+    for comm in (getattr(worker, "comm", None), getattr(getattr(worker, "mover", None), "comm", None)):
+        if comm is not None:
+            comm.close()
 
 
 def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement: Any, queue: Any, store: Any,
@@ -121,7 +130,7 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
                              roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
                              single_host=plan.backend != "torch")
     if plan.elastic:
-        return _build_elastic(plan, spec, role, index, queue, comm, beat, progress)
+        return _build_elastic(plan, spec, role, index, queue, comm, beat, progress, store)
     if role is Role.ATTENTION:
         return AttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue, comm,
                                plan.expert_ranks, placement, plan.micro_batches, plan.timeout_s, beat, progress)
@@ -130,25 +139,123 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
 
 
 def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
-                   progress: Any) -> Any:
+                   progress: Any, store: Any) -> Any:
     from mbridge_epoverlap.serving import model as parts
     from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertStore
-    from mbridge_epoverlap.serving.elastic_workers import ElasticAttentionWorker, ElasticExpertWorker
+    from mbridge_epoverlap.serving.elastic_workers import ElasticAttentionWorker
     from mbridge_epoverlap.serving.placement import Placement
 
     layout = ElasticLayout(spec.num_experts, plan.expert_workers, tuple(plan.slots),
                            frozenset(range(plan.expert_workers)))
     if role is Role.ATTENTION:
+        import torch.distributed as dist
+
+        from mbridge_epoverlap.serving.elastic_sync import StepSync
+
+        sync = StepSync(dist.PrefixStore("elastic", store), index, plan.attn_workers, plan.timeout_s) \
+            if plan.layout_epochs else None
         return ElasticAttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
                                       comm, plan.expert_ranks, Placement.balanced(spec.num_experts, 1),
                                       plan.micro_batches, plan.timeout_s, beat, progress, layout=layout,
-                                      restore=plan.expert_restore)
+                                      restore=plan.expert_restore, sync=sync,
+                                      m2n_store=dist.PrefixStore("m2n", store),
+                                      rebalance_every=plan.rebalance_every,
+                                      rejoin_after_steps=plan.rejoin_after_steps)
     kill_at = next((step for worker, step in plan.kill if worker == index), None)
     out = os.environ.get(PREFIX + "HEARTBEAT_DIR")
-    return ElasticExpertWorker(spec, ExpertStore(spec, layout.experts_of(index)), comm, plan.attention_ranks,
-                               plan.micro_batches, plan.timeout_s, beat, layout=layout, index=index,
-                               restore=plan.expert_restore, kill_at_step=kill_at,
-                               kill_file=os.path.join(out, f"killed{index}") if out else None)
+    mover = _weight_mover(plan, index, store, peers=[r for r in plan.expert_ranks if r != plan.expert_ranks[index]])
+    return _expert_worker(plan, spec, comm, beat, layout, index, ExpertStore(spec, layout.experts_of(index)), mover,
+                          kill_at_step=kill_at, kill_file=os.path.join(out, f"killed{index}") if out else None)
+
+
+def _expert_worker(plan: EnginePlan, spec: Any, comm: Any, beat: Any, layout: Any, index: int, experts: Any,
+                   mover: Any, **kwargs: Any) -> Any:
+    from mbridge_epoverlap.serving.elastic_workers import ElasticExpertWorker
+
+    return ElasticExpertWorker(spec, experts, comm, plan.attention_ranks, plan.micro_batches, plan.timeout_s, beat,
+                               layout=layout, index=index, restore=plan.expert_restore, mover=mover, **kwargs)
+
+
+def _weight_mover(plan: EnginePlan, index: int, store: Any, *, peers: list[int], key_prefix: str = "m2n") -> Any:
+    """The channel between expert workers that carries moved weights (None when the layout never changes)."""
+    if not plan.layout_epochs:
+        return None
+    import torch.distributed as dist
+
+    from mbridge_epoverlap.comm.m2n import make_communicator
+    from mbridge_epoverlap.serving.expert_moves import WeightMover
+
+    weights_store = dist.PrefixStore("m2n-weights", store)
+    rank = plan.expert_ranks[index]
+    comm = make_communicator(plan.backend, rank=rank, peers=peers, store=weights_store, key_prefix=key_prefix,
+                             slot_bytes=plan.weight_slot_bytes, slots=2, timeout_s=plan.timeout_s,
+                             roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
+                             single_host=plan.backend != "torch")
+    return WeightMover(comm, weights_store, plan.expert_ranks, index, plan.timeout_s, plan.expert_restore)
+
+
+def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generation: int) -> int:
+    """A replacement expert worker: announce, wait for admission, connect, serve (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+
+    from mbridge_epoverlap.comm.m2n import make_communicator
+    from mbridge_epoverlap.runtime import heartbeat as hb
+    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertStore
+    from mbridge_epoverlap.serving.elastic_sync import wait_admission
+    from mbridge_epoverlap.serving.expert_moves import rejoin_prefix
+
+    started = time.monotonic()
+    rank, world, _ = rank_and_world(os.environ)
+    role, index = plan.role_of(rank)
+    if role is not Role.EXPERT or not plan.rejoin_after_steps:
+        raise UsageError(f"--rejoin applies to the expert ranks of a plan with rejoin_after_steps (rank {rank} is "
+                         f"{plan.role_name(rank)})")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
+                          timeout=timedelta(seconds=plan.timeout_s))
+    beat_dir = os.environ.get(PREFIX + "HEARTBEAT_DIR")
+    beat = hb.Heartbeat(hb.heartbeat_path(beat_dir, rank) if beat_dir else None)
+    spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
+    payload: dict[str, Any] = {"rank": rank, "role": "expert", "index": index, "generation": generation}
+    state["payload"], state["out"] = payload, out / f"rank{rank}.json"
+    elastic = dist.PrefixStore("elastic", store)
+    elastic.set(f"ready/{index}/{generation}", str(os.getpid()))
+    ready = time.monotonic()
+    # No limit of its own: the run may go on for long before this worker's turn; the launcher's run timeout,
+    # the `done` key and the store's end (attention worker 0 exited) all end the wait.
+    admission = wait_admission(elastic, index, generation, limit_s=float("inf"))
+    if admission is None:  # the run ended before this worker's turn
+        payload.update({"events": [{"event": "not-admitted", "t": time.monotonic()}], "decode_steps": 0})
+        _write(state["out"], payload)
+        return EXIT_OK
+    layout = ElasticLayout.from_slots(spec.num_experts, plan.expert_workers, admission["slots"])
+    prefix = rejoin_prefix(index, generation)
+    comm = make_communicator(plan.backend, rank=rank, peers=plan.attention_ranks,
+                             store=dist.PrefixStore("m2n", store), key_prefix=prefix, slot_bytes=plan.slot_bytes,
+                             slots=plan.micro_batches + 1, timeout_s=plan.timeout_s,
+                             roles={peer: plan.role_name(peer) for peer in plan.attention_ranks},
+                             world_size=plan.world, single_host=plan.backend != "torch")
+    state["comms"] = [comm]  # closed on failure (the worker does not exist yet)
+    peers = [plan.expert_ranks[w] for w in sorted(layout.alive)]
+    mover = _weight_mover(plan, index, store, peers=peers, key_prefix=prefix)
+    state["comms"].append(mover.comm)
+    with torch.no_grad():
+        worker = _expert_worker(plan, spec, comm, beat, layout, index, ExpertStore(spec, []), mover,
+                                epoch=admission["epoch"])
+        worker.decode_steps = admission["step"]
+        worker.events.append({"event": "joined", "t": time.monotonic(), "step": admission["step"],
+                              "load_s": ready - started, "connect_s": time.monotonic() - ready})
+        state["worker"] = worker
+        joined = time.monotonic()
+        worker.run()
+        payload["wall_s"] = time.monotonic() - joined
+    payload.update(_report(worker, None))
+    _write(state["out"], payload)
+    beat.beat(worker.decode_steps, 0, hb.DONE)
+    _close(worker)
+    return EXIT_OK
 
 
 def _report(worker: Any, queue: Any, *, failed: bool = False) -> dict[str, Any]:
@@ -171,10 +278,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--rejoin", type=int, default=0, metavar="G",
+                        help="start as replacement G of a lost expert worker (elastic mode; set by the launcher)")
     args = parser.parse_args(argv)
     state: dict[str, Any] = {}
     try:
-        code = run(EnginePlan.from_json(args.plan.read_text()), args.out, state)
+        plan = EnginePlan.from_json(args.plan.read_text())
+        if args.rejoin:
+            code = run_replacement(plan, args.out, state, args.rejoin)
+        else:
+            code = run(plan, args.out, state)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_USAGE
@@ -186,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             payload = dict(state["payload"], error=f"{type(exc).__name__}: {exc}")
             payload.update(_report(state.get("worker"), state.get("queue"), failed=True))
             _write(state["out"], payload)
-        comm = getattr(state.get("worker"), "comm", None)
-        if comm is not None:
+        _close(state.get("worker"))
+        for comm in state.get("comms", []):
             comm.close()
     sys.stdout.flush()
     sys.stderr.flush()

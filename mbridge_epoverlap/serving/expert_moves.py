@@ -1,0 +1,127 @@
+"""Expert weights that change owner when a new layout epoch starts, moved from a live holder over M2N.
+
+When a rebalance or a replacement worker changes the placement, each expert a worker gains comes from a
+worker that held it in the previous epoch (`transfers`: `eplb.migration_plan` reduced to one message per
+(source, destination) pair), over a communicator between the expert workers (the same M2N transport as
+dispatch and combine, with slots sized for weights: `weight_slot_bytes`). Why not from the host-memory or
+on-disk copy, which the loss path uses for experts whose every replica died: a live replica is the one copy
+that is certainly current and certainly there (a checkpoint directory may sit on a slow or remote file
+system, a recipe model would be redrawn, and a host copy per worker costs host memory for every expert),
+and the transfer is one memory copy per tensor on this host (an RDMA write between GPUs on a cluster),
+independent of the storage. The disk copy remains the fallback when the source dies during the move.
+
+The protocol needs no agreement round: every expert worker derives the same transfers from the same two
+layouts, sends what it must (one message per destination, which fits a free slot, so the send completes
+at once and nothing waits for it), then waits for what it gains, then drops what it no longer holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from mbridge_epoverlap.comm.m2n.base import PeerError
+from mbridge_epoverlap.serving import eplb
+from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertsLostError
+
+_SLACK_BYTES = 1024  # alignment of three tensors and room to spare
+
+
+def weight_slot_bytes(spec: Any, experts_per_message: int) -> int:
+    """M2N slot size for one message of `experts_per_message` experts' weights (every MoE layer)."""
+    element = torch.empty(0, dtype=spec.torch_dtype()).element_size()
+    per_expert = len(spec.moe_layer_ids) * 3 * spec.expert_ffn * spec.hidden_size * element
+    return experts_per_message * (per_expert + 8) + _SLACK_BYTES
+
+
+def transfers(old: ElasticLayout, new: ElasticLayout) -> dict[tuple[int | None, int], list[int]]:
+    """`{(source worker, destination worker): experts}` that turn `old` into `new`.
+
+    A destination is a live worker of `new`; it gains the experts it holds in `new` and not in `old`, each from
+    the first live holder in `old` (`eplb.migration_plan`'s source, reduced to workers). Source None: no live
+    holder (the weights come from the checkpoint). Ordered by (source, destination), so every worker derives
+    the same sequence.
+    """
+    per = new.slots_per_worker
+    moves = eplb.migration_plan(torch.tensor([old.slots]), torch.tensor([new.slots]), old.workers,
+                                alive_gpus=sorted(old.alive))
+    held = {w: set(old.experts_of(w)) for w in range(old.workers)}
+    out: dict[tuple[int | None, int], set[int]] = {}
+    for move in moves:
+        destination = move.slot // per
+        if move.expert in held[destination]:
+            continue
+        source = None if move.source is None else move.source // per
+        out.setdefault((source, destination), set()).add(move.expert)
+    return {key: sorted(out[key]) for key in sorted(out, key=lambda k: (-1 if k[0] is None else k[0], k[1]))}
+
+
+class WeightMover:
+    """One expert worker's end of the moves.
+
+    Args:
+        comm: M2N communicator with the other expert workers.
+        store: the M2N rendezvous store, to connect a replacement worker's channel.
+        ranks: rank of each expert worker, by index.
+        index: this worker's index.
+        timeout_s: limit of every wait.
+        restore: whether an expert whose source died mid-move may be read from the checkpoint.
+    """
+
+    def __init__(self, comm: Any, store: Any, ranks: list[int], index: int, timeout_s: float, restore: bool) -> None:
+        self.comm, self.store, self.ranks, self.index = comm, store, ranks, index
+        self.timeout_s, self.restore = timeout_s, restore
+
+    def connect(self, worker: int, generation: int) -> None:
+        """Open the channel to replacement `generation` of expert worker `worker` (it connects from its side)."""
+        self.comm.connect(self.ranks[worker], self.store, rejoin_prefix(worker, generation))
+
+    def move(self, epoch: int, old: ElasticLayout, new: ElasticLayout, experts: Any) -> dict[str, Any]:
+        """Send, receive and drop so that `experts` (an `ExpertStore`) holds this worker's share of `new`.
+
+        Returns:
+            What happened: experts received (and from whom), sent, restored from the checkpoint, dropped.
+        """
+        started = time.monotonic()
+        plan = transfers(old, new)
+        sends, sent = [], []
+        for (source, destination), ids in plan.items():
+            if source == self.index:
+                w1, w2 = experts.export(ids)
+                tensors = [torch.tensor(ids, dtype=torch.int64), w1.contiguous(), w2.contiguous()]
+                sends.append(self.comm.isend(self.ranks[destination], tensors, epoch))
+                sent.append({"to": destination, "experts": ids})
+        received, restored = [], []
+        for (source, destination), ids in plan.items():
+            if destination != self.index:
+                continue
+            message = None
+            if source is not None:
+                with contextlib.suppress(PeerError):  # the source died: fall back to the checkpoint below
+                    message = self.comm.irecv(self.ranks[source], epoch).wait(self.timeout_s)
+            if message is None:
+                if not self.restore:
+                    raise ExpertsLostError(ids, [] if source is None else [source])
+                restored += experts.ensure(ids)
+                continue
+            got = message[0].tolist()
+            if got != ids:
+                raise RuntimeError(f"expert worker {source} sent experts {got} for layout epoch {epoch}, expert "
+                                   f"worker {self.index} expected {ids}: the workers disagree on the layouts")
+            experts.install(ids, message[1], message[2])
+            received.append({"from": source, "experts": ids})
+        for work in sends:
+            with contextlib.suppress(PeerError):  # a destination that died gets its share re-placed later
+                work.wait(self.timeout_s)
+        dropped = experts.retain(new.experts_of(self.index))
+        return {"epoch": epoch, "received": received, "sent": sent, "restored": sorted(restored),
+                "dropped": dropped, "move_s": time.monotonic() - started}
+
+
+def rejoin_prefix(worker: int, generation: int) -> str:
+    """The M2N rendezvous namespace in which replacement `generation` of expert worker `worker` connects."""
+    return f"rejoin/{worker}/{generation}"
+

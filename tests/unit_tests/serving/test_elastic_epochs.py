@@ -1,0 +1,140 @@
+"""Elastic EP layout epochs: the placement changes while requests flow, with transformers' greedy tokens.
+
+Real worker processes on the tiny real checkpoint (the serving fixtures): rebalancing every few decode steps
+moves expert weights between expert workers over M2N; a SIGKILLed expert worker is replaced by a new process
+that connects to the running workers, receives its experts' weights and is placed again.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.serving.checkpoint import load_spec
+from mbridge_epoverlap.serving.elastic import ElasticLayout, make_elastic
+from mbridge_epoverlap.serving.engine import make_plan, run_engine
+from mbridge_epoverlap.serving.expert_moves import transfers
+from mbridge_epoverlap.serving.requests import Request
+
+MAX_NEW = 10
+
+
+def _requests(prompts):
+    return [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+
+
+def _leftovers(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive, [p for pid in pids for p in glob.glob(f"/dev/shm/mbe-m2n-{pid}-*")]
+
+
+def test_transfers_bring_each_gained_expert_from_a_live_holder():
+    old = ElasticLayout.initial(4, 4, 4)
+    new = old.resolved(old.alive, torch.tensor([90, 10, 10, 10]))
+    plan = transfers(old, new)
+    assert plan  # the hot expert gains replicas
+    for (source, destination), experts in plan.items():
+        for expert in experts:
+            assert expert in old.experts_of(source) and expert not in old.experts_of(destination)
+            assert expert in new.experts_of(destination)
+    assert new.imbalance(torch.tensor([90, 10, 10, 10])) < old.imbalance(torch.tensor([90, 10, 10, 10]))
+    joined = old.without({2})[0]
+    back = joined.resolved(joined.alive | {2})
+    gains = {dst: ids for (src, dst), ids in transfers(joined, back).items() if dst == 2}
+    assert sorted(set(sum(gains.values(), []))) == back.experts_of(2)  # the newcomer gets its whole share
+
+
+def test_rebalancing_while_decoding_moves_experts_and_keeps_tokens(tiny_mixtral_dir, prompts, hf_greedy):
+    spec = load_spec(tiny_mixtral_dir)
+    plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
+                     timeout_s=20)
+    plan = make_elastic(plan, redundant=4, rebalance_every=3)
+    pids: list[int] = []
+    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)
+    rebalances = result["elastic"]["rebalances"]
+    moved = [r for r in rebalances if r["moved"]]
+    assert moved, rebalances
+    assert all(r["imbalance_after"] < r["imbalance_before"] for r in moved)
+    received = [e for e in result["elastic"]["events"] if e["event"] == "moved" and e["received"]]
+    assert received  # an expert worker got weights from another one
+    assert _leftovers(pids) == ([], [])
+
+
+def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtral_dir, prompts, hf_greedy):
+    spec = load_spec(tiny_mixtral_dir)
+    plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
+                     timeout_s=20)
+    plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2)
+    pids: list[int] = []
+    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)
+    assert result["failed_requests"] == []
+    elastic = result["elastic"]
+    assert elastic["lost_workers"] == [0] and elastic["rejoined_workers"] == [0]
+    assert elastic["rejoined_after_s"] > elastic["detected_after_s"]
+    assert len(pids) == 6  # the five workers and the replacement
+    joined = [e for e in elastic["events"] if e["event"] == "joined"]
+    assert joined and joined[0]["step"] >= 2 + 2  # admitted rejoin_after_steps after the loss
+    got = [e for e in elastic["events"] if e["worker"] == "expert 0" and e["event"] == "moved"]
+    assert got and got[0]["received"]  # its experts came from the survivors
+    assert _leftovers(pids) == ([], [])
+
+
+def test_launcher_replaces_a_lost_expendable_rank_once(tmp_path):
+    import sys
+
+    from mbridge_epoverlap.runtime.launch import launch_processes
+
+    def command(rank):  # rank 1 fails at first; its replacement writes a file and succeeds
+        return [sys.executable, "-c", f"import sys, time; time.sleep(0.2); sys.exit({3 if rank == 1 else 0})"]
+
+    def replacement(rank, generation):
+        return [sys.executable, "-c", f"open({str(tmp_path / 'gen')!r}, 'w').write('{generation}')"]
+
+    started: list[int] = []
+    result = launch_processes(2, lambda rank: command(rank) if rank == 1 else [sys.executable, "-c",
+                              "import time; time.sleep(2)"], collect=lambda workdir: {}, expendable=[1],
+                              respawn=replacement, on_start=started.extend, timeout_s=60)
+    assert result["lost_ranks"] == [1]
+    assert (tmp_path / "gen").read_text() == "1" and len(started) == 3
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rebalance-every", "-1"], "argument --rebalance-every: -1 must be at least 0"),
+    (["--rejoin-after-steps", "x"], "argument --rejoin-after-steps: 'x' is not an integer"),
+    (["--rejoin-after-steps", "2", "--kill", "0"], "--rejoin-after-steps 2 replaces a killed expert worker"),
+])
+def test_elastic_bench_epoch_flags_bad_input_exit_2(tiny_mixtral_dir, capsys, flags, message):
+    from mbridge_epoverlap.cli import main
+
+    try:
+        code = main(["elastic-bench", "--checkpoint", str(tiny_mixtral_dir), "--expert-workers", "2",
+                     "--redundant-experts", "2", "--json", *flags])
+    except SystemExit as exc:  # argparse rejects a bad value itself
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_epoch_flags_need_elastic(tiny_mixtral_dir, tmp_path, capsys):
+    from mbridge_epoverlap.cli import main
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"id": "a", "prompt_ids": [5, 6]}\n')
+    assert main(["serve", "--checkpoint", str(tiny_mixtral_dir), "--prompts", str(path),
+                 "--rebalance-every", "4"]) == 2
+    assert "add --elastic" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--rebalance-every -2 must be >= 1"):
+        make_elastic(make_plan(load_spec(tiny_mixtral_dir), [Request("a", (5, 6))], expert_workers=2),
+                     redundant=2, rebalance_every=-2)
