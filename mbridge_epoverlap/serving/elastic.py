@@ -240,8 +240,11 @@ class ExpertStore:
         return torch.stack(w1), torch.stack(w2)
 
     def install(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> None:
-        """Hold `expert_ids` with the weights `export` gave (on another worker)."""
-        self.parts.append(self._part(expert_ids, w1, w2))
+        """Hold `expert_ids` with the weights `export` gave (on another worker); ones held already stay as they
+        are (a loss may have loaded them from the checkpoint since)."""
+        new = [i for i, e in enumerate(expert_ids) if e not in self.held]
+        if new:
+            self.parts.append(self._part([expert_ids[i] for i in new], w1[:, new], w2[:, new]))
 
     def retain(self, expert_ids: Iterable[int]) -> list[int]:
         """Drop every expert not in `expert_ids`; return the dropped ones."""

@@ -42,10 +42,11 @@ class StepSync:
     def __init__(self, store: Any, index: int, attn_workers: int, timeout_s: float) -> None:
         self.store, self.index, self.attn_workers, self.timeout_s = store, index, attn_workers, timeout_s
 
-    def gather(self, step: int, dead: Sequence[int],
-               load: torch.Tensor | None) -> tuple[set[int], torch.Tensor | None]:
-        """Post this worker's losses and load for `step`; return everybody's merged (union, sum)."""
-        mine = {"dead": sorted(dead), "load": None if load is None else load.tolist()}
+    def gather(self, step: int, dead: Sequence[int], load: torch.Tensor | None,
+               active: bool = True) -> tuple[set[int], torch.Tensor | None, bool]:
+        """Post this worker's losses, load and whether it has requests for `step`; return everybody's merged
+        (union, sum, any)."""
+        mine = {"dead": sorted(dead), "load": None if load is None else load.tolist(), "active": active}
         records = [mine]
         if self.attn_workers > 1:
             self.store.set(f"sync/{step}/{self.index}", json.dumps(mine))
@@ -53,7 +54,7 @@ class StepSync:
             records += [json.loads(self._get(f"sync/{step}/{i}", f"attention worker {i}")) for i in others]
         merged = {w for r in records for w in r["dead"]}
         loads = [torch.tensor(r["load"], dtype=torch.int64) for r in records if r["load"] is not None]
-        return merged, (torch.stack(loads).sum(0) if loads else None)
+        return merged, (torch.stack(loads).sum(0) if loads else None), any(r["active"] for r in records)
 
     def decide(self, step: int, decide: Callable[[], list[list[int]]]) -> list[list[int]]:
         """Attention worker 0 runs `decide` (the admissions `[[worker, generation], ...]`); the others read it."""

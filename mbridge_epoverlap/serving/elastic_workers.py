@@ -15,9 +15,9 @@ Two more hooks make the layout change while requests flow, at step boundaries (l
 
 - attention `_run_steps`: at a sync step (`serving.elastic_sync`) the attention workers merge what they know,
   rebalance the placement for the load they recorded (`eplb.ExpertLoadRecorder`, fed by every dispatch)
-  every `rebalance_every` steps when that lowers max/mean load, and admit a replacement expert worker
-  `rejoin_after_steps` after a loss; a new layout becomes a new epoch, whose table travels in the control
-  tensor `[active, alive mask, layer, epoch, *epoch slots]`;
+  every `rebalance_every` steps when that lowers max/mean load by `MIN_REBALANCE_GAIN` or more, and admit a
+  replacement expert worker `rejoin_after_steps` after a loss; a new layout becomes a new epoch, whose table
+  travels in the control tensor `[active, alive mask, layer, epoch, *epoch slots]`;
 - expert `_dispatch_wait` (and resends): the first message of a newer epoch makes the expert worker enter it:
   connect a replacement's channel, move the weights that change owner (`serving.expert_moves`), drop the ones
   it no longer holds. Every worker switches at the same step boundary, so no token is routed by an old table.
@@ -53,6 +53,8 @@ from mbridge_epoverlap.serving.workers import (
 )
 
 RESEND_TAG = 1 << 24  # above every (layer, micro-batch) tag
+# A rebalance is adopted when it lowers max/mean load by at least this fraction: moving weights for less is churn.
+MIN_REBALANCE_GAIN = 0.01
 _SLICE_S = 0.02  # an expert worker looks for resends this often while it waits
 
 
@@ -158,13 +160,22 @@ class ElasticAttentionWorker(AttentionWorker):
         """Merge what every attention worker knows, then maybe enter a new layout epoch (same on all of them)."""
         rebalance = self.recorder is not None and step % self.rebalance_every == 0
         load = self.recorder.load().sum(0) if rebalance else None
-        dead, load = self.sync.gather(step, sorted(set(range(self.layout.workers)) - self.layout.alive), load)
+        dead, load, active = self.sync.gather(step, sorted(set(range(self.layout.workers)) - self.layout.alive), load,
+                                              bool(self.queue.running))
+        if not active:
+            load = None  # the last (empty) step: nothing left to balance
         self.lose(dead, "another attention worker saw it")
         admitted = self.sync.decide(step, lambda: self._admissions(step))
+        joined = set()
         for worker, generation in admitted:
-            self.comm.connect(self.expert_ranks[worker], self.m2n_store, rejoin_prefix(worker, generation))
             self.generations[worker] = generation
-        joined = {worker for worker, _ in admitted}
+            try:
+                self.comm.connect(self.expert_ranks[worker], self.m2n_store, rejoin_prefix(worker, generation))
+            except PeerError as exc:  # it died while connecting (every attention worker waits for it alike)
+                self._say("rejoin-failed", f"the replacement of expert worker {worker} did not connect ({exc}); "
+                          "decoding goes on without it", worker=worker)
+                continue
+            joined.add(worker)
         if not joined and load is None:
             return
         if load is not None and not int(load.sum()):
@@ -172,7 +183,7 @@ class ElasticAttentionWorker(AttentionWorker):
         candidate = self.layout.resolved(self.layout.alive | joined, load)
         if joined:
             self._enter(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined))
-        elif load is not None and candidate.imbalance(load) < self.layout.imbalance(load):
+        elif load is not None and candidate.imbalance(load) < self.layout.imbalance(load) * (1 - MIN_REBALANCE_GAIN):
             self._enter(candidate, step, load, "rebalanced")
         elif load is not None:
             self.events.append({"event": "rebalance-kept", "t": time.monotonic(), "step": step,
@@ -360,7 +371,10 @@ class ElasticExpertWorker(ExpertWorker):
         for worker in sorted(new.alive - self.layout.alive):
             self.generations[worker] = self.generations.get(worker, 0) + 1
             if worker != self.index:
-                self.mover.connect(worker, self.generations[worker])
+                try:
+                    self.mover.connect(worker, self.generations[worker])
+                except PeerError:  # it died while joining: the attention workers will see it lost
+                    self.events.append({"event": "rejoin-failed", "t": time.monotonic(), "worker": worker})
         report = self.mover.move(newest, self.layout, new, self.part)
         self.layout, self.epoch = new, newest
         self.events.append({"event": "moved", "t": time.monotonic(), "step": self.decode_steps, **report})

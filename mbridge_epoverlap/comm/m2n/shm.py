@@ -197,7 +197,7 @@ class ShmCommunicator(M2NCommunicator):
 
     def isend(self, peer: int, tensors: Sequence[torch.Tensor], tag: int = 0) -> Work:
         self._check_peer(peer)
-        p = self._peers[peer]
+        p = self._open_peer(peer)
         wire.check_message(tensors, min(self.slot_bytes, p.capacity))
         item = _Pending(tag, tuple(tensors))
         p.sends.append(item)
@@ -207,7 +207,7 @@ class ShmCommunicator(M2NCommunicator):
 
     def irecv(self, peer: int, tag: int = 0) -> Work:
         self._check_peer(peer)
-        p = self._peers[peer]
+        p = self._open_peer(peer)
         item = _Pending(tag)
         p.recvs.append(item)
         return self._work(peer, f"receive (tag {tag}) from rank {peer}", lambda: self._poll(p, item),
@@ -232,6 +232,12 @@ class ShmCommunicator(M2NCommunicator):
         except BaseException:
             self._unlink()
             raise
+
+    def _open_peer(self, peer: int) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:  # a `connect` to it failed: its old channel is gone and no new one was opened
+            raise self._peer_error(peer, "has no open channel (connecting to its replacement failed)")
+        return p
 
     def close(self) -> None:
         if self._closed:

@@ -72,10 +72,11 @@ def test_rebalancing_while_decoding_moves_experts_and_keeps_tokens(tiny_mixtral_
 
 
 def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtral_dir, prompts, hf_greedy):
+    # Two attention workers: they agree on the admission and on the rebalances through the store.
     spec = load_spec(tiny_mixtral_dir)
-    plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
-                     timeout_s=20)
-    plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2)
+    plan = make_plan(spec, _requests(prompts), attn_workers=2, expert_workers=4, micro_batches=2,
+                     max_new_tokens=MAX_NEW, timeout_s=20)
+    plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2, rebalance_every=3)
     pids: list[int] = []
     result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
     assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)
@@ -83,9 +84,13 @@ def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtra
     elastic = result["elastic"]
     assert elastic["lost_workers"] == [0] and elastic["rejoined_workers"] == [0]
     assert elastic["rejoined_after_s"] > elastic["detected_after_s"]
-    assert len(pids) == 6  # the five workers and the replacement
+    assert len(pids) == 7  # the six workers and the replacement
     joined = [e for e in elastic["events"] if e["event"] == "joined"]
     assert joined and joined[0]["step"] >= 2 + 2  # admitted rejoin_after_steps after the loss
+    epochs = {w: [(e["step"], e["epoch"], e["slots"]) for e in elastic["events"]
+                  if e["worker"] == w and e["event"] in ("rebalanced", "rejoined")]
+              for w in ("attention 0", "attention 1")}
+    assert epochs["attention 0"] == epochs["attention 1"]  # both switched to the same tables at the same steps
     got = [e for e in elastic["events"] if e["worker"] == "expert 0" and e["event"] == "moved"]
     assert got and got[0]["received"]  # its experts came from the survivors
     assert _leftovers(pids) == ([], [])
