@@ -12,8 +12,9 @@ run that kills `--kill` expert workers) and reports medians over the runs:
 * no-failure cost: elastic over plain decode tokens/s, alternated A B B A ..., medians (target >= 0.97);
 * with `--rejoin-after-steps N`: a replacement process joins back N steps after the loss: when (from the
   kill), how long decoding waited for it, and tokens/s after it joined;
-* with `--rebalance-every K`: the placement is re-solved for the measured load every K steps (in the
-  no-failure elastic runs too): rebalances that moved experts, and max/mean load before and after.
+* with `--rebalance-every K`: the placement is re-solved for the measured load every K steps: rebalances
+  that moved experts, max/mean load before and after, and a third no-failure arm (elastic with
+  rebalancing over elastic without, alternated with the other two).
 
     python benchmarks/elastic_bench.py            # ~5 minutes on 2 cores
     python benchmarks/elastic_bench.py --quick    # ~1 minute (benchmarks/run_all.py)
@@ -68,6 +69,7 @@ def main() -> int:
 
     plain = [v for r in results for v in r["no_failure"]["plain_tokens_per_s"]]
     elastic = [v for r in results for v in r["no_failure"]["elastic_tokens_per_s"]]
+    reb = [v for r in results for v in r["no_failure"]["rebalancing_tokens_per_s"] or []]
     after, before = median("throughput_after"), median("throughput_before")
     doc = {
         "runs": runs, "interruption_s": median("interruption_s"), "interruption_s_all":
@@ -84,6 +86,7 @@ def main() -> int:
         "throughput_after_rejoin": median("throughput_after_rejoin"),
         "rejoined_every_run": all(r["rejoined_workers"] for r in results),
         "rebalances_moved": [[b for b in r["rebalances"] if not b["kept"]] for r in results],
+        "rebalancing_over_elastic": statistics.median(reb) / statistics.median(elastic) if reb else None,
     }
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
@@ -105,6 +108,8 @@ def main() -> int:
               f"kill (decoding waited {_fmt(doc['rejoin_wait_s'])} s for the replacement); tokens/s after rejoin "
               f"{_fmt(doc['throughput_after_rejoin'], '{:.1f}')}")
     if args.rebalance_every:
+        print(f"no failure, rebalancing every {args.rebalance_every} steps / elastic decode tokens/s: "
+              f"{_fmt(doc['rebalancing_over_elastic'])} (medians of {len(reb)} runs, alternated)")
         for i, moved in enumerate(doc["rebalances_moved"]):
             print(f"run {i + 1} rebalances: " + ("; ".join(
                 f"step {b['step']}: {b['moved']} moved, max/mean {b['imbalance_before']:.3f} -> "

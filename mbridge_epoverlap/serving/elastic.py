@@ -247,22 +247,21 @@ class ExpertStore:
             self.parts.append(self._part([expert_ids[i] for i in new], w1[:, new], w2[:, new]))
 
     def retain(self, expert_ids: Iterable[int]) -> list[int]:
-        """Drop every expert not in `expert_ids`; return the dropped ones."""
+        """Keep only the experts of `expert_ids` held, in one part again; return the dropped ones.
+
+        One part: a call then runs one grouped pass instead of one per part (after a few moves the parts
+        would otherwise pile up); the copy is this worker's share of weights, once per layout epoch.
+        """
         keep = set(expert_ids)
         dropped = sorted(self.held - keep)
-        if not dropped:
+        kept = sorted(self.held & keep)
+        if len(self.parts) <= 1 and not dropped:
             return []
-        parts = []
-        for part in self.parts:
-            kept = [e for e in part.expert_ids if e in keep]
-            if len(kept) == len(part.expert_ids):
-                parts.append(part)
-            elif kept:  # a smaller part with the kept experts' weights
-                local = [int(part.local_index[e]) for e in kept]
-                w1 = torch.stack([part.experts[str(layer)].w1[local] for layer in self.spec.moe_layer_ids])
-                w2 = torch.stack([part.experts[str(layer)].w2[local] for layer in self.spec.moe_layer_ids])
-                parts.append(self._part(kept, w1, w2))
-        self.parts = parts
+        if kept:
+            w1, w2 = self.export(kept)
+            self.parts = [self._part(kept, w1, w2)]
+        else:
+            self.parts = []
         return dropped
 
     def _part(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> Any:

@@ -87,25 +87,32 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     plain = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                       micro_batches=args.micro_batches, max_new_tokens=args.steps, max_batch=args.batch,
                       backend=args.backend, timeout_s=args.timeout, dtype=args.dtype)
-    elastic = make_elastic(plain, redundant=args.redundant_experts, rebalance_every=args.rebalance_every)
+    elastic = make_elastic(plain, redundant=args.redundant_experts)
+    rebalancing = make_elastic(plain, redundant=args.redundant_experts, rebalance_every=args.rebalance_every)
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
                            restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,
                            rejoin_after_steps=args.rejoin_after_steps)
     say = _progress(args)
-    plain_rates, elastic_rates, reference = [], [], None
+    # The no-failure arms: plain, elastic, and with --rebalance-every elastic with rebalancing.
+    arms: dict[str, Any] = {"plain": plain, "elastic": elastic}
+    if args.rebalance_every:
+        arms["rebalancing"] = rebalancing
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    reference = None
     for i in range(args.repeats):
         # A B, then B A: neither side always runs first (warm caches, a neighbour's load).
-        say(f"no-failure pair {i + 1}/{args.repeats}: plain and elastic")
-        for which in ((plain, elastic) if i % 2 == 0 else (elastic, plain)):
-            run = run_engine(which)
-            (elastic_rates if which.elastic else plain_rates).append(run["decode_tokens_per_s"])
-            if not which.elastic and reference is None:
+        say(f"no-failure round {i + 1}/{args.repeats}: {', '.join(arms)}")
+        for name in (list(arms) if i % 2 == 0 else list(reversed(arms))):
+            run = run_engine(arms[name])
+            rates[name].append(run["decode_tokens_per_s"])
+            if name == "plain" and reference is None:
                 reference = {c["id"]: c["output_ids"] for c in run["completions"]}
     say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers at decode step {args.kill_step}")
     result, code = run_reporting_failure(killing, say)
     summary = result.get("elastic", {})
     got = {c["id"]: c["output_ids"] for c in result["completions"]}
-    plain_median, elastic_median = statistics.median(plain_rates), statistics.median(elastic_rates)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    plain_rates, elastic_rates = rates["plain"], rates["elastic"]
     report: dict[str, Any] = {
         "interruption_s": summary.get("interruption_s"), "detected_after_s": summary.get("detected_after_s"),
         "throughput_before": summary.get("throughput_before"), "throughput_after": summary.get("throughput_after"),
@@ -118,7 +125,10 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         "throughput_after_rejoin": summary.get("throughput_after_rejoin"),
         "rebalances": summary.get("rebalances", []),
         "no_failure": {"plain_tokens_per_s": plain_rates, "elastic_tokens_per_s": elastic_rates,
-                       "elastic_over_plain": elastic_median / plain_median if plain_median else None},
+                       "elastic_over_plain": medians["elastic"] / medians["plain"] if medians["plain"] else None,
+                       "rebalancing_tokens_per_s": rates.get("rebalancing"),
+                       "rebalancing_over_elastic": medians["rebalancing"] / medians["elastic"]
+                       if "rebalancing" in medians and medians["elastic"] else None},
         "layout": {"attn_workers": args.attn_workers, "expert_workers": args.expert_workers,
                    "redundant_experts": args.redundant_experts, "kill": args.kill, "kill_step": args.kill_step,
                    "rebalance_every": args.rebalance_every, "rejoin_after_steps": args.rejoin_after_steps,
@@ -171,5 +181,7 @@ def _table(r: dict[str, Any]) -> None:
         *_epoch_rows(r),
         ("no failure: elastic/plain", f"{_fmt(nf['elastic_over_plain'])} (medians of "
                                       f"{len(nf['plain_tokens_per_s'])} A/B pairs, decode tokens/s)"),
+        *([("rebalancing/elastic", f"{_fmt(nf['rebalancing_over_elastic'])} (no failure, medians, decode tokens/s)")]
+          if nf["rebalancing_over_elastic"] is not None else []),
         ("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, amx_bf16={m['amx_bf16']})"),
     ])
