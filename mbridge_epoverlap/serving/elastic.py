@@ -246,6 +246,30 @@ class ExpertStore:
         if new:
             self.parts.append(self._part([expert_ids[i] for i in new], w1[:, new], w2[:, new]))
 
+    def build(self, expert_ids: Sequence[int], incoming: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """One part holding `expert_ids`: each from `incoming` (`[moe layers, ...]` w1 and w2, as another worker
+        exported them) or from the weights held; nothing held changes."""
+        ids = sorted(expert_ids)
+        if not ids:
+            return None
+        local = [e for e in ids if e not in incoming]
+        w1_held, w2_held = self.export(local) if local else (None, None)
+        w1, w2 = [], []
+        for e in ids:
+            if e in incoming:
+                w1.append(incoming[e][0])
+                w2.append(incoming[e][1])
+            else:
+                w1.append(w1_held[:, local.index(e)])
+                w2.append(w2_held[:, local.index(e)])
+        return self._part(ids, torch.stack(w1, dim=1), torch.stack(w2, dim=1))
+
+    def adopt(self, part: Any) -> list[int]:
+        """Hold exactly `part` (from `build`; None: nothing); return the experts dropped."""
+        held = self.held
+        self.parts = [part] if part is not None else []
+        return sorted(held - self.held)
+
     def retain(self, expert_ids: Iterable[int]) -> list[int]:
         """Keep only the experts of `expert_ids` held, in one part again; return the dropped ones.
 

@@ -16,11 +16,14 @@ Two more hooks make the layout change while requests flow, at step boundaries (l
 - attention `_run_steps`: at a sync step (`serving.elastic_sync`) the attention workers merge what they know,
   rebalance the placement for the load they recorded (`eplb.ExpertLoadRecorder`, fed by every dispatch)
   every `rebalance_every` steps when that lowers max/mean load by `MIN_REBALANCE_GAIN` or more, and admit a
-  replacement expert worker `rejoin_after_steps` after a loss; a new layout becomes a new epoch, whose table
-  travels in the control tensor `[active, alive mask, layer, epoch, *epoch slots]`;
-- expert `_dispatch_wait` (and resends): the first message of a newer epoch makes the expert worker enter it:
-  connect a replacement's channel, move the weights that change owner (`serving.expert_moves`), drop the ones
-  it no longer holds. Every worker switches at the same step boundary, so no token is routed by an old table.
+  replacement expert worker `rejoin_after_steps` after a loss; a new layout becomes a new epoch, announced in
+  that step and entered at the next boundary; the control tensor carries the current epoch's table and the
+  announced one: `[active, alive mask, layer, epoch, *epoch slots, announced epoch, *announced slots]`;
+- expert `_dispatch_wait` (and resends): the first message of a step that announces an epoch makes the expert
+  worker connect a replacement's channel and start moving the weights that change owner
+  (`serving.expert_moves`) while the step still runs on the old ones; the first message of the epoch itself
+  makes it install them and drop the ones it no longer holds. Every worker switches at the same step
+  boundary, so no token is routed by an old table.
 
 Each worker records what happened (`events`: detected, re-placed, restored, resumed, with
 `time.monotonic()` stamps, comparable across processes on one host); attention worker 0 prints it as it
@@ -104,7 +107,9 @@ class ElasticAttentionWorker(AttentionWorker):
 
             self.recorder = ExpertLoadRecorder(self.spec.num_layers, self.spec.num_experts, rebalance_every)
         self.epoch = 0
-        self._epoch_tail = [0, *layout.slots]  # control tensor's `[epoch, *epoch slots]`
+        self._epoch_slots = list(layout.slots)  # the current epoch's table as announced
+        self._announced: tuple[ElasticLayout, dict[str, Any]] | None = None  # entered at the next step
+        self._epoch_tail = [0, *layout.slots, 0, *layout.slots]  # control's `[epoch, *slots, announced, *slots]`
         self.lost_at: dict[int, int] = {}  # expert worker -> decode step its loss was seen
         self.generations: dict[int, int] = {}  # expert worker -> replacements admitted
         self._rejoin_tried: set[tuple[int, int]] = set()
@@ -135,8 +140,9 @@ class ElasticAttentionWorker(AttentionWorker):
         self._resume_pending = True
 
     def _control(self, layer: int) -> torch.Tensor:
-        """`[active, alive mask, layer, epoch, *epoch slots]`: the layer tells a resend's receiver which experts to
-        run; the epoch and its table tell an expert worker the layout it must hold."""
+        """`[active, alive mask, layer, epoch, *epoch slots, announced epoch, *announced slots]`: the layer tells a
+        resend's receiver which experts to run; the epochs and their tables tell an expert worker the layout it
+        must hold and the one to move weights for."""
         return torch.tensor([ACTIVE if self.active else IDLE, self.layout.mask, layer, *self._epoch_tail],
                             dtype=torch.int64)
 
@@ -150,6 +156,8 @@ class ElasticAttentionWorker(AttentionWorker):
 
     def _run_steps(self, handles: list[MicroBatchHandle]) -> None:
         step = self.decode_steps
+        if self._announced is not None:
+            self._switch(step)
         if self.sync is not None and step > 0 and (self.rejoin_after_steps or step % self.rebalance_every == 0):
             self._boundary(step)
         super()._run_steps(handles)
@@ -158,6 +166,7 @@ class ElasticAttentionWorker(AttentionWorker):
 
     def _boundary(self, step: int) -> None:
         """Merge what every attention worker knows, then maybe enter a new layout epoch (same on all of them)."""
+        self._boundary_started = time.monotonic()
         rebalance = self.recorder is not None and step % self.rebalance_every == 0
         load = self.recorder.load().sum(0) if rebalance else None
         dead, load, active = self.sync.gather(step, sorted(set(range(self.layout.workers)) - self.layout.alive), load,
@@ -182,9 +191,9 @@ class ElasticAttentionWorker(AttentionWorker):
             load = None  # nothing was routed: no measurement to balance for
         candidate = self.layout.resolved(self.layout.alive | joined, load)
         if joined:
-            self._enter(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined))
+            self._announce(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined))
         elif load is not None and candidate.imbalance(load) < self.layout.imbalance(load) * (1 - MIN_REBALANCE_GAIN):
-            self._enter(candidate, step, load, "rebalanced")
+            self._announce(candidate, step, load, "rebalanced")
         elif load is not None:
             self.events.append({"event": "rebalance-kept", "t": time.monotonic(), "step": step,
                                 "imbalance_before": self.layout.imbalance(load),
@@ -207,27 +216,44 @@ class ElasticAttentionWorker(AttentionWorker):
                 self._say("rejoin-timeout", f"no replacement for expert worker {worker} within {self.timeout_s:g} s: "
                           "decoding goes on without it", worker=worker)
                 continue
-            self.sync.admit(worker, generation, step, self.epoch, self.layout.slots)
+            # It joins the epoch entered at the next step; this step moves its weights.
+            self.sync.admit(worker, generation, step + 1, self.epoch, self.layout.slots)
             admitted.append([worker, generation])
             self.events.append({"event": "rejoin-ready", "t": time.monotonic(), "worker": worker,
                                 "waited_s": time.monotonic() - started})
         return admitted
 
-    def _enter(self, layout: ElasticLayout, step: int, load: torch.Tensor | None, why: str, **fields: Any) -> None:
+    def _announce(self, layout: ElasticLayout, step: int, load: torch.Tensor | None, why: str,
+                  **fields: Any) -> None:
+        """Announce `layout` as the next epoch in this step's messages (weights move meanwhile); entered next step."""
         moves = transfers(self.layout, layout)
-        moved = sum(len(ids) for ids in moves.values())
         before = self.layout.imbalance(load) if load is not None else None
         after = layout.imbalance(load) if load is not None else None
-        self.layout, self.route = layout, layout.router()
+        self._announced = (layout, {"why": why, "announced_at": step, "moved": sum(len(ids) for ids in moves.values()),
+                                    "moves": [[src, dst, ids] for (src, dst), ids in moves.items()],
+                                    "imbalance_before": before, "imbalance_after": after,
+                                    "decide_s": time.monotonic() - self._boundary_started, **fields})
+        self._epoch_tail = [self.epoch, *self._epoch_slots, self.epoch + 1, *layout.slots]
+
+    def _switch(self, step: int) -> None:
+        """Enter the announced epoch; expert workers lost while it was announced are dropped from it again."""
+        layout, fields = self._announced
+        self._announced = None
+        joined = set(fields.get("joined", []))
+        lost_meanwhile = {w for w in layout.alive if w not in self.layout.alive and w not in joined}
         self.epoch += 1
-        self._epoch_tail = [self.epoch, *layout.slots]
+        self._epoch_slots = list(layout.slots)
+        self._epoch_tail = [self.epoch, *layout.slots, self.epoch, *layout.slots]
+        self.layout, self.route = layout, layout.router()
+        why = fields.pop("why")
+        before, after = fields["imbalance_before"], fields["imbalance_after"]
         balance = f", max/mean load {before:.3f} -> {after:.3f}" if before is not None else ""
-        self._say("rebalanced" if not fields.get("joined") else "rejoined",
+        self._say("rebalanced" if not joined else "rejoined",
                   f"{why} at decode step {step}: layout epoch {self.epoch} over expert workers "
-                  f"{sorted(layout.alive)}, "
-                  f"{moved} expert copies moved{balance}", step=step, epoch=self.epoch, moved=moved,
-                  moves=[[src, dst, ids] for (src, dst), ids in moves.items()], imbalance_before=before,
-                  imbalance_after=after, slots=list(layout.slots), **fields)
+                  f"{sorted(layout.alive)}, {fields['moved']} expert copies moved during step {fields['announced_at']}"
+                  f"{balance}", step=step, epoch=self.epoch, slots=list(layout.slots), **fields)
+        if lost_meanwhile:
+            self.lose(lost_meanwhile, "while the epoch was announced")
 
     def _dispatch_issue(self, h: MicroBatchHandle, layer: int) -> None:
         if not self.spec.is_moe(layer):
@@ -336,6 +362,7 @@ class ElasticExpertWorker(ExpertWorker):
         self.layout, self.index, self.restore = layout, index, restore
         self.kill_at_step, self.kill_file = kill_at_step, kill_file
         self.mover, self.epoch = mover, epoch
+        self._prefetch: Any = None  # the moves of an announced epoch (`expert_moves.Prefetch`)
         self.generations: dict[int, int] = {}  # expert worker -> replacements seen joining
         self.events: list[dict[str, Any]] = []
         self._last_moe = self.spec.moe_layer_ids[-1]
@@ -355,18 +382,39 @@ class ElasticExpertWorker(ExpertWorker):
         self.layout = layout
 
     def _enter_epoch(self, controls: list[torch.Tensor]) -> None:
-        """Enter the newest layout epoch the control tensors carry (all of one step carry the same one)."""
-        epochs = {int(c[3]) for c in controls}
-        newest = max(epochs)
-        if newest <= self.epoch:
+        """Follow the epochs the control tensors carry (all of one step carry the same): enter the current one
+        (finishing its moves), and start the moves of an announced one."""
+        n = len(self.layout.slots)
+        current, announced = {int(c[3]) for c in controls}, {int(c[4 + n]) for c in controls}
+        if max(announced) <= self.epoch:
             return
-        if len(epochs) > 1:
-            raise RuntimeError(f"attention workers sent layout epochs {sorted(epochs)} in one step: they must switch "
-                               "at the same step boundary")
+        if len(current) > 1 or len(announced) > 1:
+            raise RuntimeError(f"attention workers sent layout epochs {sorted(current)} (announced "
+                               f"{sorted(announced)}) in one step: they must switch at the same step boundary")
         if self.mover is None:
-            raise RuntimeError(f"layout epoch {newest} started but expert worker {self.index} has no channel to the "
-                               "other expert workers (the plan enables neither rebalancing nor rejoining)")
-        new = ElasticLayout.from_slots(self.layout.num_experts, self.layout.workers, controls[0][4:].tolist())
+            raise RuntimeError(f"layout epoch {max(announced)} started but expert worker {self.index} has no channel "
+                               "to the other expert workers (the plan enables neither rebalancing nor rejoining)")
+        control = controls[0]
+        epoch, upcoming = int(control[3]), int(control[4 + n])
+        if epoch > self.epoch:
+            if self._prefetch is None or self._prefetch.epoch != epoch:  # not announced to this worker (a newcomer)
+                self._prefetch = self._start(epoch, control[4:4 + n].tolist())
+            report = self.mover.finish(self._prefetch, self.part)
+            self.layout, self.epoch, self._prefetch = self._prefetch.layout, epoch, None
+            self.events.append({"event": "moved", "t": time.monotonic(), "step": self.decode_steps, **report})
+        if upcoming > self.epoch and (self._prefetch is None or self._prefetch.epoch != upcoming):
+            self._prefetch = self._start(upcoming, control[5 + n:5 + 2 * n].tolist())
+
+    def _combine_issue(self, mb: int, layer: int) -> None:
+        super()._combine_issue(mb, layer)
+        # This worker's last expert work of the step is out: build the announced layout's share now, while the
+        # attention workers finish the step.
+        if layer == self._last_moe and mb == self.m - 1 and self._prefetch is not None and self._prefetch.part is None:
+            self.mover.assemble(self._prefetch, self.part)
+
+    def _start(self, epoch: int, slots: list[int]) -> Any:
+        """Connect the newcomers of epoch `epoch` and start its moves (`WeightMover.start`)."""
+        new = ElasticLayout.from_slots(self.layout.num_experts, self.layout.workers, slots)
         self._follow(new.mask)  # losses the new epoch already accounts for, as within an epoch
         for worker in sorted(new.alive - self.layout.alive):
             self.generations[worker] = self.generations.get(worker, 0) + 1
@@ -375,9 +423,7 @@ class ElasticExpertWorker(ExpertWorker):
                     self.mover.connect(worker, self.generations[worker])
                 except PeerError:  # it died while joining: the attention workers will see it lost
                     self.events.append({"event": "rejoin-failed", "t": time.monotonic(), "worker": worker})
-        report = self.mover.move(newest, self.layout, new, self.part)
-        self.layout, self.epoch = new, newest
-        self.events.append({"event": "moved", "t": time.monotonic(), "step": self.decode_steps, **report})
+        return self.mover.start(epoch, self.layout, new, self.part)
 
     def _wait_serving(self, work: Any) -> list[torch.Tensor]:
         deadline = time.monotonic() + self.timeout_s

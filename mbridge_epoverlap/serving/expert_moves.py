@@ -11,14 +11,19 @@ and the transfer is one memory copy per tensor on this host (an RDMA write betwe
 independent of the storage. The disk copy remains the fallback when the source dies during the move.
 
 The protocol needs no agreement round: every expert worker derives the same transfers from the same two
-layouts, sends what it must (one message per destination, which fits a free slot, so the send completes
-at once and nothing waits for it), then waits for what it gains, then drops what it no longer holds.
+layouts. The attention workers announce an epoch one step before they switch to it; in the announcing step
+each expert worker sends what it must (one message per destination, which fits a free slot, so the send
+completes at once and nothing waits for it) and posts its receives (`WeightMover.start`), while that step
+still runs on the old weights; once its own last expert work of that step is done it builds its new share
+as one part beside the old one (`WeightMover.assemble`), and at the switch it only swaps them
+(`WeightMover.finish`). So the copies overlap a decode step instead of stalling one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -79,47 +84,96 @@ class WeightMover:
         """Open the channel to replacement `generation` of expert worker `worker` (it connects from its side)."""
         self.comm.connect(self.ranks[worker], self.store, rejoin_prefix(worker, generation))
 
-    def move(self, epoch: int, old: ElasticLayout, new: ElasticLayout, experts: Any) -> dict[str, Any]:
-        """Send, receive and drop so that `experts` (an `ExpertStore`) holds this worker's share of `new`.
+    def start(self, epoch: int, old: ElasticLayout, new: ElasticLayout, experts: Any) -> Prefetch:
+        """Send what this worker gives for `new` and post the receives of what it gains (nothing waits here).
 
-        Returns:
-            What happened: experts received (and from whom), sent, restored from the checkpoint, dropped.
+        Called in the step that announces the epoch; the step runs on the old weights meanwhile (nothing is
+        dropped before `finish`).
         """
         started = time.monotonic()
         plan = transfers(old, new)
-        sends, sent = [], []
+        pending = Prefetch(epoch, new)
         for (source, destination), ids in plan.items():
             if source == self.index:
                 w1, w2 = experts.export(ids)
                 tensors = [torch.tensor(ids, dtype=torch.int64), w1.contiguous(), w2.contiguous()]
                 with contextlib.suppress(PeerError):  # a destination without a channel (its connect failed)
-                    sends.append(self.comm.isend(self.ranks[destination], tensors, epoch))
-                    sent.append({"to": destination, "experts": ids})
-        received, restored = [], []
+                    pending.sends.append(self.comm.isend(self.ranks[destination], tensors, epoch))
+                    pending.sent.append({"to": destination, "experts": ids})
         for (source, destination), ids in plan.items():
-            if destination != self.index:
-                continue
+            if destination == self.index:
+                work = None
+                if source is not None:
+                    with contextlib.suppress(PeerError):
+                        work = self.comm.irecv(self.ranks[source], epoch)
+                pending.receives.append((source, ids, work))
+        pending.start_s = time.monotonic() - started
+        return pending
+
+    def assemble(self, pending: Prefetch, experts: Any) -> None:
+        """Wait for what this worker gains and build its whole share of the new layout as one part, beside the
+        weights in use (called once this worker's last expert work of the announcing step is done, so the copies
+        overlap the attention workers' end of step; `finish` then only swaps). A source that died is replaced
+        by the checkpoint copy."""
+        started = time.monotonic()
+        incoming: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for source, ids, work in pending.receives:
             message = None
-            if source is not None:
+            if work is not None:
                 with contextlib.suppress(PeerError):  # the source died: fall back to the checkpoint below
-                    message = self.comm.irecv(self.ranks[source], epoch).wait(self.timeout_s)
+                    message = work.wait(self.timeout_s)
             if message is None:
                 if not self.restore:
                     raise ExpertsLostError(ids, [] if source is None else [source])
-                restored += experts.ensure(ids)
+                pending.restored += experts.ensure(ids)
                 continue
             got = message[0].tolist()
             if got != ids:
-                raise RuntimeError(f"expert worker {source} sent experts {got} for layout epoch {epoch}, expert "
-                                   f"worker {self.index} expected {ids}: the workers disagree on the layouts")
-            experts.install(ids, message[1], message[2])
-            received.append({"from": source, "experts": ids})
-        for work in sends:
+                raise RuntimeError(f"expert worker {source} sent experts {got} for layout epoch {pending.epoch}, "
+                                   f"expert worker {self.index} expected {ids}: the workers disagree on the layouts")
+            for i, expert in enumerate(ids):
+                incoming[expert] = (message[1][:, i], message[2][:, i])
+            pending.received.append({"from": source, "experts": ids})
+        for work in pending.sends:
             with contextlib.suppress(PeerError):  # a destination that died gets its share re-placed later
                 work.wait(self.timeout_s)
-        dropped = experts.retain(new.experts_of(self.index))
-        return {"epoch": epoch, "received": received, "sent": sent, "restored": sorted(restored),
-                "dropped": dropped, "move_s": time.monotonic() - started}
+        pending.part = experts.build(pending.layout.experts_of(self.index), incoming)
+        pending.assemble_s = time.monotonic() - started
+
+    def finish(self, pending: Prefetch, experts: Any) -> dict[str, Any]:
+        """Enter the new layout: `assemble` if that has not happened yet, then hold exactly the new share.
+
+        Returns:
+            What happened: experts received (and from whom), sent, restored from the checkpoint, dropped, and the
+            seconds spent starting, assembling and at the switch itself.
+        """
+        started = time.monotonic()
+        if pending.part is None:
+            self.assemble(pending, experts)
+        dropped = experts.adopt(pending.part)
+        return {"epoch": pending.epoch, "received": pending.received, "sent": pending.sent,
+                "restored": sorted(pending.restored), "dropped": dropped, "prefetch_s": pending.start_s,
+                "assemble_s": pending.assemble_s, "switch_s": time.monotonic() - started}
+
+    def move(self, epoch: int, old: ElasticLayout, new: ElasticLayout, experts: Any) -> dict[str, Any]:
+        """`start` then `finish` at once."""
+        return self.finish(self.start(epoch, old, new, experts), experts)
+
+
+@dataclass
+class Prefetch:
+    """The moves of one announced epoch in flight on one expert worker."""
+
+    epoch: int
+    layout: ElasticLayout
+    sends: list[Any] = field(default_factory=list)
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    receives: list[tuple[int | None, list[int], Any]] = field(default_factory=list)  # (source, experts, Work)
+    received: list[dict[str, Any]] = field(default_factory=list)
+    restored: list[int] = field(default_factory=list)
+    part: Any = None  # this worker's whole share of the new layout, once assembled
+    start_s: float = 0.0
+    assemble_s: float = 0.0
 
 
 def rejoin_prefix(worker: int, generation: int) -> str:
