@@ -202,7 +202,7 @@ class ExpertStore:
 
     Called like an `ExpertPart` (`store(layer, tokens, expert_ids)`). A loss only adds weights (tokens routed
     by an attention worker that has not yet seen the loss still find their expert); a new layout epoch, which
-    every worker enters at the same step boundary, drops the experts the worker no longer holds (`retain`).
+    every worker enters at the same step boundary, replaces them with the epoch's share (`build`, `adopt`).
     """
 
     def __init__(self, spec: Any, expert_ids: Sequence[int]) -> None:
@@ -239,13 +239,6 @@ class ExpertStore:
             w2.append(torch.stack(rows2))
         return torch.stack(w1), torch.stack(w2)
 
-    def install(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> None:
-        """Hold `expert_ids` with the weights `export` gave (on another worker); ones held already stay as they
-        are (a loss may have loaded them from the checkpoint since)."""
-        new = [i for i, e in enumerate(expert_ids) if e not in self.held]
-        if new:
-            self.parts.append(self._part([expert_ids[i] for i in new], w1[:, new], w2[:, new]))
-
     def build(self, expert_ids: Sequence[int], incoming: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """One part holding `expert_ids`: each from `incoming` (`[moe layers, ...]` w1 and w2, as another worker
         exported them) or from the weights held; nothing held changes."""
@@ -269,24 +262,6 @@ class ExpertStore:
         held = self.held
         self.parts = [part] if part is not None else []
         return sorted(held - self.held)
-
-    def retain(self, expert_ids: Iterable[int]) -> list[int]:
-        """Keep only the experts of `expert_ids` held, in one part again; return the dropped ones.
-
-        One part: a call then runs one grouped pass instead of one per part (after a few moves the parts
-        would otherwise pile up); the copy is this worker's share of weights, once per layout epoch.
-        """
-        keep = set(expert_ids)
-        dropped = sorted(self.held - keep)
-        kept = sorted(self.held & keep)
-        if len(self.parts) <= 1 and not dropped:
-            return []
-        if kept:
-            w1, w2 = self.export(kept)
-            self.parts = [self._part(kept, w1, w2)]
-        else:
-            self.parts = []
-        return dropped
 
     def _part(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> Any:
         from mbridge_epoverlap.serving.model import ExpertPart

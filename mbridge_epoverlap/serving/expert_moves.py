@@ -155,10 +155,6 @@ class WeightMover:
                 "restored": sorted(pending.restored), "dropped": dropped, "prefetch_s": pending.start_s,
                 "assemble_s": pending.assemble_s, "switch_s": time.monotonic() - started}
 
-    def move(self, epoch: int, old: ElasticLayout, new: ElasticLayout, experts: Any) -> dict[str, Any]:
-        """`start` then `finish` at once."""
-        return self.finish(self.start(epoch, old, new, experts), experts)
-
 
 @dataclass
 class Prefetch:

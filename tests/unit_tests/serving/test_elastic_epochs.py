@@ -54,6 +54,20 @@ def test_transfers_bring_each_gained_expert_from_a_live_holder():
     assert sorted(set(sum(gains.values(), []))) == back.experts_of(2)  # the newcomer gets its whole share
 
 
+def test_expert_store_builds_a_share_from_held_and_received_weights(tiny_mixtral_dir):
+    from mbridge_epoverlap.serving.elastic import ExpertStore
+
+    spec = load_spec(tiny_mixtral_dir)
+    mine, theirs, reference = ExpertStore(spec, [0, 1]), ExpertStore(spec, [2, 3]), ExpertStore(spec, [0, 1, 2, 3])
+    w1, w2 = theirs.export([3])
+    part = mine.build([1, 3], {3: (w1[:, 0], w2[:, 0])})
+    assert mine.held == {0, 1}  # nothing changes before the switch
+    assert mine.adopt(part) == [0] and mine.held == {1, 3}
+    tokens, ids = torch.randn(6, spec.hidden_size), torch.tensor([1, 3, 3, 1, 3, 1])
+    layer = spec.moe_layer_ids[-1]
+    assert torch.equal(mine(layer, tokens, ids), reference(layer, tokens, ids))
+
+
 def test_rebalancing_while_decoding_moves_experts_and_keeps_tokens(tiny_mixtral_dir, prompts, hf_greedy):
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
