@@ -52,6 +52,8 @@ class ColocatedWorker(AttentionWorker):
         self.timer.compute = frozenset({ATTN.name, POST.name, DISPATCH.name, EXPERTS.name})
         self._flight: dict[int, dict[str, Any]] = {}
 
+    streams = False  # SGLang's two-batch overlap: each forward pass is its own batch, steps do not overlap
+
     def run(self) -> None:
         while True:
             admitted, retired = self.queue.step_boundary()

@@ -69,8 +69,9 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     dealt: list[list[dict[str, Any]]] = [[] for _ in range(readers)]
     for i, request in enumerate(requests):
         dealt[i % readers].append({"id": request.id, "prompt_ids": list(request.prompt_ids)})
-    longest = max(len(r.prompt_ids) for r in requests) + max_new_tokens
-    # The largest message: every token of a full micro-batch of prefills routed k times to one worker.
+    # The largest message: every token of a full micro-batch of prefills routed k times to one worker (a
+    # prefill carries the prompt; later steps one token per sequence).
+    longest = max(len(r.prompt_ids) for r in requests)
     rows = min(max_batch, max(len(d) for d in dealt)) * longest * spec.top_k
     element = 2 if dtype == "bfloat16" else 4
     slot_bytes = rows * (spec.hidden_size * element + 8) + _HEADER_BYTES
@@ -262,21 +263,37 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
 
         steps, resources = ORDERS[plan.order](plan.micro_batches, spec.num_layers), COLOCATED_RESOURCES
     else:
-        from mbridge_epoverlap.schedule.serving_orders import ping_pong
-
-        steps, resources = ping_pong(plan.micro_batches, spec.num_layers), DISAGGREGATED
+        steps, resources = None, DISAGGREGATED
 
     def cost(step: Any) -> float:
-        # Dense layers have no routed experts and move nothing.
-        if not spec.is_moe(step.layer) and step.stage in (DISPATCH.name, EXPERTS.name, COMBINE.name):
+        # Dense layers have no routed experts and move nothing (layers number on across decode steps).
+        if not spec.is_moe(step.layer % spec.num_layers) and step.stage in (DISPATCH.name, EXPERTS.name,
+                                                                             COMBINE.name):
             return 0.0
         return stages.get(step.stage, 0.0)
 
-    timeline = simulate(steps, cost, resources)
-    makespan = timeline.makespan
-    busy: dict[str, float] = {}
-    for event in timeline.events:
-        busy[event.resource] = busy.get(event.resource, 0.0) + event.end - event.start
+    def timed(order: Any) -> tuple[float, dict[str, float]]:
+        timeline = simulate(order, cost, resources)
+        busy: dict[str, float] = {}
+        for event in timeline.events:
+            busy[event.resource] = busy.get(event.resource, 0.0) + event.end - event.start
+        return timeline.makespan, busy
+
+    if steps is not None:
+        makespan, busy = timed(steps)
+    else:
+        # Workers that stream decode steps run ping_pong over S * L layers: the steady step is what one
+        # more step adds (4 steps minus 2, halved), without the fill and drain; an elastic run drains every
+        # step, so one step is its own.
+        from mbridge_epoverlap.schedule.serving_orders import ping_pong
+
+        if plan.elastic:
+            makespan, busy = timed(ping_pong(plan.micro_batches, spec.num_layers))
+        else:
+            (short, short_busy), (long, long_busy) = (timed(ping_pong(plan.micro_batches, n * spec.num_layers))
+                                                      for n in (2, 4))
+            makespan = (long - short) / 2
+            busy = {role: (long_busy.get(role, 0.0) - short_busy.get(role, 0.0)) / 2 for role in long_busy}
     if plan.mode == COLOCATED:
         utilization = {"attention": busy.get("compute", 0.0) / makespan if makespan else 0.0}
         utilization["expert"] = utilization["attention"]
