@@ -65,8 +65,6 @@ class _SendToleratingLoss:
 class ElasticAttentionWorker(AttentionWorker):
     """An attention worker that routes to replicas and re-routes around dead expert workers."""
 
-    streams = False  # a new layout applies to every micro-batch from one step boundary on
-
     def __init__(self, *args: Any, layout: ElasticLayout, restore: bool, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.layout, self.restore = layout, restore
@@ -197,8 +195,6 @@ class ElasticAttentionWorker(AttentionWorker):
 
 class ElasticExpertWorker(ExpertWorker):
     """An expert worker that serves resends and follows the alive mask the attention workers send."""
-
-    streams = False
 
     def __init__(self, *args: Any, layout: ElasticLayout, index: int, restore: bool,
                  kill_at_step: int | None = None, kill_file: str | None = None, **kwargs: Any) -> None:

@@ -282,18 +282,14 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
     if steps is not None:
         makespan, busy = timed(steps)
     else:
-        # Workers that stream decode steps run ping_pong over S * L layers: the steady step is what one
-        # more step adds (4 steps minus 2, halved), without the fill and drain; an elastic run drains every
-        # step, so one step is its own.
+        # The workers stream decode steps, running ping_pong over S * L layers: the steady step is what one
+        # more step adds (4 steps minus 2, halved), without the pipeline's fill and drain.
         from mbridge_epoverlap.schedule.serving_orders import ping_pong
 
-        if plan.elastic:
-            makespan, busy = timed(ping_pong(plan.micro_batches, spec.num_layers))
-        else:
-            (short, short_busy), (long, long_busy) = (timed(ping_pong(plan.micro_batches, n * spec.num_layers))
-                                                      for n in (2, 4))
-            makespan = (long - short) / 2
-            busy = {role: (long_busy.get(role, 0.0) - short_busy.get(role, 0.0)) / 2 for role in long_busy}
+        (short, short_busy), (long, long_busy) = (timed(ping_pong(plan.micro_batches, n * spec.num_layers))
+                                                  for n in (2, 4))
+        makespan = (long - short) / 2
+        busy = {role: (long_busy.get(role, 0.0) - short_busy.get(role, 0.0)) / 2 for role in long_busy}
     if plan.mode == COLOCATED:
         utilization = {"attention": busy.get("compute", 0.0) / makespan if makespan else 0.0}
         utilization["expert"] = utilization["attention"]

@@ -11,9 +11,9 @@ across steps (round `s * L + l` is layer `l` of decode step `s`, `serving_orders
 micro-batch's next token enters layer 0 while the other micro-batches are still in the last layer of
 the previous step, exactly as layer l + 1 follows layer l. Each micro-batch has its own step boundary,
 just before its layer-0 attention: it retires its finished sequences and admits waiting ones
-(continuous batching), up to its share of the batch limit. A worker with `streams = False` (the
-elastic workers, whose layout changes need every micro-batch at one boundary) drains the pipeline at
-the end of every step instead: one `ping_pong(m, L)` per step, one boundary for all micro-batches.
+(continuous batching), up to its share of the batch limit. A worker class with `streams = False`
+drains the pipeline at the end of every step instead: one `ping_pong(m, L)` per step, one boundary for
+all micro-batches (for changes that need every micro-batch at one boundary).
 
 Every dispatch carries a one-element control tensor: whether the sending attention worker had any
 work left when micro-batch 0 started the step. When no attention worker had any, the expert workers
