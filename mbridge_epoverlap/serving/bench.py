@@ -60,7 +60,8 @@ def _timed(fn: Any, repeats: int = 5) -> float:
 
 def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_workers: int = 1,
                 context: int = PROMPT_LEN + 8) -> dict[str, float]:
-    """Time one decode attention layer of `micro_batch` sequences and the matching expert layer (ms).
+    """Time one decode layer's attention-side work for `micro_batch` sequences (attention, router, and the
+    gate-weighted sum after the experts) and the matching expert layer (ms).
 
     The expert side gets the tokens of all attention workers, spread over the expert workers.
     """
@@ -88,8 +89,11 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
         def attend() -> None:
             # One decode token per sequence, at the next position each repeat (the cache grows by one).
             step = TokenBatch.from_chunks([(seq, [1], position[0]) for seq in range(micro_batch)])
-            attention.attention_step(layer, x, step, cache)
+            out = attention.attention_step(layer, x, step, cache)
+            attention.post_step(layer, out, expert_out)
             position[0] += 1
+
+        expert_out = torch.zeros(micro_batch, spec.top_k, spec.hidden_size, dtype=x.dtype)
 
         t_attn = _timed(attend)
         rows = max(1, micro_batch * attn_workers * spec.top_k // expert_workers)
