@@ -9,6 +9,7 @@ rather than a loop over sequences.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +36,7 @@ class KVCache:
         self._keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._row: dict[int, int] = {}  # seq_id -> its row
-        self._free_rows: list[int] = list(range(_INITIAL_ROWS - 1, -1, -1))
+        self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # a heap: the lowest free row is taken first
         self._lengths: dict[int, list[int]] = {}
 
     @classmethod
@@ -49,15 +50,21 @@ class KVCache:
         if not self._free_rows:
             rows = self._keys[0].shape[0]
             self._resize(rows=2 * rows)
-            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
-        self._row[seq_id] = self._free_rows.pop()
+            self._free_rows = list(range(rows, 2 * rows))
+        # Lowest row first: sequences admitted together get consecutive rows, which `append_decode` reads as
+        # a view instead of a copy.
+        self._row[seq_id] = heapq.heappop(self._free_rows)
         self._lengths[seq_id] = [0] * self.num_layers
+
+    def empty_like(self) -> KVCache:
+        """A new, empty cache of the same shapes."""
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
 
     def free(self, seq_id: int) -> None:
         """Drop a finished sequence's keys and values."""
         if seq_id not in self._row:
             raise KeyError(f"sequence {seq_id} is not in the KV cache")
-        self._free_rows.append(self._row.pop(seq_id))
+        heapq.heappush(self._free_rows, self._row.pop(seq_id))
         del self._lengths[seq_id]
 
     def __contains__(self, seq_id: object) -> bool:
@@ -108,7 +115,12 @@ class KVCache:
         v_buf[row_index, :, position] = values
         for seq_id, start in zip(seq_ids, starts, strict=True):
             self._lengths[seq_id][layer] = start + 1
-        return k_buf[row_index, :, :longest], v_buf[row_index, :, :longest], position + 1
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive rows in batch order: a view
+            span = slice(rows[0], rows[0] + len(rows))
+            return k_buf[span, :, :longest], v_buf[span, :, :longest], position + 1
+        # index_select of the filled positions copies whole rows; advanced indexing is about twice as slow here.
+        return (k_buf[:, :, :longest].index_select(0, row_index), v_buf[:, :, :longest].index_select(0, row_index),
+                position + 1)
 
     def _check(self, layer: int, seq_id: int, start: int) -> int:
         if seq_id not in self._row:

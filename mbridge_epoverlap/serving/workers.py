@@ -90,6 +90,7 @@ class MicroBatchHandle:
     sends: list[Any] = field(default_factory=list)
     expert_out: torch.Tensor | None = None
     issued_at: float = 0.0  # when the current layer's dispatch was issued
+    cache: Any = None  # its own KVCache when sequences stay in this micro-batch (streamed steps)
 
     @property
     def empty(self) -> bool:
@@ -189,7 +190,10 @@ class AttentionWorker:
         """Rounds 0, 1, 2, ... of the ping-pong across decode steps, until the experts say stop; then the
         rest of that step and the tail, so the pipeline drains once, at the end."""
         layers = self.spec.num_layers
-        self._handles = handles = [MicroBatchHandle(i) for i in range(self.m)]
+        # A sequence stays in its micro-batch from admission to retirement, so each micro-batch keeps its
+        # own KV cache: its sequences hold consecutive rows, which decode attention reads without a copy.
+        self._handles = handles = [MicroBatchHandle(i, cache=self.cache if i == 0 else self.cache.empty_like())
+                                   for i in range(self.m)]
         first = role_steps(ping_pong_round(self.m, 0), Role.ATTENTION)
         steady = role_steps(ping_pong_round(self.m, 1), Role.ATTENTION)  # layer 0 here: the previous round's
         end: int | None = None  # the round that only drains (set once the experts said stop)
@@ -222,8 +226,9 @@ class AttentionWorker:
             work.wait(self.timeout_s)
         self.step_log.append((time.perf_counter() - mark[0], self.tokens_generated - mark[1]))
         self.decode_steps = (end or 0) // layers
-        for seq in self.queue.retire(self.queue.running):
-            self.cache.free(seq.slot)
+        for h in handles:
+            for seq in self.queue.retire(h.seqs):
+                h.cache.free(seq.slot)
 
     def _report_progress(self) -> None:
         if self.progress is not None and self.decode_steps % 16 == 0:
@@ -238,12 +243,12 @@ class AttentionWorker:
         batch of requests is dealt evenly), capped by this micro-batch's part of the batch limit.
         """
         for seq in self.queue.retire(h.seqs):
-            self.cache.free(seq.slot)
+            h.cache.free(seq.slot)
         h.seqs = [seq for seq in h.seqs if not seq.finished]
         limit = self.queue.max_batch // self.m + (1 if h.index < self.queue.max_batch % self.m else 0)
         share = -(-len(self.queue.waiting) // (self.m - h.index))
         for seq in self.queue.admit(min(share, limit - len(h.seqs))):
-            self.cache.add(seq.slot)
+            h.cache.add(seq.slot)
             h.seqs.append(seq)
         if h.index == 0:  # the control every dispatch of this step carries (read by the experts at micro-batch 0)
             self.active = bool(self.queue.waiting) or any(not s.finished for g in self._handles for s in g.seqs)
@@ -257,7 +262,7 @@ class AttentionWorker:
         with self.timer.time(ATTN.name):
             if layer == 0:
                 self._build_batch(h)
-            h.attn = self.part.attention_step(layer, h.x, h.batch, self.cache)
+            h.attn = self.part.attention_step(layer, h.x, h.batch, h.cache or self.cache)
 
     def _build_batch(self, h: MicroBatchHandle) -> None:
         """The micro-batch's tokens: a new sequence's whole prompt (prefill), else its last token."""

@@ -77,6 +77,19 @@ def test_kv_cache_batched_decode_reads_every_history_past_the_first_rows() -> No
         assert cache.length(seq) == n + 1
     with pytest.raises(ValueError, match="start at position 3"):
         cache.append_decode(0, [0], [3], new[:1], new[:1])
+    # Sequences admitted together hold consecutive rows: their histories are read in place, not copied.
+    assert keys.untyped_storage().data_ptr() == cache._keys[0].untyped_storage().data_ptr()
+    # A batch whose rows are not consecutive (sequence 5 left, and the order differs) is copied, same values.
+    cache.free(5)
+    order = [7, 2, 9, 0]
+    later = torch.randn(4, 2, 4, generator=gen)
+    keys, _, got = cache.append_decode(0, order, [lengths[s] + 1 for s in order], later, later)
+    assert keys.untyped_storage().data_ptr() != cache._keys[0].untyped_storage().data_ptr()
+    for b, seq in enumerate(order):
+        expected = torch.cat([history[seq], new[seq:seq + 1], later[b:b + 1]]).transpose(0, 1)
+        assert torch.equal(keys[b, :, :lengths[seq] + 2], expected)
+    cache.add(99)  # the lowest free row (sequence 5's) is reused first
+    assert cache._row[99] == 5
 
 
 @pytest.mark.parametrize("window", [None, 4])
