@@ -17,7 +17,7 @@ from typing import Any
 
 from mbridge_epoverlap.serving.requests import Request
 
-BATCH_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BATCH_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PROMPT_LEN = 8
 
 

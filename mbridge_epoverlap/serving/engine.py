@@ -70,9 +70,11 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     for i, request in enumerate(requests):
         dealt[i % readers].append({"id": request.id, "prompt_ids": list(request.prompt_ids)})
     # The largest message: every token of a full micro-batch of prefills routed k times to one worker (a
-    # prefill carries the prompt; later steps one token per sequence).
+    # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
+    # share of the batch limit (`AttentionWorker._refill`).
     longest = max(len(r.prompt_ids) for r in requests)
-    rows = min(max_batch, max(len(d) for d in dealt)) * longest * spec.top_k
+    per_micro_batch = min(-(-max_batch // micro_batches), max(len(d) for d in dealt))
+    rows = per_micro_batch * longest * spec.top_k
     element = 2 if dtype == "bfloat16" else 4
     slot_bytes = rows * (spec.hidden_size * element + 8) + _HEADER_BYTES
     return EnginePlan(source=str(spec.source), mode=COLOCATED if colocated else "disaggregated",
