@@ -70,6 +70,8 @@ class ColocatedWorker(AttentionWorker):
             self._run_steps(handles)
             self._log_step(started, before)
             self.decode_steps += 1
+            if self.decode_steps == 1:
+                self.timer.mark_steady()
             if self.progress is not None and self.decode_steps % 16 == 0:
                 self.progress(f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
                               f"{len(self.queue.waiting)} waiting, {len(self.queue.done)} done")

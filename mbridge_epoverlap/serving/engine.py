@@ -223,11 +223,14 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def _utilization(ranks: Sequence[dict[str, Any]], compute: Sequence[str]) -> float:
-    """Mean over the ranks of their time in `compute` stages over their wall time."""
+    """Mean over the ranks of their time in `compute` stages over their wall time, in steady decode (after
+    the prefill step) where the worker marked it, else over the whole run."""
     shares = []
     for r in ranks:
         stages, wall = r.get("stages", {}), r.get("wall_s", 0.0)
-        if wall > 0:
+        if stages.get("steady_wall_s", 0.0) > 0 and stages.get("steady_busy_s", 0.0) > 0:
+            shares.append(min(1.0, stages["steady_busy_s"] / stages["steady_wall_s"]))
+        elif wall > 0:
             median, count = stages.get("median_ms", {}), stages.get("count", {})
             busy = sum(median.get(s, 0.0) * count.get(s, 0) for s in compute) / 1e3
             shares.append(min(1.0, busy / wall))

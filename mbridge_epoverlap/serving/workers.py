@@ -180,6 +180,8 @@ class AttentionWorker:
                     work.wait(self.timeout_s)
             self._log_step(started, before)
             self.decode_steps += 1
+            if self.decode_steps == 1:
+                self.timer.mark_steady()
             self._report_progress()
         for seq in self.queue.running:
             if seq.finished:
@@ -206,6 +208,8 @@ class AttentionWorker:
                 self.step_log.append((now - mark[0], self.tokens_generated - mark[1]))
                 mark = (now, self.tokens_generated)
                 self.decode_steps = round_ // layers
+                if self.decode_steps == 1:
+                    self.timer.mark_steady()
                 self._report_progress()
             for index, step in enumerate(first if round_ == 0 else steady):
                 virtual = round_ - 1 + step.layer if round_ else step.layer
@@ -401,6 +405,8 @@ class ExpertWorker:
         round_ = 0
         while end is None or round_ < end:
             self.decode_steps = round_ // layers
+            if round_ == layers:
+                self.timer.mark_steady()
             for index, step in enumerate(steps):
                 if self.beat is not None:
                     self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
