@@ -1,9 +1,13 @@
 """`serve-bench` pieces: synthetic requests, balanced stage sizing, the reference check, the machine.
 
-Balanced sizing: the ping-pong pipeline only hides transfers when an attention stage and an expert
-stage take about as long. The bench times one attention layer and one expert layer of the model in
-this process for candidate micro-batch sizes and picks the size whose two times are closest (by
-ratio); the numbers it measured are reported.
+Balanced sizing: the ping-pong pipeline only pays off when an attention stage and an expert stage take
+about as long, and when splitting a batch in two halves each stage's time (a stage that is mostly fixed
+cost, such as 128 small expert GEMMs for a handful of tokens, takes as long for half the tokens). The
+bench times one layer of attention-side work and one expert layer of the model in this process for
+candidate micro-batch sizes b (doubling) and picks the b with the largest expected two-micro-batch gain
+`(A(2b) + E(2b)) / (2 * max(A(b), E(b)))`: one micro-batch of 2b runs both stages one after the other,
+two of b overlap them. That is the balanced size whose stage times also scale with the batch. Where no
+doubled size was probed, the closest times (by ratio) decide. The numbers it measured are reported.
 """
 
 from __future__ import annotations
@@ -106,7 +110,18 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
 
 def balanced_micro_batch(spec: Any, *, attn_workers: int, expert_workers: int,
                          candidates: Sequence[int] = BATCH_CANDIDATES) -> tuple[int, list[dict[str, float]]]:
-    """The candidate micro-batch size whose attention and expert stage times are closest; all probes."""
+    """The candidate micro-batch size with the largest expected ping-pong gain (module docstring); all probes,
+    each with its `expected_gain` where the doubled size was probed too."""
     probes = [stage_probe(spec, b, attn_workers=attn_workers, expert_workers=expert_workers) for b in candidates]
-    best = min(probes, key=lambda p: abs(math.log(max(p["attn_ms"], 1e-9) / max(p["experts_ms"], 1e-9))))
+    by_size = {int(p["micro_batch"]): p for p in probes}
+    for p in probes:
+        doubled = by_size.get(2 * int(p["micro_batch"]))
+        if doubled is not None:
+            p["expected_gain"] = (doubled["attn_ms"] + doubled["experts_ms"]) / (
+                2 * max(p["attn_ms"], p["experts_ms"], 1e-9))
+    gains = [p for p in probes if "expected_gain" in p]
+    if gains:
+        best = max(gains, key=lambda p: p["expected_gain"])
+    else:
+        best = min(probes, key=lambda p: abs(math.log(max(p["attn_ms"], 1e-9) / max(p["experts_ms"], 1e-9))))
     return int(best["micro_batch"]), probes
