@@ -1,8 +1,9 @@
 """Disaggregated decode: ping-pong with m = 1, 2, 3 micro-batches, and disaggregated vs colocated.
 
 1 attention worker + 1 expert worker on the CPU-shrunk recipe (default qwen3_30b_a3b). The micro-batch
-size is chosen once so that an attention stage and an expert stage take about as long (the balance
-the ping-pong pipeline needs; the probe times are printed), and every case decodes the same requests
+size is chosen once so that an attention stage and an expert stage take about as long and both scale
+with the batch (the largest expected ping-pong gain of the probes, `serving.bench`; the probe times are
+printed), and every case decodes the same requests
 (the same total batch: m micro-batches of B/m). Cases run interleaved A B C A B C ... `--repeats` times;
 each reports the median steady decode throughput (tokens/s over the steps after the prefill step),
 the simulator's prediction from that run's measured stage times, and whether every generated token
@@ -61,9 +62,10 @@ def main(argv: list[str] | None = None) -> int:
           f"amx_bf16={m_info['amx_bf16']} (shared machines give noisy figures)")
     print(f"model: {spec.describe()}")
     for p in probes:
+        gain = f", expected m=2 gain {p['expected_gain']:.2f}x" if "expected_gain" in p else ""
         print(f"  balance probe: micro-batch {p['micro_batch']:>4}: attention {p['attn_ms']:.2f} ms, "
-              f"experts {p['experts_ms']:.2f} ms")
-    print(f"balanced micro-batch {micro} -> total batch {batch}, {args.steps} tokens each")
+              f"experts {p['experts_ms']:.2f} ms{gain}")
+    print(f"chosen micro-batch {micro} (largest expected gain) -> total batch {batch}, {args.steps} tokens each")
 
     cases = {
         "ping_pong_m1": dict(micro_batches=1),

@@ -87,6 +87,39 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return out.transpose(0, 1).reshape(n, heads * d)
 
 
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of one new query per sequence to its cached keys, for a batch of sequences at once.
+
+    The same arithmetic as `cached_attention` per sequence (scores = q k^T * scale, masked keys excluded,
+    fp32 softmax, weights @ v), on histories padded to the longest: a padded key gets weight exactly 0.
+
+    Args:
+        q: [B, heads, head_dim] the queries (rotated), sequence b's at position `lengths[b] - 1`.
+        k, v: [B, groups, longest, head_dim] keys (rotated) and values, sequence b's in its first
+            `lengths[b]` positions.
+        lengths: [B] int64 keys per sequence, the new token's included.
+        sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
+
+    Returns:
+        [B, heads * head_dim].
+    """
+    b, heads, d = q.shape
+    groups, longest = k.shape[1], k.shape[2]
+    rep = heads // groups
+    if rep > 1:
+        k = k[:, :, None].expand(b, groups, rep, longest, d).reshape(b, heads, longest, d)
+        v = v[:, :, None].expand(b, groups, rep, longest, d).reshape(b, heads, longest, d)
+    scores = torch.matmul(q[:, :, None, :], k.transpose(2, 3)) * (d ** -0.5)  # [B, heads, 1, longest]
+    k_positions = torch.arange(longest, device=q.device)
+    hidden = k_positions[None, :] >= lengths[:, None]
+    if sliding_window is not None:
+        hidden |= (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).reshape(b, heads * d)
+
+
 def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
     """[m, groups, d] -> contiguous [groups * rep, m, d]: query head h reads group h // rep (as repeat_kv)."""
     groups, m, d = t.shape[1], t.shape[0], t.shape[2]

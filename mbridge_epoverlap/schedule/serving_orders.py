@@ -68,16 +68,33 @@ def ping_pong(num_micro_batches: int, num_layers: int) -> list[Step]:
         comes after the steps it depends on, so the list is a valid global order too.
     """
     _check_sizes(num_micro_batches, num_layers)
-    mbs = range(num_micro_batches)
     steps: list[Step] = []
     for layer in range(num_layers):
-        for mb in mbs:
-            steps += _attention_segment(mb, layer)
-        for mb in mbs:
-            steps += _expert_segment(mb, layer)
+        steps += ping_pong_round(num_micro_batches, layer)
+    return steps + ping_pong_tail(num_micro_batches, num_layers)
+
+
+def ping_pong_round(num_micro_batches: int, layer: int) -> list[Step]:
+    """The steps of `ping_pong` that bring every micro-batch through `layer`'s attention and experts.
+
+    `ping_pong(m, L)` is rounds 0..L-1 then `ping_pong_tail(m, L)`. Decode steps chain the same way: the
+    next token's first layer follows the last layer as any layer follows the one before, so a worker
+    that numbers layers across decode steps (round `s * L + l` is layer `l` of step `s`) runs the
+    ping-pong of every step back to back, without draining the pipeline between steps; this is
+    `ping_pong(m, S * L)` for S steps, which the simulator can time as it is.
+    """
+    mbs = range(num_micro_batches)
+    steps: list[Step] = []
     for mb in mbs:
-        steps += _tail(mb, num_layers)
+        steps += _attention_segment(mb, layer)
+    for mb in mbs:
+        steps += _expert_segment(mb, layer)
     return steps
+
+
+def ping_pong_tail(num_micro_batches: int, num_layers: int) -> list[Step]:
+    """What follows the last round of a `ping_pong` over `num_layers` layers: the last combines and posts."""
+    return [step for mb in range(num_micro_batches) for step in _tail(mb, num_layers)]
 
 
 def _segments(mb: int, num_layers: int) -> list[list[Step]]:

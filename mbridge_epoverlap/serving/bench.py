@@ -1,9 +1,13 @@
 """`serve-bench` pieces: synthetic requests, balanced stage sizing, the reference check, the machine.
 
-Balanced sizing: the ping-pong pipeline only hides transfers when an attention stage and an expert
-stage take about as long. The bench times one attention layer and one expert layer of the model in
-this process for candidate micro-batch sizes and picks the size whose two times are closest (by
-ratio); the numbers it measured are reported.
+Balanced sizing: the ping-pong pipeline only pays off when an attention stage and an expert stage take
+about as long, and when splitting a batch in two halves each stage's time (a stage that is mostly fixed
+cost, such as 128 small expert GEMMs for a handful of tokens, takes as long for half the tokens). The
+bench times one layer of attention-side work and one expert layer of the model in this process for
+candidate micro-batch sizes b (doubling) and picks the b with the largest expected two-micro-batch gain
+`(A(2b) + E(2b)) / (2 * max(A(b), E(b)))`: one micro-batch of 2b runs both stages one after the other,
+two of b overlap them. That is the balanced size whose stage times also scale with the batch. Where no
+doubled size was probed, the closest times (by ratio) decide. The numbers it measured are reported.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 from mbridge_epoverlap.serving.requests import Request
 
-BATCH_CANDIDATES = (2, 4, 8, 16, 32, 64, 128)
+BATCH_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PROMPT_LEN = 8
 
 
@@ -60,7 +64,8 @@ def _timed(fn: Any, repeats: int = 5) -> float:
 
 def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_workers: int = 1,
                 context: int = PROMPT_LEN + 8) -> dict[str, float]:
-    """Time one decode attention layer of `micro_batch` sequences and the matching expert layer (ms).
+    """Time one decode layer's attention-side work for `micro_batch` sequences (attention, router, and the
+    gate-weighted sum after the experts) and the matching expert layer (ms).
 
     The expert side gets the tokens of all attention workers, spread over the expert workers.
     """
@@ -88,8 +93,11 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
         def attend() -> None:
             # One decode token per sequence, at the next position each repeat (the cache grows by one).
             step = TokenBatch.from_chunks([(seq, [1], position[0]) for seq in range(micro_batch)])
-            attention.attention_step(layer, x, step, cache)
+            out = attention.attention_step(layer, x, step, cache)
+            attention.post_step(layer, out, expert_out)
             position[0] += 1
+
+        expert_out = torch.zeros(micro_batch, spec.top_k, spec.hidden_size, dtype=x.dtype)
 
         t_attn = _timed(attend)
         rows = max(1, micro_batch * attn_workers * spec.top_k // expert_workers)
@@ -102,7 +110,18 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
 
 def balanced_micro_batch(spec: Any, *, attn_workers: int, expert_workers: int,
                          candidates: Sequence[int] = BATCH_CANDIDATES) -> tuple[int, list[dict[str, float]]]:
-    """The candidate micro-batch size whose attention and expert stage times are closest; all probes."""
+    """The candidate micro-batch size with the largest expected ping-pong gain (module docstring); all probes,
+    each with its `expected_gain` where the doubled size was probed too."""
     probes = [stage_probe(spec, b, attn_workers=attn_workers, expert_workers=expert_workers) for b in candidates]
-    best = min(probes, key=lambda p: abs(math.log(max(p["attn_ms"], 1e-9) / max(p["experts_ms"], 1e-9))))
+    by_size = {int(p["micro_batch"]): p for p in probes}
+    for p in probes:
+        doubled = by_size.get(2 * int(p["micro_batch"]))
+        if doubled is not None:
+            p["expected_gain"] = (doubled["attn_ms"] + doubled["experts_ms"]) / (
+                2 * max(p["attn_ms"], p["experts_ms"], 1e-9))
+    gains = [p for p in probes if "expected_gain" in p]
+    if gains:
+        best = max(gains, key=lambda p: p["expected_gain"])
+    else:
+        best = min(probes, key=lambda p: abs(math.log(max(p["attn_ms"], 1e-9) / max(p["experts_ms"], 1e-9))))
     return int(best["micro_batch"]), probes

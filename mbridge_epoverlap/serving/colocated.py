@@ -52,6 +52,8 @@ class ColocatedWorker(AttentionWorker):
         self.timer.compute = frozenset({ATTN.name, POST.name, DISPATCH.name, EXPERTS.name})
         self._flight: dict[int, dict[str, Any]] = {}
 
+    streams = False  # SGLang's two-batch overlap: each forward pass is its own batch, steps do not overlap
+
     def run(self) -> None:
         while True:
             admitted, retired = self.queue.step_boundary()
@@ -68,6 +70,8 @@ class ColocatedWorker(AttentionWorker):
             self._run_steps(handles)
             self._log_step(started, before)
             self.decode_steps += 1
+            if self.decode_steps == 1:
+                self.timer.mark_steady()
             if self.progress is not None and self.decode_steps % 16 == 0:
                 self.progress(f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
                               f"{len(self.queue.waiting)} waiting, {len(self.queue.done)} done")

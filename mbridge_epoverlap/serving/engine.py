@@ -69,9 +69,12 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     dealt: list[list[dict[str, Any]]] = [[] for _ in range(readers)]
     for i, request in enumerate(requests):
         dealt[i % readers].append({"id": request.id, "prompt_ids": list(request.prompt_ids)})
-    longest = max(len(r.prompt_ids) for r in requests) + max_new_tokens
-    # The largest message: every token of a full micro-batch of prefills routed k times to one worker.
-    rows = min(max_batch, max(len(d) for d in dealt)) * longest * spec.top_k
+    # The largest message: every token of a full micro-batch of prefills routed k times to one worker (a
+    # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
+    # share of the batch limit (`AttentionWorker._refill`).
+    longest = max(len(r.prompt_ids) for r in requests)
+    per_micro_batch = min(-(-max_batch // micro_batches), max(len(d) for d in dealt))
+    rows = per_micro_batch * longest * spec.top_k
     element = 2 if dtype == "bfloat16" else 4
     slot_bytes = rows * (spec.hidden_size * element + 8) + _HEADER_BYTES
     return EnginePlan(source=str(spec.source), mode=COLOCATED if colocated else "disaggregated",
@@ -225,11 +228,14 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def _utilization(ranks: Sequence[dict[str, Any]], compute: Sequence[str]) -> float:
-    """Mean over the ranks of their time in `compute` stages over their wall time."""
+    """Mean over the ranks of their time in `compute` stages over their wall time, in steady decode (after
+    the prefill step) where the worker marked it, else over the whole run."""
     shares = []
     for r in ranks:
         stages, wall = r.get("stages", {}), r.get("wall_s", 0.0)
-        if wall > 0:
+        if stages.get("steady_wall_s", 0.0) > 0 and stages.get("steady_busy_s", 0.0) > 0:
+            shares.append(min(1.0, stages["steady_busy_s"] / stages["steady_wall_s"]))
+        elif wall > 0:
             median, count = stages.get("median_ms", {}), stages.get("count", {})
             busy = sum(median.get(s, 0.0) * count.get(s, 0) for s in compute) / 1e3
             shares.append(min(1.0, busy / wall))
@@ -267,21 +273,33 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
 
         steps, resources = ORDERS[plan.order](plan.micro_batches, spec.num_layers), COLOCATED_RESOURCES
     else:
-        from mbridge_epoverlap.schedule.serving_orders import ping_pong
-
-        steps, resources = ping_pong(plan.micro_batches, spec.num_layers), DISAGGREGATED
+        steps, resources = None, DISAGGREGATED
 
     def cost(step: Any) -> float:
-        # Dense layers have no routed experts and move nothing.
-        if not spec.is_moe(step.layer) and step.stage in (DISPATCH.name, EXPERTS.name, COMBINE.name):
+        # Dense layers have no routed experts and move nothing (layers number on across decode steps).
+        if not spec.is_moe(step.layer % spec.num_layers) and step.stage in (DISPATCH.name, EXPERTS.name,
+                                                                             COMBINE.name):
             return 0.0
         return stages.get(step.stage, 0.0)
 
-    timeline = simulate(steps, cost, resources)
-    makespan = timeline.makespan
-    busy: dict[str, float] = {}
-    for event in timeline.events:
-        busy[event.resource] = busy.get(event.resource, 0.0) + event.end - event.start
+    def timed(order: Any) -> tuple[float, dict[str, float]]:
+        timeline = simulate(order, cost, resources)
+        busy: dict[str, float] = {}
+        for event in timeline.events:
+            busy[event.resource] = busy.get(event.resource, 0.0) + event.end - event.start
+        return timeline.makespan, busy
+
+    if steps is not None:
+        makespan, busy = timed(steps)
+    else:
+        # The workers stream decode steps, running ping_pong over S * L layers: the steady step is what one
+        # more step adds (4 steps minus 2, halved), without the pipeline's fill and drain.
+        from mbridge_epoverlap.schedule.serving_orders import ping_pong
+
+        (short, short_busy), (long, long_busy) = (timed(ping_pong(plan.micro_batches, n * spec.num_layers))
+                                                  for n in (2, 4))
+        makespan = (long - short) / 2
+        busy = {role: (long_busy.get(role, 0.0) - short_busy.get(role, 0.0)) / 2 for role in long_busy}
     if plan.mode == COLOCATED:
         utilization = {"attention": busy.get("compute", 0.0) / makespan if makespan else 0.0}
         utilization["expert"] = utilization["attention"]

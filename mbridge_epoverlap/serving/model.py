@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.moe.attention import SelfAttention, cached_attention
-from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP, expert_swiglu
+from mbridge_epoverlap.moe.attention import SelfAttention, cached_attention, decode_attention
+from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP, grouped_expert_swiglu
 from mbridge_epoverlap.moe.model import seeded_normal
 from mbridge_epoverlap.moe.norm import LayerNorm, RMSNorm
 from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
@@ -118,7 +118,14 @@ class AttentionPart(torch.nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         heads = torch.empty(x.shape[0], self.spec.num_heads * self.spec.head_dim, dtype=x.dtype)
-        for seg in batch.segments:
+        # Decode tokens (one per sequence) attend as one batch; a prompt (several tokens) on its own.
+        decode = [seg for seg in batch.segments if seg.length == 1]
+        if len(decode) > 1:
+            rows = torch.tensor([seg.rows.start for seg in decode], dtype=torch.int64)
+            keys, values, lengths = cache.append_decode(layer, [seg.seq_id for seg in decode],
+                                                        [seg.start for seg in decode], k[rows], v[rows])
+            heads[rows] = decode_attention(q[rows], keys, values, lengths, sliding_window=self.spec.sliding_window)
+        for seg in batch.segments if len(decode) <= 1 else [seg for seg in batch.segments if seg.length > 1]:
             keys, values = cache.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
             heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
                                                sliding_window=self.spec.sliding_window)
@@ -144,7 +151,11 @@ class AttentionPart(torch.nn.Module):
             raise ValueError(f"layer {layer}: expert outputs {shape} do not match expert ids "
                              f"{list(attn.expert_ids.shape)} (expected [T, k, hidden])")
         order = torch.argsort(attn.expert_ids, dim=1)
-        outs = expert_out.gather(1, order[..., None].expand(-1, -1, expert_out.shape[2]))
+        tokens, k, hidden = expert_out.shape
+        # Rows in ascending expert id per token: one index_select over [T * k] rows (a gather along dim 1 of
+        # [T, k, hidden] does the same copy several times slower on CPU).
+        flat = (torch.arange(tokens)[:, None] * k + order).reshape(-1)
+        outs = expert_out.reshape(tokens * k, hidden).index_select(0, flat).view(tokens, k, hidden)
         weights = attn.gate_weights.gather(1, order)
         mlp = torch.zeros_like(attn.resid)
         for j in range(outs.shape[1]):
@@ -184,8 +195,13 @@ class ExpertPart(torch.nn.Module):
         return self.local_index[expert_ids] >= 0
 
     @torch.no_grad()
-    def forward(self, layer: int, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Each row of tokens [n, hidden] through its expert expert_ids[n] (global), unweighted -> [n, hidden]."""
+    def forward(self, layer: int, tokens: torch.Tensor, expert_ids: torch.Tensor,
+                token_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row of tokens [n, hidden] through its expert expert_ids[n] (global), unweighted -> [n, hidden].
+
+        With `token_index` [n], row i is `tokens[token_index[i]]` (each token given once, however many of
+        its experts are here).
+        """
         if str(layer) not in self.experts:
             raise ValueError(f"layer {layer} is not a MoE layer of {self.spec.source}")
         experts = self.experts[str(layer)]
@@ -198,13 +214,8 @@ class ExpertPart(torch.nn.Module):
         # with many small experts that search, not the GEMMs, was the expert stage's cost.
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=len(self.expert_ids)).tolist()
-        grouped = tokens[order]
-        done = torch.empty_like(grouped)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                done[start:start + n] = expert_swiglu(grouped[start:start + n], experts.w1[e], experts.w2[e])
-            start += n
+        rows = order if token_index is None else token_index[order]
+        done = grouped_expert_swiglu(tokens[rows], experts.w1, experts.w2, counts)
         out = torch.empty_like(done)
         out[order] = done
         return out

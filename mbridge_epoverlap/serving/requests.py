@@ -125,16 +125,27 @@ class RequestQueue:
 
     def step_boundary(self) -> tuple[list[Sequence_], list[Sequence_]]:
         """Retire finished sequences and admit waiting ones; return (admitted, retired)."""
-        retired = [s for s in self.running if s.finished]
-        self.running = [s for s in self.running if not s.finished]
-        self.done += retired
+        retired = self.retire(self.running)
+        return self.admit(self.max_batch - len(self.running)), retired
+
+    def retire(self, seqs: Sequence[Sequence_]) -> list[Sequence_]:
+        """Move the finished ones of `seqs` (running sequences) to done; return them."""
+        retired = [s for s in seqs if s.finished]
+        if retired:
+            gone = {id(s) for s in retired}
+            self.running = [s for s in self.running if id(s) not in gone]
+            self.done += retired
+        return retired
+
+    def admit(self, limit: int) -> list[Sequence_]:
+        """Start up to `limit` waiting requests (never past `max_batch` running); return them."""
         admitted: list[Sequence_] = []
-        while self.waiting and len(self.running) < self.max_batch:
+        while self.waiting and len(admitted) < limit and len(self.running) < self.max_batch:
             seq = Sequence_(self.waiting.popleft(), self._next_slot, admitted_at=self.start)
             self._next_slot += 1
             self.running.append(seq)
             admitted.append(seq)
-        return admitted, retired
+        return admitted
 
     def append_token(self, seq: Sequence_, token: int) -> None:
         seq.output_ids.append(token)

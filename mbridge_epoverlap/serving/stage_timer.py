@@ -17,6 +17,12 @@ class StageTimer:
         self.compute = compute
         self.busy_s = 0.0
         self.started = time.monotonic()
+        self._steady: tuple[float, float] | None = None  # (busy_s, time) when the first decode step ended
+
+    def mark_steady(self) -> None:
+        """The prefill step is over: utilization counts from here (a prefill's long stages would swamp it)."""
+        if self._steady is None:
+            self._steady = (self.busy_s, time.monotonic())
 
     @contextmanager
     def time(self, stage: str, *, record: bool = True) -> Iterator[None]:
@@ -37,7 +43,10 @@ class StageTimer:
     def summary(self) -> dict[str, object]:
         """Median milliseconds and counts per stage, busy and wall seconds."""
         trips = sorted(self.samples.get("round_trip", []))
+        now = time.monotonic()
+        busy_from, wall_from = self._steady or (0.0, self.started)
         return {"median_ms": {k: statistics.median(v) * 1e3 for k, v in self.samples.items() if v},
                 "round_trip_ms": [t * 1e3 for t in trips[: max(1, len(trips) // 10)]] if trips else [],
                 "count": {k: len(v) for k, v in self.samples.items()},
-                "busy_s": self.busy_s, "wall_s": time.monotonic() - self.started}
+                "busy_s": self.busy_s, "wall_s": now - self.started,
+                "steady_busy_s": self.busy_s - busy_from, "steady_wall_s": now - wall_from}

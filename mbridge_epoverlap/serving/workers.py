@@ -6,15 +6,26 @@ which role runs each step: attention runs `attn` and `post`, issues `dispatch` a
 from the table exactly as the training executor looks up its own, and a decode micro-batch's state
 travels between the steps in a `MicroBatchHandle`.
 
-One decode step = one pass of the order over every layer and micro-batch. At each step boundary an
-attention worker retires finished sequences and admits waiting ones (continuous batching). Every
-dispatch carries a one-element control tensor: whether the sending attention worker had work this
-step. When no attention worker had any, the expert workers answer the first MoE combine of the step
-with "stop", everybody finishes that (empty) step and leaves; so no worker needs a side channel.
+Decode steps run back to back without draining the pipeline (`streams`): a worker numbers its rounds
+across steps (round `s * L + l` is layer `l` of decode step `s`, `serving_orders.ping_pong_round`), so a
+micro-batch's next token enters layer 0 while the other micro-batches are still in the last layer of
+the previous step, exactly as layer l + 1 follows layer l. Each micro-batch has its own step boundary,
+just before its layer-0 attention: it retires its finished sequences and admits waiting ones
+(continuous batching), up to its share of the batch limit. A worker class with `streams = False`
+drains the pipeline at the end of every step instead: one `ping_pong(m, L)` per step, one boundary for
+all micro-batches (for changes that need every micro-batch at one boundary).
 
-Messages (M2N): dispatch attention -> expert `[control int64[1], tokens [n, h], expert_ids int64[n]]`
-holding the (token, slot) pairs routed to that expert worker, in row-major (token, k) order; combine
-expert -> attention `[control int64[1], outputs [n, h]]` in the same order. Gate weights stay on the
+Every dispatch carries a one-element control tensor: whether the sending attention worker had any
+work left when micro-batch 0 started the step. When no attention worker had any, the expert workers
+answer micro-batch 0's first MoE combine of that step with "stop", and everybody finishes that step
+(every micro-batch empty) and leaves; so no worker needs a side channel.
+
+Messages (M2N): dispatch attention -> expert `[control int64[1], tokens [u, h], token_index int64[n],
+expert_ids int64[n]]` for the n (token, slot) pairs routed to that expert worker, in row-major (token, k)
+order: each token travels once per expert worker however many of its k experts live there (as DeepEP's
+dispatch does), and pair i reads row `token_index[i]` of `tokens`. A message of three tensors
+`[control, rows [n, h], expert_ids]` (one row per pair, as the elastic workers send) is read too.
+Combine expert -> attention `[control int64[1], outputs [n, h]]` in the pairs' order. Gate weights stay on the
 attention worker: `post_step` sums the k outputs in a fixed order, so the result is bitwise the
 single-process one whatever the placement.
 """
@@ -30,7 +41,7 @@ import torch
 
 from mbridge_epoverlap.runtime import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, FORWARD_STAGES, POST, Phase, Role, Step
-from mbridge_epoverlap.schedule.serving_orders import ping_pong
+from mbridge_epoverlap.schedule.serving_orders import ping_pong, ping_pong_round
 from mbridge_epoverlap.serving.placement import Placement
 from mbridge_epoverlap.serving.requests import RequestQueue, Sequence_
 from mbridge_epoverlap.serving.stage_timer import StageTimer
@@ -79,6 +90,7 @@ class MicroBatchHandle:
     sends: list[Any] = field(default_factory=list)
     expert_out: torch.Tensor | None = None
     issued_at: float = 0.0  # when the current layer's dispatch was issued
+    cache: Any = None  # its own KVCache when sequences stay in this micro-batch (streamed steps)
 
     @property
     def empty(self) -> bool:
@@ -99,6 +111,8 @@ def split_micro_batches(seqs: Sequence[Sequence_], micro_batches: int) -> list[M
 
 class AttentionWorker:
     """Owns a set of sequences, their KV cache, attention, router and gating.
+
+    `streams`: decode steps follow each other without draining the pipeline (see the module docstring).
 
     Args:
         spec: the model spec.
@@ -133,7 +147,9 @@ class AttentionWorker:
         self.decode_steps = 0
         self.stop = False
         self.active = False
+        self.tokens_generated = 0
         self.step_log: list[tuple[float, int]] = []  # (seconds, tokens generated) of each decode step
+        self._handles: list[MicroBatchHandle] = []
 
     def _log_step(self, started: float, tokens_before: int) -> None:
         tokens = sum(len(s.output_ids) for s in self.queue.running) - tokens_before
@@ -142,8 +158,13 @@ class AttentionWorker:
     def _tokens_running(self) -> int:
         return sum(len(s.output_ids) for s in self.queue.running)
 
+    streams = True
+
     def run(self) -> None:
         """Decode until every attention worker is out of requests."""
+        if self.streams:
+            self._run_stream()
+            return
         while not self.stop:
             admitted, retired = self.queue.step_boundary()
             for seq in retired:
@@ -159,31 +180,102 @@ class AttentionWorker:
                     work.wait(self.timeout_s)
             self._log_step(started, before)
             self.decode_steps += 1
-            if self.progress is not None and self.decode_steps % 16 == 0:
-                done = len(self.queue.done) + sum(s.finished for s in self.queue.running)
-                self.progress(f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
-                              f"{len(self.queue.waiting)} waiting, {done} done")
+            if self.decode_steps == 1:
+                self.timer.mark_steady()
+            self._report_progress()
         for seq in self.queue.running:
             if seq.finished:
                 self.cache.free(seq.slot)
         self.queue.step_boundary()
 
+    def _run_stream(self) -> None:
+        """Rounds 0, 1, 2, ... of the ping-pong across decode steps, until the experts say stop; then the
+        rest of that step and the tail, so the pipeline drains once, at the end."""
+        layers = self.spec.num_layers
+        # A sequence stays in its micro-batch from admission to retirement, so each micro-batch keeps its
+        # own KV cache: its sequences hold consecutive rows, which decode attention reads without a copy.
+        self._handles = handles = [MicroBatchHandle(i, cache=self.cache if i == 0 else self.cache.empty_like())
+                                   for i in range(self.m)]
+        first = role_steps(ping_pong_round(self.m, 0), Role.ATTENTION)
+        steady = role_steps(ping_pong_round(self.m, 1), Role.ATTENTION)  # layer 0 here: the previous round's
+        end: int | None = None  # the round that only drains (set once the experts said stop)
+        mark = (time.perf_counter(), 0)
+        sent: list[Any] = []
+        round_ = 0
+        while end is None or round_ <= end:
+            if round_ and round_ % layers == 0:
+                now = time.perf_counter()
+                self.step_log.append((now - mark[0], self.tokens_generated - mark[1]))
+                mark = (now, self.tokens_generated)
+                self.decode_steps = round_ // layers
+                if self.decode_steps == 1:
+                    self.timer.mark_steady()
+                self._report_progress()
+            for index, step in enumerate(first if round_ == 0 else steady):
+                virtual = round_ - 1 + step.layer if round_ else step.layer
+                if end is not None and virtual >= end:
+                    continue  # past the last step: only the tail (waits and posts of the last layer) is left
+                if self.beat is not None:
+                    self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
+                self.handlers[(step.stage, step.phase)](handles[step.micro_batch], virtual % layers)
+                if self.stop and end is None:
+                    end = (virtual // layers + 1) * layers
+            for work in sent:  # the previous round's sends: received by now, nothing waits here
+                work.wait(self.timeout_s)
+            sent = [work for h in handles for work in h.sends]
+            for h in handles:
+                h.sends = []
+            round_ += 1
+        for work in sent:
+            work.wait(self.timeout_s)
+        self.step_log.append((time.perf_counter() - mark[0], self.tokens_generated - mark[1]))
+        self.decode_steps = (end or 0) // layers
+        for h in handles:
+            for seq in self.queue.retire(h.seqs):
+                h.cache.free(seq.slot)
+
+    def _report_progress(self) -> None:
+        if self.progress is not None and self.decode_steps % 16 == 0:
+            done = len(self.queue.done) + sum(s.finished for s in self.queue.running)
+            self.progress(f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
+                          f"{len(self.queue.waiting)} waiting, {done} done")
+
+    def _refill(self, h: MicroBatchHandle) -> None:
+        """Micro-batch `h`'s step boundary: retire its finished sequences, admit its share of the waiting ones.
+
+        The share is what is waiting spread over this and the later micro-batches of the round (so a first
+        batch of requests is dealt evenly), capped by this micro-batch's part of the batch limit.
+        """
+        for seq in self.queue.retire(h.seqs):
+            h.cache.free(seq.slot)
+        h.seqs = [seq for seq in h.seqs if not seq.finished]
+        limit = self.queue.max_batch // self.m + (1 if h.index < self.queue.max_batch % self.m else 0)
+        share = -(-len(self.queue.waiting) // (self.m - h.index))
+        for seq in self.queue.admit(min(share, limit - len(h.seqs))):
+            h.cache.add(seq.slot)
+            h.seqs.append(seq)
+        if h.index == 0:  # the control every dispatch of this step carries (read by the experts at micro-batch 0)
+            self.active = bool(self.queue.waiting) or any(not s.finished for g in self._handles for s in g.seqs)
+
     # --- the attention role's steps ----------------------------------------------------------------
     def _attn(self, h: MicroBatchHandle, layer: int) -> None:
+        if self.streams and layer == 0:
+            self._refill(h)
         if h.empty:
             return
         with self.timer.time(ATTN.name):
             if layer == 0:
                 self._build_batch(h)
-            h.attn = self.part.attention_step(layer, h.x, h.batch, self.cache)
+            h.attn = self.part.attention_step(layer, h.x, h.batch, h.cache or self.cache)
 
     def _build_batch(self, h: MicroBatchHandle) -> None:
         """The micro-batch's tokens: a new sequence's whole prompt (prefill), else its last token."""
         chunks = []
         for seq in h.seqs:
-            tokens = list(seq.request.prompt_ids) + seq.output_ids
-            new = tokens if not seq.prefilled else tokens[-1:]
-            chunks.append((seq.slot, new, len(tokens) - len(new)))
+            if seq.prefilled:  # one new token, at the end of what the cache holds
+                chunks.append((seq.slot, seq.output_ids[-1:], seq.length - 1))
+            else:
+                chunks.append((seq.slot, list(seq.request.prompt_ids) + seq.output_ids, 0))
         h.batch = self.TokenBatch.from_chunks(chunks)
         h.last_rows = h.batch.last_rows()[0].tolist()
         h.x = self.part.embed(h.batch.token_ids)
@@ -199,7 +291,12 @@ class AttentionWorker:
             for worker, rank in enumerate(self.expert_ranks):
                 token, slot = (owners == worker).nonzero(as_tuple=True)
                 h.routes.append((token, slot))
-                h.sends.append(self.comm.isend(rank, [control, hidden[token].contiguous(), ids[token, slot]], tag))
+                if token.numel() == ids.numel():  # every pair here: every token, in order
+                    rows, index = hidden, token
+                else:  # `token` ascends (row-major): its runs are the tokens this worker needs
+                    unique, index = torch.unique_consecutive(token, return_inverse=True)
+                    rows = hidden[unique]
+                h.sends.append(self.comm.isend(rank, [control, rows.contiguous(), index, ids[token, slot]], tag))
             h.receives = [self.comm.irecv(rank, tag) for rank in self.expert_ranks]
         h.issued_at = time.perf_counter()
 
@@ -216,6 +313,9 @@ class AttentionWorker:
         if h.empty:
             return
         tokens, k = h.attn.expert_ids.shape
+        if len(h.routes) == 1:  # one expert worker answered every pair, in row-major order: no scatter
+            h.expert_out = replies[0][1].view(tokens, k, self.spec.hidden_size)
+            return
         out = torch.zeros(tokens, k, self.spec.hidden_size, dtype=replies[0][1].dtype)
         for (token, slot), reply in zip(h.routes, replies, strict=True):
             out[token, slot] = reply[1]
@@ -231,6 +331,7 @@ class AttentionWorker:
             if layer == self.spec.num_layers - 1:
                 for seq, token in zip(h.seqs, self.greedy(self.part.logits(h.x[h.last_rows])), strict=True):
                     self.queue.append_token(seq, int(token))
+                self.tokens_generated += len(h.seqs)
 
     def _dispatch_rows(self, h: MicroBatchHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [T, hidden], expert ids [T, k], owning worker of each id) of a micro-batch to dispatch; an
@@ -279,7 +380,12 @@ class ExpertWorker:
         self._sends: list[Any] = []
         self.tokens_served = 0
 
+    streams = True  # as the attention workers: both sides must run the same rounds
+
     def run(self) -> None:
+        if self.streams:
+            self._run_stream()
+            return
         while not self.stop:
             for index, step in enumerate(self.steps):
                 if self.beat is not None:
@@ -289,6 +395,31 @@ class ExpertWorker:
                 work.wait(self.timeout_s)
             self._sends = []
             self.decode_steps += 1
+
+    def _run_stream(self) -> None:
+        """The expert side of the rounds the attention workers run (see `AttentionWorker._run_stream`)."""
+        layers = self.spec.num_layers
+        steps = role_steps(ping_pong_round(self.m, 0), Role.EXPERT)  # an expert round touches only its layer
+        end: int | None = None
+        sent: list[Any] = []
+        round_ = 0
+        while end is None or round_ < end:
+            self.decode_steps = round_ // layers
+            if round_ == layers:
+                self.timer.mark_steady()
+            for index, step in enumerate(steps):
+                if self.beat is not None:
+                    self.beat.beat(self.decode_steps, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
+                self.handlers[(step.stage, step.phase)](step.micro_batch, round_ % layers)
+                if self.stop and end is None:
+                    end = (round_ // layers + 1) * layers
+            for work in sent:
+                work.wait(self.timeout_s)
+            sent, self._sends = self._sends, []
+            round_ += 1
+        for work in sent:
+            work.wait(self.timeout_s)
+        self.decode_steps = round_ // layers
 
     def _dispatch_wait(self, mb: int, layer: int) -> None:
         if not self.spec.is_moe(layer):
@@ -304,15 +435,22 @@ class ExpertWorker:
         if not self.spec.is_moe(layer):
             return
         messages = self._received.pop(mb)
-        counts = [msg[1].shape[0] for msg in messages]
+        counts = [msg[-1].shape[0] for msg in messages]  # expert ids come last in both message forms
         total = sum(counts)
         if total == 0:
-            self._outputs[mb] = [msg[1] for msg in messages]
+            self._outputs[mb] = [msg[1][:0] for msg in messages]
             return
         with self.timer.time(EXPERTS.name):
             tokens = torch.cat([msg[1] for msg in messages])
-            ids = torch.cat([msg[2] for msg in messages])
-            out = self.part(layer, tokens, ids)
+            ids = torch.cat([msg[-1] for msg in messages])
+            if all(len(msg) == 4 for msg in messages):
+                offsets = [0]
+                for msg in messages[:-1]:
+                    offsets.append(offsets[-1] + msg[1].shape[0])
+                index = torch.cat([msg[2] + offset for msg, offset in zip(messages, offsets, strict=True)])
+                out = self.part(layer, tokens, ids, token_index=index)
+            else:
+                out = self.part(layer, tokens, ids)
         self.tokens_served += total
         self._outputs[mb] = list(out.split(counts))
 

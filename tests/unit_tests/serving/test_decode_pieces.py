@@ -59,7 +59,74 @@ def test_kv_cache_grows_past_its_first_buffer_and_frees() -> None:
         cache.add(1)
 
 
+def test_kv_cache_batched_decode_reads_every_history_past_the_first_rows() -> None:
+    cache = KVCache(num_layers=1, num_kv_heads=2, head_dim=4)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [3 + (seq % 5) * 20 for seq in range(20)]  # 20 sequences: past the first 8 rows and 64 positions
+    history = {}
+    for seq, n in enumerate(lengths):
+        cache.add(seq)
+        history[seq] = torch.randn(n, 2, 4, generator=gen)
+        cache.append(0, seq, 0, history[seq], -history[seq])
+    new = torch.randn(20, 2, 4, generator=gen)
+    keys, values, got = cache.append_decode(0, list(range(20)), lengths, new, -new)
+    assert got.tolist() == [n + 1 for n in lengths] and keys.shape == (20, 2, max(lengths) + 1, 4)
+    for seq, n in enumerate(lengths):
+        expected = torch.cat([history[seq], new[seq:seq + 1]]).transpose(0, 1)
+        assert torch.equal(keys[seq, :, :n + 1], expected) and torch.equal(values[seq, :, :n + 1], -expected)
+        assert cache.length(seq) == n + 1
+    with pytest.raises(ValueError, match="start at position 3"):
+        cache.append_decode(0, [0], [3], new[:1], new[:1])
+    # Sequences admitted together hold consecutive rows: their histories are read in place, not copied.
+    assert keys.untyped_storage().data_ptr() == cache._keys[0].untyped_storage().data_ptr()
+    # A batch whose rows are not consecutive (sequence 5 left, and the order differs) is copied, same values.
+    cache.free(5)
+    order = [7, 2, 9, 0]
+    later = torch.randn(4, 2, 4, generator=gen)
+    keys, _, got = cache.append_decode(0, order, [lengths[s] + 1 for s in order], later, later)
+    assert keys.untyped_storage().data_ptr() != cache._keys[0].untyped_storage().data_ptr()
+    for b, seq in enumerate(order):
+        expected = torch.cat([history[seq], new[seq:seq + 1], later[b:b + 1]]).transpose(0, 1)
+        assert torch.equal(keys[b, :, :lengths[seq] + 2], expected)
+    cache.add(99)  # the lowest free row (sequence 5's) is reused first
+    assert cache._row[99] == 5
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_batched_decode_attention_equals_one_sequence_at_a_time_bitwise(window) -> None:
+    from mbridge_epoverlap.moe.attention import cached_attention, decode_attention
+
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([3, 7, 1, 12, 5])
+    k, v = torch.randn(5, 2, 12, 16, generator=gen), torch.randn(5, 2, 12, 16, generator=gen)
+    q = torch.randn(5, 4, 16, generator=gen)  # 4 query heads over 2 key/value groups
+    batched = decode_attention(q, k, v, lengths, sliding_window=window)
+    one_by_one = torch.cat([cached_attention(q[b:b + 1], k[b, :, :n].transpose(0, 1), v[b, :, :n].transpose(0, 1),
+                                             torch.tensor([n - 1]), sliding_window=window)
+                            for b, n in enumerate(lengths.tolist())])
+    assert torch.equal(batched, one_by_one)
+
+
 def test_stop_rule_and_greedy_ties() -> None:
     stop = StopRule(max_new_tokens=3, eos_token_ids=(7,))
     assert not stop.done([]) and not stop.done([1, 2]) and stop.done([1, 2, 3]) and stop.done([7])
     assert greedy(torch.tensor([[0.0, 2.0, 2.0], [5.0, 1.0, 0.0]])) == [1, 0]  # lowest id wins a tie
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_pass_equals_one_gemm_per_expert_bitwise(dtype, monkeypatch) -> None:
+    from mbridge_epoverlap.moe import experts
+
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(16, 48, 64, generator=gen).to(dtype)
+    w2 = torch.randn(16, 64, 24, generator=gen).to(dtype)
+    counts = [3, 0, 1, 7, 0, 2, 5, 1, 1, 0, 4, 2, 6, 1, 0, 3]  # empty experts among full ones
+    x = torch.randn(sum(counts), 64, generator=gen).to(dtype)
+    grouped = experts.grouped_expert_swiglu(x, w1, w2, counts)
+    starts = [sum(counts[:e]) for e in range(16)]
+    per_expert = torch.cat([experts.expert_swiglu(x[s:s + n], w1[e], w2[e]) for e, (s, n) in
+                            enumerate(zip(starts, counts, strict=True)) if n])
+    assert torch.equal(grouped, per_expert)
+    monkeypatch.setattr(experts, "_GROUPED_MM", None)  # the loop taken where torch has no grouped GEMM
+    assert torch.equal(experts.grouped_expert_swiglu(x, w1, w2, counts), per_expert)
+    assert experts.grouped_expert_swiglu(x[:0], w1, w2, [0] * 16).shape == (0, 64)

@@ -135,12 +135,18 @@ def test_serve_bench_reports_and_matches_reference(tiny_qwen3_moe_dir, capsys):
     assert out["tbt_ms_p50"] is not None and out["machine"]["cpu"]
 
 
-def test_balanced_sizing_picks_the_closest_probe(tiny_mixtral_dir):
+def test_balanced_sizing_picks_the_largest_expected_gain(tiny_mixtral_dir):
     from mbridge_epoverlap.serving.bench import balanced_micro_batch
 
     spec = load_spec(tiny_mixtral_dir)
     best, probes = balanced_micro_batch(spec, attn_workers=1, expert_workers=1, candidates=(1, 4))
     assert [p["micro_batch"] for p in probes] == [1, 4]
     ratio = {p["micro_batch"]: abs(p["attn_ms"] / p["experts_ms"] - 1) for p in probes}
-    assert best in ratio
+    assert best == min(ratio, key=ratio.get)  # no doubled size probed: the closest times decide
     assert all(p["attn_ms"] > 0 and p["experts_ms"] > 0 for p in probes)
+    best, probes = balanced_micro_batch(spec, attn_workers=1, expert_workers=1, candidates=(1, 2, 4))
+    gains = {p["micro_batch"]: p["expected_gain"] for p in probes if "expected_gain" in p}
+    assert set(gains) == {1, 2} and best == max(gains, key=gains.get)
+    by_size = {p["micro_batch"]: p for p in probes}
+    assert gains[1] == pytest.approx((by_size[2]["attn_ms"] + by_size[2]["experts_ms"])
+                                     / (2 * max(by_size[1]["attn_ms"], by_size[1]["experts_ms"])))
