@@ -100,6 +100,10 @@ class ElasticAttentionWorker(AttentionWorker):
         self.events: list[dict[str, Any]] = []
         self._resume_pending = False
         self.sync, self.m2n_store = sync, m2n_store
+        if sync is not None:
+            # A layout epoch starts at one boundary for every micro-batch: steps drain the pipeline (the expert
+            # workers do the same: they have a `mover` exactly when the attention workers have a `sync`).
+            self.streams = False
         self.rebalance_every, self.rejoin_after_steps = rebalance_every, rejoin_after_steps
         self.recorder = None
         if rebalance_every:
@@ -362,6 +366,8 @@ class ElasticExpertWorker(ExpertWorker):
         self.layout, self.index, self.restore = layout, index, restore
         self.kill_at_step, self.kill_file = kill_at_step, kill_file
         self.mover, self.epoch = mover, epoch
+        if mover is not None:
+            self.streams = False  # as the attention workers with layout epochs (one boundary per step)
         self._prefetch: Any = None  # the moves of an announced epoch (`expert_moves.Prefetch`)
         self.generations: dict[int, int] = {}  # expert worker -> replacements seen joining
         self.events: list[dict[str, Any]] = []
