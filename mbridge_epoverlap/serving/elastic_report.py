@@ -56,9 +56,10 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
         if rejoined is not None:
             # Decoding held at the admission step while the replacement was still starting: not the survivors'
             # throughput, so the "after" window ends where that wait began.
-            waited = sum(e.get("waited_s", 0.0) for e in lead if e["event"] == "rejoin-ready" and e["t"] <= rejoined)
+            ready = [e for e in lead if e["event"] == "rejoin-ready" and e["t"] <= rejoined]
+            waited = sum(e.get("waited_s", 0.0) for e in ready)
             summary["rejoined_after_s"], summary["rejoin_wait_s"] = rejoined - kill, waited
-            due = rejoined - waited
+            due = min((e["t"] - e.get("waited_s", 0.0) for e in ready), default=rejoined)
         if resumed is not None:
             summary["interruption_s"] = resumed - kill
             summary.update(throughput_around(times, kill, resumed, due, rejoined))
