@@ -68,7 +68,8 @@ def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
                              "steps, moving weights between expert workers (default 0: never)")
     parser.add_argument("--rejoin-after-steps", type=_count, default=0, metavar="N",
                         help=f"{when}start a replacement for a lost expert worker and admit it N decode "
-                             "steps after the loss, waiting for it then if it is still starting (default 0: never)")
+                             "steps after the loss, waiting then up to half of --timeout if it is still starting "
+                             "(default 0: never)")
 
 
 def handle_elastic_bench(args: argparse.Namespace) -> int:

@@ -67,9 +67,10 @@ class StepSync:
         return json.loads(self._get(f"decision/{step}", "attention worker 0", self.timeout_s * 2 + 5))
 
     def wait_ready(self, worker: int, generation: int) -> bool:
-        """Whether replacement `generation` of expert worker `worker` announced itself within the timeout."""
+        """Whether replacement `generation` of expert worker `worker` announced itself within half the timeout
+        (the expert workers wait for this step's messages meanwhile, up to the whole timeout)."""
         try:
-            self.store.wait([f"ready/{worker}/{generation}"], timedelta(seconds=self.timeout_s))
+            self.store.wait([f"ready/{worker}/{generation}"], timedelta(seconds=self.timeout_s / 2))
         except Exception:  # the store's timeout type differs between versions
             return False
         return True

@@ -217,7 +217,8 @@ class ElasticAttentionWorker(AttentionWorker):
             self._rejoin_tried.add((worker, generation))
             started = time.monotonic()
             if not self.sync.wait_ready(worker, generation):
-                self._say("rejoin-timeout", f"no replacement for expert worker {worker} within {self.timeout_s:g} s: "
+                self._say("rejoin-timeout", f"no replacement for expert worker {worker} within "
+                          f"{self.timeout_s / 2:g} s (half of --timeout): "
                           "decoding goes on without it", worker=worker)
                 continue
             # It joins the epoch entered at the next step; this step moves its weights.
