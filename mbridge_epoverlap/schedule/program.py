@@ -219,7 +219,9 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
       attention wgrad earlier, so it starts on the channel as soon as the combine backward ends instead of
       after a gap; after the last pair it fills the first window of the lone last backward, which otherwise has
       nothing to hide behind. Megatron-Core runs it at the end of the pair (except for the first layer of a
-      backward, which it delays to after the pipeline send).
+      backward, which it delays to after the pipeline send). Without delayed wgrad it sits in the same place
+      (the dispatch-backward window would hide a little more there): the delayed order stays the plain one
+      with only the expert wgrad moved past an issue, so it is never slower, whatever the stage costs.
 
     Args:
         forward: (micro-batch, layer) of the forward half, or None.
