@@ -40,7 +40,7 @@ class Prediction:
         hidden_upper_bound: the most any order of the same steps could hide with these costs: every
             collective of the interleaved (F_i, B_i-1) part hidden, as far as that part's compute lasts; the
             first forward has nothing to hide behind, the last backward only its own weight gradients.
-        stalls_s: simulated stall time per `<stage>.issue` / `<stage>.wait`.
+        stalls_s: simulated stall time per `<stage>.issue` / `<stage>.wait` (0 for a wait that never blocked).
         measured_stalls_s: measured time per `<stage>.issue` / `<stage>.wait`.
         measured_hidden_fraction: 1 - (measured issue and wait time, less the resume latency) / (measured
             collective time), or None without collective times (no communication thread).
@@ -147,13 +147,18 @@ def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float]) -> Predic
                       if stage.kind is Kind.COMM and name in stage_s)
     exposed = sum(measured.values()) - resumed
     measured_hidden = min(1.0, max(0.0, 1.0 - exposed / collectives)) if collectives > 0 else None
+    # Every wait of the schedule (and every issue with a cost) is named, 0 where the simulated stream never
+    # stalled in it: a fully hidden collective shows as such, like in the measured record.
+    stalls = {f"{stage}.{phase.value}": 0.0 for stage, phase in counts
+              if phase is Phase.WAIT or (phase is Phase.ISSUE and f"{stage}.issue" in costs)}
+    stalls.update(timeline.stalled())
     return Prediction(
         schedule_s=timeline.makespan,
-        exposed_comm_s=sum(timeline.stalled().values()),
+        exposed_comm_s=sum(stalls.values()),
         comm_s=comm,
         hidden_fraction=overlap / comm if comm > 0 else 1.0,
         hidden_upper_bound=hidden_upper_bound(steps, costs),
-        stalls_s=timeline.stalled(),
+        stalls_s=stalls,
         measured_stalls_s=measured,
         measured_hidden_fraction=measured_hidden,
     )

@@ -190,58 +190,78 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
     return steps
 
 
-def combined_layer_pair(f_mb: int, f_layer: int, b_mb: int, b_layer: int, *, delay_wgrad: bool,
-                        backward_started: bool = False, start_next_backward: bool = False) -> list[Step]:
-    """Forward of one layer of `f_mb` interleaved with backward of one layer of `b_mb`.
+def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, int] | None, *, delay_wgrad: bool,
+                        backward_started: bool = False, start_next_backward: bool = False,
+                        attn_wgrad_before: tuple[int, int] | None = None) -> list[Step]:
+    """Forward of one layer interleaved with backward of another, either of them possibly absent.
 
-    Megatron-Core's order of the pair: B's combine backward, F's attention, B's expert dgrad, F's
-    dispatch, (B's expert wgrad,) B's dispatch backward, F's experts, F's combine, B's attention dgrad
-    and wgrad; on the communication channel, combine_bwd, dispatch, dispatch_bwd, combine. Each
-    collective is issued as soon as its input exists (F's dispatch right after F's attention, F's combine
-    right after F's experts, queued behind the other micro-batch's collective on the channel) and waited
+    Megatron-Core's order of the pair (`TransformerLayerSchedulePlan.run`): B's combine backward, F's attention,
+    B's expert dgrad, F's dispatch, (B's expert wgrad,) B's dispatch backward, F's experts, F's combine, B's
+    attention dgrad and wgrad, F's post; on the communication channel, combine_bwd, dispatch, dispatch_bwd,
+    combine. Each collective is issued as soon as its input exists (F's dispatch right after F's attention, F's
+    combine right after F's experts, queued behind the other micro-batch's collective on the channel) and waited
     for only where the next stage needs it, so a collective's window is everything the other micro-batch
-    computes in between. With `delay_wgrad`, the expert weight gradient runs after B's dispatch backward
-    was issued, in its window.
+    computes in between. With only a forward (the first micro-batch) or only a backward (the last one) the
+    same order runs with the other half left out, as Megatron-Core's does.
+
+    Where the project differs, and why (all measured with the simulator on the stage costs of the CPU runtime
+    behind a 1 Gbit/s link, see docs/training/communication-overlap.md):
+
+    - Delayed expert wgrad runs after B's dispatch backward was issued, in its window; Megatron-Core runs it
+      before the issue, where it only fills the forward dispatch's window.
+    - `start_next_backward`: right after B's attention dgrad, the post backward of B's next layer runs and its
+      combine backward is issued, so that collective already flies during F's post and the next pair's F
+      attention. Megatron-Core gets the same from its streams (the comm stream starts the next combine backward
+      as soon as its input exists); with explicit issue steps it has to be written here.
+    - B's attention wgrad does not run at the end of its own pair but in the next one
+      (`attn_wgrad_before`), after that pair's F attention and dispatch issue and before its combine-backward
+      wait. It still fills the same combine-backward window, but the next forward dispatch is issued one
+      attention wgrad earlier, so it starts on the channel as soon as the combine backward ends instead of
+      after a gap; after the last pair it fills the first window of the lone last backward, which otherwise has
+      nothing to hide behind. Megatron-Core runs it at the end of the pair (except for the first layer of a
+      backward, which it delays to after the pipeline send). Without delayed wgrad it sits in the same place
+      (the dispatch-backward window would hide a little more there): the delayed order stays the plain one
+      with only the expert wgrad moved past an issue, so it is never slower, whatever the stage costs.
 
     Args:
-        f_mb, f_layer: the forward micro-batch and layer; b_mb, b_layer: the backward ones.
-        delay_wgrad: delay the expert weight gradient into the dispatch-backward window.
-        backward_started: B's post backward ran and its combine backward was issued already (by the
-            previous pair, see `start_next_backward`).
-        start_next_backward: right after B's attention dgrad, run the post backward of B's next layer
-            (`b_layer - 1`) and issue its combine backward, so that collective already flies during B's
-            attention wgrad, F's post and the next pair's F attention. Megatron-Core gets the same from its
-            streams (the comm stream starts the next combine backward as soon as its input exists); with
-            explicit issue steps it has to be written here.
+        forward: (micro-batch, layer) of the forward half, or None.
+        backward: (micro-batch, layer) of the backward half, or None.
+        delay_wgrad: run the expert weight gradient after the dispatch backward was issued (in its window),
+            not right after the expert dgrad.
+        backward_started: B's post backward ran and its combine backward was issued already (by the previous
+            pair, see `start_next_backward`).
+        start_next_backward: run the post backward of B's next layer and issue its combine backward right
+            after B's attention dgrad.
+        attn_wgrad_before: (micro-batch, layer) of the backward layer whose attention weight gradient runs in
+            this pair's combine-backward window (the previous pair's backward layer), or None.
+
+    Returns:
+        The pair's steps, without B's own attention weight gradient: the caller passes `backward` as
+        `attn_wgrad_before` of the next pair (or runs it at the end).
     """
     steps: list[Step] = []
-    if not backward_started:
-        steps += [run(b_mb, b_layer, "post_bwd"), issue(b_mb, b_layer, "combine_bwd")]
-    steps += [
-        run(f_mb, f_layer, "attn"),
-        issue(f_mb, f_layer, "dispatch"),
-        wait(b_mb, b_layer, "combine_bwd"),
-        run(b_mb, b_layer, "experts_dgrad"),
-    ]
-    if not delay_wgrad:
-        steps.append(run(b_mb, b_layer, "experts_wgrad"))
-    steps.append(issue(b_mb, b_layer, "dispatch_bwd"))
-    if delay_wgrad:
-        steps.append(run(b_mb, b_layer, "experts_wgrad"))
-    steps += [
-        wait(f_mb, f_layer, "dispatch"),
-        run(f_mb, f_layer, "experts"),
-        issue(f_mb, f_layer, "combine"),
-        wait(b_mb, b_layer, "dispatch_bwd"),
-        run(b_mb, b_layer, "attn_dgrad"),
-    ]
-    if start_next_backward:
-        steps += [run(b_mb, b_layer - 1, "post_bwd"), issue(b_mb, b_layer - 1, "combine_bwd")]
-    steps += [
-        run(b_mb, b_layer, "attn_wgrad"),
-        wait(f_mb, f_layer, "combine"),
-        run(f_mb, f_layer, "post"),
-    ]
+    if backward is not None and not backward_started:
+        steps += [run(*backward, "post_bwd"), issue(*backward, "combine_bwd")]
+    if forward is not None:
+        steps += [run(*forward, "attn"), issue(*forward, "dispatch")]
+    if attn_wgrad_before is not None:
+        steps.append(run(*attn_wgrad_before, "attn_wgrad"))
+    if backward is not None:
+        steps += [wait(*backward, "combine_bwd"), run(*backward, "experts_dgrad")]
+        if not delay_wgrad:
+            steps.append(run(*backward, "experts_wgrad"))
+        steps.append(issue(*backward, "dispatch_bwd"))
+        if delay_wgrad:
+            steps.append(run(*backward, "experts_wgrad"))
+    if forward is not None:
+        steps += [wait(*forward, "dispatch"), run(*forward, "experts"), issue(*forward, "combine")]
+    if backward is not None:
+        steps += [wait(*backward, "dispatch_bwd"), run(*backward, "attn_dgrad")]
+        if start_next_backward:
+            b_mb, b_layer = backward
+            steps += [run(b_mb, b_layer - 1, "post_bwd"), issue(b_mb, b_layer - 1, "combine_bwd")]
+    if forward is not None:
+        steps += [wait(*forward, "combine"), run(*forward, "post")]
     return steps
 
 
@@ -253,7 +273,8 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
         num_layers: MoE layers in the model (>= 1).
         overlap: False runs each F and B whole, one after the other (the baseline); True interleaves
             F_i with B_{i-1} layer pair by layer pair (combined 1F1B), F going up while B comes down, each
-            pair starting the next B layer's combine backward before it ends (`combined_layer_pair`).
+            pair starting the next B layer's combine backward before it ends and leaving its attention weight
+            gradient to the next pair's combine-backward window (`combined_layer_pair`).
         delay_wgrad: delay expert weight gradients into the dispatch-backward window (needs overlap
             to hide anything; allowed without it for testing).
 
@@ -262,18 +283,31 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
     """
     if num_micro_batches < 1 or num_layers < 1:
         raise ValueError(f"need num_micro_batches >= 1 and num_layers >= 1, got {num_micro_batches}, {num_layers}")
-    steps = forward_steps(0, num_layers)
-    for mb in range(1, num_micro_batches):
-        if not overlap:
+    if not overlap:
+        steps = forward_steps(0, num_layers)
+        for mb in range(1, num_micro_batches):
             steps += forward_steps(mb, num_layers)
             steps += backward_steps(mb - 1, num_layers, delay_wgrad=delay_wgrad)
-            continue
-        # F walks layers upwards while B walks them downwards: pair F layer i with B layer L-1-i.
-        for i in range(num_layers):
-            b_layer = num_layers - 1 - i
-            steps += combined_layer_pair(mb, i, mb - 1, b_layer, delay_wgrad=delay_wgrad, backward_started=i > 0,
-                                         start_next_backward=b_layer > 0)
-    steps += backward_steps(num_micro_batches - 1, num_layers, delay_wgrad=delay_wgrad)
+        return steps + backward_steps(num_micro_batches - 1, num_layers, delay_wgrad=delay_wgrad)
+    # Megatron-Core's phases: F0 alone, (F_i, B_{i-1}) pairs, the last B alone; within a phase F walks the layers
+    # upwards while B walks them downwards, so F layer i pairs with B layer L-1-i.
+    top = num_layers - 1
+    units: list[tuple[tuple[int, int] | None, tuple[int, int] | None]] = [((0, i), None) for i in range(num_layers)]
+    for mb in range(1, num_micro_batches):
+        units += [((mb, i), (mb - 1, top - i)) for i in range(num_layers)]
+    units += [(None, (num_micro_batches - 1, top - i)) for i in range(num_layers)]
+    steps = []
+    pending_wgrad: tuple[int, int] | None = None
+    for forward, backward in units:
+        # B's first layer was started by the previous unit unless B is at its top layer (a new micro-batch).
+        started = backward is not None and backward[1] != top
+        steps += combined_layer_pair(forward, backward, delay_wgrad=delay_wgrad, backward_started=started,
+                                     start_next_backward=backward is not None and backward[1] > 0,
+                                     attn_wgrad_before=pending_wgrad)
+        if backward is not None:
+            pending_wgrad = backward
+    if pending_wgrad is not None:
+        steps.append(run(*pending_wgrad, "attn_wgrad"))
     return steps
 
 
