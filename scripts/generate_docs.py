@@ -653,9 +653,10 @@ def render_serving_results() -> str:
     r = doc["ratios"]
     command = doc.get("command", "python benchmarks/serving_bench.py")
     return (f"`{command}` on {m['cpu']} ({m['cores']} cores, avx512_bf16="
-            f"{m['avx512_bf16']}, amx_bf16={m['amx_bf16']}), a shared machine: provisional figures. "
+            f"{m['avx512_bf16']}, amx_bf16={m['amx_bf16']}). "
             f"{doc['batch']} sequences, 1 attention + 1 expert worker (colocated: 2 processes); medians of "
-            f"{doc.get('repeats', 'several')} interleaved repeats.\n\n"
+            f"{doc.get('repeats', 'several')} interleaved repeats (ratios are medians of per-repeat ratios; single "
+            "repeats scatter by about 20 % on a 2-vCPU VM).\n\n"
             + _table(["case", "decode tokens/s", "predicted (replay)", "utilization attention / expert",
                       "TBT p50 (ms)", "tokens = reference"], rows)
             + f"\nm=2 / m=1: {r['m2_over_m1']:.2f}x (target >= 1.7); m=3 / m=2: {r['m3_over_m2']:.2f}x (target >= "
