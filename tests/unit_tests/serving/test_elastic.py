@@ -7,7 +7,6 @@ workers holding 4 experts in 8 slots; the first expert worker SIGKILLs itself in
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -18,23 +17,10 @@ from mbridge_epoverlap.serving.checkpoint import load_spec
 from mbridge_epoverlap.serving.elastic import ElasticLayout, check_elastic, make_elastic
 from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
 from mbridge_epoverlap.serving.requests import Request
+from tests.unit_tests.serving.engine_runs import leftovers as _leftovers
+from tests.unit_tests.serving.engine_runs import requests_of as _requests
 
 MAX_NEW = 10
-
-
-def _requests(prompts):
-    return [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
-
-
-def _leftovers(pids):
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive, [p for pid in pids for p in glob.glob(f"/dev/shm/mbe-m2n-{pid}-*")]
 
 
 def test_layout_spreads_replicas_and_resolves_over_survivors():

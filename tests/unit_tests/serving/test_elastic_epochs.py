@@ -7,9 +7,6 @@ that connects to the running workers, receives its experts' weights and is place
 
 from __future__ import annotations
 
-import glob
-import os
-
 import pytest
 import torch
 
@@ -19,23 +16,10 @@ from mbridge_epoverlap.serving.elastic import ElasticLayout, make_elastic
 from mbridge_epoverlap.serving.engine import make_plan, run_engine
 from mbridge_epoverlap.serving.expert_moves import transfers
 from mbridge_epoverlap.serving.requests import Request
+from tests.unit_tests.serving.engine_runs import leftovers as _leftovers
+from tests.unit_tests.serving.engine_runs import requests_of as _requests
 
 MAX_NEW = 10
-
-
-def _requests(prompts):
-    return [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
-
-
-def _leftovers(pids):
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive, [p for pid in pids for p in glob.glob(f"/dev/shm/mbe-m2n-{pid}-*")]
 
 
 def test_transfers_bring_each_gained_expert_from_a_live_holder():
