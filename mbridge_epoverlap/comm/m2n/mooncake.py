@@ -28,22 +28,15 @@ from typing import Any
 import torch
 
 from mbridge_epoverlap.comm.m2n import wire
-from mbridge_epoverlap.comm.m2n.base import M2NCommunicator, PeerError, Work
+from mbridge_epoverlap.comm.m2n.base import PeerError
 from mbridge_epoverlap.comm.m2n.rendezvous import PeerWatch, Rendezvous, this_host
+from mbridge_epoverlap.comm.m2n.ring import Pending, RingCommunicator
 from mbridge_epoverlap.comm.m2n.shm import slot_stride
 
 _CTRL_BYTES = 128
 _WORD_BYTES = 64  # one counter per cache line
 _SPIN_S = 30e-6
 _SLEEP_MAX_S = 200e-6
-
-
-@dataclass
-class _Pending:
-    tag: int
-    tensors: Sequence[torch.Tensor] | None = None
-    done: bool = False
-    result: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -56,13 +49,13 @@ class _Peer:
     capacity: int
     sent: int = 0
     consumed: int = 0
-    sends: collections.deque[_Pending] = field(default_factory=collections.deque)
-    recvs: list[_Pending] = field(default_factory=list)
+    sends: collections.deque[Pending] = field(default_factory=collections.deque)
+    recvs: list[Pending] = field(default_factory=list)
     stash: dict[int, collections.deque[list[torch.Tensor]]] = field(default_factory=dict)
     credit_writes: list[int] = field(default_factory=list)
 
 
-class MooncakeCommunicator(M2NCommunicator):
+class MooncakeCommunicator(RingCommunicator):
     """M2N over the Mooncake Transfer Engine (see the module docstring for the protocol)."""
 
     backend = "mooncake"
@@ -126,24 +119,6 @@ class MooncakeCommunicator(M2NCommunicator):
         return self._bytes[offset:offset + self._stride], self._region[offset:offset + self._stride]
 
     # --- the interface ------------------------------------------------------------------------------
-
-    def isend(self, peer: int, tensors: Sequence[torch.Tensor], tag: int = 0) -> Work:
-        self._check_peer(peer)
-        p = self._peers[peer]
-        wire.check_message(tensors, min(self.slot_bytes, p.capacity))
-        item = _Pending(tag, tuple(tensors))
-        p.sends.append(item)
-        self._progress_sends(p)
-        return self._work(peer, f"send (tag {tag}) to rank {peer}", lambda: self._poll(p, item),
-                          lambda deadline: self._block(p, item, deadline), lambda: None)
-
-    def irecv(self, peer: int, tag: int = 0) -> Work:
-        self._check_peer(peer)
-        p = self._peers[peer]
-        item = _Pending(tag)
-        p.recvs.append(item)
-        return self._work(peer, f"receive (tag {tag}) from rank {peer}", lambda: self._poll(p, item),
-                          lambda deadline: self._block(p, item, deadline), lambda: item.result)
 
     def close(self) -> None:
         if self._closed:
@@ -216,11 +191,7 @@ class MooncakeCommunicator(M2NCommunicator):
             item.tensors, item.done = None, True
 
     def _progress_recvs(self, p: _Peer) -> None:
-        for item in p.recvs:
-            queue = p.stash.get(item.tag)
-            if queue:
-                item.result, item.done = queue.popleft(), True
-        p.recvs = [r for r in p.recvs if not r.done]
+        self._take_stashed(p)  # messages that arrived earlier for another receive
         channel = self._inbound(p.rank)
         while p.recvs and self._words[channel // 8] > p.consumed:
             raw, data = self._slot_views(channel + _CTRL_BYTES + (p.consumed % self.slots) * self._stride)
@@ -237,15 +208,9 @@ class MooncakeCommunicator(M2NCommunicator):
                 batch = self._submit_credit(p, scratch)
                 if batch >= 0:
                     p.credit_writes.append(batch)
-            for i, item in enumerate(p.recvs):
-                if item.tag == tag:
-                    item.result, item.done = tensors, True
-                    del p.recvs[i]
-                    break
-            else:
-                p.stash.setdefault(tag, collections.deque()).append(tensors)
+            self._deliver(p, tag, tensors)
 
-    def _poll(self, p: _Peer, item: _Pending) -> bool:
+    def _poll(self, p: _Peer, item: Pending) -> bool:
         if not item.done:
             if self._closed:
                 raise RuntimeError(f"M2N communicator of rank {self.rank} is closed")
@@ -253,7 +218,7 @@ class MooncakeCommunicator(M2NCommunicator):
             self._progress_recvs(p)
         return item.done
 
-    def _block(self, p: _Peer, item: _Pending, deadline: float) -> bool:
+    def _block(self, p: _Peer, item: Pending, deadline: float) -> bool:
         spin_end = time.monotonic() + _SPIN_S
         sleep_s = 10e-6
         checked = time.monotonic()

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from mbridge_epoverlap.comm.m2n import wire
-from mbridge_epoverlap.comm.m2n.base import M2NCommunicator, PeerError, Work
+from mbridge_epoverlap.comm.m2n.base import PeerError
 from mbridge_epoverlap.comm.m2n.rendezvous import PeerWatch, Rendezvous, this_host
+from mbridge_epoverlap.comm.m2n.ring import Pending, RingCommunicator
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "mbe-m2n-"
@@ -71,28 +72,20 @@ class _Channel:
 
 
 @dataclass
-class _Pending:
-    tag: int
-    tensors: Sequence[torch.Tensor] | None = None
-    done: bool = False
-    result: list[torch.Tensor] | None = None
-
-
-@dataclass
 class _Peer:
     rank: int
     watch: PeerWatch
     doorbell: int  # write end of the peer's FIFO
     out: _Channel
     inbound: _Channel
-    sends: collections.deque[_Pending] = field(default_factory=collections.deque)
-    recvs: list[_Pending] = field(default_factory=list)
+    sends: collections.deque[Pending] = field(default_factory=collections.deque)
+    recvs: list[Pending] = field(default_factory=list)
     stash: dict[int, collections.deque[list[torch.Tensor]]] = field(default_factory=dict)
     mapping: mmap.mmap | None = None
     capacity: int = 0  # the peer's slot_bytes
 
 
-class ShmCommunicator(M2NCommunicator):
+class ShmCommunicator(RingCommunicator):
     """Shared-memory M2N between ranks of one host (see the module docstring for the protocol)."""
 
     backend = "shm"
@@ -195,24 +188,6 @@ class ShmCommunicator(M2NCommunicator):
 
     # --- the interface ------------------------------------------------------------------------------
 
-    def isend(self, peer: int, tensors: Sequence[torch.Tensor], tag: int = 0) -> Work:
-        self._check_peer(peer)
-        p = self._open_peer(peer)
-        wire.check_message(tensors, min(self.slot_bytes, p.capacity))
-        item = _Pending(tag, tuple(tensors))
-        p.sends.append(item)
-        self._progress_sends(p)
-        return self._work(peer, f"send (tag {tag}) to rank {peer}", lambda: self._poll(p, item),
-                          lambda deadline: self._block(p, item, deadline), lambda: None)
-
-    def irecv(self, peer: int, tag: int = 0) -> Work:
-        self._check_peer(peer)
-        p = self._open_peer(peer)
-        item = _Pending(tag)
-        p.recvs.append(item)
-        return self._work(peer, f"receive (tag {tag}) from rank {peer}", lambda: self._poll(p, item),
-                          lambda deadline: self._block(p, item, deadline), lambda: item.result)
-
     def connect(self, peer: int, store: Any, key_prefix: str) -> None:
         if self._closed:
             raise RuntimeError(f"M2N communicator of rank {self.rank} is closed")
@@ -233,7 +208,7 @@ class ShmCommunicator(M2NCommunicator):
             self._unlink()
             raise
 
-    def _open_peer(self, peer: int) -> _Peer:
+    def _peer(self, peer: int) -> _Peer:
         p = self._peers.get(peer)
         if p is None:  # a `connect` to it failed: its old channel is gone and no new one was opened
             raise self._peer_error(peer, "has no open channel (connecting to its replacement failed)")
@@ -275,11 +250,7 @@ class ShmCommunicator(M2NCommunicator):
             self._ring(p)
 
     def _progress_recvs(self, p: _Peer) -> None:
-        for item in p.recvs:  # messages that arrived earlier for another request
-            queue = p.stash.get(item.tag)
-            if queue:
-                item.result, item.done = queue.popleft(), True
-        p.recvs = [r for r in p.recvs if not r.done]
+        self._take_stashed(p)  # messages that arrived earlier for another receive
         ch = p.inbound
         while p.recvs and ch.ctrl[0] > ch.count:
             raw, data = ch.slots[ch.count % self.slots]
@@ -292,13 +263,7 @@ class ShmCommunicator(M2NCommunicator):
             ch.ctrl[8] = ch.count
             if full:  # only a sender that found the ring full can be waiting for this slot
                 self._ring(p)
-            for i, item in enumerate(p.recvs):
-                if item.tag == tag:
-                    item.result, item.done = tensors, True
-                    del p.recvs[i]
-                    break
-            else:
-                p.stash.setdefault(tag, collections.deque()).append(tensors)
+            self._deliver(p, tag, tensors)
 
     def _ring(self, p: _Peer) -> None:
         # A full pipe means the peer has wake-ups queued already; a closed one means it is gone (the wait
@@ -312,14 +277,14 @@ class ShmCommunicator(M2NCommunicator):
                 while os.read(bell, 4096):
                     pass
 
-    def _poll(self, p: _Peer, item: _Pending) -> bool:
+    def _poll(self, p: _Peer, item: Pending) -> bool:
         if not item.done and not self._closed:
             # Both directions: a peer blocked on a full slot of ours may be what our message waits for.
             self._progress_sends(p)
             self._progress_recvs(p)
         return item.done
 
-    def _block(self, p: _Peer, item: _Pending, deadline: float) -> bool:
+    def _block(self, p: _Peer, item: Pending, deadline: float) -> bool:
         if self._poll(p, item):
             return True
         spin_end = time.monotonic() + _SPIN_S
