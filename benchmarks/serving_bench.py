@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from mbridge_epoverlap.serving.bench import (  # noqa: E402
     balanced_micro_batch,
+    describe_probe,
     machine,
     matches_reference,
     synthetic_requests,
@@ -62,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
           f"amx_bf16={m_info['amx_bf16']} (shared machines give noisy figures)")
     print(f"model: {spec.describe()}")
     for p in probes:
-        gain = f", expected m=2 gain {p['expected_gain']:.2f}x" if "expected_gain" in p else ""
-        print(f"  balance probe: micro-batch {p['micro_batch']:>4}: attention {p['attn_ms']:.2f} ms, "
-              f"experts {p['experts_ms']:.2f} ms{gain}")
+        print(f"  balance probe: micro-batch {p['micro_batch']:>4}: {describe_probe(p)}")
     print(f"chosen micro-batch {micro} (largest expected gain) -> total batch {batch}, {args.steps} tokens each")
 
     cases = {

@@ -108,6 +108,12 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
     return {"micro_batch": micro_batch, "attn_ms": t_attn * 1e3, "experts_ms": t_expert * 1e3}
 
 
+def describe_probe(probe: dict[str, float]) -> str:
+    """One probe's stage times (and expected gain, where computed), as the bench and `serve-bench` print it."""
+    gain = f", expected m=2 gain {probe['expected_gain']:.2f}x" if "expected_gain" in probe else ""
+    return f"attention {probe['attn_ms']:.2f} ms, experts {probe['experts_ms']:.2f} ms{gain}"
+
+
 def balanced_micro_batch(spec: Any, *, attn_workers: int, expert_workers: int,
                          candidates: Sequence[int] = BATCH_CANDIDATES) -> tuple[int, list[dict[str, float]]]:
     """The candidate micro-batch size with the largest expected ping-pong gain (module docstring); all probes,

@@ -240,11 +240,11 @@ def _serve_table(result: dict[str, Any]) -> None:
 
 
 def _bench_table(result: dict[str, Any]) -> None:
+    from mbridge_epoverlap.serving.bench import describe_probe
+
     rows = [("batch", str(result["batch"]))]
     for probe in result["balance_probes"]:
-        gain = f", expected m=2 gain {probe['expected_gain']:.2f}x" if "expected_gain" in probe else ""
-        rows.append((f"probe micro-batch {probe['micro_batch']:g}",
-                     f"attention {probe['attn_ms']:.3f} ms, experts {probe['experts_ms']:.3f} ms{gain}"))
+        rows.append((f"probe micro-batch {probe['micro_batch']:g}", describe_probe(probe)))
     rows += _common(result)
     rows.append(("matches reference", str(result["matches_reference"])))
     _rows(rows)
