@@ -120,8 +120,9 @@ def stage_costs(runs: list[RunMetrics], first: int, last: int) -> dict[str, floa
 def print_predictions(runs: dict[str, list[RunMetrics]], first: int, last: int) -> dict[str, dict]:
     """The simulator fed each case's measured stage costs, against the measured schedule time."""
     print("\nsimulator with each case's measured stage costs (schedule only; step = schedule + reduction/optimizer):")
-    print("| case | measured schedule | predicted | error | comm hidden: measured / simulated / upper bound "
-          "| simulated hidden if issuing were free | worst-modelled stall (measured / predicted per iteration) |")
+    print("| case | measured schedule | predicted | error | comm hidden: measured, all ranks (worst rank) / simulated "
+          "/ upper bound | simulated hidden if issuing were free "
+          "| worst-modelled stall (measured / predicted per iteration) |")
     print("|---|---|---|---|---|---|---|")
     out = {}
     for case, rs in runs.items():
@@ -129,18 +130,24 @@ def print_predictions(runs: dict[str, list[RunMetrics]], first: int, last: int) 
             continue
         measured = statistics.median(statistics.fmean(r.schedule_s[first - 1:last]) for r in rs)
         costs = stage_costs(rs, first, last)
-        p = predict(rs[0].schedule, costs)
+        shares = [s for s in (r.hidden_share(first, last) for r in rs) if s is not None]
+        measured_hidden = statistics.median(s[0] for s in shares) if shares else None
+        worst_rank = statistics.median(s[1] for s in shares) if shares else None
+        p = predict(rs[0].schedule, costs, measured_hidden=measured_hidden)
         # Handing a collective to the communication thread holds the training thread on a loaded CPU; what
         # the order itself hides shows with that cost taken out.
         free = predict(rs[0].schedule, {k: 0.0 if k.endswith(".issue") else v for k, v in costs.items()})
         gap = p.largest_gap()
         hidden = "n/a" if p.measured_hidden_fraction is None else f"{p.measured_hidden_fraction:.1%}"
+        hidden += "" if worst_rank is None else f" ({worst_rank:.1%})"
         worst = "n/a" if gap is None else f"{gap[0]} ({gap[1] * 1e3:.1f} / {gap[2] * 1e3:.1f} ms)"
         print(f"| {case} | {measured * 1e3:.1f} ms | {p.schedule_s * 1e3:.1f} ms | "
               f"{p.schedule_s / measured - 1:+.1%} | {hidden} / {p.hidden_fraction:.1%} / "
               f"{p.hidden_upper_bound:.1%} | {free.hidden_fraction:.1%} | {worst} |")
         out[case] = {"measured_schedule_s": measured, **p.to_dict(),
-                     "hidden_fraction_free_issue": free.hidden_fraction}
+                     "hidden_fraction_free_issue": free.hidden_fraction, "stage_costs_s": costs,
+                     "measured_hidden_worst_rank": worst_rank,
+                     "schedule": rs[0].schedule}
     return out
 
 

@@ -583,6 +583,8 @@ def render_schedule_sim() -> str:
     from mbridge_epoverlap.schedule.presets import simulate_schedule
 
     cases = (("plain 1F1B (`--no-overlap`)", {"overlap": False}),
+             ("combined 1F1B, Megatron-Core's edges (`--megatron-core-edges`)",
+              {"overlap": True, "paired_edges": False}),
              ("combined 1F1B (EP overlap)", {"overlap": True}),
              ("combined 1F1B + delayed wgrad (`--delay-wgrad`)", {"overlap": True, "delay_wgrad": True}))
     rows = [_sim_row(label, simulate_schedule("1f1b", **SIM_1F1B, **extra)) for label, extra in cases]

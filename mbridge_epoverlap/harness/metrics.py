@@ -28,6 +28,9 @@ class RunMetrics:
         comm_cpu_s: per iteration, CPU time of the ranks' other threads (the reference runtime; None elsewhere).
         schedule_s, stage_s, schedule: the reference runtime's schedule time per iteration, per-stage costs per
             iteration and schedule shape (None elsewhere).
+        comm_exposed_by_rank_s, comm_collective_by_rank_s: per rank, per iteration, the training thread's time
+            in communication steps less wake-up latency, and the collectives' own time (the reference runtime
+            with a communication thread; None elsewhere). See `hidden_share`.
     """
 
     step_times_s: list[float]
@@ -44,6 +47,22 @@ class RunMetrics:
     schedule_s: list[float] | None = None
     stage_s: dict[str, list[float]] | None = None
     schedule: dict[str, Any] | None = None
+    comm_exposed_by_rank_s: list[list[float]] | None = None
+    comm_collective_by_rank_s: list[list[float]] | None = None
+
+    def hidden_share(self, first: int, last: int) -> tuple[float, float] | None:
+        """(all ranks, worst rank) share of the collectives' time hidden over iterations `first`..`last`
+        (1-based, inclusive): 1 - exposed / collective, summed over the ranks, and of the rank that hid least.
+        None without per-rank figures or without collective time."""
+        exposed, collective = self.comm_exposed_by_rank_s, self.comm_collective_by_rank_s
+        if not exposed or not collective:
+            return None
+        per_rank = [(sum(e[first - 1:last]), sum(c[first - 1:last])) for e, c in zip(exposed, collective, strict=True)]
+        total = sum(c for _, c in per_rank)
+        if total <= 0 or any(c <= 0 for _, c in per_rank):
+            return None
+        share = min(1.0, max(0.0, 1.0 - sum(e for e, _ in per_rank) / total))
+        return share, min(min(1.0, max(0.0, 1.0 - e / c)) for e, c in per_rank)
 
     def iteration_numbers(self) -> list[int]:
         return list(self.iterations) if self.iterations is not None else list(range(1, len(self.step_times_s) + 1))
@@ -84,11 +103,17 @@ class RunMetrics:
             stage_s=None if data.get("stage_s") is None else {
                 str(name): [float(x) for x in series] for name, series in data["stage_s"].items()},
             schedule=None if data.get("schedule") is None else dict(data["schedule"]),
+            comm_exposed_by_rank_s=_rows(data.get("comm_exposed_by_rank_s")),
+            comm_collective_by_rank_s=_rows(data.get("comm_collective_by_rank_s")),
         )
 
 
 def _floats(values: Any) -> list[float] | None:
     return None if values is None else [float(x) for x in values]
+
+
+def _rows(values: Any) -> list[list[float]] | None:
+    return None if values is None else [[float(x) for x in row] for row in values]
 
 
 def float_or_none(value: float) -> float | None:

@@ -63,14 +63,15 @@ def prediction_table(results: dict[str, Any]) -> str:
     if not cases:
         return ""
     lines = ["| case | measured step | predicted step | error | measured exposed comm | predicted exposed comm "
-             "| comm hidden (measured / predicted / upper bound) |",
+             "| comm hidden (measured, all ranks (worst rank) / predicted / upper bound) |",
              "|---|---|---|---|---|---|---|"]
     notes = []
     for case in cases:
         p = case["predicted"]
-        measured_hidden = p.get("measured_hidden_fraction")
-        hidden = (f"{'n/a' if measured_hidden is None else f'{measured_hidden:.0%}'} / {p['hidden_fraction']:.0%} / "
-                  f"{p['hidden_upper_bound']:.0%}")
+        measured_hidden, worst = p.get("measured_hidden_fraction"), case.get("comm_hidden_worst_rank")
+        measured = "n/a" if measured_hidden is None else f"{measured_hidden:.0%}"
+        measured += "" if worst is None else f" ({worst:.0%})"
+        hidden = f"{measured} / {p['hidden_fraction']:.0%} / {p['hidden_upper_bound']:.0%}"
         lines.append(f"| {case['name']} | {fmt_seconds(case.get('stable_mean_s'))} | {fmt_seconds(p['step_s'])} | "
                      f"{p['error']:+.1%}{'' if p['within_tolerance'] else ' (off)'} | "
                      f"{fmt_seconds(case.get('comm_wait_s'))} | {fmt_seconds(p['exposed_comm_s'])} | {hidden} |")
@@ -82,8 +83,10 @@ def prediction_table(results: dict[str, Any]) -> str:
     text = "\n".join(lines) + "\n"
     text += ("\nThe simulator runs each case's schedule with the stage costs the runtime measured in it (compute "
              "stages, each collective's time on the communication thread, the cost of issuing it); time outside "
-             "the schedule (gradient all-reduce, optimizer) is added as measured. `upper bound`: the share any "
-             "order of the same steps could hide with these costs.\n")
+             "the schedule (gradient all-reduce, optimizer) is added as measured. `comm hidden` measured: "
+             "1 - exposed / collective time, from each rank's own account, summed over the ranks (the rank that hid "
+             "least in parentheses). `upper bound`: the share any order of the same steps could hide with these "
+             "costs.\n")
     if notes:
         text += "\n" + "\n".join(f"> off by more than 15 %: {n}" for n in notes) + "\n"
     return text

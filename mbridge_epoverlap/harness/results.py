@@ -12,7 +12,9 @@ stable mean over this case's; `losses` are the first repeat's, one per iteration
 Runs of the reference runtime add `comm_wait_s` (the training thread's time in communication steps per
 iteration: the exposed communication) and `comm_cpu_s` (CPU time of the other threads per iteration),
 stable-window means, median over repeats; `schedule`, `schedule_time_s` and `stage_costs_s` (the schedule
-it ran, its time per iteration and the mean cost of each of its steps, same statistics); and `predicted`:
+it ran, its time per iteration and the mean cost of each of its steps, same statistics); `comm_hidden` and
+`comm_hidden_worst_rank` (the share of the collectives' time hidden, over all ranks and on the rank that hid
+least, from each rank's own account, same statistics); and `predicted`:
 the simulator's step time, exposed communication and hidden share for those stage costs, its error against
 the measurement, and, where the error exceeds 15 %, the stage whose stall the model gets most wrong
 (`schedule.predict`).
@@ -117,7 +119,18 @@ def _case(exp: Experiment, record: CaseRecord, runs: list[RunMetrics], trace_dir
         "schedule": first.schedule,
         "schedule_time_s": _window_median(exp, runs, "schedule_s"),
         "stage_costs_s": _stage_costs(exp, runs),
+        **_hidden(exp, runs),
     }
+
+
+def _hidden(exp: Experiment, runs: list[RunMetrics]) -> dict[str, float]:
+    """`comm_hidden` / `comm_hidden_worst_rank`: median over repeats of the share of the collectives' time hidden
+    in the stable window, over all ranks and on the rank that hid least (absent without per-rank figures)."""
+    shares = [s for s in (r.hidden_share(exp.window.start, exp.window.end) for r in runs) if s is not None]
+    if not shares:
+        return {}
+    return {"comm_hidden": statistics.median(s[0] for s in shares),
+            "comm_hidden_worst_rank": statistics.median(s[1] for s in shares)}
 
 
 def _stage_costs(exp: Experiment, runs: list[RunMetrics]) -> dict[str, float] | None:
@@ -142,7 +155,7 @@ def _prediction(case: dict[str, Any]) -> dict[str, Any] | None:
     costs, schedule, measured = case.get("stage_costs_s"), case.get("schedule"), case.get("stable_mean_s")
     if not costs or not schedule or not measured or case.get("schedule_time_s") is None:
         return None
-    pred = predict(schedule, costs)
+    pred = predict(schedule, costs, measured_hidden=case.get("comm_hidden"))
     # Gradient reduction and the optimizer run outside the schedule; the simulator models the schedule only.
     outside = measured - case["schedule_time_s"]
     step = pred.schedule_s + outside

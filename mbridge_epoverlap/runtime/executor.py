@@ -43,6 +43,7 @@ from mbridge_epoverlap.schedule.program import (
     POST,
     POST_BWD,
     STAGES,
+    Kind,
     Phase,
     Stage,
     Step,
@@ -209,6 +210,14 @@ class ScheduleExecutor:
         finally:
             self._states.clear()
             self.store.clear()
+
+    def comm_account(self) -> tuple[float, float]:
+        """(exposed, collective) seconds of the last run: the training thread's time in issue and wait steps less
+        the time blocked waits took to resume after their collective ended, and the collectives' own time on the
+        communication thread (0 without one). 1 - exposed / collective is the share of communication hidden."""
+        resumed = sum(sum(times) for name, times in self.step_s.items() if name.endswith(".resume"))
+        collective = sum(sum(self.step_s.get(stage.name, ())) for stage in STAGES.values() if stage.kind is Kind.COMM)
+        return self.comm_step_s - resumed, collective
 
     def _step(self, index: int, step: Step) -> None:
         if self.on_step is not None:

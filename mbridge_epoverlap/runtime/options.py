@@ -13,6 +13,9 @@ They travel as environment variables so that the same settings reach ranks start
                                       nccl | gloo
     MBRIDGE_EPOVERLAP_COMM_NICE       nice value for the CPU communication threads (default -10; 0 leaves
                                       them alone; lowering it needs root)
+    MBRIDGE_EPOVERLAP_PAIRED_EDGES    1 (default): with EP overlap the first two forwards and the last two
+                                      backwards of an iteration run interleaved; 0: Megatron-Core's order
+                                      (the first forward and the last backward alone)
     MBRIDGE_EPOVERLAP_FAULT           RANK:MODE:ITERATION, a test hook: at the start of ITERATION (1-based)
                                       rank RANK exits (exit), raises (raise) or stops responding (hang)
     MBRIDGE_EPOVERLAP_HEARTBEAT_DIR   where ranks leave heartbeat files for the launcher's watchdog
@@ -56,6 +59,7 @@ class RuntimeOptions:
     device: str = "auto"
     backend: str = "auto"
     comm_nice: int = -10
+    paired_edges: bool = True
     fault: Fault | None = None
     heartbeat_dir: str | None = None
 
@@ -82,8 +86,12 @@ class RuntimeOptions:
             nice = int(env.get(PREFIX + "COMM_NICE", "-10"))
         except ValueError:
             raise UsageError(f"{PREFIX}COMM_NICE={env[PREFIX + 'COMM_NICE']!r} is not an integer") from None
+        paired = env.get(PREFIX + "PAIRED_EDGES", "1")
+        if paired not in ("0", "1"):
+            raise UsageError(f"{PREFIX}PAIRED_EDGES={paired!r}: use 1 (pair the first forwards and last backwards) "
+                             "or 0 (Megatron-Core's order)")
         fault = env.get(PREFIX + "FAULT")
         return cls(dtype=dtype, optimizer=optimizer, comm_timeout_s=timeout, device=device, backend=backend,
-                   comm_nice=nice,
+                   comm_nice=nice, paired_edges=paired == "1",
                    fault=Fault.parse(fault) if fault else None,
                    heartbeat_dir=env.get(PREFIX + "HEARTBEAT_DIR") or None)

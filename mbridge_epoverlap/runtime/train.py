@@ -73,10 +73,10 @@ def num_micro_batches(cfg: RunConfig, world: int) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
 
 
-def schedule_for(cfg: RunConfig, micro_batches: int) -> list[Step]:
-    """The 1F1B step list the model config asks for."""
+def schedule_for(cfg: RunConfig, micro_batches: int, *, paired_edges: bool = True) -> list[Step]:
+    """The 1F1B step list the model config asks for (`paired_edges`: see `one_f_one_b`)."""
     return one_f_one_b(micro_batches, cfg.model.num_layers, overlap=cfg.model.overlap_moe_expert_parallel_comm,
-                       delay_wgrad=cfg.model.delay_wgrad_compute)
+                       delay_wgrad=cfg.model.delay_wgrad_compute, paired_edges=paired_edges)
 
 
 def build_model(cfg: RunConfig, ctx: RankContext, dtype: torch.dtype) -> MoEGPT:
@@ -125,7 +125,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     g, device = ctx.groups, ctx.device
     dtype = resolve_dtype(cfg, ctx.options, device)
     micro_batches = num_micro_batches(cfg, g.world)
-    steps = schedule_for(cfg, micro_batches)
+    steps = schedule_for(cfg, micro_batches, paired_edges=ctx.options.paired_edges)
     model = build_model(cfg, ctx, dtype)
     optimizer = Optimizer(model, kind=ctx.options.optimizer, lr=cfg.train.lr)
     beat = hb.Heartbeat(hb.heartbeat_path(ctx.options.heartbeat_dir, g.rank) if ctx.options.heartbeat_dir else None)
@@ -139,6 +139,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     step_times, losses, skipped, nans = [], [], 0, 0
     comm_step_s: list[float] = []
     comm_cpu_s: list[float] = []
+    comm_account: list[tuple[float, float]] = []
     schedule_s: list[float] = []
     stage_s: dict[str, list[float]] = {}
     profiling = False
@@ -179,6 +180,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
             # CPU of every other thread of this rank (on CPU: gloo's threads and the communication thread).
             comm_cpu_s.append(max(0.0, (time.process_time() - process_cpu) - (time.thread_time() - own_cpu)))
             comm_step_s.append(executor.comm_step_s)
+            comm_account.append(executor.comm_account())
             schedule_s.append(executor.run_s)
             for name, durations in executor.step_s.items():
                 stage_s.setdefault(name, []).append(sum(durations) / len(durations))
@@ -207,6 +209,12 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     comm = torch.tensor([comm_step_s, comm_cpu_s], dtype=torch.float64, device=device)
     all_reduce(comm, g.world_group, ctx.comm, what="communication-time all-reduce")
     comm_step_s, comm_cpu_s = (comm / g.world).tolist()
+    # Each rank's own exposed and collective time per iteration: the hidden share is a per-rank quantity (the
+    # element-wise maximum of stage costs below mixes ranks that stall in different places).
+    by_rank = torch.zeros((g.world, 2, len(comm_account)), dtype=torch.float64, device=device)
+    by_rank[g.rank] = torch.tensor(comm_account, dtype=torch.float64, device=device).t()
+    all_reduce(by_rank, g.world_group, ctx.comm, what="communication-account all-reduce")
+    exposed_by_rank, collective_by_rank = by_rank[:, 0].tolist(), by_rank[:, 1].tolist()
     # Per-stage costs and the schedule's own time of the slowest rank (every rank runs the same steps): step
     # times are the slowest rank's too, and a collective ends when its last rank joined it.
     names = sorted(stage_s)
@@ -218,10 +226,12 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
         peak_mem_bytes=int(peak.item()), tflops_per_gpu=tflops_per_gpu(cfg, step_times),
         trace_dir=str(profile_dir) if profile_dir is not None else None,
         comm_step_s=comm_step_s, comm_cpu_s=comm_cpu_s, schedule_s=rows[0],
+        comm_exposed_by_rank_s=exposed_by_rank, comm_collective_by_rank_s=collective_by_rank,
         stage_s=dict(zip(names, rows[1:], strict=True)),
         schedule={"micro_batches": micro_batches, "layers": cfg.model.num_layers,
                   "overlap": bool(cfg.model.overlap_moe_expert_parallel_comm),
-                  "delay_wgrad": bool(cfg.model.delay_wgrad_compute)},
+                  "delay_wgrad": bool(cfg.model.delay_wgrad_compute),
+                  "paired_edges": ctx.options.paired_edges},
     )
 
 

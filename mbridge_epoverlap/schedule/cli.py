@@ -62,6 +62,9 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="1f1b: combined 1F1B (default) or plain 1F1B with --no-overlap",
     )
     parser.add_argument("--delay-wgrad", action="store_true", help="1f1b: delay expert weight gradients")
+    parser.add_argument("--megatron-core-edges", action="store_true",
+                        help="1f1b with overlap: run the first forward and the last backward alone, as Megatron-Core "
+                             "does (default: interleave the first two forwards and the last two backwards)")
     parser.add_argument(
         "--backward-factor", type=float, default=None, metavar="F",
         help="1f1b: backward compute time over forward compute time, > 0 (default 2)"
@@ -92,6 +95,7 @@ def handle(args: argparse.Namespace) -> int:
             for flag, value in (
                 ("--overlap/--no-overlap", args.overlap),
                 ("--delay-wgrad", args.delay_wgrad or None),
+                ("--megatron-core-edges", args.megatron_core_edges or None),
                 ("--backward-factor", args.backward_factor),
             )
             if value is not None
@@ -117,12 +121,13 @@ def handle(args: argparse.Namespace) -> int:
         overlap=overlap,
         delay_wgrad=args.delay_wgrad,
         backward_factor=2.0 if args.backward_factor is None else args.backward_factor,
+        paired_edges=not args.megatron_core_edges,
     )
     m = args.micro_batches if args.micro_batches is not None else DEFAULT_MICRO_BATCHES[args.schedule]
     result: dict[str, Any] = {"schedule": args.schedule, "micro_batches": m, "layers": args.layers}
     result.update(timeline.to_dict(events=args.events))
     if args.schedule == "1f1b":
-        result.update(overlap=overlap, delay_wgrad=args.delay_wgrad)
+        result.update(overlap=overlap, delay_wgrad=args.delay_wgrad, paired_edges=not args.megatron_core_edges)
     if args.schedule == "pingpong":
         # The closed form folds the residual into attention, so it only applies when that is free.
         if args.t_post == 0:

@@ -38,12 +38,15 @@ class Prediction:
         comm_s: total time of the collectives (on their channel).
         hidden_fraction: share of the collectives' time overlapped with compute in the simulation.
         hidden_upper_bound: the most any order of the same steps could hide with these costs: every
-            collective of the interleaved (F_i, B_i-1) part hidden, as far as that part's compute lasts; the
-            first forward has nothing to hide behind, the last backward only its own weight gradients.
+            collective of the interleaved part hidden, as far as that part's compute lasts; a first forward
+            that runs alone (Megatron-Core's edges) has nothing to hide behind, a last backward alone only its
+            own weight gradients.
         stalls_s: simulated stall time per `<stage>.issue` / `<stage>.wait` (0 for a wait that never blocked).
         measured_stalls_s: measured time per `<stage>.issue` / `<stage>.wait`.
         measured_hidden_fraction: 1 - (measured issue and wait time, less the resume latency) / (measured
-            collective time), or None without collective times (no communication thread).
+            collective time), summed over the ranks when the caller passes each rank's own account
+            (`measured_hidden`), else from the stage costs; None without collective times (no communication
+            thread).
     """
 
     schedule_s: float
@@ -68,9 +71,11 @@ class Prediction:
 
 
 def schedule_steps(schedule: Mapping[str, Any]) -> list[Step]:
-    """The step list a runtime schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`) ran."""
+    """The step list a runtime schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`,
+    `paired_edges`; a record without the last ran Megatron-Core's edges) ran."""
     return one_f_one_b(int(schedule["micro_batches"]), int(schedule["layers"]), overlap=bool(schedule["overlap"]),
-                       delay_wgrad=bool(schedule.get("delay_wgrad", False)))
+                       delay_wgrad=bool(schedule.get("delay_wgrad", False)),
+                       paired_edges=bool(schedule.get("paired_edges", False)))
 
 
 def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
@@ -97,37 +102,37 @@ def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
 
 
 def hidden_upper_bound(steps: Sequence[Step], costs: Mapping[str, float]) -> float:
-    """See `Prediction.hidden_upper_bound`."""
-    last_mb = max(step.micro_batch for step in steps)
-    comm = paired_comm = paired_compute = last_comm = last_wgrad = 0.0
-    for step in steps:
-        if step.phase is Phase.WAIT:
-            continue
-        # Micro-batch 0's forward and the last one's backward run alone in 1F1B; in the last backward only
-        # weight gradients (needed by nothing after them) can run while its collectives fly.
-        first = step.micro_batch == 0 and step.direction.value == "F"
-        last = step.micro_batch == last_mb and step.direction.value == "B"
-        cost = costs[step.stage]
-        if step.kind is Kind.COMM:
-            comm += cost
-            if last:
-                last_comm += cost
-            elif not first:
-                paired_comm += cost
-        elif last:
-            last_wgrad += cost if step.stage.endswith("_wgrad") else 0.0
-        elif not first:
-            paired_compute += cost
-    hideable = min(paired_comm, paired_compute) + min(last_comm, last_wgrad)
+    """See `Prediction.hidden_upper_bound`.
+
+    The schedule falls into three phases: before the first backward step, up to the last forward step, and
+    after it. Within a phase any order hides at most as much communication as that phase computes; a phase
+    of one micro-batch alone hides nothing in a forward, and in a backward only behind its weight gradients
+    (needed by nothing after them).
+    """
+    first_backward = next((i for i, step in enumerate(steps) if step.direction.value == "B"), len(steps))
+    last_forward = max((i for i, step in enumerate(steps) if step.direction.value == "F"), default=-1)
+    middle_end = max(first_backward, last_forward + 1)
+    comm = hideable = 0.0
+    for phase in (steps[:first_backward], steps[first_backward:middle_end], steps[middle_end:]):
+        phase_comm = sum(costs[step.stage] for step in phase if step.kind is Kind.COMM and step.phase is Phase.ISSUE)
+        alone = len({step.micro_batch for step in phase if not step.stage.endswith("_wgrad")}) == 1
+        compute = sum(costs[step.stage] for step in phase if step.kind is Kind.COMPUTE
+                      and (not alone or step.stage.endswith("_wgrad")))
+        comm += phase_comm
+        hideable += min(phase_comm, compute)
     return hideable / comm if comm > 0 else 1.0
 
 
-def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float]) -> Prediction:
+def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float], *,
+            measured_hidden: float | None = None) -> Prediction:
     """Simulate the schedule a run executed with the stage costs it measured.
 
     Args:
         schedule: the run's schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`).
         stage_s: mean duration of one occurrence per range name (see the module docstring).
+        measured_hidden: the share of communication the run hid, from each rank's own account
+            (`RunMetrics.hidden_share`); None estimates it from `stage_s`, which, where those are the slowest
+            rank's per stage, mixes ranks that stall in different places and comes out low.
     """
     steps = schedule_steps(schedule)
     costs = simulator_costs(stage_s)
@@ -146,7 +151,8 @@ def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float]) -> Predic
     collectives = sum(float(stage_s[name]) * counts[(name, Phase.ISSUE)] for name, stage in STAGES.items()
                       if stage.kind is Kind.COMM and name in stage_s)
     exposed = sum(measured.values()) - resumed
-    measured_hidden = min(1.0, max(0.0, 1.0 - exposed / collectives)) if collectives > 0 else None
+    if measured_hidden is None and collectives > 0:
+        measured_hidden = min(1.0, max(0.0, 1.0 - exposed / collectives))
     # Every wait of the schedule (and every issue with a cost) is named, 0 where the simulated stream never
     # stalled in it: a fully hidden collective shows as such, like in the measured record.
     stalls = {f"{stage}.{phase.value}": 0.0 for stage, phase in counts

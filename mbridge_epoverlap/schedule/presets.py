@@ -73,6 +73,7 @@ def simulate_schedule(
     overlap: bool = True,
     delay_wgrad: bool = False,
     backward_factor: float = 2.0,
+    paired_edges: bool = True,
 ) -> Timeline:
     """Simulate a named schedule.
 
@@ -87,6 +88,8 @@ def simulate_schedule(
         overlap: 1f1b only: combined 1F1B (True) or plain 1F1B (False).
         delay_wgrad: 1f1b only: delay expert weight gradients into the dispatch-backward window.
         backward_factor: 1f1b only: backward over forward compute time.
+        paired_edges: 1f1b only: interleave the first two forwards and the last two backwards (True) or run
+            them alone as Megatron-Core does (see `program.one_f_one_b`).
 
     Raises:
         UsageError: unknown schedule name or a nonsensical number.
@@ -102,7 +105,8 @@ def simulate_schedule(
         check_duration(name, value)
     if schedule == "1f1b":
         costs = training_costs(t_attn, t_expert, t_comm, t_post=t_post, backward_factor=backward_factor)
-        return simulate(one_f_one_b(m, layers, overlap=overlap, delay_wgrad=delay_wgrad), costs, TRAINING)
+        steps = one_f_one_b(m, layers, overlap=overlap, delay_wgrad=delay_wgrad, paired_edges=paired_edges)
+        return simulate(steps, costs, TRAINING)
     costs = serving_costs(t_attn, t_expert, t_comm, t_post=t_post)
     if schedule == "pingpong":
         return simulate(ping_pong(m, layers), costs, DISAGGREGATED)

@@ -190,8 +190,73 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
     return steps
 
 
+def attention_segment(mb: int, layer: int) -> list[Step]:
+    """One micro-batch entering `layer` on the attention side: finish the layer below (wait for its combine,
+    residual), run attention, hand the tokens to the experts."""
+    steps: list[Step] = []
+    if layer > 0:
+        steps += [wait(mb, layer - 1, COMBINE.name), run(mb, layer - 1, POST.name)]
+    return steps + [run(mb, layer, ATTN.name), issue(mb, layer, DISPATCH.name)]
+
+
+def expert_segment(mb: int, layer: int) -> list[Step]:
+    """One micro-batch through `layer`'s experts: receive, compute, send back."""
+    return [wait(mb, layer, DISPATCH.name), run(mb, layer, EXPERTS.name), issue(mb, layer, COMBINE.name)]
+
+
+def forward_tail(mb: int, num_layers: int) -> list[Step]:
+    """What is left of a forward after the last layer's combine was issued: wait for it, residual (and loss)."""
+    return [wait(mb, num_layers - 1, COMBINE.name), run(mb, num_layers - 1, POST.name)]
+
+
+def forward_segments(mb: int, num_layers: int) -> list[list[Step]]:
+    """One micro-batch's forward split at its communication: each segment waits for the collective the one
+    before issued, computes, and issues the next, so another micro-batch's segment fits between two of them.
+    The last segment is `forward_tail`."""
+    segments: list[list[Step]] = []
+    for layer in range(num_layers):
+        segments += [attention_segment(mb, layer), expert_segment(mb, layer)]
+    return segments + [forward_tail(mb, num_layers)]
+
+
+def backward_segments(mb: int, num_layers: int, *, delay_wgrad: bool) -> list[list[Step]]:
+    """One micro-batch's backward split at its communication, like `forward_segments`.
+
+    Per layer (top first): [finish the layer above (wait for its dispatch backward, attention dgrad and, unless
+    delayed, wgrad), post backward, issue combine backward (then the delayed attention wgrad of the layer
+    above)], [wait for the combine backward, expert dgrad, issue dispatch backward, with the expert wgrad before
+    the issue or, delayed, after it]; then [wait for layer 0's dispatch backward, its attention dgrad and wgrad].
+    """
+    top = num_layers - 1
+    segments: list[list[Step]] = []
+    for layer in reversed(range(num_layers)):
+        head: list[Step] = []
+        if layer < top:
+            head += [wait(mb, layer + 1, DISPATCH_BWD.name), run(mb, layer + 1, ATTN_DGRAD.name)]
+            if not delay_wgrad:
+                head.append(run(mb, layer + 1, ATTN_WGRAD.name))
+        head += [run(mb, layer, POST_BWD.name), issue(mb, layer, COMBINE_BWD.name)]
+        if delay_wgrad and layer < top:
+            head.append(run(mb, layer + 1, ATTN_WGRAD.name))
+        experts = [wait(mb, layer, COMBINE_BWD.name), run(mb, layer, EXPERTS_DGRAD.name)]
+        if delay_wgrad:
+            experts += [issue(mb, layer, DISPATCH_BWD.name), run(mb, layer, EXPERTS_WGRAD.name)]
+        else:
+            experts += [run(mb, layer, EXPERTS_WGRAD.name), issue(mb, layer, DISPATCH_BWD.name)]
+        segments += [head, experts]
+    return segments + [[wait(mb, 0, DISPATCH_BWD.name), run(mb, 0, ATTN_DGRAD.name), run(mb, 0, ATTN_WGRAD.name)]]
+
+
+def interleave_segments(first: list[list[Step]], second: list[list[Step]]) -> list[Step]:
+    """Two micro-batches' segments in turn, `second` one segment behind `first`: while one waits for a
+    collective, the other computes (two-batch overlap)."""
+    if len(first) != len(second):
+        raise ValueError(f"segment lists differ in length: {len(first)} and {len(second)}")
+    return [step for pair in zip(first, second, strict=True) for segment in pair for step in segment]
+
+
 def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, int] | None, *, delay_wgrad: bool,
-                        backward_started: bool = False, start_next_backward: bool = False,
+                        backward_started: bool = False, next_backward: tuple[int, int] | None = None,
                         attn_wgrad_before: tuple[int, int] | None = None) -> list[Step]:
     """Forward of one layer interleaved with backward of another, either of them possibly absent.
 
@@ -209,10 +274,12 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
 
     - Delayed expert wgrad runs after B's dispatch backward was issued, in its window; Megatron-Core runs it
       before the issue, where it only fills the forward dispatch's window.
-    - `start_next_backward`: right after B's attention dgrad, the post backward of B's next layer runs and its
-      combine backward is issued, so that collective already flies during F's post and the next pair's F
+    - `next_backward`: right after B's attention dgrad, the post backward of the next backward layer runs and
+      its combine backward is issued, so that collective already flies during F's post and the next pair's F
       attention. Megatron-Core gets the same from its streams (the comm stream starts the next combine backward
-      as soon as its input exists); with explicit issue steps it has to be written here.
+      as soon as its input exists); with explicit issue steps it has to be written here. With paired edges
+      (`one_f_one_b`) the next backward micro-batch's forward finished a round earlier, so after B's layer 0
+      the next micro-batch's top layer starts the same way.
     - B's attention wgrad does not run at the end of its own pair but in the next one
       (`attn_wgrad_before`), after that pair's F attention and dispatch issue and before its combine-backward
       wait. It still fills the same combine-backward window, but the next forward dispatch is issued one
@@ -230,8 +297,8 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
             not right after the expert dgrad.
         backward_started: B's post backward ran and its combine backward was issued already (by the previous
             pair, see `start_next_backward`).
-        start_next_backward: run the post backward of B's next layer and issue its combine backward right
-            after B's attention dgrad.
+        next_backward: (micro-batch, layer) whose post backward runs and whose combine backward is issued right
+            after B's attention dgrad (B's next layer, or the next micro-batch's top layer), or None.
         attn_wgrad_before: (micro-batch, layer) of the backward layer whose attention weight gradient runs in
             this pair's combine-backward window (the previous pair's backward layer), or None.
 
@@ -257,29 +324,40 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
         steps += [wait(*forward, "dispatch"), run(*forward, "experts"), issue(*forward, "combine")]
     if backward is not None:
         steps += [wait(*backward, "dispatch_bwd"), run(*backward, "attn_dgrad")]
-        if start_next_backward:
-            b_mb, b_layer = backward
-            steps += [run(b_mb, b_layer - 1, "post_bwd"), issue(b_mb, b_layer - 1, "combine_bwd")]
+        if next_backward is not None:
+            steps += [run(*next_backward, "post_bwd"), issue(*next_backward, "combine_bwd")]
     if forward is not None:
         steps += [wait(*forward, "combine"), run(*forward, "post")]
     return steps
 
 
-def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay_wgrad: bool = False) -> list[Step]:
-    """The 1F1B order for one pipeline stage (PP=1): F0, then (F_i, B_{i-1}) pairs, then the last B.
+def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay_wgrad: bool = False,
+                paired_edges: bool = True) -> list[Step]:
+    """The 1F1B order for one pipeline stage (PP=1).
+
+    Plain (no overlap): F0, then F_i and B_i-1 one after the other, then the last B. Combined 1F1B (overlap):
+    F0 and F1 interleaved, (F_i, B_i-2) pairs, B_M-2 and B_M-1 interleaved; with `paired_edges=False`
+    Megatron-Core's F0 alone, (F_i, B_i-1) pairs, the last B alone.
 
     Args:
         num_micro_batches: micro-batches per iteration (>= 1).
         num_layers: MoE layers in the model (>= 1).
         overlap: False runs each F and B whole, one after the other (the baseline); True interleaves
-            F_i with B_{i-1} layer pair by layer pair (combined 1F1B), F going up while B comes down, each
-            pair starting the next B layer's combine backward before it ends and leaving its attention weight
-            gradient to the next pair's combine-backward window (`combined_layer_pair`).
+            a forward with a backward layer pair by layer pair (combined 1F1B), F going up while B comes
+            down, each pair starting the next B layer's combine backward before it ends and leaving its
+            attention weight gradient to the next pair's combine-backward window (`combined_layer_pair`).
         delay_wgrad: delay expert weight gradients into the dispatch-backward window (needs overlap
             to hide anything; allowed without it for testing).
+        paired_edges: with overlap and at least two micro-batches, the first two forwards run interleaved
+            (two-batch overlap) instead of micro-batch 0's forward alone, and likewise the last two backwards,
+            so the collectives of the iteration's first forward and last backward have the other micro-batch's
+            compute beside them; the pairs in between are (F_i+2, B_i), and a backward's layer 0 starts the
+            next micro-batch's top layer, whose forward already finished. Megatron-Core runs the first forward
+            and the last backward alone (False here): pairing keeps one more micro-batch's activations alive.
+            Ignored without overlap.
 
-    Both orders visit micro-batches in the same sequence, so gradients accumulate in the same order
-    and the losses and gradients are bitwise identical.
+    Every order runs each backward stage of a layer for the micro-batches in increasing order, so gradients
+    accumulate in the same order and the losses and gradients are bitwise identical.
     """
     if num_micro_batches < 1 or num_layers < 1:
         raise ValueError(f"need num_micro_batches >= 1 and num_layers >= 1, got {num_micro_batches}, {num_layers}")
@@ -289,26 +367,50 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
             steps += forward_steps(mb, num_layers)
             steps += backward_steps(mb - 1, num_layers, delay_wgrad=delay_wgrad)
         return steps + backward_steps(num_micro_batches - 1, num_layers, delay_wgrad=delay_wgrad)
-    # Megatron-Core's phases: F0 alone, (F_i, B_{i-1}) pairs, the last B alone; within a phase F walks the layers
-    # upwards while B walks them downwards, so F layer i pairs with B layer L-1-i.
     top = num_layers - 1
-    units: list[tuple[tuple[int, int] | None, tuple[int, int] | None]] = [((0, i), None) for i in range(num_layers)]
-    for mb in range(1, num_micro_batches):
-        units += [((mb, i), (mb - 1, top - i)) for i in range(num_layers)]
-    units += [(None, (num_micro_batches - 1, top - i)) for i in range(num_layers)]
-    steps = []
+    units: list[tuple[tuple[int, int] | None, tuple[int, int] | None]] = []
+    steps: list[Step] = []
+    paired = paired_edges and num_micro_batches >= 2
+    if paired:
+        # F0 and F1 interleaved; F1's last combine is waited for only once B0 has started its first collective.
+        first, second = forward_segments(0, num_layers), forward_segments(1, num_layers)
+        steps += interleave_segments(first[:-1], second[:-1]) + first[-1]
+        steps += [run(0, top, POST_BWD.name), issue(0, top, COMBINE_BWD.name)] + second[-1]
+        for mb in range(2, num_micro_batches):
+            units += [((mb, i), (mb - 2, top - i)) for i in range(num_layers)]
+    else:
+        # Megatron-Core's phases: F0 alone, (F_i, B_{i-1}) pairs, the last B alone; within a phase F walks the
+        # layers upwards while B walks them downwards, so F layer i pairs with B layer L-1-i.
+        units += [((0, i), None) for i in range(num_layers)]
+        for mb in range(1, num_micro_batches):
+            units += [((mb, i), (mb - 1, top - i)) for i in range(num_layers)]
+        units += [(None, (num_micro_batches - 1, top - i)) for i in range(num_layers)]
     pending_wgrad: tuple[int, int] | None = None
     for forward, backward in units:
-        # B's first layer was started by the previous unit unless B is at its top layer (a new micro-batch).
-        started = backward is not None and backward[1] != top
+        # The previous unit started B's layer (ran its post backward, issued its combine backward), except for a
+        # new micro-batch's top layer in Megatron-Core's order, whose forward ends only in the previous unit.
+        started = backward is not None and (backward[1] != top or paired)
+        next_backward = None
+        if backward is not None and backward[1] > 0:
+            next_backward = (backward[0], backward[1] - 1)
+        elif backward is not None and paired:
+            next_backward = (backward[0] + 1, top)
         steps += combined_layer_pair(forward, backward, delay_wgrad=delay_wgrad, backward_started=started,
-                                     start_next_backward=backward is not None and backward[1] > 0,
-                                     attn_wgrad_before=pending_wgrad)
+                                     next_backward=next_backward, attn_wgrad_before=pending_wgrad)
         if backward is not None:
             pending_wgrad = backward
+    if not paired:
+        if pending_wgrad is not None:
+            steps.append(run(*pending_wgrad, ATTN_WGRAD.name))
+        return steps
+    # The last two backwards interleaved; the last pair's attention wgrad fills the first combine-backward window.
+    last_but_one = backward_segments(num_micro_batches - 2, num_layers, delay_wgrad=delay_wgrad)
+    last = backward_segments(num_micro_batches - 1, num_layers, delay_wgrad=delay_wgrad)
+    # Its top layer was started after the first two forwards (two micro-batches) or by the last pair.
+    last_but_one[0] = []
     if pending_wgrad is not None:
-        steps.append(run(*pending_wgrad, "attn_wgrad"))
-    return steps
+        last_but_one[0].append(run(*pending_wgrad, ATTN_WGRAD.name))
+    return steps + interleave_segments(last_but_one, last)
 
 
 def is_forward_only(steps: list[Step]) -> bool:

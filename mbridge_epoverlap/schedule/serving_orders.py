@@ -10,16 +10,12 @@ from __future__ import annotations
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.program import (
-    ATTN,
-    COMBINE,
-    DISPATCH,
-    EXPERTS,
-    POST,
     Step,
+    attention_segment,
+    expert_segment,
+    forward_segments,
     forward_steps,
-    issue,
-    run,
-    wait,
+    forward_tail,
 )
 
 
@@ -28,27 +24,6 @@ def _check_sizes(num_micro_batches: int, num_layers: int) -> None:
         raise UsageError(f"micro-batches must be >= 1, got {num_micro_batches}; use at least 1")
     if num_layers < 1:
         raise UsageError(f"layers must be >= 1, got {num_layers}; use at least 1")
-
-
-def _attention_segment(mb: int, layer: int) -> list[Step]:
-    """What an attention worker does for one micro-batch entering `layer`.
-
-    It first finishes the previous layer (wait for combine, residual), then runs attention and hands
-    the tokens to the experts.
-    """
-    steps: list[Step] = []
-    if layer > 0:
-        steps += [wait(mb, layer - 1, COMBINE.name), run(mb, layer - 1, POST.name)]
-    return steps + [run(mb, layer, ATTN.name), issue(mb, layer, DISPATCH.name)]
-
-
-def _expert_segment(mb: int, layer: int) -> list[Step]:
-    """What an expert worker does for one micro-batch of `layer`: receive, compute, send back."""
-    return [wait(mb, layer, DISPATCH.name), run(mb, layer, EXPERTS.name), issue(mb, layer, COMBINE.name)]
-
-
-def _tail(mb: int, num_layers: int) -> list[Step]:
-    return [wait(mb, num_layers - 1, COMBINE.name), run(mb, num_layers - 1, POST.name)]
 
 
 def ping_pong(num_micro_batches: int, num_layers: int) -> list[Step]:
@@ -86,29 +61,15 @@ def ping_pong_round(num_micro_batches: int, layer: int) -> list[Step]:
     mbs = range(num_micro_batches)
     steps: list[Step] = []
     for mb in mbs:
-        steps += _attention_segment(mb, layer)
+        steps += attention_segment(mb, layer)
     for mb in mbs:
-        steps += _expert_segment(mb, layer)
+        steps += expert_segment(mb, layer)
     return steps
 
 
 def ping_pong_tail(num_micro_batches: int, num_layers: int) -> list[Step]:
     """What follows the last round of a `ping_pong` over `num_layers` layers: the last combines and posts."""
-    return [step for mb in range(num_micro_batches) for step in _tail(mb, num_layers)]
-
-
-def _segments(mb: int, num_layers: int) -> list[list[Step]]:
-    """One micro-batch's forward as compute segments split at communication yield points.
-
-    A segment waits for the collective issued by the previous segment, computes, and issues the next
-    collective; between two segments of one micro-batch another micro-batch can compute.
-    """
-    segments: list[list[Step]] = []
-    for layer in range(num_layers):
-        segments.append(_attention_segment(mb, layer))
-        segments.append(_expert_segment(mb, layer))
-    segments.append(_tail(mb, num_layers))
-    return segments
+    return [step for mb in range(num_micro_batches) for step in forward_tail(mb, num_layers)]
 
 
 def two_batch_overlap(num_layers: int, num_micro_batches: int = 2) -> list[Step]:
@@ -123,7 +84,7 @@ def two_batch_overlap(num_layers: int, num_micro_batches: int = 2) -> list[Step]
         num_micro_batches: micro-batches interleaved (>= 1; 2 is the usual choice).
     """
     _check_sizes(num_micro_batches, num_layers)
-    per_mb = [_segments(mb, num_layers) for mb in range(num_micro_batches)]
+    per_mb = [forward_segments(mb, num_layers) for mb in range(num_micro_batches)]
     steps: list[Step] = []
     for index in range(len(per_mb[0])):
         for segments in per_mb:

@@ -43,6 +43,10 @@ def test_ep_overlap_ab_locally(tmp_path):
         assert case["schedule"]["micro_batches"] >= 1 and case["schedule_time_s"] > 0
         assert {"attn", "experts_wgrad", "dispatch", "dispatch.issue", "dispatch.wait"} <= set(case["stage_costs_s"])
         assert case["predicted"]["step_s"] > 0 and 0 <= case["predicted"]["hidden_upper_bound"] <= 1
+        # Each rank's own account of exposed and collective time gives the measured hidden share.
+        assert 0 <= case["comm_hidden_worst_rank"] <= case["comm_hidden"] <= 1
+        assert case["predicted"]["measured_hidden_fraction"] == case["comm_hidden"]
+    assert base["comm_hidden"] < 0.5  # without overlap every collective is waited for right after its issue
     assert "### Simulator against the measurement" in done.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     table = out.with_suffix(".md").read_text()

@@ -130,9 +130,11 @@ def test_single_rank_schedules_bitwise_equal_and_match_autograd(make_tiny, recip
     cfg.model.moe_router_force_load_balancing = balanced  # balanced: the batched-GEMM expert path
     batches = micro_batches(cfg, 3)
     results = []
-    for overlap, delay in ((False, False), (True, False), (True, True), (False, True)):
+    orders = [(False, False, True), (True, False, True), (True, True, True), (False, True, True), (True, False, False),
+              (True, True, False)]
+    for overlap, delay, paired in orders:  # paired False: Megatron-Core's edges (first forward, last backward alone)
         model = tiny_model(cfg, dtype)
-        steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay)
+        steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay, paired_edges=paired)
         losses = ScheduleExecutor(model, store=WeightGradStore()).run(steps, batches, loss_scale=1 / 3)
         results.append((losses, [p.main_grad.clone() for p in model.parameters()]))
     for losses, grads in results[1:]:
@@ -198,6 +200,9 @@ def test_schedule_follows_the_model_switches(make_tiny):
     off, on = make_tiny(2), make_tiny(2, overlap=True, delay=True)
     assert schedule_for(off, 3) == one_f_one_b(3, 2, overlap=False)
     assert schedule_for(on, 3) == one_f_one_b(3, 2, overlap=True, delay_wgrad=True)
+    assert schedule_for(on, 3, paired_edges=False) == one_f_one_b(3, 2, overlap=True, delay_wgrad=True,
+                                                                  paired_edges=False)
+    assert schedule_for(on, 3) != schedule_for(on, 3, paired_edges=False)
     assert num_micro_batches(off, 2) == 3
     off.train.global_batch_size = 5
     with pytest.raises(UsageError, match="global_batch_size"):
@@ -216,10 +221,26 @@ def test_metrics_round_trip_and_flops(make_tiny):
 def test_options_and_rank_environment():
     opts = RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_DTYPE": "fp32", "MBRIDGE_EPOVERLAP_FAULT": "1:hang:2"})
     assert opts.dtype == "fp32" and opts.fault == Fault(1, "hang", 2)
+    assert opts.paired_edges is True
+    assert RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "0"}).paired_edges is False
     for bad in ({"MBRIDGE_EPOVERLAP_DTYPE": "fp8"}, {"MBRIDGE_EPOVERLAP_FAULT": "x"},
-                {"MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S": "soon"}):
+                {"MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S": "soon"}, {"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "yes"}):
         with pytest.raises(UsageError):
             RuntimeOptions.from_env(bad)
+    with pytest.raises(UsageError, match="PAIRED_EDGES='yes'.*Megatron-Core's order"):
+        RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "yes"})
+
+
+def test_hidden_share_is_each_ranks_own_account():
+    # Rank 0 hid 3 of 4 s of collectives in iterations 2-3, rank 1 all but 0.5 of 2 s: 1 - 1.5 / 6 over both.
+    m = RunMetrics(step_times_s=[1.0, 1.0, 1.0], losses=[1.0, 1.0, 1.0],
+                   comm_exposed_by_rank_s=[[9.0, 0.5, 0.5], [9.0, 0.25, 0.25]],
+                   comm_collective_by_rank_s=[[9.0, 2.0, 2.0], [9.0, 1.0, 1.0]])
+    share, worst = m.hidden_share(2, 3)
+    assert share == pytest.approx(1 - 1.5 / 6) and worst == pytest.approx(0.75)
+    assert m.hidden_share(1, 1) == (0.0, 0.0)
+    assert RunMetrics.from_dict(m.to_dict()) == m
+    assert RunMetrics(step_times_s=[1.0], losses=[1.0]).hidden_share(1, 1) is None
     assert rank_and_world({"RANK": "1", "WORLD_SIZE": "2"}) == (1, 2, 1)
     assert rank_and_world({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"}) == (3, 4, 1)
     with pytest.raises(UsageError, match="RANK"):

@@ -79,3 +79,27 @@ def test_upper_bound_leaves_the_lone_forward_and_backward_exposed():
     many = hidden_upper_bound(schedule_steps({**SCHEDULE, "micro_batches": 16}), COSTS)
     few = hidden_upper_bound(schedule_steps(SCHEDULE), COSTS)
     assert 0.0 < few < many < 1.0
+
+
+def test_upper_bound_follows_the_edges_the_schedule_has():
+    # Paired edges: the first two forwards share a phase (comm-bound, so only part of it can hide) and the last
+    # two backwards another; Megatron-Core's lone first forward hides nothing. A record without the key ran
+    # Megatron-Core's order (results written before paired edges existed).
+    assert schedule_steps(SCHEDULE) == schedule_steps({**SCHEDULE, "paired_edges": False})
+    paired = schedule_steps({**SCHEDULE, "paired_edges": True})
+    assert paired != schedule_steps(SCHEDULE)
+    # Forward compute (attention 2 + experts 3 + post 0.5 per layer) exceeds its two collectives (2 x 1.5): paired,
+    # every phase could hide all of its communication.
+    assert hidden_upper_bound(schedule_steps(SCHEDULE), COSTS) < hidden_upper_bound(paired, COSTS) == 1.0
+    # With collectives slower than the forward compute, the paired first forwards are communication-bound.
+    slow = {**COSTS, "dispatch": 5.5, "combine": 5.5, "combine_bwd": 5.5, "dispatch_bwd": 5.5}
+    alone, both = hidden_upper_bound(schedule_steps(SCHEDULE), slow), hidden_upper_bound(paired, slow)
+    assert alone < both < 1.0
+
+
+def test_measured_hidden_share_from_the_ranks_replaces_the_stage_cost_estimate():
+    stage_s, _ = measured_from(SCHEDULE, COSTS, issue=0.1)
+    estimate = predict(SCHEDULE, stage_s).measured_hidden_fraction
+    given = predict(SCHEDULE, stage_s, measured_hidden=0.25)
+    assert given.measured_hidden_fraction == 0.25 != estimate
+    assert given.hidden_fraction == predict(SCHEDULE, stage_s).hidden_fraction

@@ -40,6 +40,9 @@ def test_1f1b_overlap_flags_change_the_timeline():
     assert combined["makespan"] < plain["makespan"]
     assert delayed["makespan"] <= combined["makespan"]
     assert (plain["overlap"], combined["overlap"], delayed["delay_wgrad"]) == (False, True, True)
+    megatron = json.loads(run_cli(*base, "--overlap", "--megatron-core-edges").stdout)
+    assert (combined["paired_edges"], megatron["paired_edges"]) == (True, False)
+    assert combined["makespan"] < megatron["makespan"] < plain["makespan"]
 
 
 def test_two_batch_readable_output():
@@ -55,6 +58,7 @@ def test_two_batch_readable_output():
         (("--schedule", "1f1b", "--t-attn", "-2"), "--t-attn"),
         (("--schedule", "pingpong", "--layers", "-1"), "--layers"),
         (("--schedule", "pingpong", "--delay-wgrad"), "only to --schedule 1f1b"),
+        (("--schedule", "two-batch", "--megatron-core-edges"), "--megatron-core-edges applies only"),
         (("--schedule", "two-batch", "--t-comm", "nan"), "--t-comm"),
     ],
 )
