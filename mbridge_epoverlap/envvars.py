@@ -16,6 +16,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_DEVICE", "auto (default), cpu or cuda, for the reference runtime"),
     ("MBRIDGE_EPOVERLAP_BACKEND", "auto (default), nccl or gloo, for the reference runtime"),
     ("MBRIDGE_EPOVERLAP_COMM_NICE", "nice value of the CPU communication threads (default -10; 0 leaves them alone)"),
+    ("MBRIDGE_EPOVERLAP_COMM_CHANNELS", "2 (default) or 1: on CPU, run the backward all-to-alls on their own "
+     "communication thread and process group beside the forward ones (2) or share one (1)"),
     ("MBRIDGE_EPOVERLAP_PAIRED_EDGES", "1 (default) or 0: with EP overlap, interleave the first two forwards and "
      "the last two backwards of an iteration (1) or run them alone as Megatron-Core does (0)"),
     ("MBRIDGE_EPOVERLAP_FAULT", "RANK:MODE:ITERATION, a test hook that makes one rank exit, raise or hang"),

@@ -30,6 +30,8 @@ class ParallelGroups:
         edp_group: ranks holding the same experts (expert gradient all-reduce).
         edp_size: size of `edp_group`.
         world_group: all ranks (dense gradient all-reduce, loss, flags).
+        ep_backward_group: a second group of the same ranks as `ep_group` for the backward all-to-alls, so they
+            travel on their own connections beside the forward ones (None: they share `ep_group`).
     """
 
     rank: int
@@ -40,6 +42,7 @@ class ParallelGroups:
     edp_group: Any
     edp_size: int
     world_group: Any
+    ep_backward_group: Any = None
 
 
 def init_distributed(rank: int, world: int, *, backend: str, timeout_s: float, init_method: str | None = None) -> None:
@@ -54,18 +57,22 @@ def init_distributed(rank: int, world: int, *, backend: str, timeout_s: float, i
     dist.init_process_group(**kwargs)
 
 
-def build_groups(ep_size: int) -> ParallelGroups:
-    """Create the EP and EDP groups (a collective call: every rank must call it with the same `ep_size`)."""
+def build_groups(ep_size: int, *, backward_channel: bool = False) -> ParallelGroups:
+    """Create the EP and EDP groups (a collective call: every rank must call it with the same arguments).
+
+    With `backward_channel`, each EP group gets a twin for the backward all-to-alls (`ep_backward_group`).
+    """
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_size < 1 or world % ep_size:
         raise UsageError(f"expert_model_parallel_size={ep_size} does not divide the {world} ranks")
-    ep_group = edp_group = None
+    ep_group = edp_group = ep_backward_group = None
     # new_group is collective over the default group: every rank creates every group, in the same order.
     for block in range(world // ep_size):
         ranks = list(range(block * ep_size, (block + 1) * ep_size))
         group = dist.new_group(ranks)
+        twin = dist.new_group(ranks) if backward_channel else None
         if rank in ranks:
-            ep_group = group
+            ep_group, ep_backward_group = group, twin
     for position in range(ep_size):
         ranks = list(range(position, world, ep_size))
         group = dist.new_group(ranks)
@@ -74,4 +81,5 @@ def build_groups(ep_size: int) -> ParallelGroups:
     return ParallelGroups(
         rank=rank, world=world, ep_size=ep_size, ep_rank=rank % ep_size, ep_group=ep_group,
         edp_group=edp_group, edp_size=world // ep_size, world_group=dist.group.WORLD,
+        ep_backward_group=ep_backward_group,
     )

@@ -79,14 +79,18 @@ class AllToAllDispatcher:
         ep_size: ranks in the EP group; rank r holds experts [r*E/ep, (r+1)*E/ep).
         group: the EP process group (None for ep_size == 1).
         comm: timeout and CUDA side stream for the collectives.
+        backward_channel: (group, comm) of the same ranks for the backward all-to-alls, so that they do not
+            queue behind the forward ones (None: they use `group` and `comm`).
     """
 
-    def __init__(self, num_experts: int, topk: int, ep_size: int, group: Any, comm: CommContext) -> None:
+    def __init__(self, num_experts: int, topk: int, ep_size: int, group: Any, comm: CommContext, *,
+                 backward_channel: tuple[Any, CommContext] | None = None) -> None:
         if num_experts % ep_size:
             raise ValueError(f"num_moe_experts={num_experts} is not divisible by expert_model_parallel_size={ep_size}")
         self.num_experts, self.topk, self.ep_size = num_experts, topk, ep_size
         self.local_experts = num_experts // ep_size
         self.group, self.comm = group, comm
+        self.backward_group, self.backward_comm = backward_channel or (group, comm)
 
     # --- local, before communication -------------------------------------------------------------
     def permute(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchHandle]:
@@ -155,12 +159,14 @@ class AllToAllDispatcher:
     def combine_grad_async(self, handle: DispatchHandle, grad_combined: torch.Tensor) -> PendingAllToAll:
         """Backward of combine: gradients travel like a dispatch."""
         send, recv = handle.splits()
-        return all_to_all_async(grad_combined, send, recv, self.group, self.comm, what="combine backward all-to-all")
+        return all_to_all_async(grad_combined, send, recv, self.backward_group, self.backward_comm,
+                                what="combine backward all-to-all")
 
     def dispatch_grad_async(self, handle: DispatchHandle, grad_received: torch.Tensor) -> PendingAllToAll:
         """Backward of dispatch: gradients travel like a combine."""
         send, recv = handle.splits()
-        return all_to_all_async(grad_received, recv, send, self.group, self.comm, what="dispatch backward all-to-all")
+        return all_to_all_async(grad_received, recv, send, self.backward_group, self.backward_comm,
+                                what="dispatch backward all-to-all")
 
     # --- local, after communication --------------------------------------------------------------
     @staticmethod

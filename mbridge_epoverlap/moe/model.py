@@ -37,11 +37,12 @@ class MoEGPT(torch.nn.Module):
         comm: timeout and CUDA side stream for the all-to-alls.
         dtype: parameter and activation dtype (fp32 or bf16).
         device: where parameters live.
+        backward_channel: (group, comm) for the backward all-to-alls (see `AllToAllDispatcher`), or None.
     """
 
     def __init__(self, cfg: MoEModelConfig, *, ep_size: int = 1, ep_rank: int = 0, ep_group: Any = None,
                  comm: CommContext | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, backward_channel: tuple[Any, CommContext] | None = None) -> None:
         super().__init__()
         if not cfg.gated_linear_unit:
             raise ValueError("the reference runtime implements SwiGLU MLPs only (gated_linear_unit=True)")
@@ -58,7 +59,8 @@ class MoEGPT(torch.nn.Module):
                 "normalization": cfg.normalization, "layer_number": number, "dtype": dtype, "device": device,
             }
             if cfg.is_moe_layer(number):
-                dispatcher = AllToAllDispatcher(cfg.num_moe_experts or 1, cfg.moe_router_topk, ep_size, ep_group, comm)
+                dispatcher = AllToAllDispatcher(cfg.num_moe_experts or 1, cfg.moe_router_topk, ep_size, ep_group, comm,
+                                                backward_channel=backward_channel)
                 layers.append(TransformerLayer(
                     ffn=cfg.moe_ffn_size, dispatcher=dispatcher, topk=cfg.moe_router_topk,
                     shared_ffn=cfg.moe_shared_expert_intermediate_size,

@@ -1,7 +1,9 @@
 """Self-checks of the runtime on the current layout (`worker --mode check`), the correctness yardstick.
 
-1. Schedules: plain 1F1B, plain with delayed wgrad, combined 1F1B, and combined with delayed wgrad train
-   the same model on the same data for a few iterations, in fp32 and bf16. Losses and every gradient
+1. Schedules: plain 1F1B, plain with delayed wgrad, combined 1F1B, combined with delayed wgrad, and the
+   latter in Megatron-Core's order (first forward and last backward alone) with every all-to-all on one
+   communication channel, train the same model on the same data for a few iterations, in fp32 and bf16.
+   Losses and every gradient
    (before and after the data-parallel reduction) must be bitwise identical; the report carries exact
    digests so the comparison happens wherever the report is read.
 2. Reference: the staged executor against the unscheduled model (`MoEGPT.forward`, ordinary autograd
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,11 +32,13 @@ from mbridge_epoverlap.runtime.optim import Optimizer, reduce_main_grads, zero_m
 from mbridge_epoverlap.runtime.train import RankContext, build_model, num_micro_batches
 from mbridge_epoverlap.schedule.program import one_f_one_b
 
+# name: (overlap, delayed wgrad, paired edges, one communication channel)
 VARIANTS = {
-    "plain": (False, False),
-    "plain_delay_wgrad": (False, True),
-    "combined": (True, False),
-    "combined_delay_wgrad": (True, True),
+    "plain": (False, False, True, False),
+    "plain_delay_wgrad": (False, True, True, False),
+    "combined": (True, False, True, False),
+    "combined_delay_wgrad": (True, True, True, False),
+    "combined_delay_wgrad_megatron_core_edges_one_channel": (True, True, False, True),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,11 +50,13 @@ def digest(t: torch.Tensor) -> str:
 
 def run_checks(cfg: RunConfig, ctx: RankContext, *, iterations: int = 2) -> dict[str, Any] | None:
     """Run every check on this rank; rank 0 returns {"ranks": [per-rank report, ...]}, others None."""
-    report: dict[str, Any] = {"rank": ctx.groups.rank, "ep": ctx.groups.ep_size, "schedules": {}, "reference": {}}
+    report: dict[str, Any] = {"rank": ctx.groups.rank, "ep": ctx.groups.ep_size, "comm_channels": ctx.comm_channels,
+                              "schedules": {}, "reference": {}}
     for dtype_name, dtype in DTYPES.items():
         report["schedules"][dtype_name] = {
-            name: _train_variant(cfg, ctx, dtype, overlap, delay, iterations)
-            for name, (overlap, delay) in VARIANTS.items()
+            name: _train_variant(cfg, ctx, dtype, overlap, delay, iterations, paired_edges=paired,
+                                 one_channel=one_channel)
+            for name, (overlap, delay, paired, one_channel) in VARIANTS.items()
         }
         report["reference"][dtype_name] = _against_reference(cfg, ctx, dtype)
     report["dispatcher"] = _dispatcher_round_trip(ctx)
@@ -103,11 +110,12 @@ def _batches(cfg: RunConfig, ctx: RankContext, iteration: int) -> list[tuple[tor
 
 
 def _train_variant(cfg: RunConfig, ctx: RankContext, dtype: torch.dtype, overlap: bool, delay: bool,
-                   iterations: int) -> dict[str, Any]:
-    model = build_model(cfg, ctx, dtype)
+                   iterations: int, *, paired_edges: bool = True, one_channel: bool = False) -> dict[str, Any]:
+    model = build_model(cfg, replace(ctx, comm_backward=None) if one_channel else ctx, dtype)
     optimizer = Optimizer(model, kind=ctx.options.optimizer, lr=cfg.train.lr)
     micro_batches = num_micro_batches(cfg, ctx.groups.world)
-    steps = one_f_one_b(micro_batches, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay)
+    steps = one_f_one_b(micro_batches, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay,
+                        paired_edges=paired_edges)
     executor = ScheduleExecutor(model)
     out: dict[str, Any] = {"losses": [], "local_grads": [], "grads": []}
     for iteration in range(1, iterations + 1):

@@ -13,6 +13,8 @@ They travel as environment variables so that the same settings reach ranks start
                                       nccl | gloo
     MBRIDGE_EPOVERLAP_COMM_NICE       nice value for the CPU communication threads (default -10; 0 leaves
                                       them alone; lowering it needs root)
+    MBRIDGE_EPOVERLAP_COMM_CHANNELS   2 (default): on CPU, backward all-to-alls get their own communication
+                                      thread and process group beside the forward ones; 1: one for both
     MBRIDGE_EPOVERLAP_PAIRED_EDGES    1 (default): with EP overlap the first two forwards and the last two
                                       backwards of an iteration run interleaved; 0: Megatron-Core's order
                                       (the first forward and the last backward alone)
@@ -60,6 +62,7 @@ class RuntimeOptions:
     backend: str = "auto"
     comm_nice: int = -10
     paired_edges: bool = True
+    comm_channels: int = 2
     fault: Fault | None = None
     heartbeat_dir: str | None = None
 
@@ -90,8 +93,12 @@ class RuntimeOptions:
         if paired not in ("0", "1"):
             raise UsageError(f"{PREFIX}PAIRED_EDGES={paired!r}: use 1 (pair the first forwards and last backwards) "
                              "or 0 (Megatron-Core's order)")
+        channels = env.get(PREFIX + "COMM_CHANNELS", "2")
+        if channels not in ("1", "2"):
+            raise UsageError(f"{PREFIX}COMM_CHANNELS={channels!r}: use 2 (forward and backward all-to-alls on "
+                             "separate communication threads) or 1 (one for both)")
         fault = env.get(PREFIX + "FAULT")
         return cls(dtype=dtype, optimizer=optimizer, comm_timeout_s=timeout, device=device, backend=backend,
-                   comm_nice=nice, paired_edges=paired == "1",
+                   comm_nice=nice, paired_edges=paired == "1", comm_channels=int(channels),
                    fault=Fault.parse(fault) if fault else None,
                    heartbeat_dir=env.get(PREFIX + "HEARTBEAT_DIR") or None)

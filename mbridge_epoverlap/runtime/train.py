@@ -46,12 +46,22 @@ from mbridge_epoverlap.schedule.program import Phase, Step, one_f_one_b
 
 @dataclass
 class RankContext:
-    """What one rank runs with: its groups, communication settings, device and options."""
+    """What one rank runs with: its groups, communication settings, device and options.
+
+    `comm_backward`: the communication context of the backward all-to-alls, which then run in
+    `groups.ep_backward_group` (None: they share `comm` and `groups.ep_group`).
+    """
 
     groups: ParallelGroups
     comm: CommContext
     device: torch.device
     options: RuntimeOptions
+    comm_backward: CommContext | None = None
+
+    @property
+    def comm_channels(self) -> int:
+        """Communication channels the all-to-alls use: 2 with a backward channel, else 1."""
+        return 2 if self.comm_backward is not None and self.groups.ep_backward_group is not None else 1
 
 
 def resolve_dtype(cfg: RunConfig, options: RuntimeOptions, device: torch.device | None = None) -> torch.dtype:
@@ -82,8 +92,9 @@ def schedule_for(cfg: RunConfig, micro_batches: int, *, paired_edges: bool = Tru
 def build_model(cfg: RunConfig, ctx: RankContext, dtype: torch.dtype) -> MoEGPT:
     """The rank's model, initialized from the seed, with fp32 gradient buffers."""
     g = ctx.groups
+    backward = (g.ep_backward_group, ctx.comm_backward) if ctx.comm_channels == 2 else None
     model = MoEGPT(cfg.model, ep_size=g.ep_size, ep_rank=g.ep_rank, ep_group=g.ep_group, comm=ctx.comm, dtype=dtype,
-                   device=ctx.device)
+                   device=ctx.device, backward_channel=backward)
     model.init_parameters(cfg.train.seed)
     attach_main_grads(model)
     return model
@@ -231,7 +242,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
         schedule={"micro_batches": micro_batches, "layers": cfg.model.num_layers,
                   "overlap": bool(cfg.model.overlap_moe_expert_parallel_comm),
                   "delay_wgrad": bool(cfg.model.delay_wgrad_compute),
-                  "paired_edges": ctx.options.paired_edges},
+                  "paired_edges": ctx.options.paired_edges, "comm_channels": ctx.comm_channels},
     )
 
 

@@ -117,13 +117,17 @@ def run(args: argparse.Namespace) -> int:
     backend = choose_backend(options.backend, use_cuda=use_cuda, ranks_on_node=local_world_size(os.environ, world),
                              gpus=gpus)
     init_distributed(rank, world, backend=backend, timeout_s=options.comm_timeout_s)
-    groups = build_groups(cfg.model.expert_model_parallel_size)
+    # On CPU the backward all-to-alls may get a channel of their own (thread and process group): a collective
+    # that waits for a late peer then holds up only its own direction. GPUs keep one side stream.
+    two_channels = options.comm_channels == 2 and not use_cuda and cfg.model.expert_model_parallel_size > 1
+    groups = build_groups(cfg.model.expert_model_parallel_size, backward_channel=two_channels)
     comm = CommContext.for_device(device, options.comm_timeout_s)
-    ctx = RankContext(groups=groups, comm=comm, device=device, options=options)
+    comm_backward = CommContext.for_device(device, options.comm_timeout_s) if two_channels else None
+    ctx = RankContext(groups=groups, comm=comm, device=device, options=options, comm_backward=comm_backward)
     if not use_cuda:
         from mbridge_epoverlap.comm.priority import raise_comm_priority
 
-        own = (comm.thread_native_id,) if comm.thread_native_id is not None else ()
+        own = tuple(c.thread_native_id for c in (comm, comm_backward) if c is not None and c.thread_native_id)
         raise_comm_priority(options.comm_nice, extra_thread_ids=own)
 
     def progress(line: str) -> None:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mbridge_epoverlap.schedule.program import STAGES, Kind, Phase, Step, one_f_one_b
+from mbridge_epoverlap.schedule.resources import TRAINING, Resources, training_resources
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.timeline import Timeline
 
@@ -36,7 +37,9 @@ class Prediction:
         schedule_s: simulated makespan of the schedule (forward and backward of every micro-batch).
         exposed_comm_s: simulated time the compute stream spent issuing and waiting for collectives.
         comm_s: total time of the collectives (on their channel).
-        hidden_fraction: share of the collectives' time overlapped with compute in the simulation.
+        hidden_fraction: share of the collectives' time hidden in the simulation: 1 - (simulated issue costs and
+            blocked waits, less the resume latency) / (collective time, summed over the channels), the
+            counterpart of `measured_hidden_fraction`.
         hidden_upper_bound: the most any order of the same steps could hide with these costs: every
             collective of the interleaved part hidden, as far as that part's compute lasts; a first forward
             that runs alone (Megatron-Core's edges) has nothing to hide behind, a last backward alone only its
@@ -72,7 +75,8 @@ class Prediction:
 
 def schedule_steps(schedule: Mapping[str, Any]) -> list[Step]:
     """The step list a runtime schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`,
-    `paired_edges`; a record without the last ran Megatron-Core's edges) ran."""
+    `paired_edges`; a record without the last ran Megatron-Core's edges) ran. Its `comm_channels` (1 where
+    absent) says which `Resources` it ran on (`resources.training_resources`)."""
     return one_f_one_b(int(schedule["micro_batches"]), int(schedule["layers"]), overlap=bool(schedule["overlap"]),
                        delay_wgrad=bool(schedule.get("delay_wgrad", False)),
                        paired_edges=bool(schedule.get("paired_edges", False)))
@@ -101,25 +105,29 @@ def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:
     return costs
 
 
-def hidden_upper_bound(steps: Sequence[Step], costs: Mapping[str, float]) -> float:
+def hidden_upper_bound(steps: Sequence[Step], costs: Mapping[str, float], resources: Resources = TRAINING) -> float:
     """See `Prediction.hidden_upper_bound`.
 
     The schedule falls into three phases: before the first backward step, up to the last forward step, and
-    after it. Within a phase any order hides at most as much communication as that phase computes; a phase
-    of one micro-batch alone hides nothing in a forward, and in a backward only behind its weight gradients
-    (needed by nothing after them).
+    after it. Within a phase any order hides at most as much of each channel's communication as that phase
+    computes; a phase of one micro-batch alone hides nothing in a forward, and in a backward only behind its
+    weight gradients (needed by nothing after them).
     """
     first_backward = next((i for i, step in enumerate(steps) if step.direction.value == "B"), len(steps))
     last_forward = max((i for i, step in enumerate(steps) if step.direction.value == "F"), default=-1)
     middle_end = max(first_backward, last_forward + 1)
     comm = hideable = 0.0
     for phase in (steps[:first_backward], steps[first_backward:middle_end], steps[middle_end:]):
-        phase_comm = sum(costs[step.stage] for step in phase if step.kind is Kind.COMM and step.phase is Phase.ISSUE)
         alone = len({step.micro_batch for step in phase if not step.stage.endswith("_wgrad")}) == 1
         compute = sum(costs[step.stage] for step in phase if step.kind is Kind.COMPUTE
                       and (not alone or step.stage.endswith("_wgrad")))
-        comm += phase_comm
-        hideable += min(phase_comm, compute)
+        per_channel: dict[str, float] = {}
+        for step in phase:
+            if step.kind is Kind.COMM and step.phase is Phase.ISSUE:
+                channel = resources.channel(step.stage)
+                per_channel[channel] = per_channel.get(channel, 0.0) + costs[step.stage]
+        comm += sum(per_channel.values())
+        hideable += sum(min(channel_comm, compute) for channel_comm in per_channel.values())
     return hideable / comm if comm > 0 else 1.0
 
 
@@ -128,7 +136,7 @@ def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float], *,
     """Simulate the schedule a run executed with the stage costs it measured.
 
     Args:
-        schedule: the run's schedule record (`micro_batches`, `layers`, `overlap`, `delay_wgrad`).
+        schedule: the run's schedule record (see `schedule_steps`).
         stage_s: mean duration of one occurrence per range name (see the module docstring).
         measured_hidden: the share of communication the run hid, from each rank's own account
             (`RunMetrics.hidden_share`); None estimates it from `stage_s`, which, where those are the slowest
@@ -136,9 +144,10 @@ def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float], *,
     """
     steps = schedule_steps(schedule)
     costs = simulator_costs(stage_s)
-    timeline: Timeline = simulate(steps, costs, validate=False)
-    comm = timeline.busy().get("comm", 0.0)
-    overlap = timeline.overlap(timeline.streams, timeline.channels)
+    resources = training_resources(int(schedule.get("comm_channels", 1)))
+    timeline: Timeline = simulate(steps, costs, resources, validate=False)
+    busy = timeline.busy()
+    comm = sum(busy.get(channel, 0.0) for channel in timeline.channels)
     counts = Counter((step.stage, step.phase) for step in steps)
     measured: dict[str, float] = {}
     resumed = 0.0
@@ -158,12 +167,17 @@ def predict(schedule: Mapping[str, Any], stage_s: Mapping[str, float], *,
     stalls = {f"{stage}.{phase.value}": 0.0 for stage, phase in counts
               if phase is Phase.WAIT or (phase is Phase.ISSUE and f"{stage}.issue" in costs)}
     stalls.update(timeline.stalled())
+    # The simulated counterpart of the measured share: the stream's time issuing and blocked in waits, less the
+    # wake-up after a collective ended, against the collectives' time (with two channels, two collectives
+    # that fly during one wait are two collectives' time, one stall).
+    resumed_sim = sum(costs.get(f"{event.stage}.resume", 0.0) for event in timeline.stalls if event.kind == "wait")
+    simulated_exposed = sum(stalls.values()) - resumed_sim
     return Prediction(
         schedule_s=timeline.makespan,
         exposed_comm_s=sum(stalls.values()),
         comm_s=comm,
-        hidden_fraction=overlap / comm if comm > 0 else 1.0,
-        hidden_upper_bound=hidden_upper_bound(steps, costs),
+        hidden_fraction=min(1.0, max(0.0, 1.0 - simulated_exposed / comm)) if comm > 0 else 1.0,
+        hidden_upper_bound=hidden_upper_bound(steps, costs, resources),
         stalls_s=stalls,
         measured_stalls_s=measured,
         measured_hidden_fraction=measured_hidden,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from mbridge_epoverlap.schedule.program import FORWARD_STAGES, Kind, Phase, Role, Step, stage_steps
+from mbridge_epoverlap.schedule.program import BACKWARD_STAGES, FORWARD_STAGES, Kind, Phase, Role, Step, stage_steps
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,17 @@ class Resources:
 # Training (combined 1F1B) and colocated serving: one compute stream, one comm channel.
 TRAINING = Resources()
 COLOCATED = Resources()
+# Training with the backward all-to-alls on a channel of their own (the CPU runtime's default): a forward
+# collective never queues behind a backward one, nor the other way round.
+TRAINING_TWO_CHANNELS = Resources(channels={stage.name: "comm_bwd" for stage in BACKWARD_STAGES
+                                            if stage.kind is Kind.COMM})
+
+
+def training_resources(comm_channels: int) -> Resources:
+    """`TRAINING` for one communication channel, `TRAINING_TWO_CHANNELS` for two."""
+    if comm_channels not in (1, 2):
+        raise ValueError(f"comm_channels must be 1 or 2, got {comm_channels!r}")
+    return TRAINING if comm_channels == 1 else TRAINING_TWO_CHANNELS
 
 # Disaggregated serving (MegaScale-Infer): each step runs on the worker kind the stage table gives it
 # (attention and the residual after combine on attention workers, the experts on expert workers; a

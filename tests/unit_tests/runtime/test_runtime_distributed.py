@@ -31,7 +31,11 @@ def test_schedules_give_bitwise_identical_losses_and_gradients(check_report, dty
     ep, report = check_report
     assert len(report["ranks"]) == ep
     for rank in report["ranks"]:
+        # By default the backward all-to-alls run on a channel of their own; one variant shares one channel
+        # and runs Megatron-Core's edges.
+        assert rank["comm_channels"] == 2
         variants = rank["schedules"][dtype]
+        assert "combined_delay_wgrad_megatron_core_edges_one_channel" in variants
         plain = variants["plain"]
         assert all(math.isfinite(float.fromhex(x)) for it in plain["losses"] for x in it)
         for name, v in variants.items():
@@ -91,6 +95,9 @@ def test_run_local_reports_metrics_progress_and_traces(make_tiny, tmp_path):
     # Measured per iteration: the training thread's time in issue/wait steps and the other threads' CPU
     # (gloo moves the bytes on its own threads). Both are positive with EP=2 and smaller than the step.
     assert len(m.comm_step_s) == len(m.comm_cpu_s) == 3
+    assert m.schedule["comm_channels"] == 2 and m.schedule["paired_edges"] is True
+    share, worst = m.hidden_share(2, 3)
+    assert 0.0 <= worst <= share <= 1.0
     for step, comm, cpu in zip(m.step_times_s, m.comm_step_s, m.comm_cpu_s, strict=True):
         assert 0 < comm < step and cpu > 0
     for rank in (0, 1):

@@ -223,6 +223,10 @@ def test_options_and_rank_environment():
     assert opts.dtype == "fp32" and opts.fault == Fault(1, "hang", 2)
     assert opts.paired_edges is True
     assert RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "0"}).paired_edges is False
+    assert opts.comm_channels == 2
+    assert RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_COMM_CHANNELS": "1"}).comm_channels == 1
+    with pytest.raises(UsageError, match="COMM_CHANNELS='3'.*use 2"):
+        RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_COMM_CHANNELS": "3"})
     for bad in ({"MBRIDGE_EPOVERLAP_DTYPE": "fp8"}, {"MBRIDGE_EPOVERLAP_FAULT": "x"},
                 {"MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S": "soon"}, {"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "yes"}):
         with pytest.raises(UsageError):

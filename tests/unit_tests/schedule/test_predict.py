@@ -103,3 +103,20 @@ def test_measured_hidden_share_from_the_ranks_replaces_the_stage_cost_estimate()
     given = predict(SCHEDULE, stage_s, measured_hidden=0.25)
     assert given.measured_hidden_fraction == 0.25 != estimate
     assert given.hidden_fraction == predict(SCHEDULE, stage_s).hidden_fraction
+
+
+def test_two_channels_let_forward_and_backward_collectives_fly_at_once():
+    from mbridge_epoverlap.schedule.resources import TRAINING, TRAINING_TWO_CHANNELS, training_resources
+
+    assert training_resources(1) is TRAINING and training_resources(2) is TRAINING_TWO_CHANNELS
+    with pytest.raises(ValueError, match="comm_channels"):
+        training_resources(3)
+    assert TRAINING_TWO_CHANNELS.channel("combine_bwd") == TRAINING_TWO_CHANNELS.channel("dispatch_bwd") == "comm_bwd"
+    assert TRAINING_TWO_CHANNELS.channel("dispatch") == TRAINING_TWO_CHANNELS.channel("combine") == "comm"
+    # Slow collectives: on one channel the forward ones queue behind the backward ones and the other way round.
+    record = {**SCHEDULE, "micro_batches": 6, "paired_edges": True}
+    slow = {**COSTS, "dispatch": 4.0, "combine": 4.0, "combine_bwd": 4.0, "dispatch_bwd": 4.0}
+    one, two = predict(record, slow), predict({**record, "comm_channels": 2}, slow)
+    assert two.schedule_s < one.schedule_s
+    assert two.comm_s == pytest.approx(one.comm_s)  # the same collectives, summed over the channels
+    assert one.hidden_fraction < two.hidden_fraction <= two.hidden_upper_bound <= 1.0
