@@ -1,4 +1,5 @@
-"""EP overlap on the reference runtime: plain 1F1B vs combined 1F1B (vs + delayed wgrad), side by side.
+"""EP overlap on the reference runtime: plain 1F1B vs combined 1F1B (vs + delayed wgrad, vs + the down-projection
+expert wgrad moved into the next combine-backward window), side by side.
 
 Runs the CPU-shrunk recipe (default qwen3_30b_a3b, EP = processes = 2) for each case, interleaved
 A B C A B C ... `--repeats` times, on loopback gloo or behind an emulated link (`--emulate-link-gbps`,
@@ -45,16 +46,23 @@ from mbridge_epoverlap.profiling import analyze_trace  # noqa: E402
 from mbridge_epoverlap.runtime import RunMetrics, run_local  # noqa: E402
 from mbridge_epoverlap.schedule.predict import predict  # noqa: E402
 
-CASES = {
-    "ep_overlap_off": (False, False),
-    "ep_overlap_on": (True, False),
-    "ep_overlap_on_delay_wgrad": (True, True),
+# case: (overlap, delayed wgrad, runtime options in the ranks' environment)
+CASES: dict[str, tuple[bool, bool, dict[str, str]]] = {
+    "ep_overlap_off": (False, False, {}),
+    "ep_overlap_on": (True, False, {}),
+    "ep_overlap_on_delay_wgrad": (True, True, {}),
+    # The down-projection expert wgrad in the next combine-backward window (`one_f_one_b(split_expert_wgrad)`).
+    "ep_overlap_on_delay_wgrad_split": (True, True, {"MBRIDGE_EPOVERLAP_SPLIT_EXPERT_WGRAD": "1"}),
 }
-STAGES = ("attn", "experts", "post", "post_bwd", "experts_dgrad", "experts_wgrad", "attn_dgrad", "attn_wgrad")
+STAGES = ("attn", "experts", "post", "post_bwd", "experts_dgrad", "experts_wgrad", "experts_wgrad_down", "attn_dgrad",
+          "attn_wgrad")
 
 
-def make_config(recipe: str, procs: int, ep: int | None, overlap: bool, delay: bool, shape: CpuShape) -> RunConfig:
-    return cpu_overlap_case(recipe, procs, overlap=overlap, delay_wgrad=delay, shape=shape, ep=ep)
+def make_config(recipe: str, procs: int, ep: int | None, overlap: bool, delay: bool, env: dict[str, str],
+                shape: CpuShape) -> RunConfig:
+    cfg = cpu_overlap_case(recipe, procs, overlap=overlap, delay_wgrad=delay, shape=shape, ep=ep)
+    cfg.env_vars.update(env)
+    return cfg
 
 
 def parse_shape(items: list[str]) -> CpuShape:
@@ -170,7 +178,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.iters, args.window, args.repeats, args.profile_steps = 5, (3, 5), 1, 0
-        args.cases = [case for case in args.cases if case != "ep_overlap_on_delay_wgrad"] or args.cases
+        args.cases = [case for case in args.cases if not case.startswith("ep_overlap_on_delay_wgrad")] or args.cases
     first, last = args.window
     if not 1 <= first <= last <= args.iters:
         raise SystemExit(f"--window {first} {last} must lie within 1..{args.iters}")

@@ -18,6 +18,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_COMM_NICE", "nice value of the CPU communication threads (default -10; 0 leaves them alone)"),
     ("MBRIDGE_EPOVERLAP_COMM_CHANNELS", "2 (default) or 1: on CPU, run the backward all-to-alls on their own "
      "communication thread and process group beside the forward ones (2) or share one (1)"),
+    ("MBRIDGE_EPOVERLAP_SPLIT_EXPERT_WGRAD", "1 or 0 (default): with delayed wgrad, run the experts' down-projection "
+     "weight gradient in the next combine-backward window (1) or with the rest of the expert weight gradient (0)"),
     ("MBRIDGE_EPOVERLAP_PAIRED_EDGES", "1 (default) or 0: with EP overlap, interleave the first two forwards and "
      "the last two backwards of an iteration (1) or run them alone as Megatron-Core does (0)"),
     ("MBRIDGE_EPOVERLAP_FAULT", "RANK:MODE:ITERATION, a test hook that makes one rank exit, raise or hang"),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mbridge_epoverlap.moe.wgrad import Linear, WeightGradStore, accumulate_weight_grad, default_store
+from mbridge_epoverlap.moe.wgrad import DOWN_PROJECTION, Linear, WeightGradStore, accumulate_weight_grad, default_store
 
 
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -78,20 +78,30 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 _swiglu_backward(pre[sl], grad_out[sl].matmul(w2[e]), act[sl], grad_pre[sl])
                 torch.matmul(grad_pre[sl], w1[e], out=grad_x[sl])
 
-        def wgrad() -> None:
+        # Two closures: the gate/up projection's and the down projection's weight gradients, which a schedule
+        # may run in different communication windows (`experts_wgrad`, `experts_wgrad_down`).
+        def wgrad_gate_up() -> None:
             if uniform:
                 g1 = torch.bmm(view(grad_pre).transpose(1, 2), view(x))
-                g2 = torch.bmm(view(grad_out).transpose(1, 2), view(act))
             else:
-                g1, g2 = torch.zeros_like(w1), torch.zeros_like(w2)
+                g1 = torch.zeros_like(w1)
                 for e, sl in enumerate(_slices(counts)):
                     torch.matmul(grad_pre[sl].t(), x[sl], out=g1[e])
-                    torch.matmul(grad_out[sl].t(), act[sl], out=g2[e])
             accumulate_weight_grad(w1, g1)
+
+        def wgrad_down() -> None:
+            if uniform:
+                g2 = torch.bmm(view(grad_out).transpose(1, 2), view(act))
+            else:
+                g2 = torch.zeros_like(w2)
+                for e, sl in enumerate(_slices(counts)):
+                    torch.matmul(grad_out[sl].t(), act[sl], out=g2[e])
             accumulate_weight_grad(w2, g2)
 
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            ctx.store.put(wgrad)
+        if ctx.needs_input_grad[1]:
+            ctx.store.put(wgrad_gate_up)
+        if ctx.needs_input_grad[2]:
+            ctx.store.put(wgrad_down, part=DOWN_PROJECTION)
         return grad_x, None, None, None, None
 
 

@@ -37,13 +37,15 @@ class WeightGradStore:
         finally:
             self._capturing = None
 
-    def put(self, fn: Callable[[], None]) -> None:
-        """Queue `fn` under the current capture key, or run it now when nothing is capturing."""
+    def put(self, fn: Callable[[], None], *, part: Hashable | None = None) -> None:
+        """Queue `fn` under the current capture key (under `(key, part)` when `part` is given, so that a later
+        step can run that part on its own), or run it now when nothing is capturing."""
         if self._capturing is None:
             with torch.no_grad():
                 fn()
         else:
-            self._queues.setdefault(self._capturing, []).append(fn)
+            key = self._capturing if part is None else (self._capturing, part)
+            self._queues.setdefault(key, []).append(fn)
 
     def flush(self, key: Hashable) -> int:
         """Run and drop the closures queued under `key`, in the order they were queued; return how many."""
@@ -63,6 +65,8 @@ class WeightGradStore:
 
 
 _DEFAULT_STORE = WeightGradStore()
+# The `part` under which grouped experts queue their down-projection weight gradient (`experts_wgrad_down`).
+DOWN_PROJECTION = "down"
 
 
 def default_store() -> WeightGradStore:

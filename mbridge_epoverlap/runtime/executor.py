@@ -30,7 +30,7 @@ import torch
 
 from mbridge_epoverlap.moe.dispatcher import DispatchHandle
 from mbridge_epoverlap.moe.model import MoEGPT
-from mbridge_epoverlap.moe.wgrad import WeightGradStore, default_store, use_weight_grad_store
+from mbridge_epoverlap.moe.wgrad import DOWN_PROJECTION, WeightGradStore, default_store, use_weight_grad_store
 from mbridge_epoverlap.runtime.ranges import Ranges
 from mbridge_epoverlap.schedule.program import (
     ATTN,
@@ -369,6 +369,9 @@ class ScheduleExecutor:
 
     def _experts_wgrad(self, mb: int, layer: int) -> None:
         self.store.flush((mb, layer, "experts"))
+
+    def _experts_wgrad_down(self, mb: int, layer: int) -> None:
+        self.store.flush(((mb, layer, "experts"), DOWN_PROJECTION))
 
     def _dispatch_bwd_issue(self, mb: int, layer: int) -> None:
         st = self._state(mb, layer)

@@ -15,6 +15,9 @@ They travel as environment variables so that the same settings reach ranks start
                                       them alone; lowering it needs root)
     MBRIDGE_EPOVERLAP_COMM_CHANNELS   2 (default): on CPU, backward all-to-alls get their own communication
                                       thread and process group beside the forward ones; 1: one for both
+    MBRIDGE_EPOVERLAP_SPLIT_EXPERT_WGRAD  1: with delayed wgrad, the experts' down-projection weight gradient runs in
+                                      the next combine-backward window; 0 (default): with the rest of the expert
+                                      weight gradient
     MBRIDGE_EPOVERLAP_PAIRED_EDGES    1 (default): with EP overlap the first two forwards and the last two
                                       backwards of an iteration run interleaved; 0: Megatron-Core's order
                                       (the first forward and the last backward alone)
@@ -63,6 +66,7 @@ class RuntimeOptions:
     comm_nice: int = -10
     paired_edges: bool = True
     comm_channels: int = 2
+    split_expert_wgrad: bool = False
     fault: Fault | None = None
     heartbeat_dir: str | None = None
 
@@ -97,8 +101,13 @@ class RuntimeOptions:
         if channels not in ("1", "2"):
             raise UsageError(f"{PREFIX}COMM_CHANNELS={channels!r}: use 2 (forward and backward all-to-alls on "
                              "separate communication threads) or 1 (one for both)")
+        split = env.get(PREFIX + "SPLIT_EXPERT_WGRAD", "0")
+        if split not in ("0", "1"):
+            raise UsageError(f"{PREFIX}SPLIT_EXPERT_WGRAD={split!r}: use 1 (down-projection expert wgrad in the next "
+                             "combine-backward window) or 0 (with the rest of the expert wgrad)")
         fault = env.get(PREFIX + "FAULT")
         return cls(dtype=dtype, optimizer=optimizer, comm_timeout_s=timeout, device=device, backend=backend,
                    comm_nice=nice, paired_edges=paired == "1", comm_channels=int(channels),
+                   split_expert_wgrad=split == "1",
                    fault=Fault.parse(fault) if fault else None,
                    heartbeat_dir=env.get(PREFIX + "HEARTBEAT_DIR") or None)

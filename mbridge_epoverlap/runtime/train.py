@@ -83,10 +83,12 @@ def num_micro_batches(cfg: RunConfig, world: int) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
 
 
-def schedule_for(cfg: RunConfig, micro_batches: int, *, paired_edges: bool = True) -> list[Step]:
-    """The 1F1B step list the model config asks for (`paired_edges`: see `one_f_one_b`)."""
+def schedule_for(cfg: RunConfig, micro_batches: int, *, paired_edges: bool = True,
+                 split_expert_wgrad: bool = False) -> list[Step]:
+    """The 1F1B step list the model config asks for (`paired_edges`, `split_expert_wgrad`: see `one_f_one_b`)."""
     return one_f_one_b(micro_batches, cfg.model.num_layers, overlap=cfg.model.overlap_moe_expert_parallel_comm,
-                       delay_wgrad=cfg.model.delay_wgrad_compute, paired_edges=paired_edges)
+                       delay_wgrad=cfg.model.delay_wgrad_compute, paired_edges=paired_edges,
+                       split_expert_wgrad=split_expert_wgrad)
 
 
 def build_model(cfg: RunConfig, ctx: RankContext, dtype: torch.dtype) -> MoEGPT:
@@ -136,7 +138,8 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     g, device = ctx.groups, ctx.device
     dtype = resolve_dtype(cfg, ctx.options, device)
     micro_batches = num_micro_batches(cfg, g.world)
-    steps = schedule_for(cfg, micro_batches, paired_edges=ctx.options.paired_edges)
+    steps = schedule_for(cfg, micro_batches, paired_edges=ctx.options.paired_edges,
+                         split_expert_wgrad=ctx.options.split_expert_wgrad)
     model = build_model(cfg, ctx, dtype)
     optimizer = Optimizer(model, kind=ctx.options.optimizer, lr=cfg.train.lr)
     beat = hb.Heartbeat(hb.heartbeat_path(ctx.options.heartbeat_dir, g.rank) if ctx.options.heartbeat_dir else None)
@@ -242,7 +245,8 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
         schedule={"micro_batches": micro_batches, "layers": cfg.model.num_layers,
                   "overlap": bool(cfg.model.overlap_moe_expert_parallel_comm),
                   "delay_wgrad": bool(cfg.model.delay_wgrad_compute),
-                  "paired_edges": ctx.options.paired_edges, "comm_channels": ctx.comm_channels},
+                  "paired_edges": ctx.options.paired_edges, "comm_channels": ctx.comm_channels,
+                  "split_expert_wgrad": ctx.options.split_expert_wgrad},
     )
 
 

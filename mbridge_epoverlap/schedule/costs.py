@@ -70,7 +70,9 @@ def training_costs(
         post_bwd=costs["post"],
         combine_bwd=costs["combine"],
         experts_dgrad=costs["experts"] * half,
-        experts_wgrad=costs["experts"] * half,
+        # Gate/up and down projections: two thirds and one third of the experts' weight-gradient GEMMs.
+        experts_wgrad=costs["experts"] * half * 2.0 / 3.0,
+        experts_wgrad_down=costs["experts"] * half / 3.0,
         dispatch_bwd=costs["dispatch"],
         attn_dgrad=costs["attn"] * half,
         attn_wgrad=costs["attn"] * half,

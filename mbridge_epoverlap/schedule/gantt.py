@@ -24,6 +24,7 @@ _FAMILY = {
     "attn_wgrad": "attn",
     "experts_dgrad": "experts",
     "experts_wgrad": "experts",
+    "experts_wgrad_down": "experts",
     "dispatch_bwd": "dispatch",
     "combine_bwd": "combine",
     "post_bwd": "post",

@@ -79,7 +79,8 @@ def schedule_steps(schedule: Mapping[str, Any]) -> list[Step]:
     absent) says which `Resources` it ran on (`resources.training_resources`)."""
     return one_f_one_b(int(schedule["micro_batches"]), int(schedule["layers"]), overlap=bool(schedule["overlap"]),
                        delay_wgrad=bool(schedule.get("delay_wgrad", False)),
-                       paired_edges=bool(schedule.get("paired_edges", False)))
+                       paired_edges=bool(schedule.get("paired_edges", False)),
+                       split_expert_wgrad=bool(schedule.get("split_expert_wgrad", False)))
 
 
 def simulator_costs(stage_s: Mapping[str, float]) -> dict[str, float]:

@@ -97,11 +97,14 @@ POST_BWD = Stage("post_bwd", Kind.COMPUTE, B, (Need("attn_dgrad", PREVIOUS), Nee
 COMBINE_BWD = Stage("combine_bwd", Kind.COMM, B, (Need("post_bwd"),))
 EXPERTS_DGRAD = Stage("experts_dgrad", Kind.COMPUTE, B, (Need("combine_bwd"),))
 EXPERTS_WGRAD = Stage("experts_wgrad", Kind.COMPUTE, B, (Need("experts_dgrad"),))
+# The experts' down-projection weight gradient (a third of their weight-gradient GEMMs) is a stage of its own, so
+# that delayed wgrad can put it in another communication window than the gate/up part.
+EXPERTS_WGRAD_DOWN = Stage("experts_wgrad_down", Kind.COMPUTE, B, (Need("experts_dgrad"),))
 DISPATCH_BWD = Stage("dispatch_bwd", Kind.COMM, B, (Need("experts_dgrad"),))
 ATTN_DGRAD = Stage("attn_dgrad", Kind.COMPUTE, B, (Need("dispatch_bwd"),))
 ATTN_WGRAD = Stage("attn_wgrad", Kind.COMPUTE, B, (Need("attn_dgrad"),))
-BACKWARD_STAGES: tuple[Stage, ...] = (POST_BWD, COMBINE_BWD, EXPERTS_DGRAD, EXPERTS_WGRAD, DISPATCH_BWD,
-                                      ATTN_DGRAD, ATTN_WGRAD)
+BACKWARD_STAGES: tuple[Stage, ...] = (POST_BWD, COMBINE_BWD, EXPERTS_DGRAD, EXPERTS_WGRAD, EXPERTS_WGRAD_DOWN,
+                                      DISPATCH_BWD, ATTN_DGRAD, ATTN_WGRAD)
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in FORWARD_STAGES + BACKWARD_STAGES}
 
@@ -169,7 +172,7 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
     steps: list[Step] = []
     for layer in reversed(range(num_layers)):
         for stage in BACKWARD_STAGES:
-            if delay_wgrad and stage in (EXPERTS_WGRAD, ATTN_WGRAD):
+            if delay_wgrad and stage in (EXPERTS_WGRAD, EXPERTS_WGRAD_DOWN, ATTN_WGRAD):
                 continue
             if delay_wgrad and stage is COMBINE_BWD:
                 steps.append(issue(mb, layer, COMBINE_BWD.name))
@@ -181,6 +184,7 @@ def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> li
                 steps += [
                     issue(mb, layer, DISPATCH_BWD.name),
                     run(mb, layer, EXPERTS_WGRAD.name),
+                    run(mb, layer, EXPERTS_WGRAD_DOWN.name),
                     wait(mb, layer, DISPATCH_BWD.name),
                 ]
                 continue
@@ -240,9 +244,11 @@ def backward_segments(mb: int, num_layers: int, *, delay_wgrad: bool) -> list[li
             head.append(run(mb, layer + 1, ATTN_WGRAD.name))
         experts = [wait(mb, layer, COMBINE_BWD.name), run(mb, layer, EXPERTS_DGRAD.name)]
         if delay_wgrad:
-            experts += [issue(mb, layer, DISPATCH_BWD.name), run(mb, layer, EXPERTS_WGRAD.name)]
+            experts += [issue(mb, layer, DISPATCH_BWD.name), run(mb, layer, EXPERTS_WGRAD.name),
+                        run(mb, layer, EXPERTS_WGRAD_DOWN.name)]
         else:
-            experts += [run(mb, layer, EXPERTS_WGRAD.name), issue(mb, layer, DISPATCH_BWD.name)]
+            experts += [run(mb, layer, EXPERTS_WGRAD.name), run(mb, layer, EXPERTS_WGRAD_DOWN.name),
+                        issue(mb, layer, DISPATCH_BWD.name)]
         segments += [head, experts]
     return segments + [[wait(mb, 0, DISPATCH_BWD.name), run(mb, 0, ATTN_DGRAD.name), run(mb, 0, ATTN_WGRAD.name)]]
 
@@ -255,9 +261,19 @@ def interleave_segments(first: list[list[Step]], second: list[list[Step]]) -> li
     return [step for pair in zip(first, second, strict=True) for segment in pair for step in segment]
 
 
+def deferred_weight_gradients(layer: tuple[int, int], *, split_expert_wgrad: bool) -> list[Step]:
+    """What a pair leaves of its backward layer (micro-batch, layer) to the next combine-backward window: the
+    attention weight gradient, and with `split_expert_wgrad` the experts' down-projection weight gradient."""
+    steps = [run(*layer, ATTN_WGRAD.name)]
+    if split_expert_wgrad:
+        steps.append(run(*layer, EXPERTS_WGRAD_DOWN.name))
+    return steps
+
+
 def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, int] | None, *, delay_wgrad: bool,
                         backward_started: bool = False, next_backward: tuple[int, int] | None = None,
-                        attn_wgrad_before: tuple[int, int] | None = None) -> list[Step]:
+                        attn_wgrad_before: tuple[int, int] | None = None, split_expert_wgrad: bool = False
+                        ) -> list[Step]:
     """Forward of one layer interleaved with backward of another, either of them possibly absent.
 
     Megatron-Core's order of the pair (`TransformerLayerSchedulePlan.run`): B's combine backward, F's attention,
@@ -288,7 +304,13 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
       nothing to hide behind. Megatron-Core runs it at the end of the pair (except for the first layer of a
       backward, which it delays to after the pipeline send). Without delayed wgrad it sits in the same place
       (the dispatch-backward window would hide a little more there): the delayed order stays the plain one
-      with only the expert wgrad moved past an issue, so it is never slower, whatever the stage costs.
+      with only the expert wgrad moved past an issue.
+    - `split_expert_wgrad` (with delayed wgrad, off by default): the experts' down-projection weight gradient
+      (`experts_wgrad_down`, a third of their weight-gradient work) goes with B's attention wgrad into the next
+      pair's combine-backward window, the gate/up part stays in the dispatch-backward window. On the CPU
+      runtime's stage costs behind a 1 Gbit/s link the whole expert wgrad there leaves the combine-backward
+      window short and the dispatch-backward one with room to spare; on other costs moving work past waits can
+      cost time, so the delayed order without it is the default (it is never slower than no delay).
 
     Args:
         forward: (micro-batch, layer) of the forward half, or None.
@@ -299,12 +321,13 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
             pair, see `start_next_backward`).
         next_backward: (micro-batch, layer) whose post backward runs and whose combine backward is issued right
             after B's attention dgrad (B's next layer, or the next micro-batch's top layer), or None.
-        attn_wgrad_before: (micro-batch, layer) of the backward layer whose attention weight gradient runs in
+        attn_wgrad_before: (micro-batch, layer) of the backward layer whose `deferred_weight_gradients` run in
             this pair's combine-backward window (the previous pair's backward layer), or None.
+        split_expert_wgrad: with `delay_wgrad`, leave B's down-projection expert wgrad to the next pair.
 
     Returns:
-        The pair's steps, without B's own attention weight gradient: the caller passes `backward` as
-        `attn_wgrad_before` of the next pair (or runs it at the end).
+        The pair's steps, without B's `deferred_weight_gradients`: the caller passes `backward` as
+        `attn_wgrad_before` of the next pair (or runs them at the end).
     """
     steps: list[Step] = []
     if backward is not None and not backward_started:
@@ -312,14 +335,16 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
     if forward is not None:
         steps += [run(*forward, "attn"), issue(*forward, "dispatch")]
     if attn_wgrad_before is not None:
-        steps.append(run(*attn_wgrad_before, "attn_wgrad"))
+        steps += deferred_weight_gradients(attn_wgrad_before, split_expert_wgrad=split_expert_wgrad)
     if backward is not None:
         steps += [wait(*backward, "combine_bwd"), run(*backward, "experts_dgrad")]
         if not delay_wgrad:
-            steps.append(run(*backward, "experts_wgrad"))
+            steps += [run(*backward, "experts_wgrad"), run(*backward, "experts_wgrad_down")]
         steps.append(issue(*backward, "dispatch_bwd"))
         if delay_wgrad:
             steps.append(run(*backward, "experts_wgrad"))
+            if not split_expert_wgrad:
+                steps.append(run(*backward, "experts_wgrad_down"))
     if forward is not None:
         steps += [wait(*forward, "dispatch"), run(*forward, "experts"), issue(*forward, "combine")]
     if backward is not None:
@@ -332,7 +357,7 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
 
 
 def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay_wgrad: bool = False,
-                paired_edges: bool = True) -> list[Step]:
+                paired_edges: bool = True, split_expert_wgrad: bool = False) -> list[Step]:
     """The 1F1B order for one pipeline stage (PP=1).
 
     Plain (no overlap): F0, then F_i and B_i-1 one after the other, then the last B. Combined 1F1B (overlap):
@@ -355,6 +380,8 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
             next micro-batch's top layer, whose forward already finished. Megatron-Core runs the first forward
             and the last backward alone (False here): pairing keeps one more micro-batch's activations alive.
             Ignored without overlap.
+        split_expert_wgrad: with overlap and delayed wgrad, run each layer's down-projection expert weight
+            gradient in the next pair's combine-backward window (`combined_layer_pair`); ignored otherwise.
 
     Every order runs each backward stage of a layer for the micro-batches in increasing order, so gradients
     accumulate in the same order and the losses and gradients are bitwise identical.
@@ -386,6 +413,7 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
             units += [((mb, i), (mb - 1, top - i)) for i in range(num_layers)]
         units += [(None, (num_micro_batches - 1, top - i)) for i in range(num_layers)]
     pending_wgrad: tuple[int, int] | None = None
+    split = split_expert_wgrad and delay_wgrad
     for forward, backward in units:
         # The previous unit started B's layer (ran its post backward, issued its combine backward), except for a
         # new micro-batch's top layer in Megatron-Core's order, whose forward ends only in the previous unit.
@@ -396,12 +424,13 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
         elif backward is not None and paired:
             next_backward = (backward[0] + 1, top)
         steps += combined_layer_pair(forward, backward, delay_wgrad=delay_wgrad, backward_started=started,
-                                     next_backward=next_backward, attn_wgrad_before=pending_wgrad)
+                                     next_backward=next_backward, attn_wgrad_before=pending_wgrad,
+                                     split_expert_wgrad=split)
         if backward is not None:
             pending_wgrad = backward
     if not paired:
         if pending_wgrad is not None:
-            steps.append(run(*pending_wgrad, ATTN_WGRAD.name))
+            steps += deferred_weight_gradients(pending_wgrad, split_expert_wgrad=split)
         return steps
     # The last two backwards interleaved; the last pair's attention wgrad fills the first combine-backward window.
     last_but_one = backward_segments(num_micro_batches - 2, num_layers, delay_wgrad=delay_wgrad)
@@ -409,7 +438,7 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
     # Its top layer was started after the first two forwards (two micro-batches) or by the last pair.
     last_but_one[0] = []
     if pending_wgrad is not None:
-        last_but_one[0].append(run(*pending_wgrad, ATTN_WGRAD.name))
+        last_but_one[0] += deferred_weight_gradients(pending_wgrad, split_expert_wgrad=split)
     return steps + interleave_segments(last_but_one, last)
 
 

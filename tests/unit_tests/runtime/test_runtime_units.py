@@ -16,7 +16,7 @@ from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.dispatcher import AllToAllDispatcher, _source_to_expert_order
 from mbridge_epoverlap.moe.experts import GroupedExperts
 from mbridge_epoverlap.moe.router import Routing, TopKRouter
-from mbridge_epoverlap.moe.wgrad import WeightGradStore, linear
+from mbridge_epoverlap.moe.wgrad import DOWN_PROJECTION, WeightGradStore, linear
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
 from mbridge_epoverlap.runtime.metrics import model_flops_per_iteration, tflops_per_gpu
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
@@ -81,9 +81,13 @@ def test_grouped_experts_dgrad_and_delayed_wgrad_match_autograd(counts):
         out.backward(g)
     torch.testing.assert_close(x.grad, x_ref.grad)
     assert experts.w1.grad is None and experts.w2.grad is None
-    store.flush("experts")
+    # The gate/up and down projections' weight gradients queue apart, so a schedule can run them apart.
+    assert store.flush("experts") == 1
     torch.testing.assert_close(experts.w1.grad, w1.grad)
+    assert experts.w2.grad is None
+    assert store.flush(("experts", DOWN_PROJECTION)) == 1
     torch.testing.assert_close(experts.w2.grad, w2.grad)
+    assert store.pending() == []
 
 
 def test_router_topk_and_forced_balance():
@@ -130,11 +134,14 @@ def test_single_rank_schedules_bitwise_equal_and_match_autograd(make_tiny, recip
     cfg.model.moe_router_force_load_balancing = balanced  # balanced: the batched-GEMM expert path
     batches = micro_batches(cfg, 3)
     results = []
-    orders = [(False, False, True), (True, False, True), (True, True, True), (False, True, True), (True, False, False),
-              (True, True, False)]
-    for overlap, delay, paired in orders:  # paired False: Megatron-Core's edges (first forward, last backward alone)
+    # (overlap, delay, paired edges, split expert wgrad); paired False: Megatron-Core's edges
+    orders = [(False, False, True, False), (True, False, True, False), (True, True, True, False),
+              (False, True, True, False), (True, False, False, False), (True, True, False, False),
+              (True, True, True, True), (True, True, False, True)]
+    for overlap, delay, paired, split in orders:
         model = tiny_model(cfg, dtype)
-        steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay, paired_edges=paired)
+        steps = one_f_one_b(3, cfg.model.num_layers, overlap=overlap, delay_wgrad=delay, paired_edges=paired,
+                            split_expert_wgrad=split)
         losses = ScheduleExecutor(model, store=WeightGradStore()).run(steps, batches, loss_scale=1 / 3)
         results.append((losses, [p.main_grad.clone() for p in model.parameters()]))
     for losses, grads in results[1:]:
@@ -183,8 +190,11 @@ def test_wgrad_steps_run_the_closures_queued_in_the_executors_store(make_tiny, r
             ffn = (layer.experts, layer.shared_expert) if layer.is_moe else (layer.mlp,)
             expected[(mb, number, "experts")] = _deferrable(*ffn)
             expected[(mb, number, "attn")] = _deferrable(layer.attention)
+            # Grouped experts queue their down projection's weight gradient apart (`experts_wgrad_down`).
+            expected[((mb, number, "experts"), DOWN_PROJECTION)] = 1 if layer.is_moe else 0
     assert store.flushed == expected
-    assert all(n > 0 for n in expected.values())
+    assert any(n == 1 for key, n in expected.items() if key[1] == DOWN_PROJECTION)
+    assert all(n > 0 for key, n in expected.items() if key[1] != DOWN_PROJECTION)
 
 
 def test_executor_rejects_bad_schedules(make_tiny):
@@ -225,6 +235,10 @@ def test_options_and_rank_environment():
     assert RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "0"}).paired_edges is False
     assert opts.comm_channels == 2
     assert RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_COMM_CHANNELS": "1"}).comm_channels == 1
+    assert opts.split_expert_wgrad is False
+    assert RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_SPLIT_EXPERT_WGRAD": "1"}).split_expert_wgrad is True
+    with pytest.raises(UsageError, match="SPLIT_EXPERT_WGRAD='on'.*use 1"):
+        RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_SPLIT_EXPERT_WGRAD": "on"})
     with pytest.raises(UsageError, match="COMM_CHANNELS='3'.*use 2"):
         RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_COMM_CHANNELS": "3"})
     for bad in ({"MBRIDGE_EPOVERLAP_DTYPE": "fp8"}, {"MBRIDGE_EPOVERLAP_FAULT": "x"},

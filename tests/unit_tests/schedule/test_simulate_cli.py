@@ -38,7 +38,7 @@ def test_1f1b_overlap_flags_change_the_timeline():
     delayed = json.loads(run_cli(*base, "--overlap", "--delay-wgrad").stdout)
     assert set(plain["utilization"]) == {"compute", "comm"}
     assert combined["makespan"] < plain["makespan"]
-    assert delayed["makespan"] <= combined["makespan"]
+    assert delayed["makespan"] <= combined["makespan"] + 1e-9  # equal here, up to float rounding
     assert (plain["overlap"], combined["overlap"], delayed["delay_wgrad"]) == (False, True, True)
     megatron = json.loads(run_cli(*base, "--overlap", "--megatron-core-edges").stdout)
     assert (combined["paired_edges"], megatron["paired_edges"]) == (True, False)
