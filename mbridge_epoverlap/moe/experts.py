@@ -78,30 +78,22 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 _swiglu_backward(pre[sl], grad_out[sl].matmul(w2[e]), act[sl], grad_pre[sl])
                 torch.matmul(grad_pre[sl], w1[e], out=grad_x[sl])
 
+        def weight_grad(weight: torch.Tensor, grad: torch.Tensor, inputs: torch.Tensor) -> None:
+            """weight[e] += grad[rows of e]^T inputs[rows of e] for every local expert e."""
+            if uniform:
+                g = torch.bmm(view(grad).transpose(1, 2), view(inputs))
+            else:
+                g = torch.zeros_like(weight)
+                for e, sl in enumerate(_slices(counts)):
+                    torch.matmul(grad[sl].t(), inputs[sl], out=g[e])
+            accumulate_weight_grad(weight, g)
+
         # Two closures: the gate/up projection's and the down projection's weight gradients, which a schedule
         # may run in different communication windows (`experts_wgrad`, `experts_wgrad_down`).
-        def wgrad_gate_up() -> None:
-            if uniform:
-                g1 = torch.bmm(view(grad_pre).transpose(1, 2), view(x))
-            else:
-                g1 = torch.zeros_like(w1)
-                for e, sl in enumerate(_slices(counts)):
-                    torch.matmul(grad_pre[sl].t(), x[sl], out=g1[e])
-            accumulate_weight_grad(w1, g1)
-
-        def wgrad_down() -> None:
-            if uniform:
-                g2 = torch.bmm(view(grad_out).transpose(1, 2), view(act))
-            else:
-                g2 = torch.zeros_like(w2)
-                for e, sl in enumerate(_slices(counts)):
-                    torch.matmul(grad_out[sl].t(), act[sl], out=g2[e])
-            accumulate_weight_grad(w2, g2)
-
         if ctx.needs_input_grad[1]:
-            ctx.store.put(wgrad_gate_up)
+            ctx.store.put(lambda: weight_grad(w1, grad_pre, x))
         if ctx.needs_input_grad[2]:
-            ctx.store.put(wgrad_down, part=DOWN_PROJECTION)
+            ctx.store.put(lambda: weight_grad(w2, grad_out, act), part=DOWN_PROJECTION)
         return grad_x, None, None, None, None
 
 

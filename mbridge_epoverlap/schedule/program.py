@@ -318,7 +318,7 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
         delay_wgrad: run the expert weight gradient after the dispatch backward was issued (in its window),
             not right after the expert dgrad.
         backward_started: B's post backward ran and its combine backward was issued already (by the previous
-            pair, see `start_next_backward`).
+            pair, see `next_backward`).
         next_backward: (micro-batch, layer) whose post backward runs and whose combine backward is issued right
             after B's attention dgrad (B's next layer, or the next micro-batch's top layer), or None.
         attn_wgrad_before: (micro-batch, layer) of the backward layer whose `deferred_weight_gradients` run in
