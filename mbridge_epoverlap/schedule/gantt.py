@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.schedule.program import WEIGHT_GRADIENT_STAGES
 from mbridge_epoverlap.schedule.timeline import Timeline
 
 # One colour per stage family; backward stages reuse their forward colour with a hatch.
@@ -62,7 +63,7 @@ def save_gantt(timeline: Timeline, path: str | Path, *, title: str | None = None
         if event.duration <= 0:
             continue
         family = _FAMILY.get(event.stage, event.stage)
-        hatch = "xx" if event.stage.endswith("wgrad") else ("//" if event.stage in _FAMILY else None)
+        hatch = "xx" if event.stage in WEIGHT_GRADIENT_STAGES else ("//" if event.stage in _FAMILY else None)
         ax.barh(
             rows[event.resource],
             event.duration,

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mbridge_epoverlap.schedule.program import STAGES, Kind, Phase, Step, one_f_one_b
+from mbridge_epoverlap.schedule.program import STAGES, WEIGHT_GRADIENT_STAGES, Kind, Phase, Step, one_f_one_b
 from mbridge_epoverlap.schedule.resources import TRAINING, Resources, training_resources
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.timeline import Timeline
@@ -119,9 +119,9 @@ def hidden_upper_bound(steps: Sequence[Step], costs: Mapping[str, float], resour
     middle_end = max(first_backward, last_forward + 1)
     comm = hideable = 0.0
     for phase in (steps[:first_backward], steps[first_backward:middle_end], steps[middle_end:]):
-        alone = len({step.micro_batch for step in phase if not step.stage.endswith("_wgrad")}) == 1
+        alone = len({step.micro_batch for step in phase if step.stage not in WEIGHT_GRADIENT_STAGES}) == 1
         compute = sum(costs[step.stage] for step in phase if step.kind is Kind.COMPUTE
-                      and (not alone or step.stage.endswith("_wgrad")))
+                      and (not alone or step.stage in WEIGHT_GRADIENT_STAGES))
         per_channel: dict[str, float] = {}
         for step in phase:
             if step.kind is Kind.COMM and step.phase is Phase.ISSUE:

@@ -107,6 +107,8 @@ BACKWARD_STAGES: tuple[Stage, ...] = (POST_BWD, COMBINE_BWD, EXPERTS_DGRAD, EXPE
                                       DISPATCH_BWD, ATTN_DGRAD, ATTN_WGRAD)
 
 STAGES: dict[str, Stage] = {stage.name: stage for stage in FORWARD_STAGES + BACKWARD_STAGES}
+# The weight-gradient stages: needed by nothing after them, so they can fill any later window.
+WEIGHT_GRADIENT_STAGES: frozenset[str] = frozenset({EXPERTS_WGRAD.name, EXPERTS_WGRAD_DOWN.name, ATTN_WGRAD.name})
 
 @dataclass(frozen=True)
 class Step:
@@ -162,36 +164,15 @@ def forward_steps(mb: int, num_layers: int) -> list[Step]:
 
 
 def backward_steps(mb: int, num_layers: int, *, delay_wgrad: bool = False) -> list[Step]:
-    """Backward of one micro-batch through every layer (last layer first) with no overlap.
+    """Backward of one micro-batch through every layer (last layer first) with no overlap: its
+    `backward_segments` one after the other.
 
     With `delay_wgrad`, each layer's expert weight gradient runs after its dispatch backward has been
     issued, and each layer's attention weight gradient after the combine backward of the layer below
     has been issued (the last layer's at the end): with no other micro-batch to overlap, weight
     gradients are what can fill those windows. This only moves work, it never changes a value.
     """
-    steps: list[Step] = []
-    for layer in reversed(range(num_layers)):
-        for stage in BACKWARD_STAGES:
-            if delay_wgrad and stage in (EXPERTS_WGRAD, EXPERTS_WGRAD_DOWN, ATTN_WGRAD):
-                continue
-            if delay_wgrad and stage is COMBINE_BWD:
-                steps.append(issue(mb, layer, COMBINE_BWD.name))
-                if layer + 1 < num_layers:
-                    steps.append(run(mb, layer + 1, ATTN_WGRAD.name))
-                steps.append(wait(mb, layer, COMBINE_BWD.name))
-                continue
-            if delay_wgrad and stage is DISPATCH_BWD:
-                steps += [
-                    issue(mb, layer, DISPATCH_BWD.name),
-                    run(mb, layer, EXPERTS_WGRAD.name),
-                    run(mb, layer, EXPERTS_WGRAD_DOWN.name),
-                    wait(mb, layer, DISPATCH_BWD.name),
-                ]
-                continue
-            steps += stage_steps(mb, layer, stage)
-        if delay_wgrad and layer == 0:
-            steps.append(run(mb, 0, ATTN_WGRAD.name))
-    return steps
+    return [step for segment in backward_segments(mb, num_layers, delay_wgrad=delay_wgrad) for step in segment]
 
 
 def attention_segment(mb: int, layer: int) -> list[Step]:
@@ -223,6 +204,11 @@ def forward_segments(mb: int, num_layers: int) -> list[list[Step]]:
     return segments + [forward_tail(mb, num_layers)]
 
 
+def expert_weight_gradients(mb: int, layer: int) -> list[Step]:
+    """The experts' weight-gradient steps of (mb, layer): gate/up projection, then down projection."""
+    return [run(mb, layer, EXPERTS_WGRAD.name), run(mb, layer, EXPERTS_WGRAD_DOWN.name)]
+
+
 def backward_segments(mb: int, num_layers: int, *, delay_wgrad: bool) -> list[list[Step]]:
     """One micro-batch's backward split at its communication, like `forward_segments`.
 
@@ -244,11 +230,9 @@ def backward_segments(mb: int, num_layers: int, *, delay_wgrad: bool) -> list[li
             head.append(run(mb, layer + 1, ATTN_WGRAD.name))
         experts = [wait(mb, layer, COMBINE_BWD.name), run(mb, layer, EXPERTS_DGRAD.name)]
         if delay_wgrad:
-            experts += [issue(mb, layer, DISPATCH_BWD.name), run(mb, layer, EXPERTS_WGRAD.name),
-                        run(mb, layer, EXPERTS_WGRAD_DOWN.name)]
+            experts += [issue(mb, layer, DISPATCH_BWD.name), *expert_weight_gradients(mb, layer)]
         else:
-            experts += [run(mb, layer, EXPERTS_WGRAD.name), run(mb, layer, EXPERTS_WGRAD_DOWN.name),
-                        issue(mb, layer, DISPATCH_BWD.name)]
+            experts += [*expert_weight_gradients(mb, layer), issue(mb, layer, DISPATCH_BWD.name)]
         segments += [head, experts]
     return segments + [[wait(mb, 0, DISPATCH_BWD.name), run(mb, 0, ATTN_DGRAD.name), run(mb, 0, ATTN_WGRAD.name)]]
 
@@ -272,7 +256,7 @@ def deferred_weight_gradients(layer: tuple[int, int], *, split_expert_wgrad: boo
 
 def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, int] | None, *, delay_wgrad: bool,
                         backward_started: bool = False, next_backward: tuple[int, int] | None = None,
-                        attn_wgrad_before: tuple[int, int] | None = None, split_expert_wgrad: bool = False
+                        wgrad_before: tuple[int, int] | None = None, split_expert_wgrad: bool = False
                         ) -> list[Step]:
     """Forward of one layer interleaved with backward of another, either of them possibly absent.
 
@@ -297,7 +281,7 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
       (`one_f_one_b`) the next backward micro-batch's forward finished a round earlier, so after B's layer 0
       the next micro-batch's top layer starts the same way.
     - B's attention wgrad does not run at the end of its own pair but in the next one
-      (`attn_wgrad_before`), after that pair's F attention and dispatch issue and before its combine-backward
+      (`wgrad_before`), after that pair's F attention and dispatch issue and before its combine-backward
       wait. It still fills the same combine-backward window, but the next forward dispatch is issued one
       attention wgrad earlier, so it starts on the channel as soon as the combine backward ends instead of
       after a gap; after the last pair it fills the first window of the lone last backward, which otherwise has
@@ -321,30 +305,30 @@ def combined_layer_pair(forward: tuple[int, int] | None, backward: tuple[int, in
             pair, see `next_backward`).
         next_backward: (micro-batch, layer) whose post backward runs and whose combine backward is issued right
             after B's attention dgrad (B's next layer, or the next micro-batch's top layer), or None.
-        attn_wgrad_before: (micro-batch, layer) of the backward layer whose `deferred_weight_gradients` run in
+        wgrad_before: (micro-batch, layer) of the backward layer whose `deferred_weight_gradients` run in
             this pair's combine-backward window (the previous pair's backward layer), or None.
         split_expert_wgrad: with `delay_wgrad`, leave B's down-projection expert wgrad to the next pair.
 
     Returns:
         The pair's steps, without B's `deferred_weight_gradients`: the caller passes `backward` as
-        `attn_wgrad_before` of the next pair (or runs them at the end).
+        `wgrad_before` of the next pair (or runs them at the end).
     """
     steps: list[Step] = []
     if backward is not None and not backward_started:
         steps += [run(*backward, "post_bwd"), issue(*backward, "combine_bwd")]
     if forward is not None:
         steps += [run(*forward, "attn"), issue(*forward, "dispatch")]
-    if attn_wgrad_before is not None:
-        steps += deferred_weight_gradients(attn_wgrad_before, split_expert_wgrad=split_expert_wgrad)
+    if wgrad_before is not None:
+        steps += deferred_weight_gradients(wgrad_before, split_expert_wgrad=split_expert_wgrad)
     if backward is not None:
         steps += [wait(*backward, "combine_bwd"), run(*backward, "experts_dgrad")]
+        wgrads = expert_weight_gradients(*backward)
         if not delay_wgrad:
-            steps += [run(*backward, "experts_wgrad"), run(*backward, "experts_wgrad_down")]
+            steps += wgrads
         steps.append(issue(*backward, "dispatch_bwd"))
         if delay_wgrad:
-            steps.append(run(*backward, "experts_wgrad"))
-            if not split_expert_wgrad:
-                steps.append(run(*backward, "experts_wgrad_down"))
+            # With the split, the down projection's part is left to the next pair (`deferred_weight_gradients`).
+            steps += wgrads[:1] if split_expert_wgrad else wgrads
     if forward is not None:
         steps += [wait(*forward, "dispatch"), run(*forward, "experts"), issue(*forward, "combine")]
     if backward is not None:
@@ -424,7 +408,7 @@ def one_f_one_b(num_micro_batches: int, num_layers: int, *, overlap: bool, delay
         elif backward is not None and paired:
             next_backward = (backward[0] + 1, top)
         steps += combined_layer_pair(forward, backward, delay_wgrad=delay_wgrad, backward_started=started,
-                                     next_backward=next_backward, attn_wgrad_before=pending_wgrad,
+                                     next_backward=next_backward, wgrad_before=pending_wgrad,
                                      split_expert_wgrad=split)
         if backward is not None:
             pending_wgrad = backward

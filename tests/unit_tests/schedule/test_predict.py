@@ -75,7 +75,11 @@ def test_upper_bound_leaves_the_lone_forward_and_backward_exposed():
     # One micro-batch: its forward collectives (2 layers x 2 x 1.5) cannot hide at all, its backward ones
     # (as many) only behind its own weight gradients (2 layers x (attention 2.0 + experts 3.0), enough).
     assert hidden_upper_bound(steps, COSTS) == pytest.approx(0.5)
-    assert hidden_upper_bound(steps, {**COSTS, "attn_wgrad": 0.0, "experts_wgrad": 0.5}) == pytest.approx(1.0 / 12.0)
+    only_experts = {**COSTS, "attn_wgrad": 0.0, "experts_wgrad": 0.5, "experts_wgrad_down": 0.0}
+    assert hidden_upper_bound(steps, only_experts) == pytest.approx(1.0 / 12.0)
+    # The down projection's part is as much a weight gradient as the gate/up part.
+    split = {**only_experts, "experts_wgrad": 0.25, "experts_wgrad_down": 0.25}
+    assert hidden_upper_bound(steps, split) == pytest.approx(1.0 / 12.0)
     many = hidden_upper_bound(schedule_steps({**SCHEDULE, "micro_batches": 16}), COSTS)
     few = hidden_upper_bound(schedule_steps(SCHEDULE), COSTS)
     assert 0.0 < few < many < 1.0
