@@ -76,15 +76,9 @@ class RuntimeOptions:
         dtype = env.get(PREFIX + "DTYPE") or None
         if dtype not in (None, "fp32", "bf16"):
             raise UsageError(f"{PREFIX}DTYPE={dtype!r}: use fp32 or bf16")
-        optimizer = env.get(PREFIX + "OPTIMIZER", "adam")
-        if optimizer not in ("adam", "sgd"):
-            raise UsageError(f"{PREFIX}OPTIMIZER={optimizer!r}: use adam or sgd")
-        device = env.get(PREFIX + "DEVICE", "auto")
-        if device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"{PREFIX}DEVICE={device!r}: use auto, cpu or cuda")
-        backend = env.get(PREFIX + "BACKEND", "auto")
-        if backend not in ("auto", "nccl", "gloo"):
-            raise UsageError(f"{PREFIX}BACKEND={backend!r}: use auto, nccl or gloo")
+        optimizer = _choice(env, "OPTIMIZER", "adam", ("adam", "sgd"), "adam or sgd")
+        device = _choice(env, "DEVICE", "auto", ("auto", "cpu", "cuda"), "auto, cpu or cuda")
+        backend = _choice(env, "BACKEND", "auto", ("auto", "nccl", "gloo"), "auto, nccl or gloo")
         try:
             timeout = float(env.get(PREFIX + "COMM_TIMEOUT_S", "120"))
         except ValueError:
@@ -93,21 +87,24 @@ class RuntimeOptions:
             nice = int(env.get(PREFIX + "COMM_NICE", "-10"))
         except ValueError:
             raise UsageError(f"{PREFIX}COMM_NICE={env[PREFIX + 'COMM_NICE']!r} is not an integer") from None
-        paired = env.get(PREFIX + "PAIRED_EDGES", "1")
-        if paired not in ("0", "1"):
-            raise UsageError(f"{PREFIX}PAIRED_EDGES={paired!r}: use 1 (pair the first forwards and last backwards) "
-                             "or 0 (Megatron-Core's order)")
-        channels = env.get(PREFIX + "COMM_CHANNELS", "2")
-        if channels not in ("1", "2"):
-            raise UsageError(f"{PREFIX}COMM_CHANNELS={channels!r}: use 2 (forward and backward all-to-alls on "
-                             "separate communication threads) or 1 (one for both)")
-        split = env.get(PREFIX + "SPLIT_EXPERT_WGRAD", "0")
-        if split not in ("0", "1"):
-            raise UsageError(f"{PREFIX}SPLIT_EXPERT_WGRAD={split!r}: use 1 (down-projection expert wgrad in the next "
-                             "combine-backward window) or 0 (with the rest of the expert wgrad)")
+        paired = _choice(env, "PAIRED_EDGES", "1", ("0", "1"),
+                         "1 (pair the first forwards and last backwards) or 0 (Megatron-Core's order)")
+        channels = _choice(env, "COMM_CHANNELS", "2", ("1", "2"), "2 (forward and backward all-to-alls on separate "
+                           "communication threads) or 1 (one for both)")
+        split = _choice(env, "SPLIT_EXPERT_WGRAD", "0", ("0", "1"), "1 (down-projection expert wgrad in the next "
+                        "combine-backward window) or 0 (with the rest of the expert wgrad)")
         fault = env.get(PREFIX + "FAULT")
         return cls(dtype=dtype, optimizer=optimizer, comm_timeout_s=timeout, device=device, backend=backend,
                    comm_nice=nice, paired_edges=paired == "1", comm_channels=int(channels),
                    split_expert_wgrad=split == "1",
                    fault=Fault.parse(fault) if fault else None,
                    heartbeat_dir=env.get(PREFIX + "HEARTBEAT_DIR") or None)
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...], hint: str) -> str:
+    """`PREFIX + name` from `env` (`default` when unset); a value not in `choices` is a usage error that says
+    what to use (`hint`)."""
+    value = env.get(PREFIX + name, default)
+    if value not in choices:
+        raise UsageError(f"{PREFIX}{name}={value!r}: use {hint}")
+    return value
