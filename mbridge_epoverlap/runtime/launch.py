@@ -140,20 +140,19 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                 env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
             else:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
-            def started(rank: int, pid: int) -> None:
-                if on_start is not None:
-                    on_start([pid])
+            def in_workdir(command: list[str]) -> list[str]:
+                return [arg.replace("{workdir}", str(workdir)) for arg in command]
 
             replace = None
             if respawn is not None:
                 def replace(rank: int, generation: int) -> list[str] | None:
                     command = respawn(rank, generation)
-                    return None if command is None else [arg.replace("{workdir}", str(workdir)) for arg in command]
+                    return None if command is None else in_workdir(command)
 
-            ranks = stack.enter_context(_Ranks(workdir, rank_names, expendable, replace, started))
+            ranks = stack.enter_context(_Ranks(workdir, rank_names, expendable, replace, on_start))
             for rank in range(world):
                 prefix = link.command_prefix(rank) if link is not None else []
-                command = [arg.replace("{workdir}", str(workdir)) for arg in command_for(rank)]
+                command = in_workdir(command_for(rank))
                 ranks.start(rank, prefix + command, dict(env, RANK=str(rank), WORLD_SIZE=str(world),
                                                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)))
             if on_start is not None:
@@ -256,7 +255,7 @@ class _Ranks:
 
     def __init__(self, workdir: Path, names: Mapping[int, str] | None = None,
                  expendable: Collection[int] = (), respawn: Callable[[int, int], list[str] | None] | None = None,
-                 on_respawn: Callable[[int, int], None] | None = None) -> None:
+                 on_respawn: Callable[[list[int]], None] | None = None) -> None:
         self.workdir = workdir
         self.ranks: list[_Rank] = []
         self.names = dict(names or {})
@@ -280,7 +279,7 @@ class _Ranks:
             if command is not None:
                 self.start(r.rank, command, self.envs[r.rank], generation=r.generation + 1)
                 if self.on_respawn is not None:
-                    self.on_respawn(r.rank, self.ranks[-1].proc.pid)
+                    self.on_respawn([self.ranks[-1].proc.pid])
 
     def name(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
