@@ -34,6 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mbridge_epoverlap.serving.elastic_cli import _fmt  # noqa: E402
+
 
 def _run(args: argparse.Namespace, steps: int, repeats: int) -> dict:
     command = [sys.executable, "-m", "mbridge_epoverlap.cli", "elastic-bench", "--json",
@@ -115,10 +117,6 @@ def main() -> int:
                 f"step {b['step']}: {b['moved']} moved, max/mean {b['imbalance_before']:.3f} -> "
                 f"{b['imbalance_after']:.3f}" for b in moved) or "none lowered the load"))
     return 0
-
-
-def _fmt(value: float | None, spec: str = "{:.3f}") -> str:
-    return "-" if value is None else spec.format(value)
 
 
 if __name__ == "__main__":

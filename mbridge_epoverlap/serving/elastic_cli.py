@@ -89,7 +89,6 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
                       micro_batches=args.micro_batches, max_new_tokens=args.steps, max_batch=args.batch,
                       backend=args.backend, timeout_s=args.timeout, dtype=args.dtype)
     elastic = make_elastic(plain, redundant=args.redundant_experts)
-    rebalancing = make_elastic(plain, redundant=args.redundant_experts, rebalance_every=args.rebalance_every)
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
                            restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,
                            rejoin_after_steps=args.rejoin_after_steps)
@@ -97,7 +96,8 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     # The no-failure arms: plain, elastic, and with --rebalance-every elastic with rebalancing.
     arms: dict[str, Any] = {"plain": plain, "elastic": elastic}
     if args.rebalance_every:
-        arms["rebalancing"] = rebalancing
+        arms["rebalancing"] = make_elastic(plain, redundant=args.redundant_experts,
+                                           rebalance_every=args.rebalance_every)
     rates: dict[str, list[float]] = {name: [] for name in arms}
     reference = None
     for i in range(args.repeats):

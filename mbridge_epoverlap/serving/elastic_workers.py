@@ -189,19 +189,19 @@ class ElasticAttentionWorker(AttentionWorker):
                           "decoding goes on without it", worker=worker)
                 continue
             joined.add(worker)
-        if not joined and load is None:
-            return
         if load is not None and not int(load.sum()):
             load = None  # nothing was routed: no measurement to balance for
+        if not joined and load is None:
+            return
         candidate = self.layout.resolved(self.layout.alive | joined, load)
         if joined:
             self._announce(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined))
         elif load is not None and candidate.imbalance(load) < self.layout.imbalance(load) * (1 - MIN_REBALANCE_GAIN):
             self._announce(candidate, step, load, "rebalanced")
         elif load is not None:
+            kept = self.layout.imbalance(load)
             self.events.append({"event": "rebalance-kept", "t": time.monotonic(), "step": step,
-                                "imbalance_before": self.layout.imbalance(load),
-                                "imbalance_after": self.layout.imbalance(load)})
+                                "imbalance_before": kept, "imbalance_after": kept})
 
     def _admissions(self, step: int) -> list[list[int]]:
         """(Attention worker 0) the replacements to admit at `step`: lost at least `rejoin_after_steps` ago and
