@@ -27,7 +27,7 @@ from typing import Any
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST
 from mbridge_epoverlap.serving.plan import COLOCATED, EnginePlan
-from mbridge_epoverlap.serving.requests import Request
+from mbridge_epoverlap.serving.requests import Request, micro_batch_limit
 
 _HEADER_BYTES = 4096  # room for the M2N message header and the control tensor
 
@@ -73,7 +73,7 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
     # share of the batch limit (`AttentionWorker._refill`).
     longest = max(len(r.prompt_ids) for r in requests)
-    per_micro_batch = min(-(-max_batch // micro_batches), max(len(d) for d in dealt))
+    per_micro_batch = min(micro_batch_limit(max_batch, micro_batches, 0), max(len(d) for d in dealt))
     rows = per_micro_batch * longest * spec.top_k
     element = 2 if dtype == "bfloat16" else 4
     slot_bytes = rows * (spec.hidden_size * element + 8) + _HEADER_BYTES

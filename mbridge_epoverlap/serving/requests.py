@@ -98,6 +98,12 @@ class Sequence_:
                 "tbt_ms": tbt, "status": status}
 
 
+def micro_batch_limit(max_batch: int, micro_batches: int, index: int) -> int:
+    """How many of the `max_batch` running sequences micro-batch `index` of `micro_batches` may hold: an even
+    share, the first `max_batch % micro_batches` micro-batches one more (micro-batch 0 holds the most)."""
+    return max_batch // micro_batches + (1 if index < max_batch % micro_batches else 0)
+
+
 class RequestQueue:
     """Continuous batching over one worker's requests.
 

@@ -43,7 +43,7 @@ from mbridge_epoverlap.runtime import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, FORWARD_STAGES, POST, Phase, Role, Step
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, ping_pong_round
 from mbridge_epoverlap.serving.placement import Placement
-from mbridge_epoverlap.serving.requests import RequestQueue, Sequence_
+from mbridge_epoverlap.serving.requests import RequestQueue, Sequence_, micro_batch_limit
 from mbridge_epoverlap.serving.stage_timer import StageTimer
 
 ACTIVE, IDLE = 1, 0
@@ -249,7 +249,7 @@ class AttentionWorker:
         for seq in self.queue.retire(h.seqs):
             h.cache.free(seq.slot)
         h.seqs = [seq for seq in h.seqs if not seq.finished]
-        limit = self.queue.max_batch // self.m + (1 if h.index < self.queue.max_batch % self.m else 0)
+        limit = micro_batch_limit(self.queue.max_batch, self.m, h.index)
         share = -(-len(self.queue.waiting) // (self.m - h.index))
         for seq in self.queue.admit(min(share, limit - len(h.seqs))):
             h.cache.add(seq.slot)
