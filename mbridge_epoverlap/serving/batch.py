@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +26,23 @@ class Segment:
     @property
     def length(self) -> int:
         return self.rows.stop - self.rows.start
+
+
+class AttentionGroups(NamedTuple):
+    """How a batch's segments attend: the decode tokens (one per sequence) as one batch, the rest one at a time.
+
+    Attributes:
+        decode: the single-token segments attended as one batch (empty unless there are at least two).
+        alone: the segments attended on their own: prompts (several tokens), and a lone decode token.
+        decode_rows: [len(decode)] int64 batch rows of the decode tokens.
+        decode_seq_ids, decode_starts: their sequence ids and positions.
+    """
+
+    decode: tuple[Segment, ...]
+    alone: tuple[Segment, ...]
+    decode_rows: torch.Tensor
+    decode_seq_ids: list[int]
+    decode_starts: list[int]
 
 
 @dataclass(frozen=True)
@@ -67,6 +86,16 @@ class TokenBatch:
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @cached_property
+    def attention_groups(self) -> AttentionGroups:
+        """The split every layer's attention uses, computed once per batch (the batch is the same in every layer)."""
+        decode = tuple(seg for seg in self.segments if seg.length == 1)
+        if len(decode) < 2:
+            decode = ()
+        alone = tuple(seg for seg in self.segments if seg.length > 1) if decode else self.segments
+        return AttentionGroups(decode, alone, torch.tensor([seg.rows.start for seg in decode], dtype=torch.int64),
+                               [seg.seq_id for seg in decode], [seg.start for seg in decode])
 
     def last_rows(self) -> tuple[torch.Tensor, list[int]]:
         """(rows of each sequence's last token in this batch, their sequence ids), in batch order."""

@@ -120,14 +120,13 @@ class AttentionPart(torch.nn.Module):
         heads = torch.empty(x.shape[0], self.spec.num_heads * self.spec.head_dim, dtype=x.dtype)
         # Decode tokens (one per sequence) attend as one batch; a prompt (several tokens), or a lone decode
         # token, on its own.
-        decode = [seg for seg in batch.segments if seg.length == 1]
-        alone = [seg for seg in batch.segments if seg.length > 1] if len(decode) > 1 else batch.segments
-        if len(decode) > 1:
-            rows = torch.tensor([seg.rows.start for seg in decode], dtype=torch.int64)
-            keys, values, lengths = cache.append_decode(layer, [seg.seq_id for seg in decode],
-                                                        [seg.start for seg in decode], k[rows], v[rows])
+        groups = batch.attention_groups
+        if groups.decode:
+            rows = groups.decode_rows
+            keys, values, lengths = cache.append_decode(layer, groups.decode_seq_ids, groups.decode_starts, k[rows],
+                                                        v[rows])
             heads[rows] = decode_attention(q[rows], keys, values, lengths, sliding_window=self.spec.sliding_window)
-        for seg in alone:
+        for seg in groups.alone:
             keys, values = cache.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
             heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
                                                sliding_window=self.spec.sliding_window)
