@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -120,15 +121,10 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
         return ColocatedWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
                                parts.load_expert_part(spec, placement.experts_of(index)), placement, plan.order,
                                plan.micro_batches, group, ctx, beat, progress)
-    from mbridge_epoverlap.comm.m2n import make_communicator
     from mbridge_epoverlap.serving.workers import AttentionWorker, ExpertWorker
 
-    rank = dist.get_rank()
     peers = plan.expert_ranks if role is Role.ATTENTION else plan.attention_ranks
-    comm = make_communicator(plan.backend, rank=rank, peers=peers, store=dist.PrefixStore("m2n", store),
-                             slot_bytes=plan.slot_bytes, slots=plan.micro_batches + 1, timeout_s=plan.timeout_s,
-                             roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
-                             single_host=plan.backend != "torch")
+    comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(), peers=peers)
     if plan.elastic:
         return _build_elastic(plan, spec, role, index, queue, comm, beat, progress, store)
     if role is Role.ATTENTION:
@@ -182,15 +178,11 @@ def _weight_mover(plan: EnginePlan, index: int, store: Any, *, peers: list[int],
         return None
     import torch.distributed as dist
 
-    from mbridge_epoverlap.comm.m2n import make_communicator
     from mbridge_epoverlap.serving.expert_moves import WeightMover
 
     weights_store = dist.PrefixStore("m2n-weights", store)
-    rank = plan.expert_ranks[index]
-    comm = make_communicator(plan.backend, rank=rank, peers=peers, store=weights_store, key_prefix=key_prefix,
-                             slot_bytes=plan.weight_slot_bytes, slots=2, timeout_s=plan.timeout_s,
-                             roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
-                             single_host=plan.backend != "torch")
+    comm = _m2n(plan, weights_store, rank=plan.expert_ranks[index], peers=peers, key_prefix=key_prefix,
+                slot_bytes=plan.weight_slot_bytes, slots=2)
     return WeightMover(comm, weights_store, plan.expert_ranks, index, plan.timeout_s, plan.expert_restore)
 
 
@@ -199,7 +191,6 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     import torch
     import torch.distributed as dist
 
-    from mbridge_epoverlap.comm.m2n import make_communicator
     from mbridge_epoverlap.runtime import heartbeat as hb
     from mbridge_epoverlap.serving.checkpoint import load_spec
     from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertStore
@@ -232,11 +223,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
         return EXIT_OK
     layout = ElasticLayout.from_slots(spec.num_experts, plan.expert_workers, admission["slots"])
     prefix = rejoin_prefix(index, generation)
-    comm = make_communicator(plan.backend, rank=rank, peers=plan.attention_ranks,
-                             store=dist.PrefixStore("m2n", store), key_prefix=prefix, slot_bytes=plan.slot_bytes,
-                             slots=plan.micro_batches + 1, timeout_s=plan.timeout_s,
-                             roles={peer: plan.role_name(peer) for peer in plan.attention_ranks},
-                             world_size=plan.world, single_host=plan.backend != "torch")
+    comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=rank, peers=plan.attention_ranks, key_prefix=prefix)
     state["comms"] = [comm]  # closed on failure (the worker does not exist yet)
     peers = [plan.expert_ranks[w] for w in sorted(layout.alive)]
     mover = _weight_mover(plan, index, store, peers=peers, key_prefix=prefix)
@@ -256,6 +243,19 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     beat.beat(worker.decode_steps, 0, hb.DONE)
     _close(worker)
     return EXIT_OK
+
+
+def _m2n(plan: EnginePlan, store: Any, *, rank: int, peers: Sequence[int], key_prefix: str = "m2n",
+         slot_bytes: int | None = None, slots: int | None = None) -> Any:
+    """This rank's end of an M2N channel of the plan's backend to `peers` (named by role in errors); by default
+    the dispatch/combine channel: a slot per micro-batch in flight plus one, each `plan.slot_bytes`."""
+    from mbridge_epoverlap.comm.m2n import make_communicator
+
+    return make_communicator(plan.backend, rank=rank, peers=peers, store=store, key_prefix=key_prefix,
+                             slot_bytes=plan.slot_bytes if slot_bytes is None else slot_bytes,
+                             slots=plan.micro_batches + 1 if slots is None else slots, timeout_s=plan.timeout_s,
+                             roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
+                             single_host=plan.backend != "torch")
 
 
 def _report(worker: Any, queue: Any, *, failed: bool = False) -> dict[str, Any]:
