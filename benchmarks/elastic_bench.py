@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mbridge_epoverlap.serving.elastic_cli import _fmt  # noqa: E402
+from mbridge_epoverlap.serving.cli.elastic import _fmt  # noqa: E402
 
 
 def _run(args: argparse.Namespace, steps: int, repeats: int) -> dict:

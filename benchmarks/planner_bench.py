@@ -46,8 +46,8 @@ ALL_PAIRS = [
     "-c",
     "import json, time\n"
     "t = time.perf_counter()\n"
-    "from mbridge_epoverlap.serving.catalog import MODELS\n"
-    "from mbridge_epoverlap.serving.planner import compare\n"
+    "from mbridge_epoverlap.serving.planning.catalog import MODELS\n"
+    "from mbridge_epoverlap.serving.planning.search import compare\n"
     "rows = [r for m in MODELS for r in compare(m)]\n"
     "print(json.dumps({'plans': len(rows), 'failed': sum('error' in r for r in rows),"
     " 'in_process_s': time.perf_counter() - t}))",

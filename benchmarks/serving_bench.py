@@ -26,15 +26,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mbridge_epoverlap.serving.bench import (  # noqa: E402
+from mbridge_epoverlap.serving.engine.bench import (  # noqa: E402
     balanced_micro_batch,
     describe_probe,
     machine,
     matches_reference,
     synthetic_requests,
 )
-from mbridge_epoverlap.serving.checkpoint import load_spec  # noqa: E402
-from mbridge_epoverlap.serving.engine import make_plan, run_engine  # noqa: E402
+from mbridge_epoverlap.serving.engine.run import make_plan, run_engine  # noqa: E402
+from mbridge_epoverlap.serving.model.checkpoint import load_spec  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

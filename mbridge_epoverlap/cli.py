@@ -20,10 +20,10 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mbridge_epoverlap.config.cli",
     "mbridge_epoverlap.profiling.cli",
     "mbridge_epoverlap.schedule.cli",
-    "mbridge_epoverlap.serving.cli",
+    "mbridge_epoverlap.serving.cli.plan",
     "mbridge_epoverlap.comm.cli",
-    "mbridge_epoverlap.serving.serve_cli",
-    "mbridge_epoverlap.serving.elastic_cli",
+    "mbridge_epoverlap.serving.cli.serve",
+    "mbridge_epoverlap.serving.cli.elastic",
 )
 
 

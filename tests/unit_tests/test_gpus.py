@@ -8,8 +8,8 @@ from mbridge_epoverlap.config.environment import GPU_CATALOG, Environment
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.gpus import GPU_FACTS, gpu_facts
 from mbridge_epoverlap.harness.flags import GPUS, build_parser
-from mbridge_epoverlap.serving.catalog import GPUS as PLANNER_GPUS
-from mbridge_epoverlap.serving.catalog import get_gpu
+from mbridge_epoverlap.serving.planning.catalog import GPUS as PLANNER_GPUS
+from mbridge_epoverlap.serving.planning.catalog import get_gpu
 
 
 @pytest.mark.parametrize(("name", "key"), [("h100", "h100"), ("H100", "h100"), ("A100-80G", "a100"),

@@ -1,10 +1,10 @@
 """`run_script.py --task serve_bench`: the serving bench as one Slurm job, roles placed by rank.
 
-srun starts one serving worker per task (`mbridge_epoverlap.serving.worker_main`): ranks 0..A-1 are the
+srun starts one serving worker per task (`mbridge_epoverlap.serving.engine.worker_main`): ranks 0..A-1 are the
 attention workers and ranks A..A+E-1 the expert workers (`serving.plan.EnginePlan.role_of`); they meet
 at the first node's address. One node uses the shared-memory M2N backend, more nodes the `torch`
 point-to-point one. The job then merges the workers' reports and checks every token against the
-single-process reference (`mbridge_epoverlap.serving.collect`). `--executor local` runs the same bench
+single-process reference (`mbridge_epoverlap.serving.engine.collect`). `--executor local` runs the same bench
 on local processes.
 
 Flags: `-mr` recipe, `-ng` workers (A+E), `-gn` workers per node, `--attn_workers A`, `--micro_batches M`,
@@ -52,9 +52,10 @@ def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: Scri
         'log "serve-bench: start (port $MASTER_PORT)"',
         f"srun --ntasks={world} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 \\",
         "  bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec \"$@\"' "
-        f'rank "$PYTHON" -m mbridge_epoverlap.serving.worker_main --plan {q(str(plan_path))} --out {q(str(out_dir))}',
+        f'rank "$PYTHON" -m mbridge_epoverlap.serving.engine.worker_main --plan {q(str(plan_path))} '
+        f"--out {q(str(out_dir))}",
         'log "serve-bench: workers done; collecting"',
-        f'"$PYTHON" -m mbridge_epoverlap.serving.collect --plan {q(str(plan_path))} --out {q(str(out_dir))} '
+        f'"$PYTHON" -m mbridge_epoverlap.serving.engine.collect --plan {q(str(plan_path))} --out {q(str(out_dir))} '
         f"--results {q(str(results))}",
         f"log {q('results written to ' + str(results))}",
         "",
@@ -66,9 +67,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     """The harness's serve_bench task (local processes or one Slurm job)."""
     from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, job_shape, require_tool
     from mbridge_epoverlap.harness.flags import given
-    from mbridge_epoverlap.serving.bench import synthetic_requests
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.engine import make_plan
+    from mbridge_epoverlap.serving.engine.bench import synthetic_requests
+    from mbridge_epoverlap.serving.engine.run import make_plan
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     executor = args.executor or "local"
     if args.gpu not in (None, "cpu"):
@@ -118,8 +119,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def _local(plan: Any, spec: Any, requests: Any, steps: int, results_path: Path, *, dry: bool) -> int:
-    from mbridge_epoverlap.serving.bench import machine, matches_reference
-    from mbridge_epoverlap.serving.engine import run_engine
+    from mbridge_epoverlap.serving.engine.bench import machine, matches_reference
+    from mbridge_epoverlap.serving.engine.run import run_engine
 
     if dry:
         print(plan.to_json())

@@ -19,8 +19,8 @@ def test_dry_run_shows_the_script_with_roles_by_rank(tmp_path):
     script = done.stdout
     assert "#SBATCH --ntasks=2" in script
     assert "ranks 0..0 attention workers, ranks 1..1 expert workers" in script
-    assert "srun --ntasks=2" in script and "mbridge_epoverlap.serving.worker_main" in script
-    assert "mbridge_epoverlap.serving.collect" in script
+    assert "srun --ntasks=2" in script and "mbridge_epoverlap.serving.engine.worker_main" in script
+    assert "mbridge_epoverlap.serving.engine.collect" in script
     plan = json.loads((tmp_path / "serve.slurm" / "plan.json").read_text())
     assert plan["attn_workers"] == 1 and plan["expert_workers"] == 1 and plan["micro_batches"] == 2
     assert not out.exists()

@@ -73,7 +73,7 @@ def test_subcommand_registration_stays_light():
     code = (
         "import argparse, json, sys\n"
         "from mbridge_epoverlap.schedule import cli as a\n"
-        "from mbridge_epoverlap.serving import cli as b\n"
+        "from mbridge_epoverlap.serving.cli import plan as b\n"
         "subparsers = argparse.ArgumentParser().add_subparsers()\n"
         "a.register(subparsers); b.register(subparsers)\n"
         "print(json.dumps([m for m in ('numpy', 'torch', 'matplotlib', 'rich') if m in sys.modules]))"

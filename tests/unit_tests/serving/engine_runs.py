@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 
-from mbridge_epoverlap.serving.requests import Request
+from mbridge_epoverlap.serving.workers.requests import Request
 
 
 def requests_of(prompts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.catalog import GPUS, MODELS, get_gpu, get_model
+from mbridge_epoverlap.serving.planning.catalog import GPUS, MODELS, get_gpu, get_model
 
 REQUIRED_GPUS = {"A100-80G", "H100", "H200", "H20", "L40S", "B200", "B300", "GB200"}
 REQUIRED_MODELS = {"Mixtral-8x22B", "DBRX", "Scaled-MoE", "Qwen3-30B-A3B", "Qwen3-235B-A22B", "DeepSeek-V3"}

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving import checkpoint as checkpoint_module
-from mbridge_epoverlap.serving.checkpoint import load_spec
-from mbridge_epoverlap.serving.model import (
+from mbridge_epoverlap.serving.model import checkpoint as checkpoint_module
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.model.parts import (
     ExpertPart,
     generate_reference,
     load_attention_part,
     load_expert_part,
 )
-from mbridge_epoverlap.serving.tokenizer import load_tokenizer, require_tokenizer
+from mbridge_epoverlap.serving.model.tokenizer import load_tokenizer, require_tokenizer
 
 
 def _copy(source: Path, tmp_path: Path) -> Path:

@@ -13,10 +13,10 @@ import os
 import pytest
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.checkpoint import load_spec
-from mbridge_epoverlap.serving.elastic import ElasticLayout, check_elastic, make_elastic
-from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
-from mbridge_epoverlap.serving.requests import Request
+from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, check_elastic, make_elastic
+from mbridge_epoverlap.serving.engine.run import EngineFailed, make_plan, run_engine
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.workers.requests import Request
 from tests.unit_tests.serving.engine_runs import leftovers as _leftovers
 from tests.unit_tests.serving.engine_runs import requests_of as _requests
 
@@ -36,7 +36,7 @@ def test_layout_spreads_replicas_and_resolves_over_survivors():
 def test_router_follows_eplb_replica_choice():
     import torch
 
-    from mbridge_epoverlap.serving import eplb
+    from mbridge_epoverlap.serving.elastic import eplb
 
     layout, _ = ElasticLayout.initial(8, 4, 4).without({1})
     router = layout.router()

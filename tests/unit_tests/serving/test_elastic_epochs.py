@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.checkpoint import load_spec
-from mbridge_epoverlap.serving.elastic import ElasticLayout, make_elastic
-from mbridge_epoverlap.serving.engine import make_plan, run_engine
-from mbridge_epoverlap.serving.expert_moves import transfers
-from mbridge_epoverlap.serving.requests import Request
+from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, make_elastic
+from mbridge_epoverlap.serving.elastic.moves import transfers
+from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.workers.requests import Request
 from tests.unit_tests.serving.engine_runs import leftovers as _leftovers
 from tests.unit_tests.serving.engine_runs import requests_of as _requests
 
@@ -39,7 +39,7 @@ def test_transfers_bring_each_gained_expert_from_a_live_holder():
 
 
 def test_expert_store_builds_a_share_from_held_and_received_weights(tiny_mixtral_dir):
-    from mbridge_epoverlap.serving.elastic import ExpertStore
+    from mbridge_epoverlap.serving.elastic.layout import ExpertStore
 
     spec = load_spec(tiny_mixtral_dir)
     mine, theirs, reference = ExpertStore(spec, [0, 1]), ExpertStore(spec, [2, 3]), ExpertStore(spec, [0, 1, 2, 3])

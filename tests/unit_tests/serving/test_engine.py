@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from mbridge_epoverlap.serving.checkpoint import load_spec
-from mbridge_epoverlap.serving.engine import EngineFailed, make_plan, run_engine
-from mbridge_epoverlap.serving.requests import Request
+from mbridge_epoverlap.serving.engine.run import EngineFailed, make_plan, run_engine
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.workers.requests import Request
 
 MAX_NEW = 6
 RECIPE = "qwen3_30b_a3b"
@@ -136,7 +136,7 @@ def test_serve_bench_reports_and_matches_reference(tiny_qwen3_moe_dir, capsys):
 
 
 def test_balanced_sizing_picks_the_largest_expected_gain(tiny_mixtral_dir):
-    from mbridge_epoverlap.serving.bench import balanced_micro_batch
+    from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch
 
     spec = load_spec(tiny_mixtral_dir)
     best, probes = balanced_micro_batch(spec, attn_workers=1, expert_workers=1, candidates=(1, 4))

@@ -9,9 +9,9 @@ import pytest
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.program import FORWARD_STAGES, Role, check_schedule
 from mbridge_epoverlap.schedule.serving_orders import ping_pong
-from mbridge_epoverlap.serving.placement import Placement
-from mbridge_epoverlap.serving.plan import EnginePlan
-from mbridge_epoverlap.serving.requests import Request, RequestQueue, load_prompts
+from mbridge_epoverlap.serving.engine.plan import EnginePlan
+from mbridge_epoverlap.serving.workers.placement import Placement
+from mbridge_epoverlap.serving.workers.requests import Request, RequestQueue, load_prompts
 
 
 def test_placement_is_a_table_and_rejects_what_cannot_run():
@@ -63,7 +63,7 @@ def test_queue_admits_at_step_boundaries_and_retires_finished_ones():
 
 
 def test_roles_split_the_ping_pong_order_as_the_stage_table_says():
-    from mbridge_epoverlap.serving.workers import role_steps
+    from mbridge_epoverlap.serving.workers.disaggregated import role_steps
 
     order = ping_pong(3, 2)
     attention, expert = role_steps(order, Role.ATTENTION), role_steps(order, Role.EXPERT)
@@ -87,8 +87,8 @@ def test_plan_places_roles_by_rank_and_round_trips():
 
 
 def test_replay_of_balanced_stages_predicts_the_ping_pong_gain():
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.engine import make_plan, replay
+    from mbridge_epoverlap.serving.engine.run import make_plan, replay
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     spec = load_spec("qwen3_30b_a3b")
     requests = [Request("a", (1, 2))]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving import eplb
+from mbridge_epoverlap.serving.elastic import eplb
 
 
 def check_placement(placement: eplb.Placement, num_logical: int, num_replicas: int, num_gpus: int,
@@ -69,7 +69,7 @@ def test_deterministic_and_ties_resolved_the_same_way() -> None:
 def test_another_process_with_other_thread_settings_gets_the_same_maps() -> None:
     """Survivors compute the placement independently; it must not depend on the process or its threads."""
     script = ("import hashlib, sys, torch\n"
-              "from mbridge_epoverlap.serving import eplb\n"
+              "from mbridge_epoverlap.serving.elastic import eplb\n"
               "torch.set_num_threads(int(sys.argv[1]))\n"
               "load = eplb.zipf_load(6, 64, seed=9)\n"
               "p = eplb.rebalance_over_survivors(load, 96, 16, [g for g in range(16) if g != 5], 8, 2)\n"

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving import perf_model as pm
-from mbridge_epoverlap.serving.catalog import GPUS, MODELS
+from mbridge_epoverlap.serving.planning import perf_model as pm
+from mbridge_epoverlap.serving.planning.catalog import GPUS, MODELS
 
 P = pm.PerfParams()
 MIXTRAL = MODELS["Mixtral-8x22B"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving import perf_model as pm
-from mbridge_epoverlap.serving.catalog import GPUS, MODELS
-from mbridge_epoverlap.serving.planner import compare, plan, plan_colocated, simulate_plan
+from mbridge_epoverlap.serving.planning import perf_model as pm
+from mbridge_epoverlap.serving.planning.catalog import GPUS, MODELS
+from mbridge_epoverlap.serving.planning.search import compare, plan, plan_colocated, simulate_plan
 
 CLI_KEYS = {
     "tp_a", "tp_e", "n_a", "m", "B", "t_attn_ms", "t_expert_ms", "t_comm_ms", "tbt_ms", "throughput_tokens_s",

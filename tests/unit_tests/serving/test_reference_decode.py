@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from mbridge_epoverlap.serving.batch import TokenBatch
-from mbridge_epoverlap.serving.checkpoint import load_spec
-from mbridge_epoverlap.serving.kv_cache import KVCache
-from mbridge_epoverlap.serving.model import (
+from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.model.kv_cache import KVCache
+from mbridge_epoverlap.serving.model.parts import (
     LocalModel,
     generate_reference,
     load_attention_part,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mbridge_epoverlap.serving.requests import Request
+from mbridge_epoverlap.serving.workers.requests import Request
 
 BATCH_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PROMPT_LEN = 8
@@ -44,7 +44,7 @@ def synthetic_requests(count: int, vocab_size: int, *, prompt_len: int = PROMPT_
 def matches_reference(spec: Any, requests: Sequence[Request], completions: Sequence[dict[str, Any]],
                       max_new_tokens: int) -> bool:
     """Whether every generated token equals the single-process greedy reference of the same weights."""
-    from mbridge_epoverlap.serving.model import generate_reference
+    from mbridge_epoverlap.serving.model.parts import generate_reference
 
     expected = generate_reference(spec, [list(r.prompt_ids) for r in requests], max_new_tokens)
     got = {c["id"]: c["output_ids"] for c in completions}
@@ -71,8 +71,8 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
     """
     import torch
 
-    from mbridge_epoverlap.serving.model import KVCache, TokenBatch, load_attention_part, load_expert_part
-    from mbridge_epoverlap.serving.placement import Placement
+    from mbridge_epoverlap.serving.model.parts import KVCache, TokenBatch, load_attention_part, load_expert_part
+    from mbridge_epoverlap.serving.workers.placement import Placement
 
     torch.set_num_threads(1)
     layer = spec.moe_layer_ids[0]

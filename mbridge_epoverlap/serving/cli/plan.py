@@ -115,7 +115,7 @@ def parse_prices(items: list[str]) -> dict[str, float]:
 
 def handle(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; return the exit code."""
-    from mbridge_epoverlap.serving import catalog
+    from mbridge_epoverlap.serving.planning import catalog
 
     if args.list:
         return _print_catalog(args.json)
@@ -126,7 +126,8 @@ def handle(args: argparse.Namespace) -> int:
     for name in prices:
         catalog.get_gpu(name, flag="--price", prices=prices)
 
-    from mbridge_epoverlap.serving import perf_model, planner
+    from mbridge_epoverlap.serving.planning import perf_model
+    from mbridge_epoverlap.serving.planning import search as planner
 
     params = (
         perf_model.PerfParams() if args.link_util is None else perf_model.PerfParams(link_utilization=args.link_util)
@@ -271,7 +272,7 @@ def _print_compare(rows: list[dict[str, Any]], args: argparse.Namespace) -> None
 def _print_catalog(as_json: bool) -> int:
     from dataclasses import asdict
 
-    from mbridge_epoverlap.serving import catalog
+    from mbridge_epoverlap.serving.planning import catalog
 
     if as_json:
         _dump(

@@ -1,6 +1,6 @@
 """Merge the serving workers' reports of a cluster job into the `serve-bench` result.
 
-`python -m mbridge_epoverlap.serving.collect --plan PLAN.json --out DIR --results RESULT.json` runs after
+`python -m mbridge_epoverlap.serving.engine.collect --plan PLAN.json --out DIR --results RESULT.json` runs after
 srun has finished the workers (each wrote `DIR/rank<R>.json`); it adds the reference check and the
 machine, as `serve-bench` does locally.
 """
@@ -16,17 +16,17 @@ from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mbridge_epoverlap.serving.collect", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mbridge_epoverlap.serving.engine.collect", description=__doc__)
     parser.add_argument("--plan", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--results", required=True, type=Path)
     args = parser.parse_args(argv)
 
-    from mbridge_epoverlap.serving.bench import machine, matches_reference
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.engine import _collect, merge
-    from mbridge_epoverlap.serving.plan import EnginePlan
-    from mbridge_epoverlap.serving.requests import Request
+    from mbridge_epoverlap.serving.engine.bench import machine, matches_reference
+    from mbridge_epoverlap.serving.engine.plan import EnginePlan
+    from mbridge_epoverlap.serving.engine.run import _collect, merge
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.workers.requests import Request
 
     plan = EnginePlan.from_json(args.plan.read_text())
     ranks = _collect(args.out)["ranks"]

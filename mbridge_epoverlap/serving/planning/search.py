@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving import perf_model as pm
-from mbridge_epoverlap.serving.catalog import GPU, GPUS, Model, get_gpu, get_model
+from mbridge_epoverlap.serving.planning import perf_model as pm
+from mbridge_epoverlap.serving.planning.catalog import GPU, GPUS, Model, get_gpu, get_model
 
 if TYPE_CHECKING:
     from mbridge_epoverlap.schedule.timeline import Timeline

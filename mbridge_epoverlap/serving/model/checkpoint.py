@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.hf_layout import ARCHITECTURES, MIXTRAL, QWEN3_MOE, all_sources
-from mbridge_epoverlap.serving.spec import DTYPES, ModelSpec
+from mbridge_epoverlap.serving.model.hf_layout import ARCHITECTURES, MIXTRAL, QWEN3_MOE, all_sources
+from mbridge_epoverlap.serving.model.spec import DTYPES, ModelSpec
 
 if TYPE_CHECKING:
     import torch

@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.serve_cli import (
+from mbridge_epoverlap.serving.cli.serve import (
     _model_args,
     _positive,
     _print,
@@ -73,10 +73,10 @@ def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
 
 
 def handle_elastic_bench(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.bench import machine, synthetic_requests
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.elastic import check_elastic, make_elastic
-    from mbridge_epoverlap.serving.engine import make_plan, run_engine
+    from mbridge_epoverlap.serving.elastic.layout import check_elastic, make_elastic
+    from mbridge_epoverlap.serving.engine.bench import machine, synthetic_requests
+    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     source = args.checkpoint if args.checkpoint is not None else (args.recipe or DEFAULT_RECIPE)
     spec = load_spec(str(source), dtype=args.dtype)

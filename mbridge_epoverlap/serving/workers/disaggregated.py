@@ -42,9 +42,9 @@ import torch
 from mbridge_epoverlap.runtime import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, FORWARD_STAGES, POST, Phase, Role, Step
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, ping_pong_round
-from mbridge_epoverlap.serving.placement import Placement
-from mbridge_epoverlap.serving.requests import RequestQueue, Sequence_, micro_batch_limit
-from mbridge_epoverlap.serving.stage_timer import StageTimer
+from mbridge_epoverlap.serving.workers.placement import Placement
+from mbridge_epoverlap.serving.workers.requests import RequestQueue, Sequence_, micro_batch_limit
+from mbridge_epoverlap.serving.workers.stage_timer import StageTimer
 
 ACTIVE, IDLE = 1, 0
 CONTINUE, STOP = 1, 0
@@ -131,8 +131,8 @@ class AttentionWorker:
     def __init__(self, spec: Any, part: Any, cache: Any, queue: RequestQueue, comm: Any, expert_ranks: list[int],
                  placement: Placement, micro_batches: int, timeout_s: float, beat: hb.Heartbeat | None = None,
                  progress: Callable[[str], None] | None = None) -> None:
-        from mbridge_epoverlap.serving.model import TokenBatch
-        from mbridge_epoverlap.serving.sampling import greedy
+        from mbridge_epoverlap.serving.model.parts import TokenBatch
+        from mbridge_epoverlap.serving.model.sampling import greedy
 
         self.spec, self.part, self.cache, self.queue, self.comm = spec, part, cache, queue, comm
         self.expert_ranks, self.m, self.timeout_s = expert_ranks, micro_batches, timeout_s

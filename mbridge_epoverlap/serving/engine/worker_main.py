@@ -1,4 +1,4 @@
-"""One serving worker process: `python -m mbridge_epoverlap.serving.worker_main --plan PLAN.json --out DIR`.
+"""One serving worker process: `python -m mbridge_epoverlap.serving.engine.worker_main --plan PLAN.json --out DIR`.
 
 Started by the engine through the training runtime's launcher (`runtime.launch.launch_processes`):
 rank and world from `RANK`/`WORLD_SIZE` (or Slurm's variables), rendezvous at `MASTER_ADDR`/`MASTER_PORT`
@@ -31,7 +31,7 @@ from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageErro
 from mbridge_epoverlap.runtime.options import PREFIX
 from mbridge_epoverlap.runtime.worker import rank_and_world
 from mbridge_epoverlap.schedule.program import Role
-from mbridge_epoverlap.serving.plan import COLOCATED, EnginePlan
+from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 
 
 def _write(path: Path, payload: dict[str, Any]) -> None:
@@ -52,9 +52,9 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     import torch.distributed as dist
 
     from mbridge_epoverlap.runtime import heartbeat as hb
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.placement import Placement
-    from mbridge_epoverlap.serving.requests import Request, RequestQueue
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.workers.placement import Placement
+    from mbridge_epoverlap.serving.workers.requests import Request, RequestQueue
 
     rank, world, _ = rank_and_world(os.environ)
     if world != plan.world:
@@ -108,20 +108,20 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
            beat: Any, progress: Any) -> Any:
     import torch.distributed as dist
 
-    from mbridge_epoverlap.serving import model as parts
+    from mbridge_epoverlap.serving.model import parts
 
     if plan.mode == COLOCATED or role is None:
         import torch
 
         from mbridge_epoverlap.comm.alltoall import CommContext
-        from mbridge_epoverlap.serving.colocated import ColocatedWorker
+        from mbridge_epoverlap.serving.workers.colocated import ColocatedWorker
 
         ctx = CommContext.for_device(torch.device("cpu"), plan.timeout_s, comm_thread=plan.world > 1)
         group = dist.group.WORLD if plan.world > 1 else None
         return ColocatedWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
                                parts.load_expert_part(spec, placement.experts_of(index)), placement, plan.order,
                                plan.micro_batches, group, ctx, beat, progress)
-    from mbridge_epoverlap.serving.workers import AttentionWorker, ExpertWorker
+    from mbridge_epoverlap.serving.workers.disaggregated import AttentionWorker, ExpertWorker
 
     peers = plan.expert_ranks if role is Role.ATTENTION else plan.attention_ranks
     comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(), peers=peers)
@@ -136,17 +136,17 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
 
 def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
                    progress: Any, store: Any) -> Any:
-    from mbridge_epoverlap.serving import model as parts
-    from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertStore
-    from mbridge_epoverlap.serving.elastic_workers import ElasticAttentionWorker
-    from mbridge_epoverlap.serving.placement import Placement
+    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertStore
+    from mbridge_epoverlap.serving.elastic.workers import ElasticAttentionWorker
+    from mbridge_epoverlap.serving.model import parts
+    from mbridge_epoverlap.serving.workers.placement import Placement
 
     layout = ElasticLayout(spec.num_experts, plan.expert_workers, tuple(plan.slots),
                            frozenset(range(plan.expert_workers)))
     if role is Role.ATTENTION:
         import torch.distributed as dist
 
-        from mbridge_epoverlap.serving.elastic_sync import StepSync
+        from mbridge_epoverlap.serving.elastic.sync import StepSync
 
         sync = StepSync(dist.PrefixStore("elastic", store), index, plan.attn_workers, plan.timeout_s) \
             if plan.layout_epochs else None
@@ -166,7 +166,7 @@ def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: A
 
 def _expert_worker(plan: EnginePlan, spec: Any, comm: Any, beat: Any, layout: Any, index: int, experts: Any,
                    mover: Any, **kwargs: Any) -> Any:
-    from mbridge_epoverlap.serving.elastic_workers import ElasticExpertWorker
+    from mbridge_epoverlap.serving.elastic.workers import ElasticExpertWorker
 
     return ElasticExpertWorker(spec, experts, comm, plan.attention_ranks, plan.micro_batches, plan.timeout_s, beat,
                                layout=layout, index=index, restore=plan.expert_restore, mover=mover, **kwargs)
@@ -178,7 +178,7 @@ def _weight_mover(plan: EnginePlan, index: int, store: Any, *, peers: list[int],
         return None
     import torch.distributed as dist
 
-    from mbridge_epoverlap.serving.expert_moves import WeightMover
+    from mbridge_epoverlap.serving.elastic.moves import WeightMover
 
     weights_store = dist.PrefixStore("m2n-weights", store)
     comm = _m2n(plan, weights_store, rank=plan.expert_ranks[index], peers=peers, key_prefix=key_prefix,
@@ -192,10 +192,10 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     import torch.distributed as dist
 
     from mbridge_epoverlap.runtime import heartbeat as hb
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertStore
-    from mbridge_epoverlap.serving.elastic_sync import wait_admission
-    from mbridge_epoverlap.serving.expert_moves import rejoin_prefix
+    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertStore
+    from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix
+    from mbridge_epoverlap.serving.elastic.sync import wait_admission
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     started = time.monotonic()
     rank, world, _ = rank_and_world(os.environ)
@@ -274,8 +274,8 @@ def _report(worker: Any, queue: Any, *, failed: bool = False) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mbridge_epoverlap.serving.worker_main", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m mbridge_epoverlap.serving.engine.worker_main",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--rejoin", type=int, default=0, metavar="G",

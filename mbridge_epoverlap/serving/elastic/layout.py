@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
-from mbridge_epoverlap.serving import eplb
+from mbridge_epoverlap.serving.elastic import eplb
 
 # Backends whose `Work.wait` can time out and be waited on again (the expert worker's sliced waits need it).
 RESUMABLE_BACKENDS = ("m2n", "shm")
@@ -206,7 +206,7 @@ class ExpertStore:
     """
 
     def __init__(self, spec: Any, expert_ids: Sequence[int]) -> None:
-        from mbridge_epoverlap.serving.model import load_expert_part
+        from mbridge_epoverlap.serving.model.parts import load_expert_part
 
         self.spec = spec
         self.parts = [load_expert_part(spec, expert_ids)] if expert_ids else []
@@ -217,7 +217,7 @@ class ExpertStore:
 
     def ensure(self, expert_ids: Iterable[int]) -> list[int]:
         """Load the experts of `expert_ids` not held yet (from the checkpoint on disk); return them."""
-        from mbridge_epoverlap.serving.model import load_expert_part
+        from mbridge_epoverlap.serving.model.parts import load_expert_part
 
         missing = sorted(set(expert_ids) - self.held)
         if missing:
@@ -264,7 +264,7 @@ class ExpertStore:
         return sorted(held - self.held)
 
     def _part(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> Any:
-        from mbridge_epoverlap.serving.model import ExpertPart
+        from mbridge_epoverlap.serving.model.parts import ExpertPart
 
         part = ExpertPart(self.spec, expert_ids)
         order = [list(expert_ids).index(e) for e in part.expert_ids]  # the part keeps its ids sorted
@@ -305,9 +305,9 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
     """
     from dataclasses import replace
 
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.expert_moves import weight_slot_bytes
-    from mbridge_epoverlap.serving.plan import COLOCATED
+    from mbridge_epoverlap.serving.elastic.moves import weight_slot_bytes
+    from mbridge_epoverlap.serving.engine.plan import COLOCATED
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     if plan.mode == COLOCATED:
         raise UsageError("--elastic applies to disaggregated serving (attention and expert workers); drop --colocated")

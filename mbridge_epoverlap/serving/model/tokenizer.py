@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.spec import ModelSpec
+from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -20,9 +20,14 @@ from mbridge_epoverlap.comm.errors import CommError
 from mbridge_epoverlap.runtime import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, POST, Role
 from mbridge_epoverlap.schedule.serving_orders import sequential, two_batch_overlap
-from mbridge_epoverlap.serving.placement import Placement
-from mbridge_epoverlap.serving.requests import RequestQueue
-from mbridge_epoverlap.serving.workers import AttentionWorker, MicroBatchHandle, role_handlers, split_micro_batches
+from mbridge_epoverlap.serving.workers.disaggregated import (
+    AttentionWorker,
+    MicroBatchHandle,
+    role_handlers,
+    split_micro_batches,
+)
+from mbridge_epoverlap.serving.workers.placement import Placement
+from mbridge_epoverlap.serving.workers.requests import RequestQueue
 
 ORDERS = {"sequential": lambda m, layers: sequential(m, layers),
           "two_batch_overlap": lambda m, layers: two_batch_overlap(layers, m)}

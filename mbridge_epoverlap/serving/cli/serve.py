@@ -38,7 +38,7 @@ _positive = int_at_least(1)
 
 def run_reporting_failure(plan: Any, progress: Callable[[str], None] | None) -> tuple[dict[str, Any], int]:
     """Run the engine; a failed run still returns its partial result (failed requests named), with exit 1."""
-    from mbridge_epoverlap.serving.engine import EngineFailed, run_engine
+    from mbridge_epoverlap.serving.engine.run import EngineFailed, run_engine
 
     try:
         return run_engine(plan, progress=progress), 0
@@ -76,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="with --elastic: redundant expert slots over all expert workers (default 0)")
     serve.add_argument("--no-expert-restore", action="store_true",
                        help="with --elastic: no weight copy; losing every replica of an expert ends the run")
-    from mbridge_epoverlap.serving.elastic_cli import epoch_args
+    from mbridge_epoverlap.serving.cli.elastic import epoch_args
 
     epoch_args(serve, "with --elastic: ")
     serve.set_defaults(handler=handle_serve)
@@ -124,13 +124,13 @@ def _progress(args: argparse.Namespace) -> Any:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.bench import machine
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.engine import make_plan
-    from mbridge_epoverlap.serving.requests import load_prompts
+    from mbridge_epoverlap.serving.engine.bench import machine
+    from mbridge_epoverlap.serving.engine.run import make_plan
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.workers.requests import load_prompts
 
     spec = load_spec(_source(args), dtype=args.dtype)
-    from mbridge_epoverlap.serving.tokenizer import load_tokenizer
+    from mbridge_epoverlap.serving.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     requests = load_prompts(args.prompts, vocab_size=spec.vocab_size,
@@ -140,7 +140,7 @@ def handle_serve(args: argparse.Namespace) -> int:
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
                      timeout_s=args.timeout, dtype=args.dtype)
     if args.elastic:
-        from mbridge_epoverlap.serving.elastic import make_elastic
+        from mbridge_epoverlap.serving.elastic.layout import make_elastic
 
         plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore,
                             rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps)
@@ -155,9 +155,14 @@ def handle_serve(args: argparse.Namespace) -> int:
 
 
 def handle_bench(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.bench import balanced_micro_batch, machine, matches_reference, synthetic_requests
-    from mbridge_epoverlap.serving.checkpoint import load_spec
-    from mbridge_epoverlap.serving.engine import make_plan
+    from mbridge_epoverlap.serving.engine.bench import (
+        balanced_micro_batch,
+        machine,
+        matches_reference,
+        synthetic_requests,
+    )
+    from mbridge_epoverlap.serving.engine.run import make_plan
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
@@ -240,7 +245,7 @@ def _serve_table(result: dict[str, Any]) -> None:
 
 
 def _bench_table(result: dict[str, Any]) -> None:
-    from mbridge_epoverlap.serving.bench import describe_probe
+    from mbridge_epoverlap.serving.engine.bench import describe_probe
 
     rows = [("batch", str(result["batch"]))]
     for probe in result["balance_probes"]:

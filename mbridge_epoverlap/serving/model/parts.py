@@ -32,10 +32,10 @@ from mbridge_epoverlap.moe.norm import LayerNorm, RMSNorm
 from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
 from mbridge_epoverlap.moe.router import TopKRouter
 from mbridge_epoverlap.moe.wgrad import Linear
-from mbridge_epoverlap.serving.batch import TokenBatch
-from mbridge_epoverlap.serving.kv_cache import KVCache
-from mbridge_epoverlap.serving.sampling import StopRule, greedy
-from mbridge_epoverlap.serving.spec import ModelSpec
+from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.kv_cache import KVCache
+from mbridge_epoverlap.serving.model.sampling import StopRule, greedy
+from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 __all__ = [
     "AttentionPart", "AttnOut", "ExpertPart", "KVCache", "LocalModel", "TokenBatch", "generate_reference",
@@ -247,8 +247,8 @@ def load_attention_part(spec: ModelSpec) -> AttentionPart:
     """An `AttentionPart` with the checkpoint's tensors (only those it holds) or the recipe seed's."""
     part = AttentionPart(spec)
     if spec.is_checkpoint:
-        from mbridge_epoverlap.serving.checkpoint import CheckpointReader
-        from mbridge_epoverlap.serving.hf_layout import attention_sources
+        from mbridge_epoverlap.serving.model.checkpoint import CheckpointReader
+        from mbridge_epoverlap.serving.model.hf_layout import attention_sources
 
         with CheckpointReader(spec) as reader, torch.no_grad():
             for name, source in attention_sources(spec).items():
@@ -263,7 +263,7 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int]) -> ExpertPart:
     part = ExpertPart(spec, expert_ids)
     reader = None
     if spec.is_checkpoint:
-        from mbridge_epoverlap.serving.checkpoint import CheckpointReader
+        from mbridge_epoverlap.serving.model.checkpoint import CheckpointReader
 
         reader = CheckpointReader(spec)
     with torch.no_grad():
@@ -271,7 +271,7 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int]) -> ExpertPart:
             experts = part.experts[str(layer)]
             for local, e in enumerate(part.expert_ids):
                 if reader is not None:
-                    from mbridge_epoverlap.serving.hf_layout import expert_sources
+                    from mbridge_epoverlap.serving.model.hf_layout import expert_sources
 
                     up, down = expert_sources(spec, layer, e)
                     experts.w1[local].copy_(torch.cat([reader.get(n) for n, _ in up.parts]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mbridge_epoverlap.serving.spec import ModelSpec
+from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 MIXTRAL = "MixtralForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"

@@ -42,9 +42,9 @@ import torch
 
 from mbridge_epoverlap.comm.m2n.base import PeerError
 from mbridge_epoverlap.schedule.program import DISPATCH
-from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertsLostError
-from mbridge_epoverlap.serving.expert_moves import rejoin_prefix, transfers
-from mbridge_epoverlap.serving.workers import (
+from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertsLostError
+from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix, transfers
+from mbridge_epoverlap.serving.workers.disaggregated import (
     ACTIVE,
     CONTINUE,
     IDLE,
@@ -107,7 +107,7 @@ class ElasticAttentionWorker(AttentionWorker):
         self.rebalance_every, self.rejoin_after_steps = rebalance_every, rejoin_after_steps
         self.recorder = None
         if rebalance_every:
-            from mbridge_epoverlap.serving.eplb import ExpertLoadRecorder
+            from mbridge_epoverlap.serving.elastic.eplb import ExpertLoadRecorder
 
             self.recorder = ExpertLoadRecorder(self.spec.num_layers, self.spec.num_experts, rebalance_every)
         self.epoch = 0

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from mbridge_epoverlap.comm.m2n.base import PeerError
-from mbridge_epoverlap.serving import eplb
-from mbridge_epoverlap.serving.elastic import ElasticLayout, ExpertsLostError
+from mbridge_epoverlap.serving.elastic import eplb
+from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertsLostError
 
 _SLACK_BYTES = 1024  # alignment of three tensors and room to spare
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mbridge_epoverlap.serving.spec import ModelSpec
+from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 _INITIAL_CAPACITY = 64
 _INITIAL_ROWS = 8

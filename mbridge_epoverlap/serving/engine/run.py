@@ -26,8 +26,8 @@ from typing import Any
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST
-from mbridge_epoverlap.serving.plan import COLOCATED, EnginePlan
-from mbridge_epoverlap.serving.requests import Request, micro_batch_limit
+from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
+from mbridge_epoverlap.serving.workers.requests import Request, micro_batch_limit
 
 _HEADER_BYTES = 4096  # room for the M2N message header and the control tensor
 
@@ -51,8 +51,8 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
         UsageError: a count below one, more expert workers than experts, a placement that does not fit,
             a model without MoE layers, or a bad generation limit.
     """
-    from mbridge_epoverlap.serving.placement import Placement
-    from mbridge_epoverlap.serving.plan import check_layout
+    from mbridge_epoverlap.serving.engine.plan import check_layout
+    from mbridge_epoverlap.serving.workers.placement import Placement
 
     check_layout(attn_workers=attn_workers, expert_workers=expert_workers, micro_batches=micro_batches,
                  processes=colocated, colocated=colocated > 0, num_experts=spec.num_experts)
@@ -103,7 +103,7 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
         if on_start is not None:
             on_start(ids)
 
-    command = [sys.executable, "-m", "mbridge_epoverlap.serving.worker_main", "--plan", "{workdir}/plan.json",
+    command = [sys.executable, "-m", "mbridge_epoverlap.serving.engine.worker_main", "--plan", "{workdir}/plan.json",
                "--out", "{workdir}"]
 
     def replacement(rank: int, generation: int) -> list[str] | None:  # one replacement per lost expert worker
@@ -122,7 +122,7 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
         _remove_shared_memory(pids)
     result = merge(plan, ranks["ranks"])
     if plan.elastic:
-        from mbridge_epoverlap.serving.elastic_report import elastic_summary
+        from mbridge_epoverlap.serving.elastic.report import elastic_summary
 
         result["elastic"] = elastic_summary(plan, ranks)
     return result
@@ -265,11 +265,11 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
     from mbridge_epoverlap.schedule.resources import COLOCATED as COLOCATED_RESOURCES
     from mbridge_epoverlap.schedule.resources import DISAGGREGATED
     from mbridge_epoverlap.schedule.simulator import simulate
-    from mbridge_epoverlap.serving.checkpoint import load_spec
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
     if plan.mode == COLOCATED:
-        from mbridge_epoverlap.serving.colocated import ORDERS
+        from mbridge_epoverlap.serving.workers.colocated import ORDERS
 
         steps, resources = ORDERS[plan.order](plan.micro_batches, spec.num_layers), COLOCATED_RESOURCES
     else:

@@ -26,7 +26,7 @@ import numpy as np
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.presets import ping_pong_makespan
-from mbridge_epoverlap.serving.catalog import GPU, Model
+from mbridge_epoverlap.serving.planning.catalog import GPU, Model
 
 Num = Any  # float or numpy array
 
