@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mbridge_epoverlap.serving.cli.elastic import _fmt  # noqa: E402
+from mbridge_epoverlap.serving.cli.elastic import fmt3  # noqa: E402
 
 
 def _run(args: argparse.Namespace, steps: int, repeats: int) -> dict:
@@ -106,12 +106,12 @@ def main() -> int:
     print(f"no failure, elastic / plain decode tokens/s: {doc['elastic_over_plain']:.3f} (medians of "
           f"{doc['pairs']} A/B pairs; target >= 0.97)")
     if args.rejoin_after_steps:
-        print(f"rejoined in every run: {doc['rejoined_every_run']}; after {_fmt(doc['rejoined_after_s'])} s from the "
-              f"kill (decoding waited {_fmt(doc['rejoin_wait_s'])} s for the replacement); tokens/s after rejoin "
-              f"{_fmt(doc['throughput_after_rejoin'], '{:.1f}')}")
+        print(f"rejoined in every run: {doc['rejoined_every_run']}; after {fmt3(doc['rejoined_after_s'])} s from the "
+              f"kill (decoding waited {fmt3(doc['rejoin_wait_s'])} s for the replacement); tokens/s after rejoin "
+              f"{fmt3(doc['throughput_after_rejoin'], '{:.1f}')}")
     if args.rebalance_every:
         print(f"no failure, rebalancing every {args.rebalance_every} steps / elastic decode tokens/s: "
-              f"{_fmt(doc['rebalancing_over_elastic'])} (medians of {len(reb)} runs, alternated)")
+              f"{fmt3(doc['rebalancing_over_elastic'])} (medians of {len(reb)} runs, alternated)")
         for i, moved in enumerate(doc["rebalances_moved"]):
             print(f"run {i + 1} rebalances: " + ("; ".join(
                 f"step {b['step']}: {b['moved']} moved, max/mean {b['imbalance_before']:.3f} -> "

@@ -23,8 +23,6 @@ from typing import Any
 from mbridge_epoverlap.errors import EXIT_OK, RunFailedError, UsageError
 from mbridge_epoverlap.harness.executors.slurm_script import MARKER, JobShape, ScriptOptions, sbatch_header
 
-DEFAULT_RECIPE = "qwen3_30b_a3b"
-
 
 def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: ScriptOptions, *, attn_workers: int,
                         results: Path) -> str:
@@ -81,6 +79,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                          f"use --attn_workers at most {world - 1}")
     per_node = args.gpus_per_node if given(args, "gpus_per_node") else world
     shape = job_shape(world, per_node, gpus=False)
+    from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+
     recipe = args.model_recipe_name or DEFAULT_RECIPE
     batch = args.global_batch_size if given(args, "global_batch_size") else 8
     steps = args.max_steps if given(args, "max_steps") else 8

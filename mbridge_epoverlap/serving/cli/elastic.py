@@ -18,22 +18,15 @@ import argparse
 import statistics
 from typing import Any
 
+from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.cli.serve import (
-    _model_args,
-    _positive,
-    _print,
-    _progress,
-    _rows,
-    _source,
-    int_at_least,
-    run_reporting_failure,
-)
+from mbridge_epoverlap.serving.cli.args import epoch_args, model_args, progress_printer, source_of
+from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
+from mbridge_epoverlap.serving.cli.serve import run_reporting_failure
 
-DEFAULT_RECIPE = "mixtral_8x22b"  # 8 experts: 4 expert workers with 4 redundant slots survive one loss
+# Not the serving default (qwen3_30b_a3b): 8 experts, so 4 expert workers with 4 redundant slots survive one loss.
+ELASTIC_DEFAULT_RECIPE = "mixtral_8x22b"
 
-
-_count = int_at_least(0)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,35 +34,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "elastic-bench", help="decode through SIGKILLed expert workers: interruption, throughput, correctness",
         description="Elastic EP: kill expert workers mid-decode and measure the interruption, detection time, "
                     "throughput before/after and token equality with a failure-free run; then the cost of "
-                    f"elastic mode without failures against the plain engine. Default model: {DEFAULT_RECIPE}.")
-    _model_args(bench, required=False)
-    bench.add_argument("--attn-workers", type=_positive, default=1, metavar="A", help="attention workers (default 1)")
-    bench.add_argument("--expert-workers", type=_positive, default=4, metavar="E", help="expert workers (default 4)")
-    bench.add_argument("--redundant-experts", type=_count, default=4, metavar="R",
+                    "elastic mode without failures against the plain engine. "
+                    f"Default model: {ELASTIC_DEFAULT_RECIPE}.")
+    model_args(bench, required=False)
+    bench.add_argument("--attn-workers", type=positive, default=1, metavar="A", help="attention workers (default 1)")
+    bench.add_argument("--expert-workers", type=positive, default=4, metavar="E", help="expert workers (default 4)")
+    bench.add_argument("--redundant-experts", type=count, default=4, metavar="R",
                        help="redundant expert slots over all expert workers (default 4)")
-    bench.add_argument("--kill", type=_count, default=1, metavar="K", help="expert workers killed (default 1)")
-    bench.add_argument("--kill-step", type=_positive, default=8, metavar="S",
+    bench.add_argument("--kill", type=count, default=1, metavar="K", help="expert workers killed (default 1)")
+    bench.add_argument("--kill-step", type=positive, default=8, metavar="S",
                        help="decode step of the kill (default 8)")
-    bench.add_argument("--micro-batches", type=_positive, default=2, metavar="M", help="default 2")
-    bench.add_argument("--batch", type=_positive, default=16, metavar="B", help="requests (default 16)")
-    bench.add_argument("--steps", type=_positive, default=32, metavar="S", help="tokens per request (default 32)")
-    bench.add_argument("--repeats", type=_positive, default=3, metavar="N",
+    bench.add_argument("--micro-batches", type=positive, default=2, metavar="M", help="default 2")
+    bench.add_argument("--batch", type=positive, default=16, metavar="B", help="requests (default 16)")
+    bench.add_argument("--steps", type=positive, default=32, metavar="S", help="tokens per request (default 32)")
+    bench.add_argument("--repeats", type=positive, default=3, metavar="N",
                        help="plain/elastic pairs for the no-failure cost (default 3)")
     bench.add_argument("--no-expert-restore", action="store_true",
                        help="no weight copy: losing every replica of an expert ends the run naming it")
     epoch_args(bench)
     bench.set_defaults(handler=handle_elastic_bench)
-
-
-def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
-    """`--rebalance-every` and `--rejoin-after-steps`, for serve (`when`: "with --elastic: ") and elastic-bench."""
-    parser.add_argument("--rebalance-every", type=_count, default=0, metavar="K",
-                        help=f"{when}re-solve the expert placement for the measured load every K decode "
-                             "steps, moving weights between expert workers (default 0: never)")
-    parser.add_argument("--rejoin-after-steps", type=_count, default=0, metavar="N",
-                        help=f"{when}start a replacement for a lost expert worker and admit it N decode "
-                             "steps after the loss, waiting then up to half of --timeout if it is still starting "
-                             "(default 0: never)")
 
 
 def handle_elastic_bench(args: argparse.Namespace) -> int:
@@ -78,7 +61,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
-    source = args.checkpoint if args.checkpoint is not None else (args.recipe or DEFAULT_RECIPE)
+    source = args.checkpoint if args.checkpoint is not None else source_of(args, ELASTIC_DEFAULT_RECIPE)
     spec = load_spec(str(source), dtype=args.dtype)
     check_elastic(spec.num_experts, args.expert_workers, args.redundant_experts, args.kill)
     if args.rejoin_after_steps and not args.kill:
@@ -92,7 +75,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
                            restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,
                            rejoin_after_steps=args.rejoin_after_steps)
-    say = _progress(args)
+    say = progress_printer(args)
     # The no-failure arms: plain, elastic, and with --rebalance-every elastic with rebalancing.
     arms: dict[str, Any] = {"plain": plain, "elastic": elastic}
     if args.rebalance_every:
@@ -134,22 +117,18 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
                    "redundant_experts": args.redundant_experts, "kill": args.kill, "kill_step": args.kill_step,
                    "rebalance_every": args.rebalance_every, "rejoin_after_steps": args.rejoin_after_steps,
                    "slots": list(killing.slots), "requests": args.batch, "tokens_per_request": args.steps},
-        "model": spec.describe(), "machine": machine(), "source": _source_name(args, source),
+        "model": spec.describe(), "machine": machine(), "source": source_of(args, ELASTIC_DEFAULT_RECIPE),
     }
-    _print(report, args.json, _table)
+    print_result(report, args.json, _table)
     return code
-
-
-def _source_name(args: argparse.Namespace, source: Any) -> str:
-    return str(source) if args.checkpoint is not None else _source(args) if args.recipe else DEFAULT_RECIPE
 
 
 def _epoch_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     if r["layout"]["rejoin_after_steps"]:
-        rows.append(("rejoined workers", f"{r['rejoined_workers'] or 'none'} after {_fmt(r['rejoined_after_s'])} s "
-                                         f"(waited {_fmt(r['rejoin_wait_s'])} s for the replacement), tokens/s "
-                                         f"after rejoin {_fmt(r['throughput_after_rejoin'], '{:,.1f}')}"))
+        rows.append(("rejoined workers", f"{r['rejoined_workers'] or 'none'} after {fmt3(r['rejoined_after_s'])} s "
+                                         f"(waited {fmt3(r['rejoin_wait_s'])} s for the replacement), tokens/s "
+                                         f"after rejoin {fmt3(r['throughput_after_rejoin'], '{:,.1f}')}"))
     moved = [b for b in r["rebalances"] if not b["kept"]]
     if r["layout"]["rebalance_every"]:
         rows.append(("rebalances", "; ".join(f"step {b['step']}: {b['moved']} moved, max/mean "
@@ -158,31 +137,32 @@ def _epoch_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _fmt(value: Any, spec: str = "{:.3f}") -> str:
-    return "-" if value is None else spec.format(value)
-
-
 def _table(r: dict[str, Any]) -> None:
     nf = r["no_failure"]
     after = r["throughput_after"]
     share = r["survivors_share"]
     ratio = after / r["throughput_before"] if after and r["throughput_before"] else None
     m = r["machine"]
-    _rows([
+    print_rows([
         ("layout", f"{r['layout']['attn_workers']} attention, {r['layout']['expert_workers']} expert workers, "
                    f"{r['layout']['redundant_experts']} redundant slots, {r['layout']['kill']} killed"),
-        ("detected after (s)", _fmt(r["detected_after_s"])),
-        ("interruption (s)", _fmt(r["interruption_s"])),
-        ("tokens/s before / after", f"{_fmt(r['throughput_before'], '{:,.1f}')} / {_fmt(after, '{:,.1f}')} "
-                                    f"(after/before {_fmt(ratio, '{:.2f}')}, "
-                                    f"survivors' share {_fmt(share, '{:.2f}')})"),
+        ("detected after (s)", fmt3(r["detected_after_s"])),
+        ("interruption (s)", fmt3(r["interruption_s"])),
+        ("tokens/s before / after", f"{fmt3(r['throughput_before'], '{:,.1f}')} / {fmt3(after, '{:,.1f}')} "
+                                    f"(after/before {fmt3(ratio, '{:.2f}')}, "
+                                    f"survivors' share {fmt3(share, '{:.2f}')})"),
         ("outputs match reference", str(r["outputs_match_reference"])),
         ("lost requests", ", ".join(r["lost_requests"]) or "none"),
         ("restored experts", str(r["restored_experts"])),
         *_epoch_rows(r),
-        ("no failure: elastic/plain", f"{_fmt(nf['elastic_over_plain'])} (medians of "
+        ("no failure: elastic/plain", f"{fmt3(nf['elastic_over_plain'])} (medians of "
                                       f"{len(nf['plain_tokens_per_s'])} A/B pairs, decode tokens/s)"),
-        *([("rebalancing/elastic", f"{_fmt(nf['rebalancing_over_elastic'])} (no failure, medians, decode tokens/s)")]
+        *([("rebalancing/elastic", f"{fmt3(nf['rebalancing_over_elastic'])} (no failure, medians, decode tokens/s)")]
           if nf["rebalancing_over_elastic"] is not None else []),
         ("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, amx_bf16={m['amx_bf16']})"),
     ])
+
+
+def fmt3(value: Any, spec: str = "{:.3f}") -> str:
+    """`fmt` with three decimals, the elastic report's default."""
+    return fmt(value, spec)

@@ -149,11 +149,11 @@ def handle(args: argparse.Namespace) -> int:
     if not args.attn_gpu:
         raise UsageError(f"--attn-gpu is required (or use --compare); known: {', '.join(catalog.GPUS)}")
     if args.colocated:
-        result = planner.plan_colocated(
+        result = planner.best_colocated(
             args.model, args.attn_gpu, args.tbt_slo_ms, args.context, tp=args.tp_a, **common
         )
     else:
-        result = planner.plan(
+        result = planner.best_disaggregated(
             args.model,
             args.attn_gpu,
             args.expert_gpu,

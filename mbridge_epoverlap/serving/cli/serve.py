@@ -7,33 +7,15 @@ are imported by the handlers.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mbridge_epoverlap.arg_types import positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
-
-DEFAULT_RECIPE = "qwen3_30b_a3b"
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= `minimum`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
-        return value
-
-    return parse
-
-
-_positive = int_at_least(1)
+from mbridge_epoverlap.serving.cli.args import epoch_args, layout_args, model_args, progress_printer, source_of
+from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
 
 
 def run_reporting_failure(plan: Any, progress: Callable[[str], None] | None) -> tuple[dict[str, Any], int]:
@@ -47,37 +29,22 @@ def run_reporting_failure(plan: Any, progress: Callable[[str], None] | None) -> 
         return exc.result, EXIT_FAILED
 
 
-def _model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    source = parser.add_mutually_exclusive_group(required=required)
-    source.add_argument("--checkpoint", type=Path, metavar="DIR",
-                        help="a Hugging Face checkpoint directory (config.json + *.safetensors; Mixtral or Qwen3-MoE)")
-    source.add_argument("-mr", "--model-recipe", dest="recipe", metavar="RECIPE",
-                        help="a recipe name: a shrunk random model, as the training runtime shrinks recipes")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default: float32")
-    parser.add_argument("--backend", default="m2n", help="M2N backend: m2n (fastest here), shm, mooncake, torch, gloo")
-    parser.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                        help="seconds any worker waits for another before naming it lost (default 30)")
-    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
         "serve", help="decode prompts with disaggregated attention/expert workers (or colocated ones)",
         description="Greedy decoding of a JSONL prompts file on attention and expert worker processes (ping-pong "
                     "pipeline of m micro-batches, M2N transfers) or on N colocated processes (EP all-to-all).")
-    _model_args(serve, required=True)
+    model_args(serve, required=True)
     serve.add_argument("--prompts", type=Path, required=True, metavar="FILE",
                        help='JSONL, one request a line: {"id": ..., "prompt_ids": [int, ...]}')
-    serve.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N", help="default 16")
-    _layout_args(serve)
+    serve.add_argument("--max-new-tokens", type=positive, default=16, metavar="N", help="default 16")
+    layout_args(serve)
     serve.add_argument("--elastic", action="store_true",
                        help="survive the loss of expert workers (redundant experts, re-placement, resends)")
     serve.add_argument("--redundant-experts", type=int, default=0, metavar="R",
                        help="with --elastic: redundant expert slots over all expert workers (default 0)")
     serve.add_argument("--no-expert-restore", action="store_true",
                        help="with --elastic: no weight copy; losing every replica of an expert ends the run")
-    from mbridge_epoverlap.serving.cli.elastic import epoch_args
-
     epoch_args(serve, "with --elastic: ")
     serve.set_defaults(handler=handle_serve)
 
@@ -86,41 +53,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Synthetic decode on the given layout: tokens/s, TBT p50/p99, per-role utilization measured "
                     "and predicted (replay of the measured stage times), and whether every token matches a "
                     "single-process run of the same weights.")
-    _model_args(bench, required=False)
-    _layout_args(bench, colocated_flag=True)
-    bench.add_argument("--layers", type=_positive, default=None, metavar="L", help="MoE layers of a recipe model")
-    bench.add_argument("--batch", type=_positive, default=None, metavar="B",
+    model_args(bench, required=False)
+    layout_args(bench, colocated_flag=True)
+    bench.add_argument("--layers", type=positive, default=None, metavar="L", help="MoE layers of a recipe model")
+    bench.add_argument("--batch", type=positive, default=None, metavar="B",
                        help="sequences decoding at once (default: sized so attention and expert stages balance)")
-    bench.add_argument("--steps", type=_positive, default=16, metavar="S", help="tokens generated per sequence")
+    bench.add_argument("--steps", type=positive, default=16, metavar="S", help="tokens generated per sequence")
     bench.set_defaults(handler=handle_bench)
-
-
-def _layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False) -> None:
-    parser.add_argument("--attn-workers", type=_positive, default=1, metavar="A", help="attention workers (default 1)")
-    parser.add_argument("--expert-workers", type=_positive, default=1, metavar="E", help="expert workers (default 1)")
-    parser.add_argument("--micro-batches", type=_positive, default=2, metavar="M",
-                        help="micro-batches in flight (default 2)")
-    if colocated_flag:
-        parser.add_argument("--colocated", action="store_true",
-                            help="the colocated baseline on A+E processes instead")
-    else:
-        parser.add_argument("--colocated", type=_positive, default=0, metavar="N",
-                            help="the colocated baseline on N processes instead (1: single process)")
-    parser.add_argument("--order", choices=("two_batch_overlap", "sequential"), default="two_batch_overlap",
-                        help="colocated order (default two_batch_overlap)")
-    parser.add_argument("--max-batch", type=_positive, default=64, metavar="B",
-                        help="sequences decoding at once per attention worker; more wait (default 64)")
-
-
-def _source(args: argparse.Namespace) -> str:
-    if args.checkpoint is not None:
-        return str(args.checkpoint)
-    return args.recipe or DEFAULT_RECIPE
-
-
-def _progress(args: argparse.Namespace) -> Any:
-    """Progress of long runs on stderr (stdout carries the result, JSON or table)."""
-    return lambda line: print(f"  {line}", file=sys.stderr, flush=True)
 
 
 def handle_serve(args: argparse.Namespace) -> int:
@@ -129,7 +68,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from mbridge_epoverlap.serving.workers.requests import load_prompts
 
-    spec = load_spec(_source(args), dtype=args.dtype)
+    spec = load_spec(source_of(args), dtype=args.dtype)
     from mbridge_epoverlap.serving.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
@@ -147,10 +86,10 @@ def handle_serve(args: argparse.Namespace) -> int:
     elif args.redundant_experts or args.no_expert_restore or args.rebalance_every or args.rejoin_after_steps:
         raise UsageError("--redundant-experts, --no-expert-restore, --rebalance-every and --rejoin-after-steps apply "
                          "to --elastic serving; add --elastic")
-    result, code = run_reporting_failure(plan, _progress(args))
+    result, code = run_reporting_failure(plan, progress_printer(args))
     result["machine"] = machine()
     result["model"] = spec.describe()
-    _print(result, args.json, _serve_table)
+    print_result(result, args.json, _serve_table)
     return code
 
 
@@ -166,7 +105,7 @@ def handle_bench(args: argparse.Namespace) -> int:
 
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
-    spec = load_spec(_source(args), dtype=args.dtype, num_layers=args.layers)
+    spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
     attn, experts = args.attn_workers, args.expert_workers
     probes: list[dict[str, float]] = []
     if args.batch is None:
@@ -179,7 +118,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     plan = make_plan(spec, requests, attn_workers=attn, expert_workers=experts, micro_batches=args.micro_batches,
                      colocated=colocated, order=args.order, max_new_tokens=args.steps, max_batch=batch,
                      backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype)
-    result, code = run_reporting_failure(plan, _progress(args))
+    result, code = run_reporting_failure(plan, progress_printer(args))
     result["batch"] = batch
     result["balance_probes"] = probes
     result["matches_reference"] = code == 0 and matches_reference(spec, requests, result["completions"], args.steps)
@@ -187,20 +126,8 @@ def handle_bench(args: argparse.Namespace) -> int:
     result["model"] = spec.describe()
     if not args.json:
         result.pop("completions")
-    _print(result, args.json, _bench_table)
+    print_result(result, args.json, _bench_table)
     return code
-
-
-def _print(result: dict[str, Any], as_json: bool, table: Any) -> None:
-    if as_json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        table(result)
-
-
-def _fmt(value: Any, spec: str = "{:.2f}") -> str:
-    return "-" if value is None else spec.format(value)
 
 
 def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -208,9 +135,9 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
             ("workers", f"{result['attn_workers']} attention, {result['expert_workers']} expert"
              if result["mode"] != "colocated" else f"{result['attn_workers']} colocated"),
             ("generated tokens", str(result["generated_tokens"])),
-            ("tokens/s", _fmt(result["tokens_per_s"], "{:,.1f}")),
-            ("TBT p50 / p99 (ms)", f"{_fmt(result['tbt_ms_p50'])} / {_fmt(result['tbt_ms_p99'])}"),
-            ("TTFT p50 (ms)", _fmt(result["ttft_ms_p50"]))]
+            ("tokens/s", fmt(result["tokens_per_s"], "{:,.1f}")),
+            ("TBT p50 / p99 (ms)", f"{fmt(result['tbt_ms_p50'])} / {fmt(result['tbt_ms_p99'])}"),
+            ("TTFT p50 (ms)", fmt(result["ttft_ms_p50"]))]
     if "stage_ms" in result:
         stages = result["stage_ms"]
         rows.append(("measured stage ms", ", ".join(f"{k} {v:.3f}" for k, v in stages.items())))
@@ -240,8 +167,8 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _serve_table(result: dict[str, Any]) -> None:
     for c in result["completions"]:
-        print(f"{c['id']}: {c['status']} {c['output_ids']} (TTFT {_fmt(c['ttft_ms'])} ms)")
-    _rows(_common(result))
+        print(f"{c['id']}: {c['status']} {c['output_ids']} (TTFT {fmt(c['ttft_ms'])} ms)")
+    print_rows(_common(result))
 
 
 def _bench_table(result: dict[str, Any]) -> None:
@@ -252,10 +179,6 @@ def _bench_table(result: dict[str, Any]) -> None:
         rows.append((f"probe micro-batch {probe['micro_batch']:g}", describe_probe(probe)))
     rows += _common(result)
     rows.append(("matches reference", str(result["matches_reference"])))
-    _rows(rows)
+    print_rows(rows)
 
 
-def _rows(rows: list[tuple[str, str]]) -> None:
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")

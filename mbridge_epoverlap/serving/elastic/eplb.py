@@ -36,7 +36,7 @@ from mbridge_epoverlap.errors import UsageError
 EMPTY_SLOT = -1  # phy2log entry of a slot on a dead GPU; log2phy padding
 
 
-class Placement(NamedTuple):
+class ReplicaMaps(NamedTuple):
     """The maps one solve produces, for every MoE layer.
 
     Attributes:
@@ -242,7 +242,7 @@ def _solve(load: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: in
 
 
 def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_gpus: int) -> Placement:
+                      num_gpus: int) -> ReplicaMaps:
     """Place `num_replicas` expert replicas on `num_gpus` GPUs so each GPU gets about the same load.
 
     Hierarchical when `num_groups` divides by `num_nodes` (groups packed onto nodes first, then
@@ -256,7 +256,7 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
         num_gpus: GPUs holding experts.
 
     Returns:
-        `Placement(phy2log, log2phy, logcnt)` with shapes `[layers, num_replicas]`,
+        `ReplicaMaps(phy2log, log2phy, logcnt)` with shapes `[layers, num_replicas]`,
         `[layers, logical_experts, max_replicas]` and `[layers, logical_experts]`.
 
     Raises:
@@ -270,7 +270,7 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
     else:
         phy2log = _solve(load, num_replicas, 1, 1, num_gpus)
     log2phy, logcnt = _log2phy(phy2log, num_logical)
-    return Placement(phy2log, log2phy, logcnt)
+    return ReplicaMaps(phy2log, log2phy, logcnt)
 
 
 def _alive_list(alive_gpus: Iterable[int], num_gpus: int) -> list[int]:
@@ -284,7 +284,7 @@ def _alive_list(alive_gpus: Iterable[int], num_gpus: int) -> list[int]:
 
 
 def rebalance_over_survivors(weight: torch.Tensor, num_replicas: int, num_gpus: int, alive_gpus: Iterable[int],
-                             num_groups: int = 1, num_nodes: int = 1) -> Placement:
+                             num_groups: int = 1, num_nodes: int = 1) -> ReplicaMaps:
     """Re-solve the placement over the GPUs still alive; dead GPUs keep their slot ids, left empty.
 
     The survivors hold `num_replicas // num_gpus` slots each, as before. The hierarchical policy is
@@ -301,7 +301,7 @@ def rebalance_over_survivors(weight: torch.Tensor, num_replicas: int, num_gpus: 
         num_nodes: nodes at start (GPUs `n * num_gpus // num_nodes ...` are on node `n`).
 
     Returns:
-        `Placement` with `num_replicas` physical slots; slots of dead GPUs hold `EMPTY_SLOT` and appear
+        `ReplicaMaps` with `num_replicas` physical slots; slots of dead GPUs hold `EMPTY_SLOT` and appear
         in no `log2phy` row.
 
     Raises:
@@ -333,7 +333,7 @@ def rebalance_over_survivors(weight: torch.Tensor, num_replicas: int, num_gpus: 
         phy2log[:, gpu * slots_per_gpu:(gpu + 1) * slots_per_gpu] = \
             compact[:, index * slots_per_gpu:(index + 1) * slots_per_gpu]
     log2phy, logcnt = _log2phy(phy2log, num_logical)
-    return Placement(phy2log, log2phy, logcnt)
+    return ReplicaMaps(phy2log, log2phy, logcnt)
 
 
 def orphaned_experts(phy2log: torch.Tensor, num_gpus: int, alive_gpus: Iterable[int]) -> dict[int, list[int]]:

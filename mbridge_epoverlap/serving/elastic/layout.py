@@ -197,94 +197,6 @@ class Router:
         return self.replica_worker[expert_ids, replica]
 
 
-class ExpertStore:
-    """The expert weights an expert worker holds: its start share plus experts loaded or received later.
-
-    Called like an `ExpertPart` (`store(layer, tokens, expert_ids)`). A loss only adds weights (tokens routed
-    by an attention worker that has not yet seen the loss still find their expert); a new layout epoch, which
-    every worker enters at the same step boundary, replaces them with the epoch's share (`build`, `adopt`).
-    """
-
-    def __init__(self, spec: Any, expert_ids: Sequence[int]) -> None:
-        from mbridge_epoverlap.serving.model.parts import load_expert_part
-
-        self.spec = spec
-        self.parts = [load_expert_part(spec, expert_ids)] if expert_ids else []
-
-    @property
-    def held(self) -> set[int]:
-        return {e for part in self.parts for e in part.expert_ids}
-
-    def ensure(self, expert_ids: Iterable[int]) -> list[int]:
-        """Load the experts of `expert_ids` not held yet (from the checkpoint on disk); return them."""
-        from mbridge_epoverlap.serving.model.parts import load_expert_part
-
-        missing = sorted(set(expert_ids) - self.held)
-        if missing:
-            self.parts.append(load_expert_part(self.spec, missing))
-        return missing
-
-    def export(self, expert_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(w1, w2)` of `expert_ids`, stacked `[moe layers, experts, ...]` (one message's worth of weights)."""
-        w1, w2 = [], []
-        for layer in self.spec.moe_layer_ids:
-            rows1, rows2 = [], []
-            for expert in expert_ids:
-                part = next(p for p in self.parts if expert in p.expert_ids)
-                local = int(part.local_index[expert])
-                grouped = part.experts[str(layer)]
-                rows1.append(grouped.w1[local])
-                rows2.append(grouped.w2[local])
-            w1.append(torch.stack(rows1))
-            w2.append(torch.stack(rows2))
-        return torch.stack(w1), torch.stack(w2)
-
-    def build(self, expert_ids: Sequence[int], incoming: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """One part holding `expert_ids`: each from `incoming` (`[moe layers, ...]` w1 and w2, as another worker
-        exported them) or from the weights held; nothing held changes."""
-        ids = sorted(expert_ids)
-        if not ids:
-            return None
-        local = [e for e in ids if e not in incoming]
-        w1_held, w2_held = self.export(local) if local else (None, None)
-        w1, w2 = [], []
-        for e in ids:
-            if e in incoming:
-                w1.append(incoming[e][0])
-                w2.append(incoming[e][1])
-            else:
-                w1.append(w1_held[:, local.index(e)])
-                w2.append(w2_held[:, local.index(e)])
-        return self._part(ids, torch.stack(w1, dim=1), torch.stack(w2, dim=1))
-
-    def adopt(self, part: Any) -> list[int]:
-        """Hold exactly `part` (from `build`; None: nothing); return the experts dropped."""
-        held = self.held
-        self.parts = [part] if part is not None else []
-        return sorted(held - self.held)
-
-    def _part(self, expert_ids: Sequence[int], w1: torch.Tensor, w2: torch.Tensor) -> Any:
-        from mbridge_epoverlap.serving.model.parts import ExpertPart
-
-        part = ExpertPart(self.spec, expert_ids)
-        order = [list(expert_ids).index(e) for e in part.expert_ids]  # the part keeps its ids sorted
-        with torch.no_grad():
-            for i, layer in enumerate(self.spec.moe_layer_ids):
-                part.experts[str(layer)].w1.copy_(w1[i, order])
-                part.experts[str(layer)].w2.copy_(w2[i, order])
-        return part
-
-    def __call__(self, layer: int, tokens: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        if len(self.parts) == 1:
-            return self.parts[0](layer, tokens, expert_ids)
-        out = tokens.new_empty(tokens.shape)
-        for part in self.parts:
-            rows = part.owns(expert_ids).nonzero().squeeze(1)
-            if rows.numel():
-                out[rows] = part(layer, tokens[rows], expert_ids[rows])
-        return out
-
-
 def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
                  rebalance_every: int = 0, rejoin_after_steps: int = 0) -> Any:
     """`plan` (disaggregated, from `engine.make_plan`) in elastic mode with `redundant` extra expert slots.
@@ -305,9 +217,9 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
     """
     from dataclasses import replace
 
-    from mbridge_epoverlap.serving.elastic.moves import weight_slot_bytes
     from mbridge_epoverlap.serving.engine.plan import COLOCATED
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.model.expert_store import weight_slot_bytes
 
     if plan.mode == COLOCATED:
         raise UsageError("--elastic applies to disaggregated serving (attention and expert workers); drop --colocated")

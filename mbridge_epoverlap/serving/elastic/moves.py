@@ -3,7 +3,7 @@
 When a rebalance or a replacement worker changes the placement, each expert a worker gains comes from a
 worker that held it in the previous epoch (`transfers`: `eplb.migration_plan` reduced to one message per
 (source, destination) pair), over a communicator between the expert workers (the same M2N transport as
-dispatch and combine, with slots sized for weights: `weight_slot_bytes`). Why not from the host-memory or
+dispatch and combine, with slots sized for weights: `expert_store.weight_slot_bytes`). Why not from the host-memory or
 on-disk copy, which the loss path uses for experts whose every replica died: a live replica is the one copy
 that is certainly current and certainly there (a checkpoint directory may sit on a slow or remote file
 system, a recipe model would be redrawn, and a host copy per worker costs host memory for every expert),
@@ -31,15 +31,6 @@ import torch
 from mbridge_epoverlap.comm.m2n.base import PeerError
 from mbridge_epoverlap.serving.elastic import eplb
 from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertsLostError
-
-_SLACK_BYTES = 1024  # alignment of three tensors and room to spare
-
-
-def weight_slot_bytes(spec: Any, experts_per_message: int) -> int:
-    """M2N slot size for one message of `experts_per_message` experts' weights (every MoE layer)."""
-    element = torch.empty(0, dtype=spec.torch_dtype()).element_size()
-    per_expert = len(spec.moe_layer_ids) * 3 * spec.expert_ffn * spec.hidden_size * element
-    return experts_per_message * (per_expert + 8) + _SLACK_BYTES
 
 
 def transfers(old: ElasticLayout, new: ElasticLayout) -> dict[tuple[int | None, int], list[int]]:

@@ -136,9 +136,10 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
 
 def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
                    progress: Any, store: Any) -> Any:
-    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertStore
+    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
     from mbridge_epoverlap.serving.elastic.workers import ElasticAttentionWorker
     from mbridge_epoverlap.serving.model import parts
+    from mbridge_epoverlap.serving.model.expert_store import ExpertStore
     from mbridge_epoverlap.serving.workers.placement import Placement
 
     layout = ElasticLayout(spec.num_experts, plan.expert_workers, tuple(plan.slots),
@@ -192,10 +193,11 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     import torch.distributed as dist
 
     from mbridge_epoverlap.runtime import heartbeat as hb
-    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertStore
+    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
     from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix
     from mbridge_epoverlap.serving.elastic.sync import wait_admission
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.model.expert_store import ExpertStore
 
     started = time.monotonic()
     rank, world, _ = rank_and_world(os.environ)

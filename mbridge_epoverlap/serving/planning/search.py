@@ -37,7 +37,7 @@ DEFAULT_SLO_MS = 150.0
 
 
 @dataclass(frozen=True)
-class Plan:
+class Deployment:
     """One deployment and what the performance model predicts for it.
 
     `t_attn_ms`, `t_expert_ms` and `t_comm_ms` are per micro-batch per MoE layer; `t_other_ms` is
@@ -252,7 +252,7 @@ def _best(per_cost: np.ndarray, throughput: np.ndarray, gpus: np.ndarray) -> int
     return int(np.lexsort((-gpus, throughput, per_cost))[-1])
 
 
-def plan(
+def best_disaggregated(
     model: str | Model,
     attn_gpu: str | GPU,
     expert_gpu: str | GPU | None = None,
@@ -267,7 +267,7 @@ def plan(
     tp_e: int | None = None,
     experts_per_group: int | None = None,
     max_gpus: int = 1024,
-) -> Plan:
+) -> Deployment:
     """Best disaggregated deployment of `model` on `attn_gpu` (attention) and `expert_gpu` (experts).
 
     Args:
@@ -328,7 +328,7 @@ def plan(
     best = _best(per_cost, throughput, g["gpus"])
     binding = _binding(b[best], kv_limit[best])
     pick = {k: float(v[best]) for k, v in g.items()}
-    return _make_plan(
+    return _deployment(
         x, "disaggregated", x.expert,
         layout=dict(tp_a=pick["tp_a"], tp_e=pick["tp_e"], n_a=pick["n_a"], n_e=pick["n_e"],
                     experts_per_group=pick["epg"], m=pick["m"], B=batch[best], b_a=b[best], gpus=pick["gpus"]),
@@ -342,12 +342,12 @@ def plan(
     )
 
 
-def _make_plan(x: _Inputs, deployment: str, expert_gpu: GPU, *, layout: dict[str, Any], tokens_per_expert: float,
+def _deployment(x: _Inputs, deployment: str, expert_gpu: GPU, *, layout: dict[str, Any], tokens_per_expert: float,
                times_s: dict[str, Any], throughput: float, cost: float, binding: str, attn_bytes: float,
-               expert_bytes: float) -> Plan:
-    """The one place a `Plan` is built: integer layout, stage times in ms, derived throughput figures."""
+               expert_bytes: float) -> Deployment:
+    """The one place a `Deployment` is built: integer layout, stage times in ms, derived throughput figures."""
     fields = {name: int(value) for name, value in layout.items()}
-    return Plan(
+    return Deployment(
         model=x.model.name,
         deployment=deployment,
         attn_gpu=x.attn.name,
@@ -398,7 +398,7 @@ def _raise_slo(x: _Inputs, g: dict[str, np.ndarray], upper: np.ndarray, deployme
     )
 
 
-def plan_colocated(
+def best_colocated(
     model: str | Model,
     gpu: str | GPU,
     tbt_slo_ms: float = DEFAULT_SLO_MS,
@@ -408,7 +408,7 @@ def plan_colocated(
     params: pm.PerfParams | None = None,
     tp: int | None = None,
     max_gpus: int = 1024,
-) -> Plan:
+) -> Deployment:
     """Best colocated EP deployment (baseline): every TP group runs attention and holds `E/groups` experts.
 
     Each decode step runs attention, all-to-all, experts and all-to-all per layer with no overlap,
@@ -448,7 +448,7 @@ def plan_colocated(
     per_cost = throughput / cost
     best = _best(per_cost, throughput, g["gpus"])
     groups, tp_best = int(g["groups"][best]), int(g["tp"][best])
-    return _make_plan(
+    return _deployment(
         x, "colocated", x.attn,
         layout=dict(tp_a=tp_best, tp_e=tp_best, n_a=groups, n_e=groups, experts_per_group=mod.experts // groups,
                     m=1, B=batch[best], b_a=b[best], gpus=g["gpus"][best]),
@@ -473,7 +473,7 @@ def compare(
     params: pm.PerfParams | None = None,
     colocated: bool = True,
 ) -> list[dict[str, Any]]:
-    """Plan every (attention GPU, expert GPU) pair from `gpus` and, with `colocated`, each GPU alone.
+    """Deployment every (attention GPU, expert GPU) pair from `gpus` and, with `colocated`, each GPU alone.
 
     Returns:
         One dict per deployment, best throughput per cost first. A deployment that cannot meet the
@@ -490,9 +490,9 @@ def compare(
     for deployment, a, e in jobs:
         try:
             if deployment == "colocated":
-                result = plan_colocated(model, a, tbt_slo_ms, context, prices=prices, params=params)
+                result = best_colocated(model, a, tbt_slo_ms, context, prices=prices, params=params)
             else:
-                result = plan(model, a, e, tbt_slo_ms, context, prices=prices, params=params)
+                result = best_disaggregated(model, a, e, tbt_slo_ms, context, prices=prices, params=params)
             ok_rows.append(result.to_dict())
         except UsageError as exc:
             rows.append({"deployment": deployment, "attn_gpu": a, "expert_gpu": e, "error": str(exc)})
@@ -500,7 +500,7 @@ def compare(
     return ok_rows + rows
 
 
-def simulate_plan(result: Plan) -> Timeline:
+def simulate_deployment(result: Deployment) -> Timeline:
     """Run the simulator on a disaggregated plan's ping-pong schedule (all MoE layers).
 
     The makespan plus `t_other_ms` equals `tbt_ms`: the planner's closed form and the simulator are

@@ -43,7 +43,7 @@ from mbridge_epoverlap.runtime import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, FORWARD_STAGES, POST, Phase, Role, Step
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, ping_pong_round
 from mbridge_epoverlap.serving.workers.placement import Placement
-from mbridge_epoverlap.serving.workers.requests import RequestQueue, Sequence_, micro_batch_limit
+from mbridge_epoverlap.serving.workers.requests import RequestQueue, RunningSequence, micro_batch_limit
 from mbridge_epoverlap.serving.workers.stage_timer import StageTimer
 
 ACTIVE, IDLE = 1, 0
@@ -80,7 +80,7 @@ class MicroBatchHandle:
     """A decode micro-batch's state as it travels through the layer program on an attention worker."""
 
     index: int
-    seqs: list[Sequence_] = field(default_factory=list)
+    seqs: list[RunningSequence] = field(default_factory=list)
     batch: Any = None  # TokenBatch
     x: torch.Tensor | None = None  # hidden states entering the next attention
     last_rows: list[int] = field(default_factory=list)  # row of each sequence's last token
@@ -97,7 +97,7 @@ class MicroBatchHandle:
         return not self.seqs
 
 
-def split_micro_batches(seqs: Sequence[Sequence_], micro_batches: int) -> list[MicroBatchHandle]:
+def split_micro_batches(seqs: Sequence[RunningSequence], micro_batches: int) -> list[MicroBatchHandle]:
     """Deal the running sequences into `micro_batches` handles, balanced by token count."""
     handles = [MicroBatchHandle(i) for i in range(micro_batches)]
     loads = [0] * micro_batches

@@ -75,7 +75,7 @@ def load_prompts(path: str | Path, *, vocab_size: int, tokenizer: Any = None) ->
 
 
 @dataclass
-class Sequence_:
+class RunningSequence:
     """A request being decoded: its tokens so far and when each output token appeared."""
 
     request: Request
@@ -119,8 +119,8 @@ class RequestQueue:
         if max_batch < 1:
             raise UsageError(f"max batch must be >= 1, got {max_batch}")
         self.waiting: deque[Request] = deque(requests)
-        self.running: list[Sequence_] = []
-        self.done: list[Sequence_] = []
+        self.running: list[RunningSequence] = []
+        self.done: list[RunningSequence] = []
         self.max_batch, self.max_new_tokens, self.eos_ids = max_batch, max_new_tokens, frozenset(eos_ids)
         self._next_slot = 0
         self.start = time.monotonic()
@@ -129,12 +129,12 @@ class RequestQueue:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def step_boundary(self) -> tuple[list[Sequence_], list[Sequence_]]:
+    def step_boundary(self) -> tuple[list[RunningSequence], list[RunningSequence]]:
         """Retire finished sequences and admit waiting ones; return (admitted, retired)."""
         retired = self.retire(self.running)
         return self.admit(self.max_batch - len(self.running)), retired
 
-    def retire(self, seqs: Sequence[Sequence_]) -> list[Sequence_]:
+    def retire(self, seqs: Sequence[RunningSequence]) -> list[RunningSequence]:
         """Move the finished ones of `seqs` (running sequences) to done; return them."""
         retired = [s for s in seqs if s.finished]
         if retired:
@@ -143,17 +143,17 @@ class RequestQueue:
             self.done += retired
         return retired
 
-    def admit(self, limit: int) -> list[Sequence_]:
+    def admit(self, limit: int) -> list[RunningSequence]:
         """Start up to `limit` waiting requests (never past `max_batch` running); return them."""
-        admitted: list[Sequence_] = []
+        admitted: list[RunningSequence] = []
         while self.waiting and len(admitted) < limit and len(self.running) < self.max_batch:
-            seq = Sequence_(self.waiting.popleft(), self._next_slot, admitted_at=self.start)
+            seq = RunningSequence(self.waiting.popleft(), self._next_slot, admitted_at=self.start)
             self._next_slot += 1
             self.running.append(seq)
             admitted.append(seq)
         return admitted
 
-    def append_token(self, seq: Sequence_, token: int) -> None:
+    def append_token(self, seq: RunningSequence, token: int) -> None:
         seq.output_ids.append(token)
         seq.token_times.append(time.monotonic())
         seq.prefilled = True

@@ -39,7 +39,7 @@ def test_transfers_bring_each_gained_expert_from_a_live_holder():
 
 
 def test_expert_store_builds_a_share_from_held_and_received_weights(tiny_mixtral_dir):
-    from mbridge_epoverlap.serving.elastic.layout import ExpertStore
+    from mbridge_epoverlap.serving.model.expert_store import ExpertStore
 
     spec = load_spec(tiny_mixtral_dir)
     mine, theirs, reference = ExpertStore(spec, [0, 1]), ExpertStore(spec, [2, 3]), ExpertStore(spec, [0, 1, 2, 3])

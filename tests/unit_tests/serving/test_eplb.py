@@ -15,7 +15,7 @@ from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.elastic import eplb
 
 
-def check_placement(placement: eplb.Placement, num_logical: int, num_replicas: int, num_gpus: int,
+def check_placement(placement: eplb.ReplicaMaps, num_logical: int, num_replicas: int, num_gpus: int,
                     alive: list[int] | None = None) -> None:
     phy2log, log2phy, logcnt = placement
     layers = phy2log.shape[0]

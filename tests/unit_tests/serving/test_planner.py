@@ -7,7 +7,7 @@ import pytest
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.planning import perf_model as pm
 from mbridge_epoverlap.serving.planning.catalog import GPUS, MODELS
-from mbridge_epoverlap.serving.planning.search import compare, plan, plan_colocated, simulate_plan
+from mbridge_epoverlap.serving.planning.search import best_colocated, best_disaggregated, compare, simulate_deployment
 
 CLI_KEYS = {
     "tp_a", "tp_e", "n_a", "m", "B", "t_attn_ms", "t_expert_ms", "t_comm_ms", "tbt_ms", "throughput_tokens_s",
@@ -20,7 +20,7 @@ SLOW_LINKS = pm.PerfParams(link_utilization=0.1)
 @pytest.fixture(scope="module")
 def mixtral_pairs():
     return {
-        pair: plan("Mixtral-8x22B", *pair, tbt_slo_ms=150)
+        pair: best_disaggregated("Mixtral-8x22B", *pair, tbt_slo_ms=150)
         for pair in [("H20", "L40S"), ("H20", "H20"), ("L40S", "L40S")]
     }
 
@@ -42,8 +42,8 @@ def test_plan_is_feasible_and_self_consistent(mixtral_pairs):
 
 @pytest.mark.parametrize("model,attn,expert", [("Mixtral-8x22B", "H20", "L40S"), ("DeepSeek-V3", "H200", "H200")])
 def test_planner_time_between_tokens_is_what_the_simulator_says(model, attn, expert):
-    result = plan(model, attn, expert)
-    timeline = simulate_plan(result)
+    result = best_disaggregated(model, attn, expert)
+    timeline = simulate_deployment(result)
     assert timeline.makespan + result.t_other_ms == pytest.approx(result.tbt_ms, rel=1e-9)
 
 
@@ -54,13 +54,14 @@ def test_heterogeneous_h20_l40s_beats_both_homogeneous_pairs_for_mixtral(mixtral
 
 
 def test_m2_nearly_doubles_m1_when_communication_is_small():
-    per_cost = {m: plan("Mixtral-8x22B", "H100", "H100", m=m, params=FAST_LINKS).throughput_per_cost for m in (1, 2)}
+    per_cost = {m: best_disaggregated("Mixtral-8x22B", "H100", "H100", m=m, params=FAST_LINKS).throughput_per_cost
+                for m in (1, 2)}
     assert 1.75 <= per_cost[2] / per_cost[1] <= 2.05
 
 
 def test_m3_helps_when_communication_is_not_small():
     def gain(params: pm.PerfParams) -> float:
-        two, three = (plan("Mixtral-8x22B", "H100", "H100", m=m, params=params) for m in (2, 3))
+        two, three = (best_disaggregated("Mixtral-8x22B", "H100", "H100", m=m, params=params) for m in (2, 3))
         return three.throughput_per_cost / two.throughput_per_cost
 
     fast, slow = gain(FAST_LINKS), gain(SLOW_LINKS)
@@ -70,7 +71,7 @@ def test_m3_helps_when_communication_is_not_small():
 
 def test_dbrx_replica_sweep_peaks_where_attention_and_experts_balance():
     sweep = {
-        n_a: plan("DBRX", "A100-80G", "A100-80G", n_a=n_a, tp_a=1, tp_e=1, experts_per_group=1)
+        n_a: best_disaggregated("DBRX", "A100-80G", "A100-80G", n_a=n_a, tp_a=1, tp_e=1, experts_per_group=1)
         for n_a in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
     }
     best = max(sweep, key=lambda n: sweep[n].throughput_per_gpu)
@@ -83,19 +84,19 @@ def test_dbrx_replica_sweep_peaks_where_attention_and_experts_balance():
 
 
 def test_fixed_dimensions_are_honoured():
-    result = plan("DBRX", "H100", "H100", m=2, n_a=3, tp_a=2, tp_e=4, experts_per_group=2)
+    result = best_disaggregated("DBRX", "H100", "H100", m=2, n_a=3, tp_a=2, tp_e=4, experts_per_group=2)
     assert (result.m, result.n_a, result.tp_a, result.tp_e, result.experts_per_group, result.n_e) == (2, 3, 2, 4, 2, 8)
 
 
 def test_cheaper_expert_gpus_raise_throughput_per_cost():
-    base = plan("DBRX", "H20", "L40S")
-    cheaper = plan("DBRX", "H20", "L40S", prices={"L40S": 0.5})
+    base = best_disaggregated("DBRX", "H20", "L40S")
+    cheaper = best_disaggregated("DBRX", "H20", "L40S", prices={"L40S": 0.5})
     assert cheaper.throughput_per_cost > base.throughput_per_cost
 
 
 def test_tighter_slo_lowers_the_batch():
-    loose = plan("Scaled-MoE", "H100", "H100", tbt_slo_ms=300, m=3, n_a=4, tp_a=2, tp_e=2)
-    tight = plan("Scaled-MoE", "H100", "H100", tbt_slo_ms=30, m=3, n_a=4, tp_a=2, tp_e=2)
+    loose = best_disaggregated("Scaled-MoE", "H100", "H100", tbt_slo_ms=300, m=3, n_a=4, tp_a=2, tp_e=2)
+    tight = best_disaggregated("Scaled-MoE", "H100", "H100", tbt_slo_ms=30, m=3, n_a=4, tp_a=2, tp_e=2)
     assert tight.tbt_ms <= 30 < loose.tbt_ms
     assert tight.B < loose.B
     assert tight.binding_constraint == "tbt_slo"
@@ -103,17 +104,17 @@ def test_tighter_slo_lowers_the_batch():
 
 def test_unmeetable_slo_names_the_binding_constraint_and_best_tbt():
     with pytest.raises(UsageError, match=r"tbt_slo binds.*best achievable time between tokens is \d+\.\d+ ms"):
-        plan("DBRX", "H20", "H20", tbt_slo_ms=1)
+        best_disaggregated("DBRX", "H20", "H20", tbt_slo_ms=1)
 
 
 def test_expert_memory_limit_is_reported():
     with pytest.raises(UsageError, match="expert memory binds"):
-        plan("DeepSeek-V3", "H200", "L40S", tp_e=1, experts_per_group=256)
+        best_disaggregated("DeepSeek-V3", "H200", "L40S", tp_e=1, experts_per_group=256)
 
 
 def test_context_too_long_for_any_attention_node():
     with pytest.raises(UsageError, match="attention memory binds.*--context"):
-        plan("DBRX", "L40S", "L40S", context=5_000_000)
+        best_disaggregated("DBRX", "L40S", "L40S", context=5_000_000)
 
 
 @pytest.mark.parametrize(
@@ -131,11 +132,11 @@ def test_context_too_long_for_any_attention_node():
 )
 def test_nonsense_settings_are_usage_errors(kwargs, flag):
     with pytest.raises(UsageError, match=flag):
-        plan("DBRX", "H20", "L40S", **kwargs)
+        best_disaggregated("DBRX", "H20", "L40S", **kwargs)
 
 
 def test_colocated_baseline():
-    result = plan_colocated("Mixtral-8x22B", "H20")
+    result = best_colocated("Mixtral-8x22B", "H20")
     assert result.deployment == "colocated" and result.m == 1
     assert result.attn_gpu == result.expert_gpu == "H20"
     assert result.tbt_ms <= 150

@@ -1,0 +1,72 @@
+"""The flags that `serve`, `serve-bench` and `elastic-bench` share, and how they are read.
+
+`register` functions call these; nothing here imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from mbridge_epoverlap.arg_types import count, positive
+
+
+def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    source = parser.add_mutually_exclusive_group(required=required)
+    source.add_argument("--checkpoint", type=Path, metavar="DIR",
+                        help="a Hugging Face checkpoint directory (config.json + *.safetensors; Mixtral or Qwen3-MoE)")
+    source.add_argument("-mr", "--model-recipe", dest="recipe", metavar="RECIPE",
+                        help="a recipe name: a shrunk random model, as the training runtime shrinks recipes")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default: float32")
+    parser.add_argument("--backend", default="m2n", help="M2N backend: m2n (fastest here), shm, mooncake, torch, gloo")
+    parser.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                        help="seconds any worker waits for another before naming it lost (default 30)")
+    parser.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
+
+
+def layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False) -> None:
+    parser.add_argument("--attn-workers", type=positive, default=1, metavar="A", help="attention workers (default 1)")
+    parser.add_argument("--expert-workers", type=positive, default=1, metavar="E", help="expert workers (default 1)")
+    parser.add_argument("--micro-batches", type=positive, default=2, metavar="M",
+                        help="micro-batches in flight (default 2)")
+    if colocated_flag:
+        parser.add_argument("--colocated", action="store_true",
+                            help="the colocated baseline on A+E processes instead")
+    else:
+        parser.add_argument("--colocated", type=positive, default=0, metavar="N",
+                            help="the colocated baseline on N processes instead (1: single process)")
+    parser.add_argument("--order", choices=("two_batch_overlap", "sequential"), default="two_batch_overlap",
+                        help="colocated order (default two_batch_overlap)")
+    parser.add_argument("--max-batch", type=positive, default=64, metavar="B",
+                        help="sequences decoding at once per attention worker; more wait (default 64)")
+
+
+def source_of(args: argparse.Namespace, default: str | None = None) -> str:
+    """The checkpoint directory or recipe name the flags name; neither: `default`, else the recipes' default."""
+    if args.checkpoint is not None:
+        return str(args.checkpoint)
+    if args.recipe:
+        return args.recipe
+    if default is not None:
+        return default
+    from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+
+    return DEFAULT_RECIPE
+
+
+def progress_printer(args: argparse.Namespace) -> Any:
+    """Progress of long runs on stderr (stdout carries the result, JSON or table)."""
+    return lambda line: print(f"  {line}", file=sys.stderr, flush=True)
+
+
+def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
+    """`--rebalance-every` and `--rejoin-after-steps`, for serve (`when`: "with --elastic: ") and elastic-bench."""
+    parser.add_argument("--rebalance-every", type=count, default=0, metavar="K",
+                        help=f"{when}re-solve the expert placement for the measured load every K decode "
+                             "steps, moving weights between expert workers (default 0: never)")
+    parser.add_argument("--rejoin-after-steps", type=count, default=0, metavar="N",
+                        help=f"{when}start a replacement for a lost expert worker and admit it N decode "
+                             "steps after the loss, waiting then up to half of --timeout if it is still starting "
+                             "(default 0: never)")
