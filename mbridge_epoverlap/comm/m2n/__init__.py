@@ -22,6 +22,10 @@ directions, e.g. dispatch to the expert ranks and combine back):
         w.wait()
     comm.close()
 
+What a backend can do beyond the interface is an attribute of its class, `communicator_class(name)`:
+`resumable_wait` (a wait that raised `PeerTimeout` can be waited on again) and `connects_late` (`connect` to a
+process that starts later, e.g. a replacement worker); `backends_with(attribute)` lists the names that have it.
+
 Sent tensors must not change until their send completed. Ranks should pass a barrier (e.g. on the store)
 before closing, so that no peer still writes to a closed rank. Importing this package does not import torch
 or mooncake; `make_communicator` imports the backend it needs.
@@ -65,6 +69,27 @@ def mooncake_available() -> bool:
     return True
 
 
+def communicator_class(backend: str, *, single_host: bool = True) -> type[M2NCommunicator]:
+    """The communicator class of `backend` (`m2n` resolved as `resolve_backend` does), imported on demand; its
+    class attributes say what the backend can do (`resumable_wait`, `connects_late`).
+
+    Raises:
+        UsageError: an unknown name.
+    """
+    name = resolve_backend(backend, single_host=single_host)
+    if name == "shm":
+        from mbridge_epoverlap.comm.m2n.shm import ShmCommunicator
+
+        return ShmCommunicator
+    if name == "mooncake":
+        from mbridge_epoverlap.comm.m2n.mooncake import MooncakeCommunicator
+
+        return MooncakeCommunicator
+    from mbridge_epoverlap.comm.m2n.torch_p2p import GlooBatchCommunicator, TorchCommunicator
+
+    return TorchCommunicator if name == "torch" else GlooBatchCommunicator
+
+
 def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int,
                       slots: int = 2, timeout_s: float, key_prefix: str = "m2n", single_host: bool = True,
                       roles: dict[int, str] | None = None, world_size: int | None = None,
@@ -103,31 +128,25 @@ def make_communicator(backend: str, *, rank: int, peers: Sequence[int], store: A
         raise UsageError(f"rank {rank} lists itself among its peers {list(peers)}")
     common: dict[str, Any] = dict(rank=rank, peers=peers, store=store, slot_bytes=slot_bytes, slots=slots,
                                   timeout_s=timeout_s, key_prefix=key_prefix, roles=roles)
-    if name == "shm":
-        from mbridge_epoverlap.comm.m2n.shm import ShmCommunicator
-
-        return ShmCommunicator(**common)
+    if name == "mooncake" and not mooncake_available():
+        raise UsageError(MOONCAKE_INSTALL)
+    cls = communicator_class(name)
     if name == "mooncake":
-        if not mooncake_available():
-            raise UsageError(MOONCAKE_INSTALL)
-        from mbridge_epoverlap.comm.m2n.mooncake import MooncakeCommunicator
-
         if host is None:
             import os
             import socket
 
             host = os.environ.get("MBRIDGE_EPOVERLAP_M2N_HOST") or (
                 "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname()))
-        return MooncakeCommunicator(**common, host=host)
-    from mbridge_epoverlap.comm.m2n.torch_p2p import GlooBatchCommunicator, TorchCommunicator
-
-    cls = TorchCommunicator if name == "torch" else GlooBatchCommunicator
+        return cls(**common, host=host)
+    if name == "shm":
+        return cls(**common)
     return cls(**common, world_size=world_size)
 
 
 def __getattr__(name: str) -> Any:
     # The interface types, without importing torch at package import.
-    if name in ("M2NCommunicator", "Work", "PeerError"):
+    if name in ("M2NCommunicator", "Work", "PeerError", "PeerTimeout"):
         from mbridge_epoverlap.comm.m2n import base
 
         return getattr(base, name)

@@ -2,7 +2,13 @@
 
 A communicator belongs to one rank and talks to a fixed set of peer ranks. Everything (buffers, connections,
 process groups) is set up once in the constructor; `isend`/`irecv` only start work and return a `Work` handle,
-whose `wait` has a timeout and raises `PeerError` naming the peer when the peer is dead or too slow.
+whose `wait` has a timeout and raises `PeerError` naming the peer when the peer is dead, `PeerTimeout` (a
+`PeerError`) when it was too slow.
+
+What a backend can do beyond the interface is a class attribute of its communicator class, so callers ask the
+class (`comm.m2n.communicator_class(name)`) rather than keep a list of backend names: `resumable_wait` (a wait
+that timed out can be waited on again), `connects_late` (`connect` opens a channel to a process that starts
+after set-up).
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from typing import Any
 
 import torch
 
+from mbridge_epoverlap.comm.errors import CommError
 
-class PeerError(RuntimeError):
-    """A peer rank is dead, or did not send/receive within the timeout.
+
+class PeerError(CommError):
+    """A peer rank is dead, or did not send/receive within the timeout (then the subclass `PeerTimeout`).
 
     Attributes:
         peer: the peer's rank.
@@ -28,6 +36,11 @@ class PeerError(RuntimeError):
         self.role = role
         name = f"{role} rank {peer}" if role else f"rank {peer}"
         super().__init__(f"M2N peer {name}: {what}")
+
+
+class PeerTimeout(PeerError):
+    """A wait ran out of its time: the peer may still be alive (on a backend with `resumable_wait` the same
+    `Work` can be waited on again)."""
 
 
 class Work:
@@ -56,13 +69,14 @@ class Work:
         """Block until complete; return None for a send, the tensors (owned by the caller) for a receive.
 
         Raises:
-            PeerError: the peer died, or the operation did not complete within `timeout_s` (default: the
-                communicator's timeout).
+            PeerError: the peer died.
+            PeerTimeout: the operation did not complete within `timeout_s` (default: the communicator's
+                timeout).
         """
         if not self._complete:
             limit = self._timeout_s if timeout_s is None else timeout_s
             if not self._block(time.monotonic() + limit):
-                raise PeerError(self._peer, f"{self._what} did not complete within {limit:g} s", self._role)
+                raise PeerTimeout(self._peer, f"{self._what} did not complete within {limit:g} s", self._role)
             self._complete = True
         return self._result()
 
@@ -76,9 +90,15 @@ class M2NCommunicator(abc.ABC):
         peers: the ranks it exchanges messages with.
         slot_bytes: the largest message payload it carries.
         timeout_s: the default limit of every wait.
+
+    Class attributes (what the backend can do):
+        resumable_wait: a `Work.wait` that raised `PeerTimeout` can be waited on again (sliced waits).
+        connects_late: `connect` opens a channel to a process that starts after set-up (a replacement).
     """
 
     backend: str = ""
+    resumable_wait: bool = False
+    connects_late: bool = False
 
     def __init__(self, *, rank: int, peers: Sequence[int], slot_bytes: int, slots: int, timeout_s: float,
                  roles: dict[int, str] | None = None) -> None:
@@ -130,6 +150,9 @@ class M2NCommunicator(abc.ABC):
 
     def _peer_error(self, peer: int, what: str) -> PeerError:
         return PeerError(peer, what, self.roles.get(peer))
+
+    def _peer_timeout(self, peer: int, what: str) -> PeerTimeout:
+        return PeerTimeout(peer, what, self.roles.get(peer))
 
     def _work(self, peer: int, what: str, poll: Callable[[], bool], block: Callable[[float], bool],
               result: Callable[[], list[torch.Tensor] | None]) -> Work:

@@ -153,8 +153,8 @@ class MooncakeCommunicator(RingCommunicator):
                 raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} failed (the peer is gone)")
             now = time.monotonic()
             if now > deadline:
-                raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} did not complete within "
-                                               f"{self.timeout_s:g} s")
+                raise self._peer_timeout(p.rank, f"a write of {nbytes} bytes to {p.segment} did not complete within "
+                                                 f"{self.timeout_s:g} s")
             if now > spin_end:
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)

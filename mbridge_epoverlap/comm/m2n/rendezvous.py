@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from mbridge_epoverlap.comm.m2n.base import PeerError
+from mbridge_epoverlap.comm.m2n.base import PeerTimeout
 
 
 def _wait_key(store: Any, key: str, deadline: float) -> None:
@@ -35,7 +35,7 @@ class Rendezvous:
         self.store.set(f"{self.prefix}/{phase}/{self.rank}", json.dumps(record))
 
     def fetch(self, peers: Sequence[int], phase: str = "info") -> dict[int, dict[str, Any]]:
-        """Every peer's record of `phase`; PeerError naming the first peer missing at the deadline."""
+        """Every peer's record of `phase`; PeerTimeout naming the first peer missing at the deadline."""
         deadline = time.monotonic() + self.timeout_s
         out = {}
         for peer in peers:
@@ -43,7 +43,7 @@ class Rendezvous:
             try:
                 _wait_key(self.store, key, deadline)
             except Exception as exc:  # the store's own timeout type differs between versions
-                raise PeerError(peer, f"did not join the M2N set-up within {self.timeout_s:g} s "
+                raise PeerTimeout(peer, f"did not join the M2N set-up within {self.timeout_s:g} s "
                                       f"(waiting for '{key}': {exc})", self.roles.get(peer)) from None
             out[peer] = json.loads(self.store.get(key))
         return out

@@ -89,6 +89,8 @@ class ShmCommunicator(RingCommunicator):
     """Shared-memory M2N between ranks of one host (see the module docstring for the protocol)."""
 
     backend = "shm"
+    resumable_wait = True  # a wait only watches the ring and the peer's process: waiting again is harmless
+    connects_late = True
 
     def __init__(self, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int, slots: int = 2,
                  timeout_s: float, key_prefix: str = "m2n", roles: dict[int, str] | None = None) -> None:

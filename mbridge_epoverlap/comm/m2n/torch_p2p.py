@@ -198,13 +198,13 @@ class TorchCommunicator(M2NCommunicator):
         if len(ref) > 1:  # waited on before (a gloo handle must not be waited on twice)
             return True
         if timeout_s <= 0 and not ref[0].is_completed():
-            raise self._peer_error(peer, f"{what} did not complete within the timeout")
+            raise self._peer_timeout(peer, f"{what} did not complete within the timeout")
         try:
             ref[0].wait(timedelta(seconds=max(timeout_s, 0.001)))
         except RuntimeError as exc:
             text = str(exc)
             if "imed out" in text or "imeout" in text:
-                raise self._peer_error(peer, f"{what} did not complete within {timeout_s:g} s") from None
+                raise self._peer_timeout(peer, f"{what} did not complete within {timeout_s:g} s") from None
             raise self._peer_error(peer, f"{what} failed: {_first_line(exc)}") from None
         ref.append(True)
         return True

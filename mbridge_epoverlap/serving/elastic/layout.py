@@ -31,9 +31,6 @@ import torch
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.serving.elastic import eplb
 
-# Backends whose `Work.wait` can time out and be waited on again (the expert worker's sliced waits need it).
-RESUMABLE_BACKENDS = ("m2n", "shm")
-
 
 class ExpertsLostError(RunFailedError):
     """Every replica of some experts died and there is no weight copy to restore them from."""
@@ -217,16 +214,18 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
     """
     from dataclasses import replace
 
+    from mbridge_epoverlap.comm.m2n import BACKENDS, communicator_class
     from mbridge_epoverlap.serving.engine.plan import COLOCATED
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from mbridge_epoverlap.serving.model.expert_store import weight_slot_bytes
 
     if plan.mode == COLOCATED:
         raise UsageError("--elastic applies to disaggregated serving (attention and expert workers); drop --colocated")
-    if plan.backend not in RESUMABLE_BACKENDS:
+    if not communicator_class(plan.backend).resumable_wait:  # the expert worker's sliced waits need it
+        resumable = [name for name in sorted(BACKENDS) if communicator_class(name).resumable_wait]
         raise UsageError(f"--backend {plan.backend} cannot serve --elastic: an expert worker waits in short slices "
                          "(to serve resends in between) and this backend aborts a wait that times out; use "
-                         f"--backend {' or '.join(RESUMABLE_BACKENDS)}")
+                         f"--backend {' or '.join(resumable)}")
     if kill_step < 1:
         raise UsageError(f"kill step {kill_step} must be >= 1 (mid-decode, after the prefill step)")
     if rebalance_every < 0:
