@@ -47,6 +47,7 @@ from mbridge_epoverlap.schedule.program import (
     Phase,
     Stage,
     Step,
+    bind_handlers,
     check_schedule,
     is_forward_only,
     predecessors,
@@ -108,11 +109,6 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
 
-def handler_name(stage: Stage, phase: Phase) -> str:
-    """The executor method for one step of `stage`: `_<stage>` for a RUN, `_<stage>_<phase>` for a COMM step."""
-    return f"_{stage.name}" if phase is Phase.RUN else f"_{stage.name}_{phase.value}"
-
-
 def last_uses(steps: Sequence[Step]) -> dict[int, list[tuple[int, int]]]:
     """Step index -> the (micro-batch, layer) states no later step runs in or depends on."""
     num_layers: dict[int, int] = {}
@@ -166,10 +162,8 @@ class ScheduleExecutor:
         self._ends: dict[int, list[tuple[int, int]]] = {}
         self._forward_only = False
         # One handler per stage and phase of the stage table; a stage without one fails here, not mid-run.
-        self._handlers: dict[tuple[str, Phase], Callable[[int, int], None]] = {
-            (stage.name, phase): getattr(self, handler_name(stage, phase))
-            for stage in STAGES.values() for phase in stage.phases
-        }
+        self._handlers: dict[tuple[str, Phase], Callable[[int, int], None]] = bind_handlers(
+            self, ((stage, phase) for stage in STAGES.values() for phase in stage.phases))
 
     def run(self, steps: Sequence[Step], batches: Sequence[MicroBatch], *,
             loss_scale: float = 1.0) -> list[torch.Tensor]:

@@ -41,7 +41,7 @@ from mbridge_epoverlap.runtime.optim import (
 )
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
 from mbridge_epoverlap.runtime.ranges import Ranges
-from mbridge_epoverlap.schedule.program import Phase, Step, one_f_one_b
+from mbridge_epoverlap.schedule.program import Step, is_communicating, one_f_one_b
 
 
 @dataclass
@@ -146,7 +146,7 @@ def train(cfg: RunConfig, ctx: RankContext, *, max_steps: int, profile_dir: Path
     iteration = 0
 
     def on_step(index: int, step: Step) -> None:
-        beat.beat(iteration, index, hb.COMPUTE if step.phase is Phase.RUN else hb.COMM)
+        beat.beat(iteration, index, hb.COMM if is_communicating(step) else hb.COMPUTE)
 
     executor = ScheduleExecutor(model, ranges=Ranges(use_nvtx=device.type == "cuda"), on_step=on_step)
     profiler = _profiler(device) if profile_dir is not None else None

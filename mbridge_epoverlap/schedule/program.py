@@ -11,6 +11,7 @@ it finished. Whatever runs between the two is overlapped with that communication
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -137,6 +138,29 @@ class Step:
 
     def __str__(self) -> str:
         return f"mb{self.micro_batch}.L{self.layer}.{self.stage}.{self.phase.value}"
+
+
+def handler_name(stage: Stage, phase: Phase) -> str:
+    """The method an executor runs for one step of `stage`: `_<stage>` for a RUN, `_<stage>_<phase>` for a COMM
+    step (the training executor, the serving workers and their transports all name their handlers so)."""
+    return f"_{stage.name}" if phase is Phase.RUN else f"_{stage.name}_{phase.value}"
+
+
+def role_phases(role: Role) -> list[tuple[Stage, Phase]]:
+    """The forward (stage, phase) pairs the stage table gives a worker of `role` when disaggregated."""
+    return [(stage, phase) for stage in FORWARD_STAGES for phase in stage.phases
+            if Step(0, 0, stage.name, phase).role is role]
+
+
+def bind_handlers(owner: object, pairs: Iterable[tuple[Stage, Phase]]) -> dict[tuple[str, Phase], Callable[..., None]]:
+    """`(stage name, phase) -> owner's handler` for each pair; an owner missing one fails here, at start-up."""
+    return {(stage.name, phase): getattr(owner, handler_name(stage, phase)) for stage, phase in pairs}
+
+
+def is_communicating(step: Step) -> bool:
+    """Whether a rank executing `step` is communicating (an issue or a wait) rather than computing: the state its
+    heartbeat shows while it runs the step."""
+    return step.phase is not Phase.RUN
 
 
 def run(mb: int, layer: int, stage: str) -> Step:
