@@ -1,27 +1,30 @@
 """Attention and expert workers that keep decoding through the loss of expert workers.
 
-They are the engine's workers (`serving.workers`) with three steps replaced:
+The attention side is the engine's (`serving.workers.attention`) with the elastic router as its transport
+(`ElasticRouter`); the expert worker is the engine's with its waits replaced:
 
 - dispatch (attention): each (token, choice) goes to the replica `ElasticLayout.router` picks, only to live
-  expert workers; the control tensor carries `[active, alive mask]`.
+  expert workers; the control (`protocol.ElasticControl`) carries whether the sender is active and the alive
+  mask.
 - combine wait (attention): a `PeerError` from an expert worker marks it dead; the placement is re-solved
   over the survivors (`ElasticLayout.without`) and the rows the dead worker held are re-sent, under the
-  new placement, as a resend message (tag `RESEND_TAG`) to the survivors, whose answers fill the gaps.
+  new placement, as a resend message (tag `protocol.RESEND_TAG`) to the survivors, whose answers fill the gaps.
 - dispatch wait (expert): waits in short slices and serves resend messages in between; a message whose
   mask drops a worker makes the expert worker re-solve the same placement and load the experts it now
   holds (restoring those whose every replica died from the checkpoint).
 
 Two more hooks make the layout change while requests flow, at step boundaries (layout epochs):
 
-- attention `_run_steps`: at a sync step (`serving.elastic_sync`) the attention workers merge what they know,
-  rebalance the placement for the load they recorded (`eplb.ExpertLoadRecorder`, fed by every dispatch)
-  every `rebalance_every` steps when that lowers max/mean load by `MIN_REBALANCE_GAIN` or more, and admit a
-  replacement expert worker `rejoin_after_steps` after a loss; a new layout becomes a new epoch, announced in
-  that step and entered at the next boundary; the control tensor carries the current epoch's table and the
-  announced one: `[active, alive mask, layer, epoch, *epoch slots, announced epoch, *announced slots]`;
+- attention, at the start of a decode step (`ElasticRouter.begin_step`): at a sync step (`elastic.sync`) the
+  attention workers merge what they know, rebalance the placement for the load they recorded
+  (`eplb.ExpertLoadRecorder`, fed by every dispatch) every `rebalance_every` steps when that lowers max/mean
+  load by `MIN_REBALANCE_GAIN` or more, and admit a replacement expert worker `rejoin_after_steps` after a
+  loss; a new layout becomes a new epoch, announced in that step and entered at the next boundary; the
+  control carries the current epoch and its table and the announced one (`ElasticControl.epoch`, `slots`,
+  `announced`, `announced_slots`);
 - expert `_dispatch_wait` (and resends): the first message of a step that announces an epoch makes the expert
   worker connect a replacement's channel and start moving the weights that change owner
-  (`serving.expert_moves`) while the step still runs on the old ones; the first message of the epoch itself
+  (`elastic.moves`) while the step still runs on the old ones; the first message of the epoch itself
   makes it install them and drop the ones it no longer holds. Every worker switches at the same step
   boundary, so no token is routed by an old table.
 
@@ -36,74 +39,77 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mbridge_epoverlap.comm.m2n.base import PeerError
-from mbridge_epoverlap.schedule.program import DISPATCH
+from mbridge_epoverlap.comm.m2n.base import PeerError, PeerTimeout
+from mbridge_epoverlap.schedule.program import COMBINE, DISPATCH, Phase
 from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertsLostError
 from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix, transfers
-from mbridge_epoverlap.serving.workers.disaggregated import (
-    ACTIVE,
-    CONTINUE,
-    IDLE,
-    STOP,
-    AttentionWorker,
-    ExpertWorker,
-    MicroBatchHandle,
+from mbridge_epoverlap.serving.workers.attention import AttentionSide, MicroBatchHandle
+from mbridge_epoverlap.serving.workers.expert import ExpertWorker
+from mbridge_epoverlap.serving.workers.protocol import (
+    RESEND_TAG,
+    Combine,
+    Dispatch,
+    ElasticControl,
+    Transport,
     message_tag,
 )
 
-RESEND_TAG = 1 << 24  # above every (layer, micro-batch) tag
 # A rebalance is adopted when it lowers max/mean load by at least this fraction: moving weights for less is churn.
 MIN_REBALANCE_GAIN = 0.01
 _SLICE_S = 0.02  # an expert worker looks for resends this often while it waits
 
 
-def _timed_out(exc: PeerError) -> bool:
-    """A wait that ran out of its slice (the peer is alive) rather than a dead peer (`Work.wait`'s message)."""
-    return "did not complete within" in str(exc)
-
-
 class _SendToleratingLoss:
     """A send `Work` whose failure is ignored once its peer is known dead (it was re-sent elsewhere)."""
 
-    def __init__(self, work: Any, worker: ElasticAttentionWorker, index: int) -> None:
-        self.work, self.worker, self.index = work, worker, index
+    def __init__(self, work: Any, router: ElasticRouter, index: int) -> None:
+        self.work, self.router, self.index = work, router, index
 
     def wait(self, timeout_s: float | None = None) -> None:
         try:
             self.work.wait(timeout_s)
         except PeerError:
-            self.worker.lose({self.index}, "a send failed")
+            self.router.lose({self.index}, "a send failed")
 
 
-class ElasticAttentionWorker(AttentionWorker):
-    """An attention worker that routes to replicas, re-routes around dead expert workers, and changes the layout
-    at step boundaries (rebalancing, a replacement joining).
+class ElasticRouter(Transport):
+    """The transport of an elastic attention worker: routes to replicas, re-routes around dead expert workers,
+    and changes the layout at step boundaries (rebalancing, a replacement joining).
 
-    Keyword Args:
+    Args:
+        side: the attention side it serves.
+        comm: the M2N communicator (peers: the expert workers).
+        expert_ranks: rank of each expert worker, by worker index.
         layout: the start layout.
         restore: whether experts whose every replica died may be restored from the checkpoint.
         sync: the boundary agreement with the other attention workers (None: no layout epochs).
         m2n_store: the M2N rendezvous store (to connect a replacement's channel).
         rebalance_every: re-solve the placement for the measured load every this many decode steps (0: never).
         rejoin_after_steps: admit a replacement this many steps after a loss (0: never).
+        progress: called with a line for what happens (rank 0 only).
     """
 
-    def __init__(self, *args: Any, layout: ElasticLayout, restore: bool, sync: Any = None, m2n_store: Any = None,
-                 rebalance_every: int = 0, rejoin_after_steps: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    stages = ((DISPATCH, Phase.ISSUE), (COMBINE, Phase.WAIT))
+
+    def __init__(self, side: AttentionSide, comm: Any, expert_ranks: list[int], *, layout: ElasticLayout,
+                 restore: bool, sync: Any = None, m2n_store: Any = None, rebalance_every: int = 0,
+                 rejoin_after_steps: int = 0, progress: Callable[[str], None] | None = None) -> None:
+        self.side, self.comm, self.expert_ranks, self.progress = side, comm, expert_ranks, progress
+        self.spec, self.m, self.timeout_s = side.spec, side.m, side.timeout_s
         self.layout, self.restore = layout, restore
         self.route = layout.router()
         self.events: list[dict[str, Any]] = []
         self._resume_pending = False
+        side.on_sampled.append(self._sampled)
         self.sync, self.m2n_store = sync, m2n_store
-        if sync is not None:
-            # A layout epoch starts at one boundary for every micro-batch: steps drain the pipeline (the expert
-            # workers do the same: they have a `mover` exactly when the attention workers have a `sync`).
-            self.streams = False
+        # A layout epoch starts at one boundary for every micro-batch: steps drain the pipeline (the expert
+        # workers do the same: they have a `mover` exactly when the attention workers have a `sync`).
+        self.streams = sync is None
         self.rebalance_every, self.rejoin_after_steps = rebalance_every, rejoin_after_steps
         self.recorder = None
         if rebalance_every:
@@ -111,12 +117,15 @@ class ElasticAttentionWorker(AttentionWorker):
 
             self.recorder = ExpertLoadRecorder(self.spec.num_layers, self.spec.num_experts, rebalance_every)
         self.epoch = 0
-        self._epoch_slots = list(layout.slots)  # the current epoch's table as announced
         self._announced: tuple[ElasticLayout, dict[str, Any]] | None = None  # entered at the next step
-        self._epoch_tail = [0, *layout.slots, 0, *layout.slots]  # control's `[epoch, *slots, announced, *slots]`
+        # The epochs the control carries: (epoch, its table as announced) now, and the announced next one.
+        self._tables = ((0, tuple(layout.slots)), (0, tuple(layout.slots)))
         self.lost_at: dict[int, int] = {}  # expert worker -> decode step its loss was seen
         self.generations: dict[int, int] = {}  # expert worker -> replacements admitted
         self._rejoin_tried: set[tuple[int, int]] = set()
+
+    def close(self) -> None:
+        self.comm.close()
 
     def _say(self, event: str, line: str, **fields: Any) -> None:
         self.events.append({"event": event, "t": time.monotonic(), **fields})
@@ -130,7 +139,7 @@ class ElasticAttentionWorker(AttentionWorker):
             return
         self._say("detected", f"expert workers {sorted(dead)} lost ({how})", workers=sorted(dead))
         for worker in dead:
-            self.lost_at[worker] = self.decode_steps
+            self.lost_at[worker] = self.side.decode_steps
         layout, orphans = self.layout.without(dead)
         if orphans and not self.restore:
             raise ExpertsLostError(orphans, sorted(dead))
@@ -143,28 +152,31 @@ class ElasticAttentionWorker(AttentionWorker):
                       "new holders", experts=orphans)
         self._resume_pending = True
 
-    def _control(self, layer: int) -> torch.Tensor:
-        """`[active, alive mask, layer, epoch, *epoch slots, announced epoch, *announced slots]`: the layer tells a
-        resend's receiver which experts to run; the epochs and their tables tell an expert worker the layout it
-        must hold and the one to move weights for."""
-        return torch.tensor([ACTIVE if self.active else IDLE, self.layout.mask, layer, *self._epoch_tail],
-                            dtype=torch.int64)
+    def _sampled(self, h: MicroBatchHandle) -> None:
+        """A micro-batch got its next tokens: the first time after a loss, decoding has resumed."""
+        if self._resume_pending:
+            self._resume_pending = False
+            self._say("resumed", f"decoding resumed on {len(self.layout.alive)} expert workers")
+
+    def _control(self, layer: int) -> ElasticControl:
+        """The layer tells a resend's receiver which experts to run; the epochs and their tables tell an expert
+        worker the layout it must hold and the one to move weights for."""
+        (epoch, slots), (announced, announced_slots) = self._tables
+        return ElasticControl(active=self.side.active, mask=self.layout.mask, layer=layer, epoch=epoch, slots=slots,
+                              announced=announced, announced_slots=announced_slots)
 
     # --- layout epochs ------------------------------------------------------------------------------
-    def run(self) -> None:
-        try:
-            super().run()
-        finally:
-            if self.sync is not None and self.sync.index == 0 and self.rejoin_after_steps:
-                self.sync.finish()
+    def finish(self) -> None:
+        if self.sync is not None and self.sync.index == 0 and self.rejoin_after_steps:
+            self.sync.finish()
 
-    def _run_steps(self, handles: list[MicroBatchHandle]) -> None:
-        step = self.decode_steps
+    def begin_step(self, step: int) -> None:
         if self._announced is not None:
             self._switch(step)
         if self.sync is not None and step > 0 and (self.rejoin_after_steps or step % self.rebalance_every == 0):
             self._boundary(step)
-        super()._run_steps(handles)
+
+    def end_step(self) -> None:
         if self.recorder is not None:
             self.recorder.advance()
 
@@ -174,7 +186,7 @@ class ElasticAttentionWorker(AttentionWorker):
         rebalance = self.recorder is not None and step % self.rebalance_every == 0
         load = self.recorder.load().sum(0) if rebalance else None
         dead, load, active = self.sync.gather(step, sorted(set(range(self.layout.workers)) - self.layout.alive), load,
-                                              bool(self.queue.running))
+                                              bool(self.side.queue.running))
         if not active:
             load = None  # the last (empty) step: nothing left to balance
         self.lose(dead, "another attention worker saw it")
@@ -238,7 +250,7 @@ class ElasticAttentionWorker(AttentionWorker):
                                     "moves": [[src, dst, ids] for (src, dst), ids in moves.items()],
                                     "imbalance_before": before, "imbalance_after": after,
                                     "decide_s": time.monotonic() - self._boundary_started, **fields})
-        self._epoch_tail = [self.epoch, *self._epoch_slots, self.epoch + 1, *layout.slots]
+        self._tables = (self._tables[0], (self.epoch + 1, tuple(layout.slots)))
 
     def _switch(self, step: int) -> None:
         """Enter the announced epoch; expert workers lost while it was announced are dropped from it again."""
@@ -247,8 +259,7 @@ class ElasticAttentionWorker(AttentionWorker):
         joined = set(fields.get("joined", []))
         lost_meanwhile = {w for w in layout.alive if w not in self.layout.alive and w not in joined}
         self.epoch += 1
-        self._epoch_slots = list(layout.slots)
-        self._epoch_tail = [self.epoch, *layout.slots, self.epoch, *layout.slots]
+        self._tables = ((self.epoch, tuple(layout.slots)), (self.epoch, tuple(layout.slots)))
         self.layout, self.route = layout, layout.router()
         why = fields.pop("why")
         before, after = fields["imbalance_before"], fields["imbalance_after"]
@@ -265,13 +276,10 @@ class ElasticAttentionWorker(AttentionWorker):
             return
         tag = message_tag(layer, h.index, self.m)
         control = self._control(layer)
-        with self.timer.time(DISPATCH.name, record=not h.empty):
-            if h.empty:
-                hidden = torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype())
-                ids = torch.zeros(0, self.spec.top_k, dtype=torch.int64)
-                owners = ids
-            else:
-                hidden, ids = h.attn.tokens, h.attn.expert_ids
+        with self.side.timer.time(DISPATCH.name, record=not h.empty):
+            hidden, ids = self.side.dispatch_rows(h)
+            owners = ids
+            if not h.empty:
                 owners = self.route.workers(ids, h.batch.positions)
                 if self.recorder is not None:
                     self.recorder.record(layer, ids)
@@ -280,31 +288,30 @@ class ElasticAttentionWorker(AttentionWorker):
                 rank = self.expert_ranks[worker]
                 token, slot = (owners == worker).nonzero(as_tuple=True)
                 h.routes.append((token, slot))
-                send = self.comm.isend(rank, [control, hidden[token].contiguous(), ids[token, slot]], tag)
-                h.sends.append(_SendToleratingLoss(send, self, worker))
+                message = Dispatch(control, hidden[token].contiguous(), ids[token, slot])
+                h.sends.append(_SendToleratingLoss(self.comm.isend(rank, message.encode(), tag), self, worker))
                 h.receives.append((worker, self.comm.irecv(rank, tag)))
         h.issued_at = time.perf_counter()
 
     def _combine_wait(self, h: MicroBatchHandle, layer: int) -> None:
         if not self.spec.is_moe(layer):
             return
-        replies: list[list[torch.Tensor] | None] = []
         lost: set[int] = set()
-        with self.timer.time("combine_wait", record=not h.empty):
+
+        def wait() -> list[Combine | None]:
+            replies: list[Combine | None] = []
             for worker, work in h.receives:
                 try:
-                    replies.append(work.wait(self.timeout_s))
+                    replies.append(Combine.decode(work.wait(self.timeout_s)))
                 except PeerError:
                     replies.append(None)
                     lost.add(worker)
-        if not h.empty:
-            self.timer.record("round_trip", time.perf_counter() - h.issued_at)
-        h.receives = []
+            return replies
+
+        replies = self.side.wait_combine(h, wait)
         if lost:
             self.lose(lost, f"M2N combine of layer {layer}, micro-batch {h.index}")
-        first = next((r for r in replies if r is not None), None)
-        if layer == self.first_moe and h.index == 0 and first is not None and int(first[0][0]) == STOP:
-            self.stop = True
+        self.side.note_combine(h, layer, next((r for r in replies if r is not None), None))
         if h.empty:
             return
         tokens, k = h.attn.expert_ids.shape
@@ -314,7 +321,7 @@ class ElasticAttentionWorker(AttentionWorker):
             if reply is None:
                 missing.append(token * k + slot)
             else:
-                out[token, slot] = reply[1]
+                out[token, slot] = reply.outputs
         if missing:
             self._resend(h, layer, torch.cat(missing), out)
         h.expert_out = out
@@ -333,27 +340,22 @@ class ElasticAttentionWorker(AttentionWorker):
                 if rows.numel() == 0:
                     continue
                 rank = self.expert_ranks[worker]
-                self.comm.isend(rank, [control, h.attn.tokens[token[rows]].contiguous(), ids[rows]], RESEND_TAG)
+                message = Dispatch(control, h.attn.tokens[token[rows]].contiguous(), ids[rows])
+                self.comm.isend(rank, message.encode(), RESEND_TAG)
                 pending.append((worker, rows, self.comm.irecv(rank, RESEND_TAG)))
             again, lost = [], set()
             for worker, rows, work in pending:
                 try:
-                    reply = work.wait(self.timeout_s)
+                    reply = Combine.decode(work.wait(self.timeout_s))
                 except PeerError:
                     again.append(flat[rows])
                     lost.add(worker)
                     continue
-                out[token[rows], slot[rows]] = reply[1]
+                out[token[rows], slot[rows]] = reply.outputs
             if lost:
                 self.lose(lost, "M2N resend")
             flat = torch.cat(again) if again else flat[:0]
         self.events.append({"event": "resent", "t": time.monotonic(), "micro_batch": h.index})
-
-    def _post(self, h: MicroBatchHandle, layer: int) -> None:
-        super()._post(h, layer)
-        if self._resume_pending and layer == self.spec.num_layers - 1 and not h.empty:
-            self._resume_pending = False
-            self._say("resumed", f"decoding resumed on {len(self.layout.alive)} expert workers")
 
 
 class ElasticExpertWorker(ExpertWorker):
@@ -375,6 +377,12 @@ class ElasticExpertWorker(ExpertWorker):
         self._last_moe = self.spec.moe_layer_ids[-1]
         self._resends = {rank: self.comm.irecv(rank, RESEND_TAG) for rank in self.attention_ranks}
 
+    def close(self) -> None:
+        """Close the dispatch/combine channel and the weight channel."""
+        super().close()
+        if self.mover is not None:
+            self.mover.comm.close()
+
     def _follow(self, mask: int) -> None:
         layout, orphans = self.layout.with_mask(mask)
         if layout is self.layout:
@@ -388,11 +396,10 @@ class ElasticExpertWorker(ExpertWorker):
                             "alive": sorted(layout.alive)})
         self.layout = layout
 
-    def _enter_epoch(self, controls: list[torch.Tensor]) -> None:
-        """Follow the epochs the control tensors carry (all of one step carry the same): enter the current one
+    def _enter_epoch(self, controls: list[ElasticControl]) -> None:
+        """Follow the epochs the controls carry (all of one step carry the same): enter the current one
         (finishing its moves), and start the moves of an announced one."""
-        n = len(self.layout.slots)
-        current, announced = {int(c[3]) for c in controls}, {int(c[4 + n]) for c in controls}
+        current, announced = {c.epoch for c in controls}, {c.announced for c in controls}
         if max(announced) <= self.epoch:
             return
         if len(current) > 1 or len(announced) > 1:
@@ -402,15 +409,15 @@ class ElasticExpertWorker(ExpertWorker):
             raise RuntimeError(f"layout epoch {max(announced)} started but expert worker {self.index} has no channel "
                                "to the other expert workers (the plan enables neither rebalancing nor rejoining)")
         control = controls[0]
-        epoch, upcoming = int(control[3]), int(control[4 + n])
+        epoch, upcoming = control.epoch, control.announced
         if epoch > self.epoch:
             if self._prefetch is None or self._prefetch.epoch != epoch:  # not announced to this worker (a newcomer)
-                self._prefetch = self._start(epoch, control[4:4 + n].tolist())
+                self._prefetch = self._start(epoch, list(control.slots))
             report = self.mover.finish(self._prefetch, self.part)
             self.layout, self.epoch, self._prefetch = self._prefetch.layout, epoch, None
             self.events.append({"event": "moved", "t": time.monotonic(), "step": self.decode_steps, **report})
         if upcoming > self.epoch and (self._prefetch is None or self._prefetch.epoch != upcoming):
-            self._prefetch = self._start(upcoming, control[5 + n:5 + 2 * n].tolist())
+            self._prefetch = self._start(upcoming, list(control.announced_slots))
 
     def _combine_issue(self, mb: int, layer: int) -> None:
         super()._combine_issue(mb, layer)
@@ -437,8 +444,8 @@ class ElasticExpertWorker(ExpertWorker):
         while True:
             try:
                 return work.wait(max(1e-3, min(_SLICE_S, deadline - time.monotonic())))
-            except PeerError as exc:
-                if not _timed_out(exc) or time.monotonic() >= deadline:
+            except PeerTimeout:  # the slice ran out, the peer is alive: serve resends, wait on
+                if time.monotonic() >= deadline:
                     raise
             self._serve_resends()
 
@@ -446,30 +453,31 @@ class ElasticExpertWorker(ExpertWorker):
         for rank, work in self._resends.items():
             if not work.done():
                 continue
-            control, tokens, ids = work.wait(0)
+            message = Dispatch.decode(work.wait(0))
+            control = message.control
             self._enter_epoch([control])
-            self._follow(int(control[1]))
-            out = self.part(int(control[2]), tokens, ids) if tokens.shape[0] else tokens
-            self.comm.isend(rank, [torch.tensor([CONTINUE], dtype=torch.int64), out.contiguous()], RESEND_TAG)
+            self._follow(control.mask)
+            tokens = message.tokens
+            out = self.part(control.layer, tokens, message.expert_ids) if tokens.shape[0] else tokens
+            self.comm.isend(rank, Combine(False, out.contiguous()).encode(), RESEND_TAG)
             self._resends[rank] = self.comm.irecv(rank, RESEND_TAG)
+
+    def _receive(self, mb: int, layer: int) -> list[Dispatch]:
+        if self.kill_at_step is not None and self.decode_steps == self.kill_at_step and layer == self._last_moe \
+                and mb == 0:
+            self._die()
+        works = [self.comm.irecv(rank, message_tag(layer, mb, self.m)) for rank in self.attention_ranks]
+        return [Dispatch.decode(self._wait_serving(work)) for work in works]
 
     def _dispatch_wait(self, mb: int, layer: int) -> None:
         if not self.spec.is_moe(layer):
             return
-        if self.kill_at_step is not None and self.decode_steps == self.kill_at_step and layer == self._last_moe \
-                and mb == 0:
-            self._die()
-        tag = message_tag(layer, mb, self.m)
-        with self.timer.time("dispatch_wait"):
-            works = [self.comm.irecv(rank, tag) for rank in self.attention_ranks]
-            self._received[mb] = [self._wait_serving(work) for work in works]
-        self._enter_epoch([msg[0] for msg in self._received[mb]])
+        super()._dispatch_wait(mb, layer)
+        self._enter_epoch([msg.control for msg in self._received[mb]])
         mask = self.layout.mask
         for msg in self._received[mb]:
-            mask &= int(msg[0][1])
+            mask &= msg.control.mask
         self._follow(mask)
-        if layer == self.first_moe and mb == 0:
-            self.stop = all(int(msg[0][0]) == IDLE for msg in self._received[mb])
 
     def _die(self) -> None:
         """Fault injection: SIGKILL this process mid-decode (after noting when, for the bench)."""

@@ -26,25 +26,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.comm.errors import EXIT_COMM
+from mbridge_epoverlap.comm.errors import EXIT_COMM, CommError
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from mbridge_epoverlap.runtime.options import PREFIX
 from mbridge_epoverlap.runtime.worker import rank_and_world
 from mbridge_epoverlap.schedule.program import Role
 from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
+from mbridge_epoverlap.serving.workers.protocol import Worker
 
 
 def _write(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload))
     tmp.replace(path)
-
-
-def _is_peer_failure(exc: BaseException) -> bool:
-    from mbridge_epoverlap.comm.errors import CommError
-    from mbridge_epoverlap.comm.m2n.base import PeerError
-
-    return isinstance(exc, CommError | PeerError)
 
 
 def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
@@ -91,21 +85,14 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
         payload["wall_s"] = time.monotonic() - started
     payload.update(_report(worker, queue))
     _write(state["out"], payload)
-    beat.beat(getattr(worker, "decode_steps", 0), 0, hb.DONE)
-    _close(worker)
+    beat.beat(worker.decode_steps, 0, hb.DONE)
+    worker.close()
     dist.destroy_process_group()
     return EXIT_OK
 
 
-def _close(worker: Any) -> None:
-    """Close the worker's M2N communicators (dispatch/combine, and an elastic expert worker's weight channel)."""
-    for comm in (getattr(worker, "comm", None), getattr(getattr(worker, "mover", None), "comm", None)):
-        if comm is not None:
-            comm.close()
-
-
 def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement: Any, queue: Any, store: Any,
-           beat: Any, progress: Any) -> Any:
+           beat: Any, progress: Any) -> Worker:
     import torch.distributed as dist
 
     from mbridge_epoverlap.serving.model import parts
@@ -114,33 +101,44 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
         import torch
 
         from mbridge_epoverlap.comm.alltoall import CommContext
-        from mbridge_epoverlap.serving.workers.colocated import ColocatedWorker
+        from mbridge_epoverlap.serving.workers.colocated import colocated_worker
 
         ctx = CommContext.for_device(torch.device("cpu"), plan.timeout_s, comm_thread=plan.world > 1)
         group = dist.group.WORLD if plan.world > 1 else None
-        return ColocatedWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
+        return colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
                                parts.load_expert_part(spec, placement.experts_of(index)), placement, plan.order,
                                plan.micro_batches, group, ctx, beat, progress)
-    from mbridge_epoverlap.serving.workers.disaggregated import AttentionWorker, ExpertWorker
+    from mbridge_epoverlap.serving.workers.decode import AttentionWorker
+    from mbridge_epoverlap.serving.workers.expert import ExpertWorker
+    from mbridge_epoverlap.serving.workers.m2n import M2NTransport
 
     peers = plan.expert_ranks if role is Role.ATTENTION else plan.attention_ranks
     comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(), peers=peers)
     if plan.elastic:
         return _build_elastic(plan, spec, role, index, queue, comm, beat, progress, store)
     if role is Role.ATTENTION:
-        return AttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue, comm,
-                               plan.expert_ranks, placement, plan.micro_batches, plan.timeout_s, beat, progress)
+        side = _attention_side(plan, spec, queue)
+        return AttentionWorker(side, M2NTransport(side, comm, plan.expert_ranks, placement), beat=beat,
+                               progress=progress)
     return ExpertWorker(spec, parts.load_expert_part(spec, placement.experts_of(index)), comm, plan.attention_ranks,
                         plan.micro_batches, plan.timeout_s, beat)
 
 
-def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
-                   progress: Any, store: Any) -> Any:
-    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
-    from mbridge_epoverlap.serving.elastic.workers import ElasticAttentionWorker
+def _attention_side(plan: EnginePlan, spec: Any, queue: Any) -> Any:
+    """An attention worker's own part: its weights, KV cache and requests."""
     from mbridge_epoverlap.serving.model import parts
+    from mbridge_epoverlap.serving.workers.attention import AttentionSide
+
+    return AttentionSide(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
+                         plan.micro_batches, plan.timeout_s)
+
+
+def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
+                   progress: Any, store: Any) -> Worker:
+    from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
+    from mbridge_epoverlap.serving.elastic.workers import ElasticRouter
     from mbridge_epoverlap.serving.model.expert_store import ExpertStore
-    from mbridge_epoverlap.serving.workers.placement import Placement
+    from mbridge_epoverlap.serving.workers.decode import AttentionWorker
 
     layout = ElasticLayout(spec.num_experts, plan.expert_workers, tuple(plan.slots),
                            frozenset(range(plan.expert_workers)))
@@ -151,13 +149,11 @@ def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: A
 
         sync = StepSync(dist.PrefixStore("elastic", store), index, plan.attn_workers, plan.timeout_s) \
             if plan.layout_epochs else None
-        return ElasticAttentionWorker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
-                                      comm, plan.expert_ranks, Placement.balanced(spec.num_experts, 1),
-                                      plan.micro_batches, plan.timeout_s, beat, progress, layout=layout,
-                                      restore=plan.expert_restore, sync=sync,
-                                      m2n_store=dist.PrefixStore("m2n", store),
-                                      rebalance_every=plan.rebalance_every,
-                                      rejoin_after_steps=plan.rejoin_after_steps)
+        side = _attention_side(plan, spec, queue)
+        router = ElasticRouter(side, comm, plan.expert_ranks, layout=layout, restore=plan.expert_restore, sync=sync,
+                               m2n_store=dist.PrefixStore("m2n", store), rebalance_every=plan.rebalance_every,
+                               rejoin_after_steps=plan.rejoin_after_steps, progress=progress)
+        return AttentionWorker(side, router, beat=beat, progress=progress)
     kill_at = next((step for worker, step in plan.kill if worker == index), None)
     out = os.environ.get(PREFIX + "HEARTBEAT_DIR")
     mover = _weight_mover(plan, index, store, peers=[r for r in plan.expert_ranks if r != plan.expert_ranks[index]])
@@ -243,7 +239,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     payload.update(_report(worker, None))
     _write(state["out"], payload)
     beat.beat(worker.decode_steps, 0, hb.DONE)
-    _close(worker)
+    worker.close()
     return EXIT_OK
 
 
@@ -260,18 +256,14 @@ def _m2n(plan: EnginePlan, store: Any, *, rank: int, peers: Sequence[int], key_p
                              single_host=plan.backend != "torch")
 
 
-def _report(worker: Any, queue: Any, *, failed: bool = False) -> dict[str, Any]:
-    report: dict[str, Any] = {"decode_steps": getattr(worker, "decode_steps", 0)}
-    if hasattr(worker, "events"):
-        report["events"] = worker.events
-        if queue is not None:
-            report["token_times"] = {s.request.id: list(s.token_times) for s in queue.running + queue.done}
-    timer = getattr(worker, "timer", None)
-    if timer is not None:
-        report["stages"] = timer.summary()
+def _report(worker: Worker | None, queue: Any, *, failed: bool = False) -> dict[str, Any]:
+    """The worker's report; before the worker exists, what its requests came to (all failed or not started)."""
+    if worker is not None:
+        return worker.report(failed=failed)
+    report: dict[str, Any] = {"decode_steps": 0}
     if queue is not None:
         report["completions"] = queue.completions(failed=failed)
-        report["step_log"] = getattr(worker, "step_log", [])
+        report["step_log"] = []
     return report
 
 
@@ -295,13 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_USAGE
     except Exception as exc:
         traceback.print_exc()
-        code = EXIT_COMM if _is_peer_failure(exc) else EXIT_FAILED
+        code = EXIT_COMM if isinstance(exc, CommError) else EXIT_FAILED
         print(f"worker failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if "payload" in state:  # report what finished; requests in flight are failed
             payload = dict(state["payload"], error=f"{type(exc).__name__}: {exc}")
             payload.update(_report(state.get("worker"), state.get("queue"), failed=True))
             _write(state["out"], payload)
-        _close(state.get("worker"))
+        if state.get("worker") is not None:
+            state["worker"].close()
         for comm in state.get("comms", []):
             comm.close()
     sys.stdout.flush()

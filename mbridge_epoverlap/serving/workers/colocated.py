@@ -1,7 +1,8 @@
 """The colocated baseline: every process runs attention and its share of the experts, EP all-to-all over gloo.
 
 Same process count as a disaggregated run, the `sequential` or `two_batch_overlap` order, and every
-step of it on one worker (the stage table's two roles merged). The all-to-alls run on the training
+step of it on one worker (the stage table's two roles merged): an attention side composed with the
+`AllToAllTransport`, which runs the steps between attention and post. The all-to-alls run on the training
 runtime's communication thread (`comm.alltoall`), so with two micro-batches one computes while the
 other's tokens travel. With one process (`--colocated 1`) this is the single-process engine.
 """
@@ -18,26 +19,25 @@ import torch
 from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce, all_to_all_blocking, exchange_counts
 from mbridge_epoverlap.comm.errors import CommError
 from mbridge_epoverlap.runtime import heartbeat as hb
-from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, POST, Role
+from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST, Phase
 from mbridge_epoverlap.schedule.serving_orders import sequential, two_batch_overlap
-from mbridge_epoverlap.serving.workers.disaggregated import (
-    AttentionWorker,
-    MicroBatchHandle,
-    role_handlers,
-    split_micro_batches,
-)
+from mbridge_epoverlap.serving.workers.attention import AttentionSide, MicroBatchHandle
+from mbridge_epoverlap.serving.workers.decode import AttentionWorker
 from mbridge_epoverlap.serving.workers.placement import Placement
+from mbridge_epoverlap.serving.workers.protocol import Transport
 from mbridge_epoverlap.serving.workers.requests import RequestQueue
 
 ORDERS = {"sequential": lambda m, layers: sequential(m, layers),
           "two_batch_overlap": lambda m, layers: two_batch_overlap(layers, m)}
 
 
-class ColocatedWorker(AttentionWorker):
+def colocated_worker(spec: Any, part: Any, cache: Any, queue: RequestQueue, experts: Any, placement: Placement,
+                     order: str, micro_batches: int, group: Any, ctx: CommContext, beat: hb.Heartbeat | None = None,
+                     progress: Any = None) -> AttentionWorker:
     """Attention over its own sequences plus the experts the placement gives its rank.
 
     Args:
-        spec, part, cache, queue: as for `AttentionWorker`.
+        spec, part, cache, queue: as for `AttentionSide`.
         experts: this rank's `ExpertPart`.
         placement: expert id -> rank.
         order: "sequential" or "two_batch_overlap".
@@ -45,44 +45,39 @@ class ColocatedWorker(AttentionWorker):
         group: the process group of the ranks (None: one process).
         ctx: timeout and communication thread.
     """
+    side = AttentionSide(spec, part, cache, queue, micro_batches, ctx.timeout_s,
+                         compute_stages=frozenset({ATTN.name, POST.name, DISPATCH.name, EXPERTS.name}))
+    return AttentionWorker(side, AllToAllTransport(side, experts, placement, group, ctx),
+                           steps=ORDERS[order](micro_batches, spec.num_layers), beat=beat, progress=progress)
 
-    def __init__(self, spec: Any, part: Any, cache: Any, queue: RequestQueue, experts: Any, placement: Placement,
-                 order: str, micro_batches: int, group: Any, ctx: CommContext, beat: hb.Heartbeat | None = None,
-                 progress: Any = None) -> None:
-        super().__init__(spec, part, cache, queue, None, [], placement, micro_batches, ctx.timeout_s, beat, progress)
-        self.experts, self.group, self.ctx = experts, group, ctx
-        self.world = placement.workers
-        self.steps = ORDERS[order](micro_batches, spec.num_layers)
-        self.handlers = {**role_handlers(self, Role.ATTENTION), **role_handlers(self, Role.EXPERT)}
-        self.timer.compute = frozenset({ATTN.name, POST.name, DISPATCH.name, EXPERTS.name})
-        self._flight: dict[int, dict[str, Any]] = {}
 
+class AllToAllTransport(Transport):
+    """Dispatch, the rank's experts and combine, as EP all-to-alls among the colocated ranks.
+
+    Args:
+        side: the attention side it serves.
+        experts: this rank's `ExpertPart`.
+        placement: expert id -> rank.
+        group: the process group of the ranks (None: one process).
+        ctx: timeout and communication thread.
+    """
+
+    stages = ((DISPATCH, Phase.ISSUE), (DISPATCH, Phase.WAIT), (EXPERTS, Phase.RUN), (COMBINE, Phase.ISSUE),
+              (COMBINE, Phase.WAIT))
     streams = False  # SGLang's two-batch overlap: each forward pass is its own batch, steps do not overlap
 
-    def run(self) -> None:
-        while True:
-            admitted, retired = self.queue.step_boundary()
-            for seq in retired:
-                self.cache.free(seq.slot)
-            for seq in admitted:
-                self.cache.add(seq.slot)
-            busy = torch.tensor([len(self.queue.running)], dtype=torch.int64)
-            all_reduce(busy, self.group, self.ctx, what="the colocated step agreement")
-            if int(busy[0]) == 0:
-                break
-            handles = split_micro_batches(self.queue.running, self.m)
-            started, before = time.perf_counter(), self._tokens_running()
-            self._run_steps(handles)
-            self._log_step(started, before)
-            self.decode_steps += 1
-            if self.decode_steps == 1:
-                self.timer.mark_steady()
-            if self.progress is not None and self.decode_steps % 16 == 0:
-                self.progress(f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
-                              f"{len(self.queue.waiting)} waiting, {len(self.queue.done)} done")
-        self.queue.step_boundary()
+    def __init__(self, side: AttentionSide, experts: Any, placement: Placement, group: Any, ctx: CommContext) -> None:
+        self.side, self.experts, self.group, self.ctx = side, experts, group, ctx
+        self.world = placement.workers
+        self.owner = torch.tensor(placement.owner, dtype=torch.int64)
+        self._flight: dict[int, dict[str, Any]] = {}
 
-    # --- the attention side, as on an attention worker, with the all-to-all in place of M2N ---------
+    def another_step(self) -> bool:
+        """Whether any rank has running sequences (every rank leaves together)."""
+        busy = torch.tensor([len(self.side.queue.running)], dtype=torch.int64)
+        all_reduce(busy, self.group, self.ctx, what="the colocated step agreement")
+        return int(busy[0]) != 0
+
     def _submit(self, job: Any, what: str) -> Any:
         """Run a collective job on the communication thread (in issue order: every rank issues alike)."""
         if self.ctx.thread is None:
@@ -90,10 +85,12 @@ class ColocatedWorker(AttentionWorker):
         return _Flight(self.ctx.submit(job), self.ctx.timeout_s, what)
 
     def _dispatch_issue(self, h: MicroBatchHandle, layer: int) -> None:
-        if not self.spec.is_moe(layer):
+        side = self.side
+        if not side.spec.is_moe(layer):
             return
-        with self.timer.time(DISPATCH.name, record=not h.empty):
-            hidden, ids, owners = self._dispatch_rows(h)
+        with side.timer.time(DISPATCH.name, record=not h.empty):
+            hidden, ids = side.dispatch_rows(h)
+            owners = self.owner[ids] if ids.numel() else ids
             h.routes = [(owners == rank).nonzero(as_tuple=True) for rank in range(self.world)]
             send = [int(token.numel()) for token, _ in h.routes]
             rows = torch.cat([hidden[token] for token, _ in h.routes]).contiguous()
@@ -114,26 +111,26 @@ class ColocatedWorker(AttentionWorker):
         h.issued_at = time.perf_counter()
 
     def _dispatch_wait(self, h: MicroBatchHandle, layer: int) -> None:
-        if not self.spec.is_moe(layer):
+        if not self.side.spec.is_moe(layer):
             return
-        with self.timer.time("dispatch_wait"):
+        with self.side.timer.time("dispatch_wait"):
             flight = self._flight[h.index]
             result = flight.pop(DISPATCH.name)
             flight["rows"], flight["ids"], flight["recv"] = result.wait() if isinstance(result, _Flight) else result
 
     def _experts(self, h: MicroBatchHandle, layer: int) -> None:
-        if not self.spec.is_moe(layer):
+        if not self.side.spec.is_moe(layer):
             return
         flight = self._flight[h.index]
         rows, ids = flight["rows"], flight["ids"]
         if rows.shape[0]:
-            with self.timer.time(EXPERTS.name):
+            with self.side.timer.time(EXPERTS.name):
                 flight["out"] = self.experts(layer, rows, ids)
         else:
             flight["out"] = rows
 
     def _combine_issue(self, h: MicroBatchHandle, layer: int) -> None:
-        if not self.spec.is_moe(layer):
+        if not self.side.spec.is_moe(layer):
             return
         flight = self._flight[h.index]
         out, recv, send, group, ctx = flight["out"].contiguous(), flight["recv"], flight["send"], self.group, self.ctx
@@ -144,17 +141,19 @@ class ColocatedWorker(AttentionWorker):
         flight["back"] = self._submit(job, "combine")
 
     def _combine_wait(self, h: MicroBatchHandle, layer: int) -> None:
-        if not self.spec.is_moe(layer):
+        side = self.side
+        if not side.spec.is_moe(layer):
             return
-        with self.timer.time("combine_wait", record=not h.empty):
+
+        def wait() -> tuple[dict[str, Any], torch.Tensor]:
             flight = self._flight.pop(h.index)
-            back = flight["back"].wait() if isinstance(flight["back"], _Flight) else flight["back"]
-        if not h.empty:
-            self.timer.record("round_trip", time.perf_counter() - h.issued_at)
+            return flight, flight["back"].wait() if isinstance(flight["back"], _Flight) else flight["back"]
+
+        flight, back = side.wait_combine(h, wait)
         if h.empty:
             return
         tokens, k = h.attn.expert_ids.shape
-        out = torch.zeros(tokens, k, self.spec.hidden_size, dtype=back.dtype)
+        out = torch.zeros(tokens, k, side.spec.hidden_size, dtype=back.dtype)
         for (token, slot), part in zip(h.routes, back.split(flight["send"]), strict=True):
             out[token, slot] = part
         h.expert_out = out

@@ -63,7 +63,7 @@ def test_queue_admits_at_step_boundaries_and_retires_finished_ones():
 
 
 def test_roles_split_the_ping_pong_order_as_the_stage_table_says():
-    from mbridge_epoverlap.serving.workers.disaggregated import role_steps
+    from mbridge_epoverlap.serving.workers.decode import role_steps
 
     order = ping_pong(3, 2)
     attention, expert = role_steps(order, Role.ATTENTION), role_steps(order, Role.EXPERT)

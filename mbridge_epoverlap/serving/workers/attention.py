@@ -1,0 +1,203 @@
+"""The attention side of a worker: its sequences, their KV cache, attention, router and gating, sampling.
+
+`AttentionSide` runs the attention role's compute steps (`attn`, `post`) and holds what a decode step knows
+(running micro-batches, whether this worker had work, whether the experts said stop, the step log); a
+transport (`protocol.Transport`) does the steps in between. A decode micro-batch's state travels between the
+steps in a `MicroBatchHandle`. Gate weights stay here: `post` sums the k expert outputs in a fixed order, so
+the result is bitwise the single-process one whatever the placement.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, POST, Phase, Stage
+from mbridge_epoverlap.serving.workers.protocol import Combine
+from mbridge_epoverlap.serving.workers.requests import RequestQueue, RunningSequence, micro_batch_limit
+from mbridge_epoverlap.serving.workers.stage_timer import StageTimer
+
+R = TypeVar("R")
+PROGRESS_EVERY = 16  # decode steps between progress lines
+
+
+@dataclass
+class MicroBatchHandle:
+    """A decode micro-batch's state as it travels through the layer program on an attention worker."""
+
+    index: int
+    seqs: list[RunningSequence] = field(default_factory=list)
+    batch: Any = None  # TokenBatch
+    x: torch.Tensor | None = None  # hidden states entering the next attention
+    last_rows: list[int] = field(default_factory=list)  # row of each sequence's last token
+    attn: Any = None  # AttnOut of the current layer
+    routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per expert worker: (token, slot)
+    receives: list[Any] = field(default_factory=list)  # combine Works, one per expert worker
+    sends: list[Any] = field(default_factory=list)
+    expert_out: torch.Tensor | None = None
+    issued_at: float = 0.0  # when the current layer's dispatch was issued
+    cache: Any = None  # its own KVCache when sequences stay in this micro-batch (streamed steps)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+def split_micro_batches(seqs: Sequence[RunningSequence], micro_batches: int) -> list[MicroBatchHandle]:
+    """Deal the running sequences into `micro_batches` handles, balanced by token count."""
+    handles = [MicroBatchHandle(i) for i in range(micro_batches)]
+    loads = [0] * micro_batches
+    for seq in seqs:
+        tokens = seq.length if not seq.prefilled else 1
+        target = loads.index(min(loads))
+        handles[target].seqs.append(seq)
+        loads[target] += tokens
+    return handles
+
+
+class AttentionSide:
+    """Owns a set of sequences, their KV cache, attention, router, gating and sampling.
+
+    Args:
+        spec: the model spec.
+        part: this worker's `AttentionPart` (loaded weights).
+        cache: its `KVCache`.
+        queue: its requests (continuous batching).
+        micro_batches: m, micro-batches in flight.
+        timeout_s: limit of every wait.
+        compute_stages: the stages its timer counts as busy (a colocated worker adds the experts).
+    """
+
+    stages: tuple[tuple[Stage, Phase], ...] = ((ATTN, Phase.RUN), (POST, Phase.RUN))
+
+    def __init__(self, spec: Any, part: Any, cache: Any, queue: RequestQueue, micro_batches: int, timeout_s: float,
+                 compute_stages: frozenset[str] = frozenset({ATTN.name, POST.name, DISPATCH.name})) -> None:
+        from mbridge_epoverlap.serving.model.parts import TokenBatch
+        from mbridge_epoverlap.serving.model.sampling import greedy
+
+        self.spec, self.part, self.cache, self.queue = spec, part, cache, queue
+        self.m, self.timeout_s = micro_batches, timeout_s
+        self.first_moe = spec.moe_layer_ids[0]
+        self.timer = StageTimer(compute_stages)
+        self.TokenBatch = TokenBatch
+        self.greedy = greedy
+        self.decode_steps = 0
+        self.stop = False  # the experts answered "stop": no attention worker had work left
+        self.active = False  # this worker had work when micro-batch 0 started the step (every dispatch says)
+        self.tokens_generated = 0
+        self.step_log: list[tuple[float, int]] = []  # (seconds, tokens generated) of each decode step
+        self.handles: list[MicroBatchHandle] = []  # streamed steps: the m micro-batches, each with its cache
+        self.on_sampled: list[Callable[[MicroBatchHandle], None]] = []  # after a micro-batch's new tokens
+
+    # --- step boundaries ----------------------------------------------------------------------------
+    def boundary(self) -> None:
+        """A drained step's boundary: retire finished sequences, admit waiting ones, for every micro-batch."""
+        admitted, retired = self.queue.step_boundary()
+        for seq in retired:
+            self.cache.free(seq.slot)
+        for seq in admitted:
+            self.cache.add(seq.slot)
+        self.active = bool(self.queue.running)
+
+    def refill(self, h: MicroBatchHandle) -> None:
+        """Micro-batch `h`'s step boundary (streamed steps): retire its finished sequences, admit its share of
+        the waiting ones.
+
+        The share is what is waiting spread over this and the later micro-batches of the round (so a first
+        batch of requests is dealt evenly), capped by this micro-batch's part of the batch limit.
+        """
+        for seq in self.queue.retire(h.seqs):
+            h.cache.free(seq.slot)
+        h.seqs = [seq for seq in h.seqs if not seq.finished]
+        limit = micro_batch_limit(self.queue.max_batch, self.m, h.index)
+        share = -(-len(self.queue.waiting) // (self.m - h.index))
+        for seq in self.queue.admit(min(share, limit - len(h.seqs))):
+            h.cache.add(seq.slot)
+            h.seqs.append(seq)
+        if h.index == 0:  # the control every dispatch of this step carries (read by the experts at micro-batch 0)
+            self.active = bool(self.queue.waiting) or any(not s.finished for g in self.handles for s in g.seqs)
+
+    def finish(self) -> None:
+        """After the last step: retire what finished (drained steps)."""
+        for seq in self.queue.running:
+            if seq.finished:
+                self.cache.free(seq.slot)
+        self.queue.step_boundary()
+
+    def tokens_running(self) -> int:
+        return sum(len(s.output_ids) for s in self.queue.running)
+
+    def log_step(self, started: float, tokens_before: int) -> None:
+        self.step_log.append((time.perf_counter() - started, self.tokens_running() - tokens_before))
+
+    def progress_line(self) -> str | None:
+        """Every `PROGRESS_EVERY` decode steps, the line that says how far decoding is (else None); done counts
+        the finished sequences, retired or not yet."""
+        if self.decode_steps % PROGRESS_EVERY:
+            return None
+        done = len(self.queue.done) + sum(s.finished for s in self.queue.running)
+        return (f"decode step {self.decode_steps}: {len(self.queue.running)} running, "
+                f"{len(self.queue.waiting)} waiting, {done} done")
+
+    # --- the attention role's compute steps ---------------------------------------------------------
+    def _attn(self, h: MicroBatchHandle, layer: int) -> None:
+        if h.empty:
+            return
+        with self.timer.time(ATTN.name):
+            if layer == 0:
+                self._build_batch(h)
+            h.attn = self.part.attention_step(layer, h.x, h.batch, h.cache or self.cache)
+
+    def _build_batch(self, h: MicroBatchHandle) -> None:
+        """The micro-batch's tokens: a new sequence's whole prompt (prefill), else its last token."""
+        chunks = []
+        for seq in h.seqs:
+            if seq.prefilled:  # one new token, at the end of what the cache holds
+                chunks.append((seq.slot, seq.output_ids[-1:], seq.length - 1))
+            else:
+                chunks.append((seq.slot, list(seq.request.prompt_ids) + seq.output_ids, 0))
+        h.batch = self.TokenBatch.from_chunks(chunks)
+        h.last_rows = h.batch.last_rows()[0].tolist()
+        h.x = self.part.embed(h.batch.token_ids)
+
+    def _post(self, h: MicroBatchHandle, layer: int) -> None:
+        if h.empty:
+            return
+        with self.timer.time(POST.name):
+            expert_out = h.expert_out if self.spec.is_moe(layer) else None
+            h.x = self.part.post_step(layer, h.attn, expert_out)
+            h.attn, h.expert_out = None, None
+            if layer == self.spec.num_layers - 1:
+                for seq, token in zip(h.seqs, self.greedy(self.part.logits(h.x[h.last_rows])), strict=True):
+                    self.queue.append_token(seq, int(token))
+                self.tokens_generated += len(h.seqs)
+                for listener in self.on_sampled:
+                    listener(h)
+
+    # --- what every transport shares ----------------------------------------------------------------
+    def dispatch_rows(self, h: MicroBatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [T, hidden], expert ids [T, k]) of a micro-batch to dispatch; an empty micro-batch still takes
+        part in the exchange, with zero rows."""
+        if h.empty:
+            return (torch.zeros(0, self.spec.hidden_size, dtype=self.spec.torch_dtype()),
+                    torch.zeros(0, self.spec.top_k, dtype=torch.int64))
+        return h.attn.tokens, h.attn.expert_ids
+
+    def wait_combine(self, h: MicroBatchHandle, wait: Callable[[], R]) -> R:
+        """Run `wait` (the combine wait of `h`) timed as `combine_wait`, and record the round trip since the
+        dispatch was issued (`h.issued_at`); the handle's receives are spent after it."""
+        with self.timer.time("combine_wait", record=not h.empty):
+            result = wait()
+        if not h.empty:
+            self.timer.record("round_trip", time.perf_counter() - h.issued_at)
+        h.receives = []
+        return result
+
+    def note_combine(self, h: MicroBatchHandle, layer: int, reply: Combine | None) -> None:
+        """The experts answer micro-batch 0's first MoE combine of a step with stop when no worker had work."""
+        if layer == self.first_moe and h.index == 0 and reply is not None and reply.stop:
+            self.stop = True
