@@ -210,7 +210,8 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
             boundary this many decode steps after the loss (0: never).
 
     Raises:
-        UsageError: a colocated plan, a layout `check_elastic` rejects, or a negative period.
+        UsageError: a colocated plan, a backend whose class lacks what elastic serving needs (`resumable_wait`;
+            `connects_late` for replacements), a layout `check_elastic` rejects, or a negative period.
     """
     from dataclasses import replace
 
@@ -234,6 +235,10 @@ def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4
     if rejoin_after_steps < 0:
         raise UsageError(f"--rejoin-after-steps {rejoin_after_steps} must be >= 1 (decode steps between a loss and "
                          "the replacement's admission), or 0 to go on without replacements")
+    if rejoin_after_steps and not communicator_class(plan.backend).connects_late:
+        joinable = [name for name in sorted(BACKENDS) if communicator_class(name).connects_late]
+        raise UsageError(f"--backend {plan.backend} cannot serve --rejoin-after-steps: a replacement worker joins "
+                         f"after set-up and this backend opens no channel then; use --backend {' or '.join(joinable)}")
     spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
     check_elastic(spec.num_experts, plan.expert_workers, redundant, kill)
     layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant)

@@ -102,3 +102,22 @@ def test_tags_are_unique_within_a_step_and_below_the_resend_tag() -> None:
     layers, m = 4, 3
     tags = {message_tag(layer, mb, m) for layer in range(layers) for mb in range(m)}
     assert len(tags) == layers * m and max(tags) < RESEND_TAG
+
+
+def test_elastic_plans_ask_the_backend_class_what_it_can_do(tiny_mixtral_dir, prompts, monkeypatch):
+    from mbridge_epoverlap.comm.m2n.shm import ShmCommunicator
+    from mbridge_epoverlap.errors import UsageError
+    from mbridge_epoverlap.serving.elastic.layout import make_elastic
+    from mbridge_epoverlap.serving.engine.run import make_plan
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from tests.unit_tests.serving.engine_runs import requests_of
+
+    plan = make_plan(load_spec(tiny_mixtral_dir), requests_of(prompts), expert_workers=2, backend="shm")
+    assert make_elastic(plan, redundant=2, rejoin_after_steps=2).elastic
+    monkeypatch.setattr(ShmCommunicator, "connects_late", False)
+    with pytest.raises(UsageError, match="--backend shm cannot serve --rejoin-after-steps"):
+        make_elastic(plan, redundant=2, rejoin_after_steps=2)
+    assert make_elastic(plan, redundant=2).elastic  # without replacements, waits that resume are enough
+    monkeypatch.setattr(ShmCommunicator, "resumable_wait", False)
+    with pytest.raises(UsageError, match="--backend shm cannot serve --elastic"):
+        make_elastic(plan, redundant=2)
