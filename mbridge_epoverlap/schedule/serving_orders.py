@@ -96,3 +96,7 @@ def sequential(num_micro_batches: int, num_layers: int) -> list[Step]:
     """Colocated serving with no overlap: each micro-batch's forward runs whole, one after the other."""
     _check_sizes(num_micro_batches, num_layers)
     return [step for mb in range(num_micro_batches) for step in forward_steps(mb, num_layers)]
+
+
+# The colocated orders by the name `--order` takes, each called as (m, L).
+COLOCATED_ORDERS = {"two_batch_overlap": two_batch_overlap, "sequential": sequential}
