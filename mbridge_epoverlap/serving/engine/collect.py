@@ -1,8 +1,8 @@
 """Merge the serving workers' reports of a cluster job into the `serve-bench` result.
 
 `python -m mbridge_epoverlap.serving.engine.collect --plan PLAN.json --out DIR --results RESULT.json` runs after
-srun has finished the workers (each wrote `DIR/rank<R>.json`); it adds the reference check and the
-machine, as `serve-bench` does locally.
+srun has finished the workers (each wrote `DIR/rank<R>.json`); it adds the reference check, the machine and
+the model (`bench.finish_bench_result`), as `serve-bench` does locally.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 
 def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
                  rebalance_every: int = 0, rejoin_after_steps: int = 0) -> EnginePlan:
-    """`plan` (disaggregated, from `engine.make_plan`) in elastic mode with `redundant` extra expert slots.
+    """`plan` (disaggregated, from `run.make_plan`) in elastic mode with `redundant` extra expert slots.
 
     Args:
         plan: the engine plan.
