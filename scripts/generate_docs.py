@@ -617,10 +617,16 @@ def _first_paragraph(module_path: Path) -> str:
 
 
 def render_serving_modules() -> str:
+    """One row per room of `serving/` (its package docstring's first paragraph), then one per module in it."""
     folder = ROOT / "mbridge_epoverlap" / "serving"
-    paths = [p for p in sorted(folder.glob("*.py")) if p.stem not in ("__init__", "cli")]
-    rows = [[_code(p.relative_to(ROOT).as_posix()), _first_paragraph(p)] for p in paths]
-    return "The serving modules (each with its own description):\n\n" + _table(["module", "what it does"], rows)
+    rows = []
+    for init in sorted(folder.glob("*/__init__.py")):
+        room = init.parent
+        rows.append([f"**{_code(room.relative_to(ROOT).as_posix() + '/')}**", _first_paragraph(init)])
+        rows += [[_code(p.relative_to(ROOT).as_posix()), _first_paragraph(p)]
+                 for p in sorted(room.glob("*.py")) if p.stem != "__init__"]
+    return ("The serving rooms and their modules (each with its own description):\n\n"
+            + _table(["room / module", "what it does"], rows))
 
 
 def render_stage_table() -> str:

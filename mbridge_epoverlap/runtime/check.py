@@ -30,7 +30,7 @@ from mbridge_epoverlap.runtime.data import mock_micro_batches
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
 from mbridge_epoverlap.runtime.optim import Optimizer, reduce_main_grads, zero_main_grads
 from mbridge_epoverlap.runtime.train import RankContext, build_model, num_micro_batches
-from mbridge_epoverlap.schedule.program import one_f_one_b
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
 # name: (overlap, delayed wgrad, paired edges, one communication channel)
 VARIANTS = {

@@ -41,7 +41,8 @@ from mbridge_epoverlap.runtime.optim import (
 )
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
 from mbridge_epoverlap.runtime.ranges import Ranges
-from mbridge_epoverlap.schedule.program import Step, is_communicating, one_f_one_b
+from mbridge_epoverlap.schedule.program import Step, is_communicating
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
 
 @dataclass

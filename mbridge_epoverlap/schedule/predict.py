@@ -21,10 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mbridge_epoverlap.schedule.program import STAGES, WEIGHT_GRADIENT_STAGES, Kind, Phase, Step, one_f_one_b
+from mbridge_epoverlap.schedule.program import STAGES, WEIGHT_GRADIENT_STAGES, Kind, Phase, Step
 from mbridge_epoverlap.schedule.resources import TRAINING, Resources, training_resources
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.timeline import Timeline
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
 TOLERANCE = 0.15  # a prediction within 15 % of the measurement is a match
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.costs import check_duration, serving_costs, training_costs
-from mbridge_epoverlap.schedule.program import one_f_one_b
 from mbridge_epoverlap.schedule.resources import COLOCATED, DISAGGREGATED, TRAINING
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, two_batch_overlap
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.timeline import Timeline
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
 SCHEDULES: tuple[str, ...] = ("pingpong", "1f1b", "two-batch")
 DEFAULT_MICRO_BATCHES = {"pingpong": 3, "1f1b": 4, "two-batch": 2}
@@ -89,7 +89,7 @@ def simulate_schedule(
         delay_wgrad: 1f1b only: delay expert weight gradients into the dispatch-backward window.
         backward_factor: 1f1b only: backward over forward compute time.
         paired_edges: 1f1b only: interleave the first two forwards and the last two backwards (True) or run
-            them alone as Megatron-Core does (see `program.one_f_one_b`).
+            them alone as Megatron-Core does (see `training_orders.one_f_one_b`).
 
     Raises:
         UsageError: unknown schedule name or a nonsensical number.
@@ -110,4 +110,4 @@ def simulate_schedule(
     costs = serving_costs(t_attn, t_expert, t_comm, t_post=t_post)
     if schedule == "pingpong":
         return simulate(ping_pong(m, layers), costs, DISAGGREGATED)
-    return simulate(two_batch_overlap(layers, m), costs, COLOCATED)
+    return simulate(two_batch_overlap(m, layers), costs, COLOCATED)

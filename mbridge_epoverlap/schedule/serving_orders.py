@@ -72,7 +72,7 @@ def ping_pong_tail(num_micro_batches: int, num_layers: int) -> list[Step]:
     return [step for mb in range(num_micro_batches) for step in forward_tail(mb, num_layers)]
 
 
-def two_batch_overlap(num_layers: int, num_micro_batches: int = 2) -> list[Step]:
+def two_batch_overlap(num_micro_batches: int, num_layers: int) -> list[Step]:
     """SGLang-style two-batch overlap on one worker, communication on a side channel.
 
     Micro-batches advance segment by segment in turn, micro-batch i+1 one segment behind micro-batch
@@ -80,8 +80,8 @@ def two_batch_overlap(num_layers: int, num_micro_batches: int = 2) -> list[Step]
     micro-batches the same round-robin applies. Run it with `COLOCATED` resources.
 
     Args:
+        num_micro_batches: micro-batches interleaved (m >= 1; 2 is the usual choice).
         num_layers: MoE layers (L >= 1).
-        num_micro_batches: micro-batches interleaved (>= 1; 2 is the usual choice).
     """
     _check_sizes(num_micro_batches, num_layers)
     per_mb = [forward_segments(mb, num_layers) for mb in range(num_micro_batches)]
@@ -96,3 +96,7 @@ def sequential(num_micro_batches: int, num_layers: int) -> list[Step]:
     """Colocated serving with no overlap: each micro-batch's forward runs whole, one after the other."""
     _check_sizes(num_micro_batches, num_layers)
     return [step for mb in range(num_micro_batches) for step in forward_steps(mb, num_layers)]
+
+
+# The colocated orders by the name `--order` takes, each called as (m, L).
+COLOCATED_ORDERS = {"two_batch_overlap": two_batch_overlap, "sequential": sequential}

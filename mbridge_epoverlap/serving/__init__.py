@@ -1,12 +1,17 @@
-"""Serving MoE models with disaggregated expert parallelism.
+"""Serving MoE models with disaggregated expert parallelism: one room (subpackage) per role.
 
-- `catalog`: GPUs and models, with sources.
-- `perf_model`: MegaScale-Infer's roofline performance model.
-- `planner`: deployment search (Algorithm 1) and the colocated baseline; `cli`: `mbridge-epoverlap plan`.
-- `checkpoint`: `load_spec` of a Hugging Face Mixtral / Qwen3-MoE checkpoint directory or a recipe name,
-  validated up front; `spec` (`ModelSpec`), `hf_layout` (checkpoint tensor names and shapes).
-- `model`: the inference model as an `AttentionPart` and `ExpertPart`s, `generate_reference`;
-  `batch` (`TokenBatch`), `kv_cache` (`KVCache`), `sampling` (greedy, stop rules), `tokenizer`.
+- `model`: the model and its checkpoints: spec, Hugging Face layout and loading, the attention and expert
+  parts, token batch, KV cache, sampling, tokenizer, the expert weight store.
+- `planning`: the offline deployment planner: GPU and model catalog, MegaScale-Infer's performance model,
+  the search over deployments (Algorithm 1).
+- `workers`: the worker processes' side: the worker protocol (typed messages), attention and expert workers,
+  the colocated baseline, expert placement, request queue, stage timer.
+- `elastic`: elastic EP: EPLB (pure functions), layouts and epochs, weight moves, epoch sync, reports, the
+  elastic workers.
+- `engine`: the engine plan, the run (processes, collect, merge), the worker entry point, the benchmark
+  helpers and the replay through the simulator.
+- `cli`: the `plan`, `serve`, `serve-bench` and `elastic-bench` commands and their shared flags.
 
+Data flows down: a command builds an engine plan, the engine starts workers, workers decode with the model.
 Nothing is imported here, so importing the package (and `mbridge-epoverlap --help`) stays cheap.
 """

@@ -119,15 +119,14 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def _local(plan: Any, spec: Any, requests: Any, steps: int, results_path: Path, *, dry: bool) -> int:
-    from mbridge_epoverlap.serving.engine.bench import machine, matches_reference
+    from mbridge_epoverlap.serving.engine.bench import finish_bench_result
     from mbridge_epoverlap.serving.engine.run import run_engine
 
     if dry:
         print(plan.to_json())
         return EXIT_OK
     result = run_engine(plan, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    result["matches_reference"] = matches_reference(spec, requests, result["completions"], steps)
-    result["machine"] = machine()
+    finish_bench_result(result, spec, requests=requests, max_new_tokens=steps)
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps(result, indent=1))
     return _report(result, results_path)

@@ -56,8 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_elastic_bench(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.elastic.layout import check_elastic, make_elastic
-    from mbridge_epoverlap.serving.engine.bench import machine, synthetic_requests
+    from mbridge_epoverlap.serving.elastic.layout import check_elastic
+    from mbridge_epoverlap.serving.engine.bench import finish_bench_result, synthetic_requests
+    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
@@ -117,8 +118,9 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
                    "redundant_experts": args.redundant_experts, "kill": args.kill, "kill_step": args.kill_step,
                    "rebalance_every": args.rebalance_every, "rejoin_after_steps": args.rejoin_after_steps,
                    "slots": list(killing.slots), "requests": args.batch, "tokens_per_request": args.steps},
-        "model": spec.describe(), "machine": machine(), "source": source_of(args, ELASTIC_DEFAULT_RECIPE),
     }
+    finish_bench_result(report, spec)  # the tokens were checked against the failure-free run above
+    report["source"] = source_of(args, ELASTIC_DEFAULT_RECIPE)
     print_result(report, args.json, _table)
     return code
 

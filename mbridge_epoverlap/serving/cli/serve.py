@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.engine.bench import machine
+    from mbridge_epoverlap.serving.engine.bench import finish_bench_result
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from mbridge_epoverlap.serving.workers.requests import load_prompts
@@ -79,7 +79,7 @@ def handle_serve(args: argparse.Namespace) -> int:
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
                      timeout_s=args.timeout, dtype=args.dtype)
     if args.elastic:
-        from mbridge_epoverlap.serving.elastic.layout import make_elastic
+        from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 
         plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore,
                             rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps)
@@ -87,19 +87,13 @@ def handle_serve(args: argparse.Namespace) -> int:
         raise UsageError("--redundant-experts, --no-expert-restore, --rebalance-every and --rejoin-after-steps apply "
                          "to --elastic serving; add --elastic")
     result, code = run_reporting_failure(plan, progress_printer(args))
-    result["machine"] = machine()
-    result["model"] = spec.describe()
+    finish_bench_result(result, spec)
     print_result(result, args.json, _serve_table)
     return code
 
 
 def handle_bench(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.engine.bench import (
-        balanced_micro_batch,
-        machine,
-        matches_reference,
-        synthetic_requests,
-    )
+    from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch, finish_bench_result, synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
@@ -121,9 +115,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     result, code = run_reporting_failure(plan, progress_printer(args))
     result["batch"] = batch
     result["balance_probes"] = probes
-    result["matches_reference"] = code == 0 and matches_reference(spec, requests, result["completions"], args.steps)
-    result["machine"] = machine()
-    result["model"] = spec.describe()
+    finish_bench_result(result, spec, requests=requests, max_new_tokens=args.steps, succeeded=code == 0)
     if not args.json:
         result.pop("completions")
     print_result(result, args.json, _bench_table)

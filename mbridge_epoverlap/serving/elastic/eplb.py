@@ -13,6 +13,7 @@ exchanging maps.
 - `orphaned_experts`: experts whose every replica was on a dead GPU (their weights must be restored
   from a copy); `migration_plan`: the weight copies from one placement to the next (from a live
   replica, or from a copy); `check_elastic_layout`: the capacity check to run before start.
+- `logical_maps`: `log2phy` and `logcnt` derived from a `phy2log` table (the engine's router indexes them).
 - `choose_replicas`: the replica a token's expert runs on: its position modulo the replica count;
   `slot_gpus` and `experts_on_gpus` turn slots into workers and a placement into what each loads.
 - `ExpertLoadRecorder`: per-layer token counts per expert over a sliding window of steps.
@@ -21,7 +22,8 @@ exchanging maps.
   and `benchmarks/eplb_bench.py` compare against.
 
 Physical slots are laid out GPU by GPU: GPU `g` holds slots `g * s .. g * s + s - 1` with
-`s = num_replicas // num_gpus`.
+`s = num_replicas // num_gpus`. The terms (logical, physical and redundant experts; `phy2log`, `log2phy`,
+`logcnt`) are defined at the top of the package docstring (`serving.elastic`).
 """
 
 from __future__ import annotations
@@ -187,8 +189,17 @@ def _inverse(perm: torch.Tensor) -> torch.Tensor:
     return inv
 
 
-def _log2phy(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(log2phy, logcnt)` from `phy2log`; empty slots are skipped; each expert's slots in increasing order."""
+def logical_maps(phy2log: torch.Tensor, num_logical: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(log2phy, logcnt)` from `phy2log`; empty slots are skipped; each expert's slots in increasing order.
+
+    Args:
+        phy2log: `[layers, num_physical]` int64, the logical expert in each slot (`EMPTY_SLOT` for none).
+        num_logical: logical experts per layer.
+
+    Returns:
+        `log2phy` `[layers, num_logical, max_replicas]` int64 padded with `EMPTY_SLOT`, and `logcnt`
+        `[layers, num_logical]` int64 (the `ReplicaMaps` fields).
+    """
     layers, num_physical = phy2log.shape
     alive = phy2log >= 0
     logcnt = torch.zeros(layers, num_logical, dtype=torch.long)
@@ -269,7 +280,7 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
         phy2log = _solve(load, num_replicas, num_groups, num_nodes, num_gpus)
     else:
         phy2log = _solve(load, num_replicas, 1, 1, num_gpus)
-    log2phy, logcnt = _log2phy(phy2log, num_logical)
+    log2phy, logcnt = logical_maps(phy2log, num_logical)
     return ReplicaMaps(phy2log, log2phy, logcnt)
 
 
@@ -332,7 +343,7 @@ def rebalance_over_survivors(weight: torch.Tensor, num_replicas: int, num_gpus: 
     for index, gpu in enumerate(alive):
         phy2log[:, gpu * slots_per_gpu:(gpu + 1) * slots_per_gpu] = \
             compact[:, index * slots_per_gpu:(index + 1) * slots_per_gpu]
-    log2phy, logcnt = _log2phy(phy2log, num_logical)
+    log2phy, logcnt = logical_maps(phy2log, num_logical)
     return ReplicaMaps(phy2log, log2phy, logcnt)
 
 

@@ -1,6 +1,6 @@
 """Elastic expert parallelism for the disaggregated engine: redundant expert slots, and re-placement after a loss.
 
-The placement comes from `serving.eplb`: `num_experts + redundant` physical slots laid out worker by worker
+The placement comes from `eplb`: `num_experts + redundant` physical slots laid out worker by worker
 (`slots_per_worker` each), one table for every MoE layer (the workers hold the same experts in every layer).
 A token's expert runs on replica `position % replica count` (`eplb.choose_replicas`), so every attention
 worker routes the same token the same way without asking anybody.
@@ -15,16 +15,18 @@ the loss ends the run naming those experts.
 
 A placement can also change while requests flow, at a step boundary, as a new layout *epoch*: periodic
 rebalancing (`ElasticLayout.resolved` with the load the attention workers measured) and a replacement expert
-worker joining back (`serving.elastic_sync` decides when; `serving.expert_moves` moves the weights). The
+worker joining back (`sync` decides when; `moves` moves the weights). The
 epoch's table travels in the control tensor beside the alive mask; within an epoch, losses still follow the
 mask rule above.
+
+An engine plan in elastic mode is built in the engine room (`serving.engine.elastic_plan.make_elastic`),
+from `check_elastic` and `ElasticLayout.initial` here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -180,7 +182,7 @@ class Router:
 
     def __init__(self, layout: ElasticLayout) -> None:
         phy2log = torch.tensor([layout.slots])
-        log2phy, logcnt = eplb._log2phy(phy2log, layout.num_experts)  # the maps eplb derives from a table
+        log2phy, logcnt = eplb.logical_maps(phy2log, layout.num_experts)
         self.log2phy, self.logcnt = log2phy[0], logcnt[0]
         self.per_worker = layout.slots_per_worker
         # Slot -> worker for every (expert, replica); padding (-1) stays -1 and is never indexed (count > 0).
@@ -192,58 +194,3 @@ class Router:
         """`[tokens, k]` expert worker index of each (token, choice)."""
         replica = positions.view(-1, 1) % self.counts[expert_ids]
         return self.replica_worker[expert_ids, replica]
-
-
-def make_elastic(plan: Any, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
-                 rebalance_every: int = 0, rejoin_after_steps: int = 0) -> Any:
-    """`plan` (disaggregated, from `engine.make_plan`) in elastic mode with `redundant` extra expert slots.
-
-    Args:
-        plan: the engine plan.
-        redundant: redundant expert slots over all expert workers.
-        kill: fault injection: this many expert workers (the first ones) SIGKILL themselves mid-decode.
-        kill_step: the decode step they die in.
-        restore: whether experts whose every replica died may be restored from the checkpoint.
-        rebalance_every: re-solve the placement for the measured expert load every this many decode steps,
-            moving the weights that change owner between expert workers (0: never).
-        rejoin_after_steps: start a replacement for each lost expert worker and admit it at the first step
-            boundary this many decode steps after the loss (0: never).
-
-    Raises:
-        UsageError: a colocated plan, a backend whose class lacks what elastic serving needs (`resumable_wait`;
-            `connects_late` for replacements), a layout `check_elastic` rejects, or a negative period.
-    """
-    from dataclasses import replace
-
-    from mbridge_epoverlap.comm.m2n import BACKENDS, communicator_class
-    from mbridge_epoverlap.serving.engine.plan import COLOCATED
-    from mbridge_epoverlap.serving.model.checkpoint import load_spec
-    from mbridge_epoverlap.serving.model.expert_store import weight_slot_bytes
-
-    if plan.mode == COLOCATED:
-        raise UsageError("--elastic applies to disaggregated serving (attention and expert workers); drop --colocated")
-    if not communicator_class(plan.backend).resumable_wait:  # the expert worker's sliced waits need it
-        resumable = [name for name in sorted(BACKENDS) if communicator_class(name).resumable_wait]
-        raise UsageError(f"--backend {plan.backend} cannot serve --elastic: an expert worker waits in short slices "
-                         "(to serve resends in between) and this backend aborts a wait that times out; use "
-                         f"--backend {' or '.join(resumable)}")
-    if kill_step < 1:
-        raise UsageError(f"kill step {kill_step} must be >= 1 (mid-decode, after the prefill step)")
-    if rebalance_every < 0:
-        raise UsageError(f"--rebalance-every {rebalance_every} must be >= 1 (decode steps between rebalances), "
-                         "or 0 to keep the start placement")
-    if rejoin_after_steps < 0:
-        raise UsageError(f"--rejoin-after-steps {rejoin_after_steps} must be >= 1 (decode steps between a loss and "
-                         "the replacement's admission), or 0 to go on without replacements")
-    if rejoin_after_steps and not communicator_class(plan.backend).connects_late:
-        joinable = [name for name in sorted(BACKENDS) if communicator_class(name).connects_late]
-        raise UsageError(f"--backend {plan.backend} cannot serve --rejoin-after-steps: a replacement worker joins "
-                         f"after set-up and this backend opens no channel then; use --backend {' or '.join(joinable)}")
-    spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
-    check_elastic(spec.num_experts, plan.expert_workers, redundant, kill)
-    layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant)
-    victims = tuple((worker, kill_step) for worker in range(kill))
-    moving = rebalance_every or rejoin_after_steps
-    return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
-                   rebalance_every=rebalance_every, rejoin_after_steps=rejoin_after_steps,
-                   weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)

@@ -1,5 +1,9 @@
 """`serve-bench` pieces: synthetic requests, balanced stage sizing, the reference check, the machine.
 
+`finish_bench_result` is the one place an engine result becomes a bench result (the reference check, the
+machine, the model), for `serve`, `serve-bench`, `elastic-bench`, the cluster job's `collect` and the
+harness alike.
+
 Balanced sizing: the ping-pong pipeline only pays off when an attention stage and an expert stage take
 about as long, and when splitting a batch in two halves each stage's time (a stage that is mostly fixed
 cost, such as 128 small expert GEMMs for a handful of tokens, takes as long for half the tokens). The
@@ -49,6 +53,21 @@ def matches_reference(spec: Any, requests: Sequence[Request], completions: Seque
     expected = generate_reference(spec, [list(r.prompt_ids) for r in requests], max_new_tokens)
     got = {c["id"]: c["output_ids"] for c in completions}
     return all(got.get(r.id) == list(e) for r, e in zip(requests, expected, strict=True))
+
+
+def finish_bench_result(result: dict[str, Any], spec: Any, *, requests: Sequence[Request] | None = None,
+                        max_new_tokens: int = 0, succeeded: bool = True) -> dict[str, Any]:
+    """Add what a bench result carries beside the engine's own fields, in place, and return it.
+
+    `matches_reference` (only when `requests` are given: whether every token equals the single-process
+    reference, False for a run that did not succeed), then `machine` and `model`.
+    """
+    if requests is not None:
+        result["matches_reference"] = succeeded and matches_reference(spec, requests, result["completions"],
+                                                                      max_new_tokens)
+    result["machine"] = machine()
+    result["model"] = spec.describe()
+    return result
 
 
 def _timed(fn: Any, repeats: int = 5) -> float:

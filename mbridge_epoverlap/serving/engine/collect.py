@@ -1,8 +1,8 @@
 """Merge the serving workers' reports of a cluster job into the `serve-bench` result.
 
 `python -m mbridge_epoverlap.serving.engine.collect --plan PLAN.json --out DIR --results RESULT.json` runs after
-srun has finished the workers (each wrote `DIR/rank<R>.json`); it adds the reference check and the
-machine, as `serve-bench` does locally.
+srun has finished the workers (each wrote `DIR/rank<R>.json`); it adds the reference check, the machine and
+the model (`bench.finish_bench_result`), as `serve-bench` does locally.
 """
 
 from __future__ import annotations
@@ -22,24 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True, type=Path)
     args = parser.parse_args(argv)
 
-    from mbridge_epoverlap.serving.engine.bench import machine, matches_reference
+    from mbridge_epoverlap.serving.engine.bench import finish_bench_result
     from mbridge_epoverlap.serving.engine.plan import EnginePlan
-    from mbridge_epoverlap.serving.engine.run import _collect, merge
-    from mbridge_epoverlap.serving.model.checkpoint import load_spec
-    from mbridge_epoverlap.serving.workers.requests import Request
+    from mbridge_epoverlap.serving.engine.run import collect_reports, merge
 
     plan = EnginePlan.from_json(args.plan.read_text())
-    ranks = _collect(args.out)["ranks"]
+    ranks = collect_reports(args.out)["ranks"]
     complete = len(ranks) == plan.world and not any("error" in r for r in ranks)
     result = merge(plan, ranks, failed=not complete)
-    spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
-    requests = [Request(str(r["id"]), tuple(r["prompt_ids"])) for dealt in plan.requests for r in dealt]
-    by_id = {r.id: r for r in requests}
-    ordered = [by_id[c["id"]] for c in result["completions"]]
-    result["matches_reference"] = complete and matches_reference(spec, ordered, result["completions"],
-                                                                  plan.max_new_tokens)
-    result["machine"] = machine()
-    result["model"] = spec.describe()
+    finish_bench_result(result, plan.load_spec(), requests=plan.arrival_requests(),
+                        max_new_tokens=plan.max_new_tokens, succeeded=complete)
     tmp = args.results.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(args.results)

@@ -1,20 +1,26 @@
 """What every serving worker process is told: the model, the layout, its requests (a JSON file).
 
 Ranks 0..A-1 are attention workers and A..A+E-1 expert workers (disaggregated), or ranks 0..N-1 are
-colocated workers; `role_of` is the one place that says so.
+colocated workers; `role_of` is the one place that says so. Requests are dealt to the attention workers
+round robin (`deal_requests`, the one place that does it; `EnginePlan.arrival_order` undoes it), and the
+mode is derived from the process count, not stored beside it.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.program import Role
 
+if TYPE_CHECKING:
+    from mbridge_epoverlap.serving.model.spec import ModelSpec
+    from mbridge_epoverlap.serving.workers.requests import Request
+
 DISAGGREGATED, COLOCATED = "disaggregated", "colocated"
-COLOCATED_ORDERS = ("two_batch_overlap", "sequential")
 
 
 @dataclass(frozen=True)
@@ -22,20 +28,19 @@ class EnginePlan:
     """The engine's layout and workload.
 
     Attributes:
-        source: checkpoint directory or recipe name (`serving.checkpoint.load_spec`).
-        mode: "disaggregated" (attention and expert workers) or "colocated".
+        source: checkpoint directory or recipe name (`serving.model.checkpoint.load_spec`).
         attn_workers, expert_workers: disaggregated worker counts (A, E).
-        processes: colocated process count (N).
+        processes: colocated process count (N); 0 for a disaggregated plan (`mode` is derived from it).
         micro_batches: m, micro-batches in flight per attention worker.
         order: colocated order, "two_batch_overlap" or "sequential" (disaggregated always ping-pong).
         placement: expert id -> expert worker (or colocated rank).
         max_new_tokens: generation limit per request.
         max_batch: sequences decoding at once per attention worker (continuous batching).
-        requests: per attention worker, its requests as {"id", "prompt_ids"}.
+        requests: per attention worker, its requests as {"id", "prompt_ids"} (`deal_requests`).
         backend: M2N backend name (`comm.m2n.make_communicator`).
         slot_bytes: M2N buffer size, enough for the largest message.
         timeout_s: limit of every wait between workers.
-        num_layers, seed, dtype: recipe-model settings passed to `load_spec`.
+        num_layers, seed, dtype: recipe-model settings `load_spec` passes on.
         elastic: keep decoding through the loss of expert workers (`serving.elastic`).
         slots: elastic mode's physical slots, the expert in each (`eplb` phy2log, worker by worker).
         expert_restore: elastic mode may restore experts whose every replica died from the checkpoint.
@@ -48,7 +53,6 @@ class EnginePlan:
     """
 
     source: str
-    mode: str = DISAGGREGATED
     attn_workers: int = 1
     expert_workers: int = 1
     processes: int = 0
@@ -71,6 +75,31 @@ class EnginePlan:
     rebalance_every: int = 0
     rejoin_after_steps: int = 0
     weight_slot_bytes: int = 0
+
+    @property
+    def mode(self) -> str:
+        """"colocated" (N processes with both roles) or "disaggregated" (attention and expert workers)."""
+        return COLOCATED if self.processes else DISAGGREGATED
+
+    def load_spec(self) -> ModelSpec:
+        """The model this plan serves (`serving.model.checkpoint.load_spec` with the plan's model settings)."""
+        from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+        return load_spec(self.source, seed=self.seed, num_layers=self.num_layers, dtype=self.dtype)
+
+    def arrival_order(self) -> list[str]:
+        """Request ids in the order they were given (undoing `deal_requests`' round robin)."""
+        ids: list[str] = []
+        for position in range(max((len(d) for d in self.requests), default=0)):
+            ids += [str(dealt[position]["id"]) for dealt in self.requests if position < len(dealt)]
+        return ids
+
+    def arrival_requests(self) -> list[Request]:
+        """The plan's requests in the order they were given."""
+        from mbridge_epoverlap.serving.workers.requests import Request
+
+        by_id = {str(r["id"]): r for dealt in self.requests for r in dealt}
+        return [Request(i, tuple(by_id[i]["prompt_ids"])) for i in self.arrival_order()]
 
     @property
     def layout_epochs(self) -> bool:
@@ -115,11 +144,20 @@ class EnginePlan:
     @classmethod
     def from_json(cls, text: str) -> EnginePlan:
         raw = json.loads(text)
+        raw.pop("mode", None)  # written by older versions; derived from `processes` now
         raw["placement"] = tuple(raw["placement"])
         raw["requests"] = tuple(tuple(r) for r in raw["requests"])
         raw["slots"] = tuple(raw.get("slots", ()))
         raw["kill"] = tuple(tuple(k) for k in raw.get("kill", ()))
         return cls(**raw)
+
+
+def deal_requests(requests: Sequence[Request], readers: int) -> tuple[tuple[dict[str, Any], ...], ...]:
+    """`requests` dealt round robin to `readers` attention workers, each as {"id", "prompt_ids"}."""
+    dealt: list[list[dict[str, Any]]] = [[] for _ in range(readers)]
+    for i, request in enumerate(requests):
+        dealt[i % readers].append({"id": request.id, "prompt_ids": list(request.prompt_ids)})
+    return tuple(tuple(d) for d in dealt)
 
 
 def check_layout(*, attn_workers: int, expert_workers: int, micro_batches: int, processes: int, colocated: bool,

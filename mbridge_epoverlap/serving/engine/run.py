@@ -7,9 +7,9 @@ merges what the workers report:
 - completions with time to first token and time between tokens per request;
 - throughput (generated tokens over the slowest attention worker's decode time);
 - measured per-stage times and per-role utilization (compute time over wall time);
-- the replay: the measured stage times fed to the simulator with the same order (`ping_pong` on
-  `DISAGGREGATED`, or the colocated order on `COLOCATED`) give a predicted step time, throughput and
-  per-role utilization beside the measured ones.
+- the replay (`serving.engine.replay`): the measured stage times fed to the simulator with the same
+  order (`ping_pong` on `DISAGGREGATED`, or the colocated order on `COLOCATED`) give a predicted step
+  time, throughput and per-role utilization beside the measured ones.
 
 A worker that dies makes the others stop within the timeout; the run still reports every request, the
 ones in flight as failed (`EngineFailed.result`).
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
-from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST
-from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
+from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, POST
+from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan, deal_requests
+from mbridge_epoverlap.serving.engine.replay import measured_utilization, replay, stage_times_ms
 from mbridge_epoverlap.serving.workers.requests import Request, micro_batch_limit
 
 _HEADER_BYTES = 4096  # room for the M2N message header and the control tensor
@@ -65,10 +66,7 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
              else Placement.balanced(spec.num_experts, holders))
     if len(table.owner) != spec.num_experts:
         raise UsageError(f"the placement has {len(table.owner)} entries for {spec.num_experts} experts")
-    readers = colocated or attn_workers
-    dealt: list[list[dict[str, Any]]] = [[] for _ in range(readers)]
-    for i, request in enumerate(requests):
-        dealt[i % readers].append({"id": request.id, "prompt_ids": list(request.prompt_ids)})
+    dealt = deal_requests(requests, colocated or attn_workers)
     # The largest message: every token of a full micro-batch of prefills routed k times to one worker (a
     # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
     # share of the batch limit (`AttentionWorker._refill`).
@@ -77,12 +75,11 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     rows = per_micro_batch * longest * spec.top_k
     element = 2 if dtype == "bfloat16" else 4
     slot_bytes = rows * (spec.hidden_size * element + 8) + _HEADER_BYTES
-    return EnginePlan(source=str(spec.source), mode=COLOCATED if colocated else "disaggregated",
-                      attn_workers=attn_workers, expert_workers=expert_workers, processes=colocated,
-                      micro_batches=micro_batches, order=order if colocated else "ping_pong",
-                      placement=table.owner, max_new_tokens=max_new_tokens, max_batch=max_batch,
-                      requests=tuple(tuple(d) for d in dealt), backend=backend, slot_bytes=slot_bytes,
-                      timeout_s=timeout_s, num_layers=num_layers, seed=seed, dtype=dtype)
+    return EnginePlan(source=str(spec.source), attn_workers=attn_workers, expert_workers=expert_workers,
+                      processes=colocated, micro_batches=micro_batches, order=order if colocated else "ping_pong",
+                      placement=table.owner, max_new_tokens=max_new_tokens, max_batch=max_batch, requests=dealt,
+                      backend=backend, slot_bytes=slot_bytes, timeout_s=timeout_s, num_layers=num_layers, seed=seed,
+                      dtype=dtype)
 
 
 def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = None,
@@ -112,7 +109,7 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     try:
         ranks = launch_processes(plan.world, lambda rank: command, files={"plan.json": plan.to_json()},
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
-                                 rank_names=plan.rank_names(), collect=_collect,
+                                 rank_names=plan.rank_names(), collect=collect_reports,
                                  expendable=plan.expert_ranks if plan.elastic else (),
                                  respawn=replacement if plan.elastic and plan.rejoin_after_steps else None)
     except RunFailedError as exc:
@@ -128,7 +125,9 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     return result
 
 
-def _collect(workdir: Path) -> dict[str, Any]:
+def collect_reports(workdir: Path) -> dict[str, Any]:
+    """What the workers left in `workdir`: their reports (`rank<R>.json`) and, under fault injection, when
+    each killed worker died (`killed<R>`)."""
     import json
 
     ranks = []
@@ -162,7 +161,7 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
         for request in dealt:
             completions.setdefault(str(request["id"]), {"id": str(request["id"]), "output_ids": [], "ttft_ms": None,
                                                         "tbt_ms": [], "status": "failed"})
-    ordered = [completions[i] for i in arrival_order(plan)]
+    ordered = [completions[i] for i in plan.arrival_order()]
     tokens = sum(len(c["output_ids"]) for c in ordered)
     wall = max((r.get("wall_s", 0.0) for r in readers), default=0.0)
     tbts = [t for c in ordered for t in c["tbt_ms"]]
@@ -183,8 +182,8 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
     stages = stage_times_ms(readers, holders)
     result["stage_ms"] = stages
     result["utilization"] = {
-        "attention": _utilization(readers, (ATTN.name, POST.name, DISPATCH.name)),
-        "expert": _utilization(holders, (EXPERTS.name,)),
+        "attention": measured_utilization(readers, (ATTN.name, POST.name, DISPATCH.name)),
+        "expert": measured_utilization(holders, (EXPERTS.name,)),
     }
     result["predicted"] = replay(plan, stages, tokens_per_step=decode_tokens_per_step(readers))
     return result
@@ -211,14 +210,6 @@ def decode_tokens_per_step(readers: Sequence[dict[str, Any]]) -> float:
     return total
 
 
-def arrival_order(plan: EnginePlan) -> list[str]:
-    """Request ids in the order they were given (the plan deals them round robin)."""
-    ids: list[str] = []
-    for position in range(max((len(d) for d in plan.requests), default=0)):
-        ids += [str(dealt[position]["id"]) for dealt in plan.requests if position < len(dealt)]
-    return ids
-
-
 def _percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
@@ -227,92 +218,6 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[position]
 
 
-def _utilization(ranks: Sequence[dict[str, Any]], compute: Sequence[str]) -> float:
-    """Mean over the ranks of their time in `compute` stages over their wall time, in steady decode (after
-    the prefill step) where the worker marked it, else over the whole run."""
-    shares = []
-    for r in ranks:
-        stages, wall = r.get("stages", {}), r.get("wall_s", 0.0)
-        if stages.get("steady_wall_s", 0.0) > 0 and stages.get("steady_busy_s", 0.0) > 0:
-            shares.append(min(1.0, stages["steady_busy_s"] / stages["steady_wall_s"]))
-        elif wall > 0:
-            median, count = stages.get("median_ms", {}), stages.get("count", {})
-            busy = sum(median.get(s, 0.0) * count.get(s, 0) for s in compute) / 1e3
-            shares.append(min(1.0, busy / wall))
-    return statistics.fmean(shares) if shares else 0.0
-
-
-def stage_times_ms(readers: Sequence[dict[str, Any]], holders: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Measured per-stage medians (ms) in the stage table's names; `dispatch`/`combine` are one transfer."""
-
-    def median(rows: Sequence[dict[str, Any]], key: str) -> float:
-        values = [r["stages"]["median_ms"][key] for r in rows if key in r.get("stages", {}).get("median_ms", {})]
-        return statistics.median(values) if values else 0.0
-
-    attn = median(readers, ATTN.name) + median(readers, DISPATCH.name)  # the send is the attention worker's work
-    experts = median(holders, EXPERTS.name)
-    # One transfer: what is left of the fastest round trips (dispatch issued -> combine received) after
-    # the expert compute, halved. Slower round trips include waiting behind other micro-batches.
-    trips = sorted(t for r in readers for t in r.get("stages", {}).get("round_trip_ms", []))
-    fast = trips[: max(1, len(trips) // 10)] if trips else [0.0]
-    transfer = max(0.0, (statistics.median(fast) - experts) / 2)
-    return {ATTN.name: attn, EXPERTS.name: experts, POST.name: median(readers, POST.name),
-            DISPATCH.name: transfer, COMBINE.name: transfer}
-
-
-def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float) -> dict[str, Any]:
-    """Feed measured stage times to the simulator: predicted step time, throughput and utilization."""
-    from mbridge_epoverlap.schedule.resources import COLOCATED as COLOCATED_RESOURCES
-    from mbridge_epoverlap.schedule.resources import DISAGGREGATED
-    from mbridge_epoverlap.schedule.simulator import simulate
-    from mbridge_epoverlap.serving.model.checkpoint import load_spec
-
-    spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
-    if plan.mode == COLOCATED:
-        from mbridge_epoverlap.serving.workers.colocated import ORDERS
-
-        steps, resources = ORDERS[plan.order](plan.micro_batches, spec.num_layers), COLOCATED_RESOURCES
-    else:
-        steps, resources = None, DISAGGREGATED
-
-    def cost(step: Any) -> float:
-        # Dense layers have no routed experts and move nothing (layers number on across decode steps).
-        if not spec.is_moe(step.layer % spec.num_layers) and step.stage in (DISPATCH.name, EXPERTS.name,
-                                                                             COMBINE.name):
-            return 0.0
-        return stages.get(step.stage, 0.0)
-
-    def timed(order: Any) -> tuple[float, dict[str, float]]:
-        timeline = simulate(order, cost, resources)
-        busy: dict[str, float] = {}
-        for event in timeline.events:
-            busy[event.resource] = busy.get(event.resource, 0.0) + event.end - event.start
-        return timeline.makespan, busy
-
-    if steps is not None:
-        makespan, busy = timed(steps)
-    else:
-        # The workers stream decode steps, running ping_pong over S * L layers: the steady step is what one
-        # more step adds (4 steps minus 2, halved), without the pipeline's fill and drain.
-        from mbridge_epoverlap.schedule.serving_orders import ping_pong
-
-        (short, short_busy), (long, long_busy) = (timed(ping_pong(plan.micro_batches, n * spec.num_layers))
-                                                  for n in (2, 4))
-        makespan = (long - short) / 2
-        busy = {role: (long_busy.get(role, 0.0) - short_busy.get(role, 0.0)) / 2 for role in long_busy}
-    if plan.mode == COLOCATED:
-        utilization = {"attention": busy.get("compute", 0.0) / makespan if makespan else 0.0}
-        utilization["expert"] = utilization["attention"]
-    else:
-        utilization = {role: busy.get(role, 0.0) / makespan if makespan else 0.0 for role in ("attention", "expert")}
-    return {"step_ms": makespan, "tokens_per_s": tokens_per_step / makespan * 1e3 if makespan else 0.0,
-            "utilization": utilization, "stage_ms": stages}
-
-
 def with_requests(plan: EnginePlan, requests: Sequence[Request]) -> EnginePlan:
     """The same layout with other requests."""
-    readers = len(plan.requests)
-    dealt: list[list[dict[str, Any]]] = [[] for _ in range(readers)]
-    for i, request in enumerate(requests):
-        dealt[i % readers].append({"id": request.id, "prompt_ids": list(request.prompt_ids)})
-    return replace(plan, requests=tuple(tuple(d) for d in dealt))
+    return replace(plan, requests=deal_requests(requests, len(plan.requests)))

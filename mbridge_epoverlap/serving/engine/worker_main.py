@@ -46,7 +46,6 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     import torch.distributed as dist
 
     from mbridge_epoverlap.runtime import heartbeat as hb
-    from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from mbridge_epoverlap.serving.workers.placement import Placement
     from mbridge_epoverlap.serving.workers.requests import Request, RequestQueue
 
@@ -61,7 +60,7 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
                             timeout=timeout)
     beat_dir = os.environ.get(PREFIX + "HEARTBEAT_DIR")
     beat = hb.Heartbeat(hb.heartbeat_path(beat_dir, rank) if beat_dir else None)
-    spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
+    spec = plan.load_spec()
     role, index = plan.role_of(rank)
     placement = Placement.from_list(plan.placement, len(plan.expert_ranks))
     progress = (lambda line: print(line, flush=True)) if rank == 0 else None
@@ -192,7 +191,6 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
     from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix
     from mbridge_epoverlap.serving.elastic.sync import wait_admission
-    from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from mbridge_epoverlap.serving.model.expert_store import ExpertStore
 
     started = time.monotonic()
@@ -206,7 +204,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
                           timeout=timedelta(seconds=plan.timeout_s))
     beat_dir = os.environ.get(PREFIX + "HEARTBEAT_DIR")
     beat = hb.Heartbeat(hb.heartbeat_path(beat_dir, rank) if beat_dir else None)
-    spec = load_spec(plan.source, seed=plan.seed, num_layers=plan.num_layers, dtype=plan.dtype)
+    spec = plan.load_spec()
     payload: dict[str, Any] = {"rank": rank, "role": "expert", "index": index, "generation": generation}
     state["payload"], state["out"] = payload, out / f"rank{rank}.json"
     elastic = dist.PrefixStore("elastic", store)

@@ -1,1 +1,19 @@
-"""TODO"""
+"""The model room: what a serving process knows about the MoE model, and the arithmetic of decoding it.
+
+Nothing here knows processes or messages; workers hold these pieces and call them.
+
+- `spec`: `ModelSpec`, the small frozen description of a model every worker gets.
+- `checkpoint`: `load_spec` of a Hugging Face Mixtral / Qwen3-MoE checkpoint directory or a recipe name,
+  checked up front, and `CheckpointReader` for single tensors.
+- `hf_layout`: where each parameter lives in a Hugging Face checkpoint, and its expected shape.
+- `parts`: the model in two parts, `AttentionPart` (attention side, router) and `ExpertPart` (some
+  routed experts), `LocalModel` and `generate_reference`, the tokens every engine mode must reproduce.
+- `expert_store`: the expert weights one expert worker holds, and how they change (restores, moves).
+- `batch`: `TokenBatch`, the tokens of one step from several sequences, flat, and how they attend.
+- `kv_cache`: `KVCache`, the keys and values of every sequence, and decode attention over them (the one
+  owner of `decode_attention` and `cached_attention`).
+- `sampling`: greedy sampling and the stop rules.
+- `tokenizer`: text prompts for checkpoints that ship a `tokenizer.json`.
+
+Nothing is imported here, so importing the package stays cheap.
+"""

@@ -42,7 +42,7 @@ def _moe_prefix(spec: ModelSpec, layer: int) -> str:
 
 
 def attention_sources(spec: ModelSpec) -> dict[str, Source]:
-    """Parameter name of `serving.model.AttentionPart` -> its checkpoint tensors."""
+    """Parameter name of `serving.model.parts.AttentionPart` -> its checkpoint tensors."""
     h, d, hq, hkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
     vocab = ("vocab_size", "hidden_size")
     out = {"embedding": _one("model.embed_tokens.weight", spec.vocab_size, h, fields=vocab),

@@ -1,10 +1,15 @@
-"""`KVCache`: the keys and values of every layer for each sequence being decoded.
+"""`KVCache`: the keys and values of every layer for each sequence being decoded, and the attention over them.
 
 Storage per layer is one [rows, kv_heads, capacity, head_dim] tensor for keys and one for values, a row
 per sequence. Appending a decode token is a copy into place (the capacity doubles when a sequence
 outgrows it, the rows when more sequences arrive), and a decode batch's history is read for every
 sequence at once (`append_decode`), so attention over a batch of decode tokens is a few batched ops
 rather than a loop over sequences.
+
+Decode attention is this module's: `KVCache.attend` stores a layer's new keys and values and attends the
+batch's queries to each sequence's history, the decode tokens as one batch (`decode_attention`) and a
+prompt or a lone decode token on its own (`cached_attention`). The model part only projects in and out
+(`moe.attention.SelfAttention`) and calls `attend` between the two.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 _INITIAL_CAPACITY = 64
@@ -122,6 +128,36 @@ class KVCache:
         return (k_buf[:, :, :longest].index_select(0, row_index), v_buf[:, :, :longest].index_select(0, row_index),
                 position + 1)
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TokenBatch, *,
+               sliding_window: int | None = None) -> torch.Tensor:
+        """Store the batch's keys and values for `layer` and attend each token's query to its sequence so far.
+
+        Decode tokens (one per sequence) attend as one batch; a prompt (several tokens), or a lone decode
+        token, on its own (`TokenBatch.attention_groups`).
+
+        Args:
+            layer: 0-based layer index.
+            q: [T, heads, head_dim] queries (rotated), rows in batch order.
+            k, v: [T, kv_heads, head_dim] the tokens' keys (rotated) and values.
+            batch: the tokens' sequence ids and positions; each sequence's tokens start at its cached length.
+            sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
+
+        Returns:
+            [T, heads * head_dim].
+        """
+        heads = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+        groups = batch.attention_groups
+        if groups.decode:
+            rows = groups.decode_rows
+            keys, values, lengths = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts, k[rows],
+                                                       v[rows])
+            heads[rows] = decode_attention(q[rows], keys, values, lengths, sliding_window=sliding_window)
+        for seg in groups.alone:
+            keys, values = self.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
+            heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
+                                               sliding_window=sliding_window)
+        return heads
+
     def _check(self, layer: int, seq_id: int, start: int) -> int:
         if seq_id not in self._row:
             raise KeyError(f"sequence {seq_id} is not in the KV cache (add it first)")
@@ -144,3 +180,77 @@ class KVCache:
                 new = old.new_zeros(rows or old.shape[0], old.shape[1], capacity or old.shape[2], old.shape[3])
                 new[:old.shape[0], :, :old.shape[2]] = old
                 store[index] = new
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, *,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of one sequence's new queries to all its keys so far.
+
+    Eager arithmetic in the order Hugging Face's eager attention uses (scores = q k^T * scale, masked
+    entries excluded, fp32 softmax, weights @ v), so a decode step reproduces its logits.
+
+    Args:
+        q: [n, heads, head_dim] queries (rotated) of the tokens at `q_positions`.
+        k, v: [m, groups, head_dim] keys (rotated) and values at positions 0..m-1 (the cache, new tokens
+            included).
+        q_positions: [n] int64 positions of the queries (each < m).
+        sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
+
+    Returns:
+        [n, heads * head_dim].
+    """
+    n, heads, d = q.shape
+    groups = k.shape[1]
+    rep = heads // groups
+    keys, values = _repeat_groups(k, rep), _repeat_groups(v, rep)
+    scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * (d ** -0.5)
+    k_positions = torch.arange(k.shape[0], device=q.device)
+    hidden = k_positions[None, :] > q_positions[:, None]
+    if sliding_window is not None:
+        hidden |= q_positions[:, None] - k_positions[None, :] >= sliding_window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(weights, values)  # [heads, n, d]
+    return out.transpose(0, 1).reshape(n, heads * d)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """Attention of one new query per sequence to its cached keys, for a batch of sequences at once.
+
+    The same arithmetic as `cached_attention` per sequence (scores = q k^T * scale, masked keys excluded,
+    fp32 softmax, weights @ v), on histories padded to the longest: a padded key gets weight exactly 0.
+
+    Args:
+        q: [B, heads, head_dim] the queries (rotated), sequence b's at position `lengths[b] - 1`.
+        k, v: [B, groups, longest, head_dim] keys (rotated) and values, sequence b's in its first
+            `lengths[b]` positions.
+        lengths: [B] int64 keys per sequence, the new token's included.
+        sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
+
+    Returns:
+        [B, heads * head_dim].
+    """
+    b, heads, d = q.shape
+    groups, longest = k.shape[1], k.shape[2]
+    rep = heads // groups
+    if rep > 1:
+        k = k[:, :, None].expand(b, groups, rep, longest, d).reshape(b, heads, longest, d)
+        v = v[:, :, None].expand(b, groups, rep, longest, d).reshape(b, heads, longest, d)
+    scores = torch.matmul(q[:, :, None, :], k.transpose(2, 3)) * (d ** -0.5)  # [B, heads, 1, longest]
+    k_positions = torch.arange(longest, device=q.device)
+    hidden = k_positions[None, :] >= lengths[:, None]
+    if sliding_window is not None:
+        hidden |= (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).reshape(b, heads * d)
+
+
+def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """[m, groups, d] -> contiguous [groups * rep, m, d]: query head h reads group h // rep (as repeat_kv)."""
+    groups, m, d = t.shape[1], t.shape[0], t.shape[2]
+    t = t.transpose(0, 1)
+    if rep == 1:
+        return t.contiguous()
+    return t[:, None].expand(groups, rep, m, d).reshape(groups * rep, m, d)

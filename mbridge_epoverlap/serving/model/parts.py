@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.moe.attention import SelfAttention, cached_attention, decode_attention
+from mbridge_epoverlap.moe.attention import SelfAttention
 from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP, grouped_expert_swiglu
 from mbridge_epoverlap.moe.model import seeded_normal
 from mbridge_epoverlap.moe.norm import LayerNorm, RMSNorm
@@ -117,19 +117,7 @@ class AttentionPart(torch.nn.Module):
         q, k, v = block.attention.project_qkv(block.input_norm(x))
         cos, sin = self.rotary.cos_sin(batch.positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        heads = torch.empty(x.shape[0], self.spec.num_heads * self.spec.head_dim, dtype=x.dtype)
-        # Decode tokens (one per sequence) attend as one batch; a prompt (several tokens), or a lone decode
-        # token, on its own.
-        groups = batch.attention_groups
-        if groups.decode:
-            rows = groups.decode_rows
-            keys, values, lengths = cache.append_decode(layer, groups.decode_seq_ids, groups.decode_starts, k[rows],
-                                                        v[rows])
-            heads[rows] = decode_attention(q[rows], keys, values, lengths, sliding_window=self.spec.sliding_window)
-        for seg in groups.alone:
-            keys, values = cache.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
-            heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
-                                               sliding_window=self.spec.sliding_window)
+        heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.sliding_window)
         resid = x + block.attention.project_out(heads)
         tokens = block.post_norm(resid)
         if block.router is None:

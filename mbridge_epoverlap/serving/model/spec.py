@@ -1,7 +1,7 @@
 """`ModelSpec`: everything a serving process needs to know to build its part of a MoE model.
 
 A spec is small, frozen and picklable, so the engine can hand it to every worker process; each worker
-then loads only its own tensors (`serving.model.load_attention_part` / `load_expert_part`).
+then loads only its own tensors (`serving.model.parts.load_attention_part` / `load_expert_part`).
 """
 
 from __future__ import annotations

@@ -1,1 +1,9 @@
-"""TODO"""
+"""The planning room: the offline deployment planner (MegaScale-Infer's Algorithm 1), no processes, no torch.
+
+- `catalog`: GPUs and MoE models, with where each number comes from.
+- `perf_model`: MegaScale-Infer's roofline performance model of one micro-batch in one layer.
+- `search`: the deployment search over TP sizes, replicas, micro-batches and batch, and the colocated
+  baseline; `mbridge-epoverlap plan` (`serving.cli.plan`) prints what it finds.
+
+Nothing is imported here, so importing the package stays cheap.
+"""

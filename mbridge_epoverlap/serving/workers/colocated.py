@@ -27,8 +27,7 @@ from mbridge_epoverlap.serving.workers.placement import Placement
 from mbridge_epoverlap.serving.workers.protocol import Transport
 from mbridge_epoverlap.serving.workers.requests import RequestQueue
 
-ORDERS = {"sequential": lambda m, layers: sequential(m, layers),
-          "two_batch_overlap": lambda m, layers: two_batch_overlap(layers, m)}
+ORDERS = {"sequential": sequential, "two_batch_overlap": two_batch_overlap}
 
 
 def colocated_worker(spec: Any, part: Any, cache: Any, queue: RequestQueue, experts: Any, placement: Placement,

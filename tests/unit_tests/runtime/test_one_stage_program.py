@@ -14,10 +14,11 @@ import torch
 
 from mbridge_epoverlap.moe.wgrad import WeightGradStore
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
-from mbridge_epoverlap.schedule.program import STAGES, Direction, Phase, Step, one_f_one_b, predecessors
+from mbridge_epoverlap.schedule.program import STAGES, Direction, Phase, Step, predecessors
 from mbridge_epoverlap.schedule.resources import COLOCATED, DISAGGREGATED, TRAINING
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, sequential, two_batch_overlap
 from mbridge_epoverlap.schedule.simulator import simulate
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 from tests.unit_tests.runtime.tiny_runs import micro_batches, tiny_model
 
 LAYERS = 2
@@ -28,7 +29,7 @@ SCHEDULES = {
     "ping_pong_m1": (lambda: ping_pong(1, LAYERS), DISAGGREGATED),
     "ping_pong_m2": (lambda: ping_pong(2, LAYERS), DISAGGREGATED),
     "ping_pong_m3": (lambda: ping_pong(3, LAYERS), DISAGGREGATED),
-    "two_batch_overlap": (lambda: two_batch_overlap(LAYERS, 2), COLOCATED),
+    "two_batch_overlap": (lambda: two_batch_overlap(2, LAYERS), COLOCATED),
     "sequential": (lambda: sequential(2, LAYERS), COLOCATED),
 }
 
@@ -95,7 +96,7 @@ def test_forward_only_schedules_give_the_training_forward_losses(make_tiny):
     batches = micro_batches(cfg, 2)
     trained = ScheduleExecutor(tiny_model(cfg), store=WeightGradStore()).run(one_f_one_b(2, LAYERS, overlap=False),
                                                                            batches)
-    for steps in (ping_pong(2, LAYERS), two_batch_overlap(LAYERS, 2), sequential(2, LAYERS)):
+    for steps in (ping_pong(2, LAYERS), two_batch_overlap(2, LAYERS), sequential(2, LAYERS)):
         executor = ScheduleExecutor(tiny_model(cfg), store=WeightGradStore())
         losses = executor.run(steps, batches)
         assert all(torch.equal(a, b) for a, b in zip(losses, trained, strict=True))

@@ -22,7 +22,7 @@ from mbridge_epoverlap.runtime.metrics import model_flops_per_iteration, tflops_
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
 from mbridge_epoverlap.runtime.train import num_micro_batches, schedule_for
 from mbridge_epoverlap.runtime.worker import rank_and_world
-from mbridge_epoverlap.schedule.program import one_f_one_b
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 from tests.unit_tests.runtime.tiny_runs import micro_batches, tiny_model
 
 

@@ -83,7 +83,7 @@ def test_ping_pong_keeps_both_workers_busy_once_full():
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_serving_orders_pass_check_schedule(m, num_layers):
-    for steps in (ping_pong(m, num_layers), two_batch_overlap(num_layers, m), sequential(m, num_layers)):
+    for steps in (ping_pong(m, num_layers), two_batch_overlap(m, num_layers), sequential(m, num_layers)):
         check_schedule(steps)
         assert len(steps) == m * num_layers * 7  # per layer: 3 runs, 2 issues, 2 waits
 
@@ -96,7 +96,7 @@ def test_ping_pong_orders_each_worker_by_micro_batch_within_a_layer():
 
 def test_two_batch_overlap_hides_communication_on_one_gpu():
     costs = serving_costs(1.0, 1.0, 0.5)
-    overlapped = simulate(two_batch_overlap(4), costs, COLOCATED)
+    overlapped = simulate(two_batch_overlap(2, 4), costs, COLOCATED)
     serial = simulate(sequential(2, 4), costs, COLOCATED)
     compute = sum(e.duration for e in serial.events if e.resource == "compute")
     assert serial.makespan == pytest.approx(compute + 2 * 4 * 2 * 0.5)
@@ -108,18 +108,18 @@ def test_two_batch_overlap_hides_communication_on_one_gpu():
 @given(t_a=times, t_e=times, t_c=times, num_layers=layers)
 def test_two_batch_overlap_never_slower_than_serial(t_a, t_e, t_c, num_layers):
     costs = serving_costs(t_a, t_e, t_c)
-    overlapped = simulate(two_batch_overlap(num_layers), costs, COLOCATED).makespan
+    overlapped = simulate(two_batch_overlap(2, num_layers), costs, COLOCATED).makespan
     serial = simulate(sequential(2, num_layers), costs, COLOCATED).makespan
     assert overlapped <= serial * (1 + 1e-12)
     assert overlapped >= 2 * num_layers * (t_a + t_e) * (1 - 1e-12)
 
 
 def test_two_batch_overlap_with_free_communication_is_pure_compute():
-    timeline = simulate(two_batch_overlap(3), serving_costs(1.0, 2.0, 0.0), COLOCATED)
+    timeline = simulate(two_batch_overlap(2, 3), serving_costs(1.0, 2.0, 0.0), COLOCATED)
     assert timeline.makespan == pytest.approx(2 * 3 * 3.0)
 
 
-@pytest.mark.parametrize("build", [lambda: ping_pong(0, 2), lambda: ping_pong(2, 0), lambda: two_batch_overlap(0)])
+@pytest.mark.parametrize("build", [lambda: ping_pong(0, 2), lambda: ping_pong(2, 0), lambda: two_batch_overlap(2, 0)])
 def test_nonsense_sizes_are_usage_errors(build):
     with pytest.raises(UsageError, match=">= 1"):
         build()

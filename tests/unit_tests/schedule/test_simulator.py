@@ -6,10 +6,11 @@ import pytest
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.costs import serving_costs, training_costs
-from mbridge_epoverlap.schedule.program import forward_steps, issue, one_f_one_b, run, wait
+from mbridge_epoverlap.schedule.program import forward_steps, issue, run, wait
 from mbridge_epoverlap.schedule.resources import DISAGGREGATED, TRAINING, Resources
 from mbridge_epoverlap.schedule.serving_orders import ping_pong
 from mbridge_epoverlap.schedule.simulator import simulate
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
 COSTS = serving_costs(t_attn=2.0, t_expert=3.0, t_comm=1.0, t_post=0.5)
 

@@ -8,11 +8,11 @@ from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.costs import serving_costs, training_costs
 from mbridge_epoverlap.schedule.gantt import save_gantt
 from mbridge_epoverlap.schedule.presets import simulate_schedule
-from mbridge_epoverlap.schedule.program import one_f_one_b
 from mbridge_epoverlap.schedule.resources import DISAGGREGATED
 from mbridge_epoverlap.schedule.serving_orders import ping_pong
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.timeline import Event, Timeline, intersect, union
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
 
 def test_union_merges_overlaps_and_drops_empty_intervals():

@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 
 from mbridge_epoverlap.schedule.costs import training_costs
 from mbridge_epoverlap.schedule.predict import hidden_upper_bound
-from mbridge_epoverlap.schedule.program import STAGES, check_schedule, one_f_one_b
+from mbridge_epoverlap.schedule.program import STAGES, check_schedule
 from mbridge_epoverlap.schedule.program import run as run_step
 from mbridge_epoverlap.schedule.simulator import simulate
+from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
 times = st.floats(min_value=0.0, max_value=5.0, allow_nan=False)
 positive = st.floats(min_value=0.05, max_value=5.0, allow_nan=False)
@@ -100,8 +101,9 @@ def test_delayed_wgrad_is_never_slower_with_any_stage_costs():
     the expert wgrad never exposes more communication, whatever each stage costs."""
     import random
 
-    from mbridge_epoverlap.schedule.program import STAGES, one_f_one_b
+    from mbridge_epoverlap.schedule.program import STAGES
     from mbridge_epoverlap.schedule.simulator import simulate
+    from mbridge_epoverlap.schedule.training_orders import one_f_one_b
 
     rng = random.Random(7)
     for _ in range(300):

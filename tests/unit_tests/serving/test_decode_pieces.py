@@ -94,7 +94,7 @@ def test_kv_cache_batched_decode_reads_every_history_past_the_first_rows() -> No
 
 @pytest.mark.parametrize("window", [None, 4])
 def test_batched_decode_attention_equals_one_sequence_at_a_time_bitwise(window) -> None:
-    from mbridge_epoverlap.moe.attention import cached_attention, decode_attention
+    from mbridge_epoverlap.serving.model.kv_cache import cached_attention, decode_attention
 
     gen = torch.Generator().manual_seed(2)
     lengths = torch.tensor([3, 7, 1, 12, 5])

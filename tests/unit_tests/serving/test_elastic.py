@@ -13,7 +13,8 @@ import os
 import pytest
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, check_elastic, make_elastic
+from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, check_elastic
+from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 from mbridge_epoverlap.serving.engine.run import EngineFailed, make_plan, run_engine
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.workers.requests import Request

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, make_elastic
+from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
 from mbridge_epoverlap.serving.elastic.moves import transfers
+from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.workers.requests import Request

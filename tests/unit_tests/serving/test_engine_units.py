@@ -82,12 +82,52 @@ def test_plan_places_roles_by_rank_and_round_trips():
     assert plan.world == 5 and plan.attention_ranks == [0, 1] and plan.expert_ranks == [2, 3, 4]
     assert plan.rank_names()[3] == "expert worker 1 (rank 3)"
     assert EnginePlan.from_json(plan.to_json()) == plan
-    colocated = EnginePlan(source="x", mode="colocated", processes=2)
+    colocated = EnginePlan(source="x", processes=2)
     assert colocated.world == 2 and colocated.role_of(1) == (None, 1)
 
 
+def test_plan_mode_is_derived_and_an_old_plan_with_a_mode_key_still_loads():
+    colocated, split = EnginePlan(source="x", processes=2), EnginePlan(source="x")
+    assert (colocated.mode, split.mode) == ("colocated", "disaggregated")
+    raw = json.loads(colocated.to_json())
+    assert "mode" not in raw
+    assert EnginePlan.from_json(json.dumps({**raw, "mode": "colocated"})) == colocated
+
+
+def test_requests_dealt_round_robin_come_back_in_arrival_order():
+    from mbridge_epoverlap.serving.engine.plan import deal_requests
+
+    requests = [Request(f"r{i}", (i + 1,)) for i in range(5)]
+    dealt = deal_requests(requests, 2)
+    assert [[r["id"] for r in d] for d in dealt] == [["r0", "r2", "r4"], ["r1", "r3"]]
+    plan = EnginePlan(source="x", attn_workers=2, requests=dealt)
+    assert plan.arrival_order() == [r.id for r in requests]
+    assert plan.arrival_requests() == requests
+
+
+def test_replay_transfer_is_the_fastest_tenth_of_the_raw_round_trips_filtered_once():
+    """The worker's timer keeps its fastest tenth of the round trips; the replay must not filter again."""
+    import random
+    import statistics
+
+    from mbridge_epoverlap.serving.engine.replay import stage_times_ms
+    from mbridge_epoverlap.serving.workers.stage_timer import StageTimer
+
+    trips_ms = [float(t) for t in range(1, 101)]
+    random.Random(0).shuffle(trips_ms)
+    timer = StageTimer(frozenset())
+    for t in trips_ms:
+        timer.record("round_trip", t / 1e3)
+    reader = {"role": "attention", "stages": timer.summary()}
+    holder = {"role": "expert", "stages": {"median_ms": {"experts": 0.5}}}
+    stages = stage_times_ms([reader], [holder])
+    fastest_tenth = sorted(trips_ms)[:10]
+    assert stages["dispatch"] == stages["combine"] == pytest.approx((statistics.median(fastest_tenth) - 0.5) / 2)
+
+
 def test_replay_of_balanced_stages_predicts_the_ping_pong_gain():
-    from mbridge_epoverlap.serving.engine.run import make_plan, replay
+    from mbridge_epoverlap.serving.engine.replay import replay
+    from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     spec = load_spec("qwen3_30b_a3b")

@@ -107,7 +107,7 @@ def test_tags_are_unique_within_a_step_and_below_the_resend_tag() -> None:
 def test_elastic_plans_ask_the_backend_class_what_it_can_do(tiny_mixtral_dir, prompts, monkeypatch):
     from mbridge_epoverlap.comm.m2n.shm import ShmCommunicator
     from mbridge_epoverlap.errors import UsageError
-    from mbridge_epoverlap.serving.elastic.layout import make_elastic
+    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from tests.unit_tests.serving.engine_runs import requests_of

@@ -1,0 +1,64 @@
+"""An engine plan in elastic mode: redundant expert slots, fault injection, rebalancing and rejoining.
+
+The layout maths (slot tables, the alive set, re-placement) is `serving.elastic.layout`; this module only
+checks an engine plan against it and fills in the plan's elastic fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from mbridge_epoverlap.comm.m2n import BACKENDS, communicator_class
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, check_elastic
+from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
+
+
+def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
+                 rebalance_every: int = 0, rejoin_after_steps: int = 0) -> EnginePlan:
+    """`plan` (disaggregated, from `run.make_plan`) in elastic mode with `redundant` extra expert slots.
+
+    Args:
+        plan: the engine plan.
+        redundant: redundant expert slots over all expert workers.
+        kill: fault injection: this many expert workers (the first ones) SIGKILL themselves mid-decode.
+        kill_step: the decode step they die in.
+        restore: whether experts whose every replica died may be restored from the checkpoint.
+        rebalance_every: re-solve the placement for the measured expert load every this many decode steps,
+            moving the weights that change owner between expert workers (0: never).
+        rejoin_after_steps: start a replacement for each lost expert worker and admit it at the first step
+            boundary this many decode steps after the loss (0: never).
+
+    Raises:
+        UsageError: a colocated plan, a backend whose class lacks what elastic serving needs (`resumable_wait`;
+            `connects_late` for replacements), a layout `check_elastic` rejects, or a negative period.
+    """
+    from mbridge_epoverlap.serving.model.expert_store import weight_slot_bytes
+
+    if plan.mode == COLOCATED:
+        raise UsageError("--elastic applies to disaggregated serving (attention and expert workers); drop --colocated")
+    if not communicator_class(plan.backend).resumable_wait:  # the expert worker's sliced waits need it
+        resumable = [name for name in sorted(BACKENDS) if communicator_class(name).resumable_wait]
+        raise UsageError(f"--backend {plan.backend} cannot serve --elastic: an expert worker waits in short slices "
+                         "(to serve resends in between) and this backend aborts a wait that times out; use "
+                         f"--backend {' or '.join(resumable)}")
+    if kill_step < 1:
+        raise UsageError(f"kill step {kill_step} must be >= 1 (mid-decode, after the prefill step)")
+    if rebalance_every < 0:
+        raise UsageError(f"--rebalance-every {rebalance_every} must be >= 1 (decode steps between rebalances), "
+                         "or 0 to keep the start placement")
+    if rejoin_after_steps < 0:
+        raise UsageError(f"--rejoin-after-steps {rejoin_after_steps} must be >= 1 (decode steps between a loss and "
+                         "the replacement's admission), or 0 to go on without replacements")
+    if rejoin_after_steps and not communicator_class(plan.backend).connects_late:
+        joinable = [name for name in sorted(BACKENDS) if communicator_class(name).connects_late]
+        raise UsageError(f"--backend {plan.backend} cannot serve --rejoin-after-steps: a replacement worker joins "
+                         f"after set-up and this backend opens no channel then; use --backend {' or '.join(joinable)}")
+    spec = plan.load_spec()
+    check_elastic(spec.num_experts, plan.expert_workers, redundant, kill)
+    layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant)
+    victims = tuple((worker, kill_step) for worker in range(kill))
+    moving = rebalance_every or rejoin_after_steps
+    return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
+                   rebalance_every=rebalance_every, rejoin_after_steps=rejoin_after_steps,
+                   weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)
