@@ -1,6 +1,7 @@
-"""The serving workers' protocol: the M2N messages between attention and expert workers, their tags and control
-values, what every worker offers the process that runs it (`Worker`), and what an attention worker asks of the
-transport that carries its tokens to the experts (`Transport`).
+"""The serving workers' protocol: their M2N messages and tags, and what a worker and a transport offer.
+
+`Worker` is what every worker offers the process that runs it; `Transport` is what an attention worker asks of
+the transport that carries its tokens to the experts and back.
 
 Messages are typed records with `encode()` (the tensors sent, one M2N message) and `decode(tensors)`; their
 wire forms are defined here and nowhere else:
