@@ -69,7 +69,7 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     dealt = deal_requests(requests, colocated or attn_workers)
     # The largest message: every token of a full micro-batch of prefills routed k times to one worker (a
     # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
-    # share of the batch limit (`AttentionWorker._refill`).
+    # share of the batch limit (`AttentionSide.refill`).
     longest = max(len(r.prompt_ids) for r in requests)
     per_micro_batch = min(micro_batch_limit(max_batch, micro_batches, 0), max(len(d) for d in dealt))
     rows = per_micro_batch * longest * spec.top_k
