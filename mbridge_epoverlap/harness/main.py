@@ -133,12 +133,13 @@ def run(args: argparse.Namespace) -> int:
 def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case], window: Window,
                 results_path: Path, executor: str, warnings: list[str]) -> Experiment:
     from mbridge_epoverlap.config.flops import model_flops_per_iteration
-    from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment, machine_info
+    from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
+    from mbridge_epoverlap.machine import machine
 
     cfg = resolved.cfg
     environment: dict[str, Any] = {"target": args.gpu, **resolved.target.env.to_dict()}
     if executor == "local":
-        environment["machine"] = machine_info()
+        environment["machine"] = machine()
     if resolved.cpu_precision is not None:
         environment["compute_dtype"] = resolved.cpu_precision.to_dict()
     records = [CaseRecord(case.name, list(case.overrides), dict(case.launch_env),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.machine import machine
 
 ACK_TAG = 1
 DATA_TAG = 0
@@ -41,18 +42,6 @@ def parse_size(text: str) -> int:
     if value < 1 or value != int(value):
         raise UsageError(f"--sizes: '{text}' must be a whole number of bytes >= 1, e.g. --sizes 2K,256K,8M")
     return int(value)
-
-
-def machine() -> dict[str, Any]:
-    """The machine a figure was measured on: CPU model, count, and the bf16 flags that matter here."""
-    from mbridge_epoverlap.config.cpu_precision import cpu_flags
-    from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
-
-    flags = cpu_flags()
-    info = machine_info()
-    info.update(cpu_model=cpu_model(), avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
-                avx512f="avx512f" in flags, avx2="avx2" in flags)
-    return info
 
 
 def describe_machine(info: dict[str, Any]) -> str:

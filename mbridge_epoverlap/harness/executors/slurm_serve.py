@@ -119,7 +119,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def _local(plan: Any, spec: Any, requests: Any, steps: int, results_path: Path, *, dry: bool) -> int:
-    from mbridge_epoverlap.serving.engine.bench import machine, matches_reference
+    from mbridge_epoverlap.machine import machine
+    from mbridge_epoverlap.serving.engine.bench import matches_reference
     from mbridge_epoverlap.serving.engine.run import run_engine
 
     if dry:

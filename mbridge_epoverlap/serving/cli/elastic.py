@@ -56,8 +56,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_elastic_bench(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.machine import machine
     from mbridge_epoverlap.serving.elastic.layout import check_elastic, make_elastic
-    from mbridge_epoverlap.serving.engine.bench import machine, synthetic_requests
+    from mbridge_epoverlap.serving.engine.bench import synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 

@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.engine.bench import machine
+    from mbridge_epoverlap.machine import machine
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from mbridge_epoverlap.serving.workers.requests import load_prompts
@@ -94,9 +94,9 @@ def handle_serve(args: argparse.Namespace) -> int:
 
 
 def handle_bench(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.machine import machine
     from mbridge_epoverlap.serving.engine.bench import (
         balanced_micro_batch,
-        machine,
         matches_reference,
         synthetic_requests,
     )

@@ -1,4 +1,4 @@
-"""`serve-bench` pieces: synthetic requests, balanced stage sizing, the reference check, the machine.
+"""`serve-bench` pieces: synthetic requests, balanced stage sizing, the reference check.
 
 Balanced sizing: the ping-pong pipeline only pays off when an attention stage and an expert stage take
 about as long, and when splitting a batch in two halves each stage's time (a stage that is mostly fixed
@@ -13,7 +13,6 @@ doubled size was probed, the closest times (by ratio) decide. The numbers it mea
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from collections.abc import Sequence
@@ -23,16 +22,6 @@ from mbridge_epoverlap.serving.workers.requests import Request
 
 BATCH_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PROMPT_LEN = 8
-
-
-def machine() -> dict[str, Any]:
-    """The CPU this ran on, with the bf16 matrix extensions named (figures are only comparable on one)."""
-    from mbridge_epoverlap.config.cpu_precision import cpu_flags
-    from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
-
-    flags = cpu_flags()
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, **machine_info()}
 
 
 def synthetic_requests(count: int, vocab_size: int, *, prompt_len: int = PROMPT_LEN, seed: int = 0) -> list[Request]:

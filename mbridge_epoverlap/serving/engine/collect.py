@@ -22,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True, type=Path)
     args = parser.parse_args(argv)
 
-    from mbridge_epoverlap.serving.engine.bench import machine, matches_reference
+    from mbridge_epoverlap.machine import machine
+    from mbridge_epoverlap.serving.engine.bench import matches_reference
     from mbridge_epoverlap.serving.engine.plan import EnginePlan
     from mbridge_epoverlap.serving.engine.run import _collect, merge
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
