@@ -15,9 +15,9 @@ from pathlib import Path
 
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, RunFailedError
 from mbridge_epoverlap.harness.experiment import Experiment
-from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.harness.results import build_results, write_outputs
 from mbridge_epoverlap.machine import machine
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 
 def run_file(job_dir: Path, case: str, repeat: int | str, suffix: str) -> Path:

@@ -314,9 +314,9 @@ def report_logs(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
     from mbridge_epoverlap.harness.flags import given
     from mbridge_epoverlap.harness.mbridge_logs import LogParseError, parse_log_file
-    from mbridge_epoverlap.harness.metrics import RunMetrics
     from mbridge_epoverlap.harness.results import build_results, write_outputs
     from mbridge_epoverlap.harness.stats import clip_window, parse_window
+    from mbridge_epoverlap.runtime.metrics import RunMetrics
 
     if args.ab or args.dryrun:
         raise UsageError("--from_logs reports finished runs; it takes no --ab or --dryrun")

@@ -31,8 +31,8 @@ from mbridge_epoverlap.comm.errors import EXIT_COMM
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.rules import global_batch_problem
 from mbridge_epoverlap.errors import RunFailedError, UsageError
-from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.runtime import heartbeat as hb
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 from mbridge_epoverlap.runtime.options import PREFIX
 
 GRACE_S = 5.0  # after one rank fails, how long the others get to exit on their own
