@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mbridge_epoverlap.arg_types import bool_arg, none_or, positive_float, positive_int
-from mbridge_epoverlap.gpus import GPU_FACTS
+from mbridge_epoverlap.gpus import GPUS
 
-GPUS = ("cpu", *GPU_FACTS)  # the project's one GPU catalog; -g H100 works too (lowercased)
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
 TASKS = ("pretrain", "sft", "peft", "serve_bench")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")

@@ -36,7 +36,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mbridge_epoverlap.serving.engine",),
     ("mbridge_epoverlap.serving.cli", "mbridge_epoverlap.serving.frontend"),
     ("mbridge_epoverlap.harness",),
-    ("mbridge_epoverlap.cli", "mbridge_epoverlap.serving", "mbridge_epoverlap"),
+    # Command modules: a command may use every layer (`*/cli.py` wires flags to the layers below it).
+    ("mbridge_epoverlap.cli", "mbridge_epoverlap.config.cli", "mbridge_epoverlap.profiling.cli",
+     "mbridge_epoverlap.schedule.cli", "mbridge_epoverlap.comm.cli", "mbridge_epoverlap.serving", "mbridge_epoverlap"),
     ("benchmarks", "scripts"),
 )
 
