@@ -3,8 +3,9 @@
 Each iteration, every sender sends one message of the size to every receiver and waits for a small
 acknowledgement from each; its latency is that round (what a dispatch costs before the next step can use
 the answer). The figures are the median and 99th percentile over all senders' iterations, and the
-aggregate rate M x N x size / median. The processes are started and supervised by the runtime's launcher
-machinery (sessions killed as a group, a timeout, the failed rank named); rank 0 hosts the rendezvous store.
+aggregate rate M x N x size / median. The processes are started and supervised by the process supervisor
+(`mbridge_epoverlap.launch`: sessions killed as a group, a timeout, the failed rank named); rank 0 hosts the
+rendezvous store.
 
     python -m mbridge_epoverlap.comm.m2n.bench    # the per-rank entry point (the launcher runs it)
 """
@@ -59,7 +60,7 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
     """
     from mbridge_epoverlap.comm.m2n import MOONCAKE_INSTALL, mooncake_available, resolve_backend
     from mbridge_epoverlap.comm.m2n.shm import remove_leftovers
-    from mbridge_epoverlap.runtime.launch import _Ranks, free_port
+    from mbridge_epoverlap.launch import Ranks, free_port
 
     concrete = resolve_backend(backend)
     if senders < 1:
@@ -81,7 +82,7 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
                     _PREFIX + "SIZES": ",".join(str(s) for s in sizes), _PREFIX + "ITERS": str(iters),
                     _PREFIX + "DIR": str(workdir), _PREFIX + "TIMEOUT_S": str(min(60.0, timeout_s / 2)),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GLOO_SOCKET_IFNAME": "lo"})
-        with _Ranks(workdir) as ranks:
+        with Ranks(workdir) as ranks:
             for rank in range(world):
                 ranks.start(rank, [sys.executable, "-m", "mbridge_epoverlap.comm.m2n.bench"],
                             dict(env, RANK=str(rank)))

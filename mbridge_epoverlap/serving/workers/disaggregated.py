@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mbridge_epoverlap.runtime import heartbeat as hb
+from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, DISPATCH, EXPERTS, FORWARD_STAGES, POST, Phase, Role, Step
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, ping_pong_round
 from mbridge_epoverlap.serving.workers.placement import Placement
