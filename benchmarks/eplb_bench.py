@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+from mbridge_epoverlap.machine import cpu_model  # noqa: E402
 from mbridge_epoverlap.serving.elastic import eplb  # noqa: E402
 
 # (logical experts, expert groups, nodes, GPUs, redundant experts)

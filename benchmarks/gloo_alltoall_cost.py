@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mbridge_epoverlap.runtime.launch import free_port  # noqa: E402
+from mbridge_epoverlap.launch import free_port  # noqa: E402
 
 
 def _thread_cpu_s() -> dict[str, float]:

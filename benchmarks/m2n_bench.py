@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mbridge_epoverlap.comm.m2n import mooncake_available  # noqa: E402
-from mbridge_epoverlap.comm.m2n.bench import describe_machine, machine, parse_size, run_bench  # noqa: E402
+from mbridge_epoverlap.comm.m2n.bench import describe_machine, parse_size, run_bench  # noqa: E402
+from mbridge_epoverlap.machine import machine  # noqa: E402
 
 TARGETS = {"shm": (0.5, 0.3)}  # (median ratio, P99 ratio) at most, against gloo
 

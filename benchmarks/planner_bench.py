@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+from mbridge_epoverlap.machine import cpu_model  # noqa: E402
 
 ONE_PLAN_BUDGET_S = 3.0
 ALL_PAIRS_BUDGET_S = 10.0

@@ -39,7 +39,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+from mbridge_epoverlap.machine import cpu_model  # noqa: E402
 
 COMPUTE_STREAM, COMM_STREAM = 7, 20
 COMM_NAMES = [

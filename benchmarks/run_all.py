@@ -30,8 +30,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from mbridge_epoverlap.config.cpu_precision import cpu_flags  # noqa: E402
-from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+from mbridge_epoverlap.machine import cpu_flags, cpu_model  # noqa: E402
 
 
 def _eplb(doc: dict[str, Any]) -> str:

@@ -39,10 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
-from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: E402
-from mbridge_epoverlap.harness.experiment import cpu_model  # noqa: E402
+from mbridge_epoverlap.config.shrink import CpuShape  # noqa: E402
 from mbridge_epoverlap.harness.stats import overlap_ceiling  # noqa: E402
+from mbridge_epoverlap.machine import cpu_model  # noqa: E402
 from mbridge_epoverlap.profiling import analyze_trace  # noqa: E402
+from mbridge_epoverlap.recipes.cpu_case import cpu_overlap_case  # noqa: E402
 from mbridge_epoverlap.runtime import RunMetrics, run_local  # noqa: E402
 from mbridge_epoverlap.schedule.predict import predict  # noqa: E402
 
@@ -80,7 +81,7 @@ def machine() -> dict[str, str]:
     model = cpu_model()
     import torch
 
-    from mbridge_epoverlap.config.cpu_precision import cpu_flags, reported_flags
+    from mbridge_epoverlap.machine import cpu_flags, reported_flags
 
     return {"nproc": str(os.cpu_count()), "cpu": model, "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform(),

@@ -26,10 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mbridge_epoverlap.machine import machine  # noqa: E402
 from mbridge_epoverlap.serving.engine.bench import (  # noqa: E402
     balanced_micro_batch,
     describe_probe,
-    machine,
     matches_reference,
     synthetic_requests,
 )

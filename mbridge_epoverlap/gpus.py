@@ -128,6 +128,11 @@ GPU_FACTS: dict[str, GpuFacts] = {
 }
 
 
+# The targets `-g/--gpu` accepts (`validate`, the perf harness): the catalog's keys, plus `cpu` for the
+# reference runtime on this machine; -g H100 works too (lowercased).
+GPUS = ("cpu", *GPU_FACTS)
+
+
 def gpu_facts(name: str, *, setting: str = "--gpu") -> GpuFacts:
     """The catalog entry for `name`: a key (`h100`) or a display name (`H100`, `A100-80G`), any case.
 

@@ -1,7 +1,8 @@
 """Recipes: Python functions `name(task="pretrain") -> RunConfig`, one per workload.
 
 Installed as `mbridge_epoverlap.recipes`; found by name (`-mr qwen3_30b_a3b`) through
-`mbridge_epoverlap.config.recipes.load_recipe`, which also loads a recipe from a file path.
+`mbridge_epoverlap.recipes.loader.load_recipe`, which also loads a recipe from a file path.
+`mbridge_epoverlap.recipes.cpu_case.cpu_overlap_case` shrinks one for the CPU EP-overlap A/B.
 """
 
 from mbridge_epoverlap.recipes.dbrx import dbrx

@@ -296,8 +296,8 @@ def reproduce(rule: Any) -> Reproduced:
     """Run a rule's reproducer through the validator (in process, exactly as `validate` would)."""
     from mbridge_epoverlap.config.environment import Environment
     from mbridge_epoverlap.config.overrides import apply_overrides
-    from mbridge_epoverlap.config.recipes import load_recipe
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+    from mbridge_epoverlap.recipes.loader import load_recipe
 
     args = cli_parser().parse_args(rule_command(rule))
     # All three versions are given, so this is the environment `validate` builds, without probing torch.

@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mbridge_epoverlap.config.container import RunConfig  # noqa: E402
-from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case  # noqa: E402
+from mbridge_epoverlap.config.shrink import CpuShape  # noqa: E402
 from mbridge_epoverlap.errors import RunFailedError, UsageError  # noqa: E402
 from mbridge_epoverlap.harness.stats import all_finite  # noqa: E402
+from mbridge_epoverlap.recipes.cpu_case import cpu_overlap_case  # noqa: E402
 
 CASES = {"ep_overlap_off": (False, False), "ep_overlap_on": (True, False), "ep_overlap_on_delay_wgrad": (True, True)}
 # Small enough for the self-check to take seconds, large enough for uneven splits and several experts per rank.

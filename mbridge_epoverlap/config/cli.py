@@ -36,7 +36,7 @@ RECIPE_HELP = "recipe name or FILE.py[:FUNCTION] (see \"recipe files\" below; de
 
 
 def register(subparsers: Any) -> None:
-    from mbridge_epoverlap.harness.flags import GPUS
+    from mbridge_epoverlap.gpus import GPUS
 
     parser = subparsers.add_parser(
         "validate",
@@ -113,10 +113,10 @@ def _may_have_cuda_gpu() -> bool:
 
 def run_validate(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.config.overrides import apply_overrides
-    from mbridge_epoverlap.config.recipes import load_recipe
     from mbridge_epoverlap.config.rules import all_rules
     from mbridge_epoverlap.config.violations import errors_of
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+    from mbridge_epoverlap.recipes.loader import load_recipe
 
     if args.list_rules:
         return _list_rules(all_rules(), args.json)

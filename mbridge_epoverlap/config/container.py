@@ -14,6 +14,7 @@ from typing import Any
 
 from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
 from mbridge_epoverlap.config.environment import Environment
+from mbridge_epoverlap.config.fixes import agree_on_ep
 from mbridge_epoverlap.config.model import MoEModelConfig
 from mbridge_epoverlap.config.rules import RunShape
 from mbridge_epoverlap.config.violations import Violation
@@ -67,10 +68,8 @@ class RunConfig:
 
     def validate(self, env: Environment | None = None) -> list[Violation]:
         """Every EP-overlap and layout violation of this run, errors and warnings."""
-        from mbridge_epoverlap.config.fixes import agree_on_ep
-
         run = RunShape(self.num_gpus, self.train.global_batch_size, self.train.micro_batch_size)
-        return agree_on_ep(self.comm_overlap.validate(self.model, self.ddp, env, run=run), self)
+        return agree_on_ep(self.comm_overlap.validate(self.model, self.ddp, env, run=run), self.model, self.num_gpus)
 
     def copy(self) -> RunConfig:
         return copy.deepcopy(self)

@@ -5,50 +5,16 @@ A recipe's bf16 is a GPU setting. On a CPU, bf16 GEMMs are fast only with native
 than fp32, which turns a one-second training step into ten. So `-g cpu` computes in fp32 unless the CPU
 has native bf16 or the user asked for bf16 explicitly (`-c bf16`), and says which and why.
 
-The CPU's flags come from /proc/cpuinfo; `MBRIDGE_EPOVERLAP_CPU_FLAGS` (space- or comma-separated flags)
-replaces them, so tests and users can try either branch on any machine. Torch-free.
+The CPU's flags come from `mbridge_epoverlap.machine.cpu_flags` (/proc/cpuinfo, or
+`MBRIDGE_EPOVERLAP_CPU_FLAGS`, so tests and users can try either branch on any machine). Torch-free.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-CPU_FLAGS_ENV = "MBRIDGE_EPOVERLAP_CPU_FLAGS"
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# The flags that decide CPU GEMM speed, recorded next to every CPU measurement.
-REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_flags(env: Mapping[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The CPU's feature flags: `MBRIDGE_EPOVERLAP_CPU_FLAGS` if set, else the first `flags` line of `cpuinfo`.
-
-    Returns an empty set where neither exists (not Linux).
-    """
-    env = os.environ if env is None else env
-    override = env.get(CPU_FLAGS_ENV)
-    if override is not None:
-        return frozenset(override.replace(",", " ").split())
-    try:
-        with open(cpuinfo) as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def reported_flags(flags: Iterable[str]) -> list[str]:
-    """The GEMM-relevant flags among `flags`, in a fixed order (what results and docs print)."""
-    present = set(flags)
-    return [flag for flag in REPORTED_FLAGS if flag in present]
-
-
-def has_native_bf16(flags: Iterable[str]) -> bool:
-    present = set(flags)
-    return any(flag in present for flag in NATIVE_BF16_FLAGS)
+from mbridge_epoverlap.machine import NATIVE_BF16_FLAGS, REPORTED_FLAGS, cpu_flags, has_native_bf16, reported_flags
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from mbridge_epoverlap.config.violations import Violation
 
 if TYPE_CHECKING:
-    from mbridge_epoverlap.config.container import RunConfig
+    from mbridge_epoverlap.config.model import MoEModelConfig
 
 
 def fitting_ep(ep: int, stage_gpus: int | None, etp: int = 1, experts: int | None = None) -> int | None:
@@ -45,13 +45,13 @@ def expert_layout_fix(num_gpus: int, *, tp: int, pp: int, cp: int, ep: int, etp:
     return ", or ".join(alternatives)
 
 
-def agree_on_ep(violations: list[Violation], cfg: RunConfig) -> list[Violation]:
-    """When both EP rules fire, make `ep_divides_experts` suggest the EP that also fits the layout."""
+def agree_on_ep(violations: list[Violation], m: MoEModelConfig, num_gpus: int) -> list[Violation]:
+    """When both EP rules fire, make `ep_divides_experts` suggest the EP that also fits the layout of
+    `m` on `num_gpus` GPUs."""
     ids = {v.rule for v in violations}
     if not {"ep_divides_experts", "layout_expert_parallel"} <= ids:
         return violations
-    m = cfg.model
-    stage = cfg.num_gpus // m.pipeline_model_parallel_size
+    stage = num_gpus // m.pipeline_model_parallel_size
     ep = fitting_ep(m.expert_model_parallel_size, stage, m.expert_tensor_parallel_size or 1, m.num_moe_experts)
     if ep is None:
         return violations

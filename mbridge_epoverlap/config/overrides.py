@@ -54,7 +54,7 @@ def valid_keys(cfg: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _resolve(cfg: Any, key: str) -> tuple[Any, str, Any]:
+def resolve_key(cfg: Any, key: str) -> tuple[Any, str, Any]:
     """(owner object, field name, field type) for a dotted key; dict fields accept any sub-key."""
     parts = key.split(".")
     owner = cfg
@@ -155,7 +155,7 @@ def _apply(cfg: Any, pairs: list[tuple[str, Any]]) -> Any:
     # Resolve and type-check every pair before setting any, so a bad item leaves cfg untouched.
     planned = []
     for key, value in pairs:
-        owner, name, annotation = _resolve(cfg, key)
+        owner, name, annotation = resolve_key(cfg, key)
         value = coerce(value, annotation, key)
         check_size(key, value)  # the same bounds as the key's flag (-ep 0 and model.expert_model_parallel_size=0)
         planned.append((owner, name, value))

@@ -110,10 +110,10 @@ def _b(value: bool) -> str:
 
 def _require_switch(cfg: RunConfig, key: str) -> None:
     """--ab flips switches: a key that holds a number, text or list is named as not a switch."""
-    from mbridge_epoverlap.config.overrides import _resolve
+    from mbridge_epoverlap.config.overrides import resolve_key
 
     try:
-        _, _, annotation = _resolve(cfg, key)
+        _, _, annotation = resolve_key(cfg, key)
     except UsageError as exc:
         raise UsageError(f"--ab {key}: {exc} (--ab takes boolean config keys such as model.moe_permute_fusion)") \
             from None

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, RunFailedError
-from mbridge_epoverlap.harness.experiment import Experiment, machine_info
-from mbridge_epoverlap.harness.metrics import RunMetrics
+from mbridge_epoverlap.harness.experiment import Experiment
 from mbridge_epoverlap.harness.results import build_results, write_outputs
+from mbridge_epoverlap.machine import machine
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 
 def run_file(job_dir: Path, case: str, repeat: int | str, suffix: str) -> Path:
@@ -55,7 +56,7 @@ def collect(plan_path: Path) -> dict:
     """Build and write the results of the experiment in `plan_path`'s job directory."""
     exp = Experiment.load(plan_path)
     if "machine" not in exp.environment:
-        exp.environment["machine"] = machine_info()  # the first node of the allocation
+        exp.environment["machine"] = machine()  # the first node of the allocation
     job_dir = plan_path.parent
     runs: dict[str, list[RunMetrics]] = {c.name: [] for c in exp.cases}
     for case, repeat in exp.run_order():

@@ -7,9 +7,6 @@ builds the report from it on the cluster), and describes `--from_logs` reports.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,35 +75,3 @@ class Experiment:
     @classmethod
     def load(cls, path: Path) -> Experiment:
         return cls.from_dict(json.loads(path.read_text()))
-
-
-def cpu_model(fallback: str = "unknown") -> str:
-    """The CPU's model name from /proc/cpuinfo, or `fallback` where there is none (not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return fallback
-
-
-def machine_info() -> dict[str, Any]:
-    """The machine a measurement ran on (reports carry it next to the ratios).
-
-    `cpu_flags` are the GEMM-relevant CPU flags (`avx2`, `avx512f`, `avx512_bf16`, `amx_bf16`): whether the
-    CPU has native bf16 changes CPU step times several-fold.
-    """
-    from mbridge_epoverlap.config.cpu_precision import cpu_flags, has_native_bf16, reported_flags
-
-    flags = cpu_flags()
-    return {
-        "hostname": socket.gethostname(),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "cpu_flags": reported_flags(flags),
-        "native_bf16": has_native_bf16(flags),
-        "platform": platform.platform(terse=True),
-        "python": platform.python_version(),
-    }

@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from mbridge_epoverlap.gpus import GPU_FACTS
+from mbridge_epoverlap.arg_types import bool_arg, none_or, positive_float, positive_int
+from mbridge_epoverlap.gpus import GPUS
 
-GPUS = ("cpu", *GPU_FACTS)  # the project's one GPU catalog; -g H100 works too (lowercased)
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
 TASKS = ("pretrain", "sft", "peft", "serve_bench")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
@@ -47,50 +47,6 @@ class TimeLimit:
 
     text: str
     seconds: int
-
-
-def bool_arg(text: str) -> bool:
-    """`true/false` (also 1/0, yes/no, t/f, y/n), as Megatron-Bridge's run_script accepts."""
-    value = text.strip().lower()
-    if value in ("true", "1", "t", "yes", "y"):
-        return True
-    if value in ("false", "0", "f", "no", "n"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _none_or(convert):
-    def parse(text: str) -> Any:
-        if text.strip() in ("None", "none", "null"):
-            return None
-        return convert(text)
-
-    parse.__name__ = getattr(convert, "__name__", "value")
-    return parse
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def graph_scopes(text: str) -> list[str]:
@@ -205,31 +161,31 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     what.add_argument("-c", "--compute_dtype", type=str.lower, choices=COMPUTE_DTYPES, default=UNSET,
                       help="precision: bf16, fp16, fp32 (cpu only), fp8_cs/fp8_mx/fp8_sc/nvfp4 (GPU jobs: bf16 "
                            "params with Megatron-Bridge's FP8/FP4 mixed precision); default: the recipe's")
-    what.add_argument("-ng", "--num_gpus", type=_positive_int, default=UNSET,
+    what.add_argument("-ng", "--num_gpus", type=positive_int, default=UNSET,
                       help=f"GPUs (CPU processes for -g cpu; default {DEFAULT_CPU_PROCS} there, else the recipe's)")
-    what.add_argument("-gn", "--gpus_per_node", type=_positive_int, default=UNSET,
+    what.add_argument("-gn", "--gpus_per_node", type=positive_int, default=UNSET,
                       help="GPUs per node (default: the recipe's; 4 on gb200/gb300)")
-    what.add_argument("-ms", "--max_steps", type=_positive_int, default=UNSET,
+    what.add_argument("-ms", "--max_steps", type=positive_int, default=UNSET,
                       help=f"training iterations per run (default {DEFAULT_MAX_STEPS})")
     what.add_argument("--tokenizer_type", choices=TOKENIZERS, default=None,
                       help="tokenizer of GPU jobs (Megatron-Bridge); the CPU runtime uses synthetic tokens")
 
     shape = parser.add_argument_group("batch shape and parallel layout")
-    shape.add_argument("-gb", "--global_batch_size", type=_positive_int, default=UNSET)
-    shape.add_argument("--attn_workers", type=_positive_int, default=1,
+    shape.add_argument("-gb", "--global_batch_size", type=positive_int, default=UNSET)
+    shape.add_argument("--attn_workers", type=positive_int, default=1,
                        help="--task serve_bench: attention workers (ranks 0..A-1; the other ranks are expert workers)")
-    shape.add_argument("--micro_batches", type=_positive_int, default=2,
+    shape.add_argument("--micro_batches", type=positive_int, default=2,
                        help="--task serve_bench: micro-batches in flight (ping-pong)")
-    shape.add_argument("-mb", "--micro_batch_size", type=_positive_int, default=UNSET)
-    shape.add_argument("-sl", "--seq_length", type=_positive_int, default=UNSET)
-    shape.add_argument("-tp", "--tensor_model_parallel_size", type=_positive_int, default=UNSET)
-    shape.add_argument("-pp", "--pipeline_model_parallel_size", type=_positive_int, default=UNSET)
-    shape.add_argument("-cp", "--context_parallel_size", type=_positive_int, default=UNSET)
-    shape.add_argument("-vp", "--virtual_pipeline_model_parallel_size", type=_none_or(_positive_int), default=UNSET,
+    shape.add_argument("-mb", "--micro_batch_size", type=positive_int, default=UNSET)
+    shape.add_argument("-sl", "--seq_length", type=positive_int, default=UNSET)
+    shape.add_argument("-tp", "--tensor_model_parallel_size", type=positive_int, default=UNSET)
+    shape.add_argument("-pp", "--pipeline_model_parallel_size", type=positive_int, default=UNSET)
+    shape.add_argument("-cp", "--context_parallel_size", type=positive_int, default=UNSET)
+    shape.add_argument("-vp", "--virtual_pipeline_model_parallel_size", type=none_or(positive_int), default=UNSET,
                        help="virtual pipeline size, or None")
-    shape.add_argument("-ep", "--expert_model_parallel_size", type=_positive_int, default=UNSET,
+    shape.add_argument("-ep", "--expert_model_parallel_size", type=positive_int, default=UNSET,
                        help="expert parallel size (-g cpu: defaults to -ng)")
-    shape.add_argument("-et", "--expert_tensor_parallel_size", type=_none_or(_positive_int), nargs="?", const=None,
+    shape.add_argument("-et", "--expert_tensor_parallel_size", type=none_or(positive_int), nargs="?", const=None,
                        default=UNSET, help="expert tensor parallel size; bare -et means None")
 
     model = parser.add_argument_group("model features (each keeps the recipe's value when absent)")
@@ -245,11 +201,11 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                             "off, true does not add delayed wgrad")
     model.add_argument("--delay_wgrad_compute", type=bool_arg, default=UNSET, metavar="{true,false}",
                        help="sets comm_overlap.delay_wgrad_compute only")
-    model.add_argument("--recompute_granularity", type=_none_or(str), choices=("full", "selective", None),
+    model.add_argument("--recompute_granularity", type=none_or(str), choices=("full", "selective", None),
                        default=UNSET)
-    model.add_argument("--recompute_method", type=_none_or(str), choices=("uniform", "block", None), default=UNSET)
-    model.add_argument("-rl", "--recompute_num_layers", type=_none_or(_positive_int), default=UNSET)
-    model.add_argument("--recompute_modules", type=_none_or(string_list), default=UNSET,
+    model.add_argument("--recompute_method", type=none_or(str), choices=("uniform", "block", None), default=UNSET)
+    model.add_argument("-rl", "--recompute_num_layers", type=none_or(positive_int), default=UNSET)
+    model.add_argument("--recompute_modules", type=none_or(string_list), default=UNSET,
                        help="comma-separated modules to recompute (e.g. core_attn,moe_act), or None")
 
     compare = parser.add_argument_group("measurement")
@@ -257,14 +213,14 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                          help="A/B cases that differ only in switches: ep_overlap runs ep_overlap_off, "
                               "ep_overlap_on and ep_overlap_on_delay_wgrad; dotted boolean keys run a baseline plus "
                               "one case per key with that switch flipped")
-    compare.add_argument("--repeats", type=_positive_int, default=1,
+    compare.add_argument("--repeats", type=positive_int, default=1,
                          help="repeat the cases interleaved (A B C A B C ...) so drift cancels (default 1)")
     compare.add_argument("--stable_window", default=DEFAULT_STABLE_WINDOW, metavar="START:END",
                          help=f"1-based inclusive iterations averaged for the comparison (default "
                               f"{DEFAULT_STABLE_WINDOW}, clipped to --max_steps)")
     compare.add_argument("--profile", action="store_true",
                          help="after the timed runs, one extra profiled run per case (its time is not compared)")
-    compare.add_argument("--emulate_link_gbps", type=_positive_float, default=None, metavar="G",
+    compare.add_argument("--emulate_link_gbps", type=positive_float, default=None, metavar="G",
                          help="local executor: shape the ranks' links to G Gbit/s (needs root)")
     compare.add_argument("--results_json", default=None, metavar="PATH",
                          help="results JSON (a .md table and a .png chart are written next to it); "

@@ -26,8 +26,8 @@ def _compute_dtype(args: Any) -> str:
 
 def recipe_note(args: Any, recipe: str, task: str, num_gpus: int) -> str:
     """Which Megatron-Bridge recipe the job builds (exactly when Megatron-Bridge is installed here)."""
-    from mbridge_epoverlap.config.recipes import family_of
     from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
+    from mbridge_epoverlap.recipes.loader import family_of
 
     family = family_of(recipe)
     if family is None:

@@ -133,12 +133,13 @@ def run(args: argparse.Namespace) -> int:
 def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case], window: Window,
                 results_path: Path, executor: str, warnings: list[str]) -> Experiment:
     from mbridge_epoverlap.config.flops import model_flops_per_iteration
-    from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment, machine_info
+    from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
+    from mbridge_epoverlap.machine import machine
 
     cfg = resolved.cfg
     environment: dict[str, Any] = {"target": args.gpu, **resolved.target.env.to_dict()}
     if executor == "local":
-        environment["machine"] = machine_info()
+        environment["machine"] = machine()
     if resolved.cpu_precision is not None:
         environment["compute_dtype"] = resolved.cpu_precision.to_dict()
     records = [CaseRecord(case.name, list(case.overrides), dict(case.launch_env),
@@ -313,9 +314,9 @@ def report_logs(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
     from mbridge_epoverlap.harness.flags import given
     from mbridge_epoverlap.harness.mbridge_logs import LogParseError, parse_log_file
-    from mbridge_epoverlap.harness.metrics import RunMetrics
     from mbridge_epoverlap.harness.results import build_results, write_outputs
     from mbridge_epoverlap.harness.stats import clip_window, parse_window
+    from mbridge_epoverlap.runtime.metrics import RunMetrics
 
     if args.ab or args.dryrun:
         raise UsageError("--from_logs reports finished runs; it takes no --ab or --dryrun")

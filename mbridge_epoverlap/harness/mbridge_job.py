@@ -174,7 +174,7 @@ def _enable_profiling(bridge_cfg: Any, start: int, end: int, pytorch: bool = Fal
 def main(argv: Sequence[str] | None = None) -> int:
     import yaml
 
-    from mbridge_epoverlap.config.recipes import family_of
+    from mbridge_epoverlap.recipes.loader import family_of
 
     parser = argparse.ArgumentParser(prog="python -m mbridge_epoverlap.harness.mbridge_job", description=__doc__)
     parser.add_argument("--config", required=True, type=Path)

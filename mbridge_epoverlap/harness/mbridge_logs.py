@@ -21,7 +21,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from mbridge_epoverlap.harness.metrics import RunMetrics
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 _NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|NaN|inf|-inf)"
 ITERATION_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)")

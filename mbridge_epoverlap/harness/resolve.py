@@ -87,8 +87,8 @@ class Resolved:
 
 def pick_recipe(family: str | None, recipe: str | None) -> str:
     """The recipe to load from -m/-mr; a family that does not match a named recipe is a usage error."""
-    from mbridge_epoverlap.config.recipes import family_of, recipe_names
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE, FAMILIES
+    from mbridge_epoverlap.recipes.loader import family_of, recipe_names
 
     if family is not None and family not in FAMILIES:
         raise UsageError(f"unknown model family {family!r} (-m); known: {', '.join(FAMILIES)}")
@@ -116,7 +116,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
         UsageError: unknown recipe/family, malformed or unknown override, conflicting flag and
             override, a precision the target cannot run, an impossible CPU layout.
     """
-    from mbridge_epoverlap.config.recipes import load_recipe
+    from mbridge_epoverlap.recipes.loader import load_recipe
 
     target = target_environment(args)
     cfg = load_recipe(pick_recipe(args.model_family_name, args.model_recipe_name), args.task)

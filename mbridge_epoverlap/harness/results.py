@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
-from mbridge_epoverlap.harness.metrics import RunMetrics, float_or_none
 from mbridge_epoverlap.harness.stats import (
     all_finite,
     loss_mismatches,
@@ -41,6 +40,7 @@ from mbridge_epoverlap.harness.stats import (
     median_by_iteration,
     window_mean,
 )
+from mbridge_epoverlap.runtime.metrics import RunMetrics, float_or_none
 
 REQUIRED_CASE_KEYS = ("name", "overrides", "step_times_s", "stable_window", "stable_mean_s", "relative", "losses",
                       "finite_loss", "skipped_iters", "nan_iters", "peak_mem_bytes", "tflops_per_gpu")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.harness.metrics import RunMetrics
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 
 @dataclass(frozen=True)

@@ -192,7 +192,7 @@ def _converter(type_name: str | None):
     """The argparse `type` for an upstream converter name (errors name the expected form)."""
     import argparse
 
-    from mbridge_epoverlap.harness import flags
+    from mbridge_epoverlap.arg_types import bool_arg, integer, number
 
     def list_of_ints(text: str) -> list[int]:
         try:
@@ -221,22 +221,10 @@ def _converter(type_name: str | None):
                 found[key.strip()] = value.strip() if sep else True
         return found or None
 
-    def number(text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-
-    def integer(text: str) -> int:
-        try:
-            return int(text, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
     def list_of_strings(text: str) -> list[str]:
         return text.split(",")
 
-    table = {None: str, "str": str, "lower_str": str.lower, "int": integer, "float": number, "bool": flags.bool_arg,
+    table = {None: str, "str": str, "lower_str": str.lower, "int": integer, "float": number, "bool": bool_arg,
              "list_of_strings": list_of_strings, "list_of_ints": list_of_ints, "dict": mapping,
              "key_value": key_value, "slurm_params": slurm_params}
     return table[type_name]

@@ -5,7 +5,7 @@
 (for Slurm `srun`). Importing this package does not import torch.
 """
 
-from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.runtime.launch import run_local
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 __all__ = ["RunMetrics", "run_local"]

@@ -26,12 +26,11 @@ from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.cpu_precision import choose_cpu_precision
 from mbridge_epoverlap.config.rules import global_batch_problem
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.harness.metrics import RunMetrics
+from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.moe.model import MoEGPT
-from mbridge_epoverlap.runtime import heartbeat as hb
 from mbridge_epoverlap.runtime.data import mock_micro_batches
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
-from mbridge_epoverlap.runtime.metrics import tflops_per_gpu
+from mbridge_epoverlap.runtime.metrics import RunMetrics, tflops_per_gpu
 from mbridge_epoverlap.runtime.optim import (
     Optimizer,
     attach_main_grads,

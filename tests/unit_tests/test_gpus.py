@@ -6,8 +6,8 @@ import pytest
 
 from mbridge_epoverlap.config.environment import GPU_CATALOG, Environment
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.gpus import GPU_FACTS, gpu_facts
-from mbridge_epoverlap.harness.flags import GPUS, build_parser
+from mbridge_epoverlap.gpus import GPU_FACTS, GPUS, gpu_facts
+from mbridge_epoverlap.harness.flags import build_parser
 from mbridge_epoverlap.serving.planning.catalog import GPUS as PLANNER_GPUS
 from mbridge_epoverlap.serving.planning.catalog import get_gpu
 

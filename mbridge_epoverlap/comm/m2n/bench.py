@@ -3,8 +3,9 @@
 Each iteration, every sender sends one message of the size to every receiver and waits for a small
 acknowledgement from each; its latency is that round (what a dispatch costs before the next step can use
 the answer). The figures are the median and 99th percentile over all senders' iterations, and the
-aggregate rate M x N x size / median. The processes are started and supervised by the runtime's launcher
-machinery (sessions killed as a group, a timeout, the failed rank named); rank 0 hosts the rendezvous store.
+aggregate rate M x N x size / median. The processes are started and supervised by the process supervisor
+(`mbridge_epoverlap.launch`: sessions killed as a group, a timeout, the failed rank named); rank 0 hosts the
+rendezvous store.
 
     python -m mbridge_epoverlap.comm.m2n.bench    # the per-rank entry point (the launcher runs it)
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.machine import machine
 
 ACK_TAG = 1
 DATA_TAG = 0
@@ -43,18 +45,6 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def machine() -> dict[str, Any]:
-    """The machine a figure was measured on: CPU model, count, and the bf16 flags that matter here."""
-    from mbridge_epoverlap.config.cpu_precision import cpu_flags
-    from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
-
-    flags = cpu_flags()
-    info = machine_info()
-    info.update(cpu_model=cpu_model(), avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
-                avx512f="avx512f" in flags, avx2="avx2" in flags)
-    return info
-
-
 def describe_machine(info: dict[str, Any]) -> str:
     flags = ", ".join(f"{k} {'yes' if info.get(k) else 'no'}" for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
     return f"{info.get('cpu_model')} x {info.get('cpus')} ({flags}) on {info.get('hostname')}"
@@ -70,7 +60,7 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
     """
     from mbridge_epoverlap.comm.m2n import MOONCAKE_INSTALL, mooncake_available, resolve_backend
     from mbridge_epoverlap.comm.m2n.shm import remove_leftovers
-    from mbridge_epoverlap.runtime.launch import _Ranks, free_port
+    from mbridge_epoverlap.launch import Ranks, free_port
 
     concrete = resolve_backend(backend)
     if senders < 1:
@@ -92,7 +82,7 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
                     _PREFIX + "SIZES": ",".join(str(s) for s in sizes), _PREFIX + "ITERS": str(iters),
                     _PREFIX + "DIR": str(workdir), _PREFIX + "TIMEOUT_S": str(min(60.0, timeout_s / 2)),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GLOO_SOCKET_IFNAME": "lo"})
-        with _Ranks(workdir) as ranks:
+        with Ranks(workdir) as ranks:
             for rank in range(world):
                 ranks.start(rank, [sys.executable, "-m", "mbridge_epoverlap.comm.m2n.bench"],
                             dict(env, RANK=str(rank)))

@@ -11,8 +11,8 @@ from typing import Any
 from mbridge_epoverlap.errors import RunFailedError
 from mbridge_epoverlap.harness.cases import Case
 from mbridge_epoverlap.harness.experiment import Experiment
-from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.harness.results import build_results
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 Progress = Callable[[str], None]
 

@@ -118,7 +118,7 @@ class SlurmExecutor:
         results_path = Path(exp.results_json)
         if status.state == "COMPLETED" and results_path.is_file():
             return json.loads(results_path.read_text())
-        raise RunFailedError(self._failure(job_id, status, log, results_path))
+        raise RunFailedError(self.failure_message(job_id, status, log, results_path))
 
     def follow(self, job_id: str, log: Path) -> JobStatus:
         """Poll until the job leaves the queue; forward its progress lines."""
@@ -175,7 +175,8 @@ class SlurmExecutor:
                 self.progress("[job]   " + line)
         return offset + end + 1
 
-    def _failure(self, job_id: str, status: JobStatus, log: Path, results_path: Path) -> str:
+    def failure_message(self, job_id: str, status: JobStatus, log: Path, results_path: Path) -> str:
+        """Why job `job_id` gave no results: its Slurm state and exit code and the log's last error line."""
         state = status.state or "ended (no longer known to Slurm)"
         exit_code = f", exit code {status.exit_code}" if status.exit_code else ""
         detail = last_error_line(log)

@@ -114,7 +114,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     print(f"[slurm] submitted job {job_id}; log {log}", file=sys.stderr, flush=True)
     status = slurm.follow(job_id, log)
     if status.state != "COMPLETED" or not results_path.is_file():
-        raise RunFailedError(slurm._failure(job_id, status, log, results_path))
+        raise RunFailedError(slurm.failure_message(job_id, status, log, results_path))
     return _report(json.loads(results_path.read_text()), results_path)
 
 

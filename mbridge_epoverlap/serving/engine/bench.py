@@ -17,26 +17,16 @@ doubled size was probed, the closest times (by ratio) decide. The numbers it mea
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from mbridge_epoverlap.machine import machine
 from mbridge_epoverlap.serving.workers.requests import Request
 
 BATCH_CANDIDATES = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 PROMPT_LEN = 8
-
-
-def machine() -> dict[str, Any]:
-    """The CPU this ran on, with the bf16 matrix extensions named (figures are only comparable on one)."""
-    from mbridge_epoverlap.config.cpu_precision import cpu_flags
-    from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
-
-    flags = cpu_flags()
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, **machine_info()}
 
 
 def synthetic_requests(count: int, vocab_size: int, *, prompt_len: int = PROMPT_LEN, seed: int = 0) -> list[Request]:

@@ -91,7 +91,7 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     """
     import sys
 
-    from mbridge_epoverlap.runtime.launch import launch_processes
+    from mbridge_epoverlap.launch import launch_processes
 
     pids: list[int] = []
 
@@ -111,7 +111,8 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
                                  rank_names=plan.rank_names(), collect=collect_reports,
                                  expendable=plan.expert_ranks if plan.elastic else (),
-                                 respawn=replacement if plan.elastic and plan.rejoin_after_steps else None)
+                                 respawn=replacement if plan.elastic and plan.rejoin_after_steps else None,
+                                 activity="serving")
     except RunFailedError as exc:
         partial = getattr(exc, "partial", {"ranks": []})
         raise EngineFailed(str(exc), merge(plan, partial["ranks"], failed=True)) from None

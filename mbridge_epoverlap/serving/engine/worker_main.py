@@ -45,7 +45,7 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
-    from mbridge_epoverlap.runtime import heartbeat as hb
+    from mbridge_epoverlap.launch import heartbeat as hb
     from mbridge_epoverlap.serving.workers.placement import Placement
     from mbridge_epoverlap.serving.workers.requests import Request, RequestQueue
 
@@ -187,7 +187,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     import torch
     import torch.distributed as dist
 
-    from mbridge_epoverlap.runtime import heartbeat as hb
+    from mbridge_epoverlap.launch import heartbeat as hb
     from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
     from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix
     from mbridge_epoverlap.serving.elastic.sync import wait_admission

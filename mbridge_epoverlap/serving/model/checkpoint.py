@@ -346,8 +346,8 @@ class CheckpointReader:
 
 def _recipe_spec(name: str, *, seed: int, num_layers: int | None, dtype: str) -> ModelSpec:
     """A recipe's model shrunk as the training runtime shrinks it for one CPU process, routing left free."""
-    from mbridge_epoverlap.config.recipes import family_of, load_recipe
     from mbridge_epoverlap.config.shrink import CpuShape, shrink_for_cpu
+    from mbridge_epoverlap.recipes.loader import family_of, load_recipe
 
     if num_layers is not None and num_layers < 1:
         raise UsageError(f"--layers {num_layers}: a model needs at least one MoE layer")

@@ -18,7 +18,7 @@ import torch
 
 from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce, all_to_all_blocking, exchange_counts
 from mbridge_epoverlap.comm.errors import CommError
-from mbridge_epoverlap.runtime import heartbeat as hb
+from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST, Phase
 from mbridge_epoverlap.schedule.serving_orders import sequential, two_batch_overlap
 from mbridge_epoverlap.serving.workers.attention import AttentionSide, MicroBatchHandle

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mbridge_epoverlap.runtime import heartbeat as hb
+from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, Phase, Role, Step, bind_handlers, is_communicating
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, ping_pong_round
 from mbridge_epoverlap.serving.workers.attention import AttentionSide, MicroBatchHandle, split_micro_batches

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mbridge_epoverlap.runtime import heartbeat as hb
+from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.schedule.program import EXPERTS, Role, bind_handlers, role_phases
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, ping_pong_round
 from mbridge_epoverlap.serving.workers.decode import beat_step, role_steps

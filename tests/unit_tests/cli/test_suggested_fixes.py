@@ -17,8 +17,8 @@ import pytest
 
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.overrides import apply_overrides
-from mbridge_epoverlap.config.recipes import load_recipe
 from mbridge_epoverlap.config.rules import all_rules
+from mbridge_epoverlap.recipes.loader import load_recipe
 from tests.unit_tests.cli_runner import REPO
 
 

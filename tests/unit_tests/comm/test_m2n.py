@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mbridge_epoverlap.comm.m2n import mooncake_available
-from mbridge_epoverlap.runtime.launch import free_port
+from mbridge_epoverlap.launch import free_port
 from tests.unit_tests.cli_runner import REPO, run_cli
 
 PEER = Path(__file__).with_name("m2n_peer.py")

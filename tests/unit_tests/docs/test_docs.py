@@ -205,8 +205,8 @@ def test_card_yaml_loads_with_every_key():
 
 def test_card_config_keys_are_valid_override_keys():
     from mbridge_epoverlap.config.overrides import valid_keys
-    from mbridge_epoverlap.config.recipes import load_recipe
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+    from mbridge_epoverlap.recipes.loader import load_recipe
 
     cfg = load_recipe(DEFAULT_RECIPE)
     keys = set(valid_keys(cfg))

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from mbridge_epoverlap.config.cpu_precision import CPU_FLAGS_ENV, choose_cpu_precision, cpu_flags
+from mbridge_epoverlap.config.cpu_precision import choose_cpu_precision
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.harness.experiment import machine_info
 from mbridge_epoverlap.harness.flags import build_parser
 from mbridge_epoverlap.harness.resolve import resolve
+from mbridge_epoverlap.machine import CPU_FLAGS_ENV, cpu_flags, machine
 from mbridge_epoverlap.runtime.options import RuntimeOptions
 
 AVX2_ONLY = "fpu sse2 avx avx2 fma"
@@ -66,10 +66,10 @@ def test_harness_hands_the_choice_to_the_ranks(monkeypatch):
 
 def test_machine_record_names_the_flags(monkeypatch):
     monkeypatch.setenv(CPU_FLAGS_ENV, AVX2_ONLY)
-    info = machine_info()
+    info = machine()
     assert info["cpu_flags"] == ["avx2"] and info["native_bf16"] is False and info["cpu"]
     monkeypatch.setenv(CPU_FLAGS_ENV, AMX)
-    assert machine_info()["native_bf16"] is True
+    assert machine()["native_bf16"] is True
 
 
 def test_runtime_alone_makes_the_same_choice(monkeypatch):

@@ -9,10 +9,10 @@ import pytest
 
 from mbridge_epoverlap.config import Environment, FlexDispatcherWarning, apply_flex_dispatcher_backend
 from mbridge_epoverlap.config.differences import DIFFERENCES
-from mbridge_epoverlap.config.recipes import load_recipe
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.flags import build_parser
 from mbridge_epoverlap.harness.resolve import resolve
+from mbridge_epoverlap.recipes.loader import load_recipe
 
 GPU = ("-g", "h100", "-ng", "16", "--te_version", "2.9")
 

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from mbridge_epoverlap.arg_types import bool_arg
 from mbridge_epoverlap.harness.flags import (
     UNSET,
-    bool_arg,
     build_parser,
     flags_markdown,
     given,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from mbridge_epoverlap.config.recipes import load_recipe
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.launch_env import (
     HYBRID_EP_RANKS,
@@ -19,6 +18,7 @@ from mbridge_epoverlap.harness.launch_env import (
     cuda_device_max_connections,
     launch_environment,
 )
+from mbridge_epoverlap.recipes.loader import load_recipe
 
 
 def cfg(tp: int = 1, cp: int = 1, ep: int = 16, overlap: bool = False, dispatcher: str = "alltoall",

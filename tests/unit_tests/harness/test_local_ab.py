@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from mbridge_epoverlap.config.cpu_precision import CPU_FLAGS_ENV
 from mbridge_epoverlap.harness.results import REQUIRED_CASE_KEYS
+from mbridge_epoverlap.machine import CPU_FLAGS_ENV
 from tests.unit_tests.harness.conftest import run_harness
 
 CASES = ["ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"]

@@ -9,9 +9,9 @@ from mbridge_epoverlap.harness.cases import build_cases, case_specs
 from mbridge_epoverlap.harness.executors import local
 from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
 from mbridge_epoverlap.harness.flags import build_parser
-from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.harness.resolve import resolve
 from mbridge_epoverlap.harness.stats import Window
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 
 def cpu_cases():

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mbridge_epoverlap.config.recipes import load_recipe
 from mbridge_epoverlap.harness import mbridge_job
+from mbridge_epoverlap.recipes.loader import load_recipe
 
 
 def bridge_like():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mbridge_epoverlap.config.recipes import load_recipe
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.flags import build_parser
 from mbridge_epoverlap.harness.resolve import pick_recipe, resolve
+from mbridge_epoverlap.recipes.loader import load_recipe
 
 
 def resolved(*argv: str):
@@ -33,7 +33,7 @@ def test_absent_switches_keep_the_recipe():
 def test_overlap_false_turns_overlap_off_even_when_the_recipe_has_it_on(tmp_path):
     recipe_file = tmp_path / "on.py"
     recipe_file.write_text(
-        "from mbridge_epoverlap.config.recipes import load_recipe\n"
+        "from mbridge_epoverlap.recipes.loader import load_recipe\n"
         "def recipe(task):\n"
         "    cfg = load_recipe('qwen3_30b_a3b', task)\n"
         "    cfg.comm_overlap.overlap_moe_expert_parallel_comm = True\n"
@@ -119,7 +119,7 @@ def test_flex_on_unsupported_gpu_is_kept_for_the_validator():
 def test_flex_none_means_alltoall(tmp_path):
     recipe_file = tmp_path / "flex.py"
     recipe_file.write_text(
-        "from mbridge_epoverlap.config.recipes import load_recipe\n"
+        "from mbridge_epoverlap.recipes.loader import load_recipe\n"
         "def recipe(task):\n"
         "    cfg = load_recipe('qwen3_30b_a3b', task)\n"
         "    cfg.model.moe_token_dispatcher_type, cfg.model.moe_flex_dispatcher_backend = 'flex', 'deepep'\n"

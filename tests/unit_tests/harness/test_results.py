@@ -9,7 +9,6 @@ import pytest
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.experiment import CaseRecord, Experiment
-from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.harness.results import REQUIRED_CASE_KEYS, atomic_write, build_results, write_outputs
 from mbridge_epoverlap.harness.stats import (
     Window,
@@ -19,6 +18,7 @@ from mbridge_epoverlap.harness.stats import (
     parse_window,
     window_mean,
 )
+from mbridge_epoverlap.runtime.metrics import RunMetrics
 
 
 def experiment(tmp_path, names=("off", "on"), repeats=1, window=Window(3, 8), max_steps=10, flops=None):

@@ -22,12 +22,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mbridge_epoverlap.errors", "mbridge_epoverlap.envvars", "mbridge_epoverlap.fields",
      "mbridge_epoverlap.arg_types", "mbridge_epoverlap.cli_io", "mbridge_epoverlap.machine"),
     ("mbridge_epoverlap.gpus",),
+    # The process supervisor needs nothing but the errors; the M2N benchmark (comm) starts its ranks with it.
+    ("mbridge_epoverlap.launch",),
     ("mbridge_epoverlap.config",),
     ("mbridge_epoverlap.recipes",),
     ("mbridge_epoverlap.comm",),
     ("mbridge_epoverlap.schedule",),
     ("mbridge_epoverlap.moe",),
-    ("mbridge_epoverlap.launch",),
     ("mbridge_epoverlap.profiling",),
     ("mbridge_epoverlap.runtime",),
     ("mbridge_epoverlap.serving.model", "mbridge_epoverlap.serving.planning"),
@@ -36,7 +37,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mbridge_epoverlap.serving.engine",),
     ("mbridge_epoverlap.serving.cli", "mbridge_epoverlap.serving.frontend"),
     ("mbridge_epoverlap.harness",),
-    ("mbridge_epoverlap.cli", "mbridge_epoverlap.serving", "mbridge_epoverlap"),
+    # Command modules: a command may use every layer (`*/cli.py` wires flags to the layers below it).
+    ("mbridge_epoverlap.cli", "mbridge_epoverlap.config.cli", "mbridge_epoverlap.profiling.cli",
+     "mbridge_epoverlap.schedule.cli", "mbridge_epoverlap.comm.cli", "mbridge_epoverlap.serving", "mbridge_epoverlap"),
     ("benchmarks", "scripts"),
 )
 

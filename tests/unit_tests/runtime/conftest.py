@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mbridge_epoverlap.config.container import RunConfig
-from mbridge_epoverlap.config.shrink import CpuShape, cpu_overlap_case
+from mbridge_epoverlap.config.shrink import CpuShape
+from mbridge_epoverlap.recipes.cpu_case import cpu_overlap_case
 
 TINY = CpuShape(num_layers=2, hidden_size=32, num_attention_heads=4, expert_ffn_hidden_size=16, seq_length=16,
                 vocab_size=64, micro_batch_size=1, num_micro_batches=3, max_topk=2,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
-from mbridge_epoverlap.runtime import netns, run_local
+from mbridge_epoverlap.launch import netns
+from mbridge_epoverlap.runtime import run_local
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -12,13 +12,12 @@ from hypothesis import strategies as st
 
 from mbridge_epoverlap.comm.alltoall import CommContext
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.harness.metrics import RunMetrics
 from mbridge_epoverlap.moe.dispatcher import AllToAllDispatcher, _source_to_expert_order
 from mbridge_epoverlap.moe.experts import GroupedExperts
 from mbridge_epoverlap.moe.router import Routing, TopKRouter
 from mbridge_epoverlap.moe.wgrad import DOWN_PROJECTION, WeightGradStore, linear
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
-from mbridge_epoverlap.runtime.metrics import model_flops_per_iteration, tflops_per_gpu
+from mbridge_epoverlap.runtime.metrics import RunMetrics, model_flops_per_iteration, tflops_per_gpu
 from mbridge_epoverlap.runtime.options import Fault, RuntimeOptions
 from mbridge_epoverlap.runtime.train import num_micro_batches, schedule_for
 from mbridge_epoverlap.runtime.worker import rank_and_world

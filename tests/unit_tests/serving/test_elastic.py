@@ -121,21 +121,6 @@ def test_serve_elastic_cli_json_and_bad_input_exit_2(tiny_mixtral_dir, prompts, 
     assert "add --elastic" in capsys.readouterr().err
 
 
-def test_launcher_survives_only_expendable_ranks():
-    import sys
-
-    from mbridge_epoverlap.errors import RunFailedError
-    from mbridge_epoverlap.runtime.launch import launch_processes
-
-    def command(rank):  # rank 2 fails, the others succeed after it
-        return [sys.executable, "-c", f"import sys, time; time.sleep(0.3); sys.exit({1 if rank == 2 else 0})"]
-
-    result = launch_processes(3, command, collect=lambda workdir: {}, expendable=[2], timeout_s=60)
-    assert result["lost_ranks"] == [2]
-    with pytest.raises(RunFailedError, match="rank 2 failed with exit code 1"):
-        launch_processes(3, command, collect=lambda workdir: {}, expendable=[1], timeout_s=60)
-
-
 def test_a_lost_attention_worker_fails_its_requests_clearly():
     import signal
     import threading

@@ -95,25 +95,6 @@ def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtra
     assert _leftovers(pids) == ([], [])
 
 
-def test_launcher_replaces_a_lost_expendable_rank_once(tmp_path):
-    import sys
-
-    from mbridge_epoverlap.runtime.launch import launch_processes
-
-    def command(rank):  # rank 1 fails at first; its replacement writes a file and succeeds
-        return [sys.executable, "-c", f"import sys, time; time.sleep(0.2); sys.exit({3 if rank == 1 else 0})"]
-
-    def replacement(rank, generation):
-        return [sys.executable, "-c", f"open({str(tmp_path / 'gen')!r}, 'w').write('{generation}')"]
-
-    started: list[int] = []
-    result = launch_processes(2, lambda rank: command(rank) if rank == 1 else [sys.executable, "-c",
-                              "import time; time.sleep(2)"], collect=lambda workdir: {}, expendable=[1],
-                              respawn=replacement, on_start=started.extend, timeout_s=60)
-    assert result["lost_ranks"] == [1]
-    assert (tmp_path / "gen").read_text() == "1" and len(started) == 3
-
-
 @pytest.mark.parametrize(("flags", "message"), [
     (["--rebalance-every", "-1"], "argument --rebalance-every: -1 must be at least 0"),
     (["--rejoin-after-steps", "x"], "argument --rejoin-after-steps: 'x' is not an integer"),

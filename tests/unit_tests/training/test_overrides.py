@@ -6,9 +6,9 @@ import pytest
 
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.overrides import apply_overrides, set_moe_a2a_overlap_overrides
-from mbridge_epoverlap.config.recipes import load_recipe, recipe_names
 from mbridge_epoverlap.config.shrink import shrink_for_cpu
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.recipes.loader import load_recipe, recipe_names
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_qwen3_30b_a3b_has_the_skill_card_shape(cfg):
 def test_recipe_from_file(tmp_path):
     path = tmp_path / "my_recipe.py"
     path.write_text(
-        "from mbridge_epoverlap.config.recipes import load_recipe\n"
+        "from mbridge_epoverlap.recipes.loader import load_recipe\n"
         "def tiny(task='pretrain'):\n"
         "    cfg = load_recipe('mixtral_8x22b', task)\n"
         "    cfg.recipe = 'tiny'\n"
@@ -147,7 +147,7 @@ def test_layout_violations():
 
 
 def test_cpu_overlap_cases_differ_only_in_the_two_switches():
-    from mbridge_epoverlap.config.shrink import cpu_overlap_case
+    from mbridge_epoverlap.recipes.cpu_case import cpu_overlap_case
 
     off, on, delay = (cpu_overlap_case("qwen3_30b_a3b", 2, overlap=o, delay_wgrad=d)
                       for o, d in ((False, False), (True, False), (True, True)))

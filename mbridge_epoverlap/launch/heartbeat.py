@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+DIR_ENV = "MBRIDGE_EPOVERLAP_HEARTBEAT_DIR"  # set by the launcher: where each rank writes its heartbeat file
 _FORMAT = "<qqqqd"  # pid, iteration, step, state, unix time
 _SIZE = struct.calcsize(_FORMAT)
 

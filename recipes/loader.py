@@ -1,4 +1,4 @@
-"""Finding recipes: by name from the installed package, or from a Python file a user gives.
+"""Finding recipes: by name from this package (`RECIPES`), or from a Python file a user gives.
 
 `load_recipe("qwen3_30b_a3b", "sft")`, `load_recipe("my_recipes.py:my_moe")`, or
 `load_recipe("path/to/recipe.py")` (the file's single recipe function, or one named `recipe`).
@@ -14,21 +14,19 @@ import inspect
 from pathlib import Path
 
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.sizes import size_problems
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.recipes import FAMILIES, RECIPES
 
 RECIPE_FILE_CONTRACT = ('a recipe file holds a function FUNCTION(task="pretrain") that returns a RunConfig '
                         "(see `mbridge-epoverlap validate --help`, section recipe files)")
 
 
 def recipe_names() -> list[str]:
-    from mbridge_epoverlap.recipes import RECIPES
-
     return list(RECIPES)
 
 
 def family_of(name: str) -> str | None:
-    from mbridge_epoverlap.recipes import FAMILIES
-
     return next((family for family, names in FAMILIES.items() if name in names), None)
 
 
@@ -39,8 +37,6 @@ def load_recipe(name_or_path: str, task: str = "pretrain") -> RunConfig:
         UsageError: unknown name (listing the known ones), unreadable file, or a file without a
             recipe function.
     """
-    from mbridge_epoverlap.recipes import RECIPES
-
     if name_or_path in RECIPES:
         cfg = RECIPES[name_or_path](task)
     else:
@@ -51,8 +47,6 @@ def load_recipe(name_or_path: str, task: str = "pretrain") -> RunConfig:
 
 
 def _from_file(spec: str, task: str) -> RunConfig:
-    from mbridge_epoverlap.recipes import RECIPES
-
     path_text, _, function_name = spec.partition(":")
     path = Path(path_text)
     if path.suffix == ".py" and not path.is_file():
@@ -107,8 +101,6 @@ def _call_recipe(fn: object, path: Path, name: str, task: str) -> RunConfig:
         raise UsageError(f"recipe {where} raised {type(exc).__name__}: {exc}{line}; fix the recipe file") from None
     if not isinstance(cfg, RunConfig):
         raise UsageError(f"recipe {where} returned {type(cfg).__name__}, not a RunConfig; {RECIPE_FILE_CONTRACT}")
-    from mbridge_epoverlap.config.sizes import size_problems
-
     problems = size_problems(cfg)
     if problems:
         raise UsageError(f"recipe {where}: " + "; ".join(problems))

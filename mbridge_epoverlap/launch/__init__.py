@@ -1,0 +1,18 @@
+"""The process supervisor: start local processes, one per rank, watch them, name the one that failed, and
+leave no process or network namespace behind. The training runtime (`runtime.launch`), the serving engine
+(`serving.engine.run`) and the M2N benchmark (`comm.m2n.bench`) all start their processes here. Torch-free.
+
+- `processes`: `launch_processes`, the one launcher: scratch directory, base environment, rendezvous
+  port (`free_port`), optional link emulation, results.
+- `ranks`: `Ranks`, the processes of one run: start, supervise, replace expendable ones, kill, and the
+  failure message that names the rank that caused it.
+- `heartbeat`: the tiny per-rank status file a process writes and the supervisor reads, to tell a hung
+  rank from one waiting for it.
+- `netns`: an emulated inter-node link, one network namespace per rank behind a shaped bridge (root only).
+- `signals`: SIGTERM/SIGHUP turned into an exception so cleanup runs; signals to whole process groups.
+"""
+
+from mbridge_epoverlap.launch.processes import base_env, free_port, launch_processes
+from mbridge_epoverlap.launch.ranks import Ranks
+
+__all__ = ["Ranks", "base_env", "free_port", "launch_processes"]

@@ -1,0 +1,39 @@
+"""Signals the supervisor handles: SIGTERM/SIGHUP turned into an exception (so cleanup runs), and a
+signal sent to a whole process group (a process and whatever it started)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM/SIGHUP turned into an exception so that cleanup (`finally`) runs."""
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise `Interrupted` (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(f"received signal {signum}")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    """Send `sig` to the process group led by `pid`; a group that is gone (or not ours) is ignored."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

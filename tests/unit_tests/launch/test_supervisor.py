@@ -1,0 +1,87 @@
+"""The process supervisor (`mbridge_epoverlap.launch`) on plain Python processes: expendable ranks, their
+replacement, and failure messages that say what the processes were doing."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mbridge_epoverlap.errors import RunFailedError
+from mbridge_epoverlap.launch import launch_processes
+
+# A rank that reports its work done in its heartbeat, then rank 1 fails: the failure came "after" the work.
+DONE_THEN_RANK_1_FAILS = (
+    "import os, sys\n"
+    "from mbridge_epoverlap.launch import heartbeat as hb\n"
+    "rank = int(os.environ['RANK'])\n"
+    "hb.Heartbeat(hb.heartbeat_path(os.environ[hb.DIR_ENV], rank)).beat(1, 0, hb.DONE)\n"
+    "sys.exit(1 if rank == 1 else 0)\n"
+)
+
+
+def _done_then_rank_1_fails(rank: int) -> list[str]:
+    return [sys.executable, "-c", DONE_THEN_RANK_1_FAILS]
+
+
+def test_launcher_survives_only_expendable_ranks():
+    def command(rank):  # rank 2 fails, the others succeed after it
+        return [sys.executable, "-c", f"import sys, time; time.sleep(0.3); sys.exit({1 if rank == 2 else 0})"]
+
+    result = launch_processes(3, command, collect=lambda workdir: {}, expendable=[2], timeout_s=60)
+    assert result["lost_ranks"] == [2]
+    with pytest.raises(RunFailedError, match="rank 2 failed with exit code 1"):
+        launch_processes(3, command, collect=lambda workdir: {}, expendable=[1], timeout_s=60)
+
+
+def test_launcher_replaces_a_lost_expendable_rank_once(tmp_path):
+    def command(rank):  # rank 1 fails at first; its replacement writes a file and succeeds
+        return [sys.executable, "-c", f"import sys, time; time.sleep(0.2); sys.exit({3 if rank == 1 else 0})"]
+
+    def replacement(rank, generation):
+        return [sys.executable, "-c", f"open({str(tmp_path / 'gen')!r}, 'w').write('{generation}')"]
+
+    started: list[int] = []
+    result = launch_processes(2, lambda rank: command(rank) if rank == 1 else [sys.executable, "-c",
+                              "import time; time.sleep(2)"], collect=lambda workdir: {}, expendable=[1],
+                              respawn=replacement, on_start=started.extend, timeout_s=60)
+    assert result["lost_ranks"] == [1]
+    assert (tmp_path / "gen").read_text() == "1" and len(started) == 3
+
+
+@pytest.mark.parametrize("activity", ["serving", "training"])
+def test_a_failure_after_the_work_names_what_the_processes_did(activity):
+    with pytest.raises(RunFailedError) as failure:
+        launch_processes(2, _done_then_rank_1_fails, activity=activity, timeout_s=60)
+    assert f"rank 1 failed with exit code 1 (after {activity})" in str(failure.value)
+
+
+def test_serving_workers_fail_after_serving_not_after_training(monkeypatch):
+    # The engine's own launch, with workers that finish their work and then one fails: the message must
+    # say what serving workers do.
+    import mbridge_epoverlap.launch as launch
+    from mbridge_epoverlap.serving.engine.run import EngineFailed, make_plan, run_engine
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.workers.requests import Request
+
+    real = launch.launch_processes
+    monkeypatch.setattr(launch, "launch_processes",
+                        lambda world, command_for, **kwargs: real(world, _done_then_rank_1_fails, **kwargs))
+    plan = make_plan(load_spec("qwen3_30b_a3b"), [Request("p0", (1, 2, 3))], max_new_tokens=2, timeout_s=5)
+    with pytest.raises(EngineFailed) as failure:
+        run_engine(plan, run_timeout_s=60)
+    message = str(failure.value)
+    assert "(rank 1) failed with exit code 1 (after serving)" in message
+    assert "after training" not in message
+
+
+def test_training_ranks_fail_after_training(monkeypatch):
+    from mbridge_epoverlap.recipes.cpu_case import cpu_overlap_case
+    from mbridge_epoverlap.runtime import launch as training_launch
+
+    real = training_launch.launch_processes
+    monkeypatch.setattr(training_launch, "launch_processes",
+                        lambda world, command_for, **kwargs: real(world, _done_then_rank_1_fails, **kwargs))
+    cfg = cpu_overlap_case("qwen3_30b_a3b", 2, overlap=False, delay_wgrad=False)
+    with pytest.raises(RunFailedError, match=r"rank 1 failed with exit code 1 \(after training\)"):
+        training_launch.launch_ranks(cfg, timeout_s=60)
