@@ -15,6 +15,7 @@ import pytest
 from mbridge_epoverlap.comm.m2n import mooncake_available
 from mbridge_epoverlap.runtime.launch import free_port
 from tests.unit_tests.cli_runner import REPO, run_cli
+from tests.unit_tests.requirements import require_or_skip
 
 PEER = Path(__file__).with_name("m2n_peer.py")
 BACKENDS = ["shm", "torch", "gloo", "mooncake"]
@@ -22,7 +23,8 @@ BACKENDS = ["shm", "torch", "gloo", "mooncake"]
 
 def _need(backend: str) -> None:
     if backend == "mooncake" and not mooncake_available():
-        pytest.skip("mooncake.engine does not import (install mooncake-transfer-engine-non-cuda and libibverbs1)")
+        require_or_skip("mooncake", "mooncake.engine does not import (install mooncake-transfer-engine-non-cuda and "
+                                    "libibverbs1)")
 
 
 def _shm_names(pids: list[int]) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 
 from mbridge_epoverlap.config import CommOverlapConfig, ConfigValidationError, Environment, Violation
 from mbridge_epoverlap.config.rules import all_rules
+from tests.unit_tests.requirements import import_or_skip
 from tests.unit_tests.training.conftest import good_model, h100, rules_of
 
 REQUIRED_RULE_IDS = {
@@ -186,7 +187,7 @@ def test_finalize_raises_with_every_error_and_writes_switches(overlap_on, ddp):
 
 def test_finalize_works_on_a_real_transformer_config(ddp):
     """The validated config builds a real Megatron-Core TransformerConfig, which the validator reads back."""
-    pytest.importorskip("megatron.core")
+    import_or_skip("megatron.core", "megatron_core")
     model = good_model()
     CommOverlapConfig(overlap_moe_expert_parallel_comm=True).finalize(model, ddp, h100())
     real = model.to_transformer_config()
