@@ -35,9 +35,18 @@ def _start(scenario: str, backend: str, world: int, senders: int, out: Path) -> 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     return [subprocess.Popen([sys.executable, str(PEER), scenario, backend, str(rank), str(world), str(senders),
-                              str(port), str(out)], env=env, start_new_session=True,
+                              str(port), str(out)], env=env, start_new_session=True, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             for rank in range(world)]
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60) -> None:
+    """Return once `proc` has written `path`; fail naming `what` if it exits first or takes past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"{what}: the process exited with code {proc.returncode} first"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.05)
 
 
 def _finish(procs: list[subprocess.Popen[bytes]], timeout: float = 90) -> list[str]:
@@ -78,11 +87,8 @@ def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path
     _need(backend)
     procs = _start("survivor", backend, 2, 1, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "ready").exists():
-            assert time.monotonic() < deadline and procs[0].poll() is None, "the victim did not set up"
-            time.sleep(0.05)
-        time.sleep(0.3)  # let the survivor block in its receive
+        _wait_for_file(tmp_path / "ready", procs[0], "the victim did not set up")
+        _wait_for_file(tmp_path / "receiving", procs[1], "the survivor did not post its receive")
         os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait()
     finally:
@@ -103,15 +109,13 @@ def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path
 
     def start(scenario: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, str(PEER), scenario, backend, "1", "2", "1", port, str(tmp_path)],
-                                env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                env=env, start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
 
     victim = start("victim1")
     newcomer = None
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "ready").exists():
-            assert time.monotonic() < deadline and victim.poll() is None, "the victim did not set up"
-            time.sleep(0.05)
+        _wait_for_file(tmp_path / "ready", victim, "the victim did not set up")
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         if backend == "shm":
