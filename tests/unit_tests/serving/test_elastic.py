@@ -126,8 +126,11 @@ def test_launcher_survives_only_expendable_ranks():
     from mbridge_epoverlap.errors import RunFailedError
     from mbridge_epoverlap.runtime.launch import launch_processes
 
-    def command(rank):  # rank 2 fails, the others succeed after it
-        return [sys.executable, "-c", f"import sys, time; time.sleep(0.3); sys.exit({1 if rank == 2 else 0})"]
+    def command(rank):  # rank 2 fails, the others succeed after it (the launcher's timeout bounds their wait)
+        if rank == 2:
+            return [sys.executable, "-c", "open('{workdir}/failing', 'w').close(); import sys; sys.exit(1)"]
+        return [sys.executable, "-c",
+                "import os, time\nwhile not os.path.exists('{workdir}/failing'): time.sleep(0.05)"]
 
     result = launch_processes(3, command, collect=lambda workdir: {}, expendable=[2], timeout_s=60)
     assert result["lost_ranks"] == [2]

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -77,18 +76,17 @@ def test_a_killed_expert_worker_stops_the_run_naming_it(prompts):
             os.kill(pids[plan.attn_workers], signal.SIGKILL)  # the first expert worker
             killed.set()
 
-    start = time.monotonic()
-    with pytest.raises(EngineFailed) as failure:
+    # The message opens with the kill: had the run ended at its time limit, it would open with "run timed out".
+    with pytest.raises(EngineFailed, match=r"^expert worker 0 \(rank 1\) was killed by signal 9") as failure:
         run_engine(plan, progress=kill_expert, on_start=pids.extend, run_timeout_s=120)
     assert killed.is_set()
-    assert time.monotonic() - start < 60
     message = str(failure.value)
     assert "expert worker 0 (rank 1) was killed by signal 9" in message
     completions = failure.value.result["completions"]
     assert len(completions) == len(prompts)
     assert any(c["status"] == "failed" for c in completions)
     for pid in pids:
-        with pytest.raises(ProcessLookupError):
+        with pytest.raises(ProcessLookupError, match="No such process"):
             os.kill(pid, 0)
     assert set(os.listdir("/dev/shm")) <= shm_before
 
