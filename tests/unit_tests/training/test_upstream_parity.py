@@ -209,7 +209,7 @@ def test_apply_flex_dispatcher_backend_preserves_cuda_probe_errors(monkeypatch):
     with pytest.raises(GpuProbeError, match="CUDA probe.*CUDA initialization failed"):
         apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="deepep")
     assert model.moe_token_dispatcher_type == "alltoall"  # never switched unchecked
-    with pytest.raises(GpuProbeError):
+    with pytest.raises(GpuProbeError, match=r"CUDA probe.*CUDA initialization failed; fix the CUDA setup.*-g/--gpu"):
         validate_flex_dispatcher_backend(SimpleNamespace(moe_token_dispatcher_type="flex",
                                                          moe_flex_dispatcher_backend="deepep"))
     violations = CommOverlapConfig().validate(good_model(moe_token_dispatcher_type="flex",
