@@ -100,15 +100,20 @@ def test_launcher_replaces_a_lost_expendable_rank_once(tmp_path):
 
     from mbridge_epoverlap.runtime.launch import launch_processes
 
+    gen = str(tmp_path / "gen")
+
     def command(rank):  # rank 1 fails at first; its replacement writes a file and succeeds
-        return [sys.executable, "-c", f"import sys, time; time.sleep(0.2); sys.exit({3 if rank == 1 else 0})"]
+        if rank == 1:
+            return [sys.executable, "-c", "import sys; sys.exit(3)"]
+        # Rank 0 runs until the replacement wrote its file (the launcher's timeout bounds the wait): rank 1
+        # fails while a rank that is not expendable still runs, which is when the launcher replaces it.
+        return [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({gen!r}): time.sleep(0.05)"]
 
     def replacement(rank, generation):
-        return [sys.executable, "-c", f"open({str(tmp_path / 'gen')!r}, 'w').write('{generation}')"]
+        return [sys.executable, "-c", f"open({gen!r}, 'w').write('{generation}')"]
 
     started: list[int] = []
-    result = launch_processes(2, lambda rank: command(rank) if rank == 1 else [sys.executable, "-c",
-                              "import time; time.sleep(2)"], collect=lambda workdir: {}, expendable=[1],
+    result = launch_processes(2, command, collect=lambda workdir: {}, expendable=[1],
                               respawn=replacement, on_start=started.extend, timeout_s=60)
     assert result["lost_ranks"] == [1]
     assert (tmp_path / "gen").read_text() == "1" and len(started) == 3
