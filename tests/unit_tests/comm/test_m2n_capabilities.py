@@ -72,7 +72,8 @@ class _NoGroupTorch(TorchCommunicator):
 def test_the_torch_backend_tells_a_timeout_from_a_dead_peer(message: str, timeout: bool) -> None:
     comm = _NoGroupTorch(rank=0, peers=[1], store=None, slot_bytes=64, timeout_s=1.0)
     comm.error = RuntimeError(message)
-    with pytest.raises(PeerError, match="did not complete within" if timeout else "Connection closed by peer") as caught:
+    expected = "did not complete within" if timeout else "Connection closed by peer"
+    with pytest.raises(PeerError, match=expected) as caught:
         comm.irecv(1).wait(0.01)
     assert isinstance(caught.value, PeerTimeout) is timeout
 
