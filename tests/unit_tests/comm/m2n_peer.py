@@ -4,12 +4,13 @@ Scenarios:
 - exchange: every sender sends every receiver a few messages (mixed dtypes and shapes, sizes varying, tags out
   of order), receivers check them bit for bit and answer each sender; senders also check that an oversize
   message is refused and receivers that a receive nobody answers times out naming the peer.
-- victim / survivor: rank 0 (victim) sets up and sleeps until killed; rank 1 (survivor) waits on a receive
-  from it and reports the error it gets.
+- victim / survivor: rank 0 (victim) sets up and blocks until killed; rank 1 (survivor) posts a receive
+  from it, says so (OUT/receiving), waits on it and reports the error it gets.
 - host / victim1 / newcomer: rank 0 (host) and rank 1 (victim1) set up; the test kills rank 1; the host
   notices, `connect`s the channel again, and exchanges a message each way with a new rank-1 process
   (newcomer) that created its communicator later, in the namespace "rejoin/1".
-Each rank writes its outcome as JSON to OUT/rank{RANK}.json.
+Each rank writes its outcome as JSON to OUT/rank{RANK}.json. A process the test kills blocks reading its
+stdin (a pipe from the test): it never goes on by itself, and it exits should the test die first.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def message(src: int, dst: int, i: int) -> list[torch.Tensor]:
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
                                     for x, y in zip(a, b, strict=True))
+
+
+def _until_killed() -> int:
+    """Block until the test kills this process; exit with 1 if its stdin closes first (the test is gone)."""
+    sys.stdin.buffer.read()
+    return 1
 
 
 def main() -> int:
@@ -109,10 +116,12 @@ def main() -> int:
                                  roles={1 - rank: "victim" if rank else "survivor"})
         if rank == 0:
             (out / "ready").write_text("1")
-            time.sleep(60)  # the test kills this process
+            return _until_killed()
         start = time.monotonic()
         try:
-            comm.irecv(0).wait()
+            work = comm.irecv(0)
+            (out / "receiving").write_text("1")  # the test kills the victim now
+            work.wait()
             result["error"] = "none"
         except PeerError as exc:
             result.update(error=str(exc), peer=exc.peer, seconds=time.monotonic() - start)
@@ -122,7 +131,7 @@ def main() -> int:
                                  world_size=2)
         if rank == 1:
             (out / "ready").write_text("1")
-            time.sleep(60)  # the test kills this process
+            return _until_killed()
         try:
             comm.irecv(1).wait()
         except PeerError as exc:

@@ -15,6 +15,7 @@ import pytest
 from mbridge_epoverlap.comm.m2n import mooncake_available
 from mbridge_epoverlap.launch import free_port
 from tests.unit_tests.cli_runner import REPO, run_cli
+from tests.unit_tests.requirements import require_or_skip
 
 PEER = Path(__file__).with_name("m2n_peer.py")
 BACKENDS = ["shm", "torch", "gloo", "mooncake"]
@@ -22,7 +23,8 @@ BACKENDS = ["shm", "torch", "gloo", "mooncake"]
 
 def _need(backend: str) -> None:
     if backend == "mooncake" and not mooncake_available():
-        pytest.skip("mooncake.engine does not import (install mooncake-transfer-engine-non-cuda and libibverbs1)")
+        require_or_skip("mooncake", "mooncake.engine does not import (install mooncake-transfer-engine-non-cuda and "
+                                    "libibverbs1)")
 
 
 def _shm_names(pids: list[int]) -> list[str]:
@@ -33,9 +35,18 @@ def _start(scenario: str, backend: str, world: int, senders: int, out: Path) -> 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     return [subprocess.Popen([sys.executable, str(PEER), scenario, backend, str(rank), str(world), str(senders),
-                              str(port), str(out)], env=env, start_new_session=True,
+                              str(port), str(out)], env=env, start_new_session=True, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             for rank in range(world)]
+
+
+def _wait_for_file(path: Path, proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60) -> None:
+    """Return once `proc` has written `path`; fail naming `what` if it exits first or takes past the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"{what}: the process exited with code {proc.returncode} first"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:g} s"
+        time.sleep(0.05)
 
 
 def _finish(procs: list[subprocess.Popen[bytes]], timeout: float = 90) -> list[str]:
@@ -76,11 +87,8 @@ def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path
     _need(backend)
     procs = _start("survivor", backend, 2, 1, tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "ready").exists():
-            assert time.monotonic() < deadline and procs[0].poll() is None, "the victim did not set up"
-            time.sleep(0.05)
-        time.sleep(0.3)  # let the survivor block in its receive
+        _wait_for_file(tmp_path / "ready", procs[0], "the victim did not set up")
+        _wait_for_file(tmp_path / "receiving", procs[1], "the survivor did not post its receive")
         os.killpg(procs[0].pid, signal.SIGKILL)
         procs[0].wait()
     finally:
@@ -101,15 +109,13 @@ def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path
 
     def start(scenario: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen([sys.executable, str(PEER), scenario, backend, "1", "2", "1", port, str(tmp_path)],
-                                env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                env=env, start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
 
     victim = start("victim1")
     newcomer = None
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "ready").exists():
-            assert time.monotonic() < deadline and victim.poll() is None, "the victim did not set up"
-            time.sleep(0.05)
+        _wait_for_file(tmp_path / "ready", victim, "the victim did not set up")
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         if backend == "shm":

@@ -36,7 +36,7 @@ def test_a_backend_that_connects_late_implements_connect() -> None:
 def test_a_timed_out_wait_is_a_peer_timeout_and_a_comm_error() -> None:
     work = Work(3, "receive (tag 0) from rank 3", lambda: False, lambda deadline: False, lambda: None, 0.01,
                 "expert worker")
-    with pytest.raises(PeerTimeout) as caught:
+    with pytest.raises(PeerTimeout, match="expert worker rank 3: .*did not complete within") as caught:
         work.wait(0.001)
     assert isinstance(caught.value, PeerError) and isinstance(caught.value, CommError)
     assert caught.value.peer == 3 and "expert worker rank 3" in str(caught.value)
@@ -72,7 +72,8 @@ class _NoGroupTorch(TorchCommunicator):
 def test_the_torch_backend_tells_a_timeout_from_a_dead_peer(message: str, timeout: bool) -> None:
     comm = _NoGroupTorch(rank=0, peers=[1], store=None, slot_bytes=64, timeout_s=1.0)
     comm.error = RuntimeError(message)
-    with pytest.raises(PeerError) as caught:
+    expected = "did not complete within" if timeout else "Connection closed by peer"
+    with pytest.raises(PeerError, match=expected) as caught:
         comm.irecv(1).wait(0.01)
     assert isinstance(caught.value, PeerTimeout) is timeout
 
@@ -91,7 +92,7 @@ def test_shm_wait_resumes_after_a_timeout() -> None:
     other.join()
     try:
         work = comms[0].irecv(1, tag=5)
-        with pytest.raises(PeerTimeout):
+        with pytest.raises(PeerTimeout, match="did not complete within"):
             work.wait(0.01)  # nothing sent yet; the peer is alive
         comms[1].isend(0, [torch.arange(4)], tag=5).wait()
         (got,) = work.wait(10.0)  # the same wait, resumed

@@ -61,6 +61,9 @@ def test_peer_error_names_rank_and_role() -> None:
 
 def test_sizes_parse_with_binary_suffixes() -> None:
     assert [parse_size(s) for s in ("2K", "256k", "8M", "300", "1KB")] == [2048, 262144, 8 << 20, 300, 1024]
-    for bad in ("", "x", "1.5", "-1K"):
-        with pytest.raises(UsageError, match="--sizes"):
-            parse_size(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "x", "1.5", "-1K"])
+def test_a_bad_size_names_the_flag(bad) -> None:
+    with pytest.raises(UsageError, match="--sizes"):
+        parse_size(bad)

@@ -316,18 +316,19 @@ def test_doc_command_parses(path, kind, argv, tmp_path):
 
 def test_a_broken_command_is_caught(tmp_path):
     broken = (AssertionError, pytest.fail.Exception)
-    with pytest.raises(broken):
+    with pytest.raises(broken, match="unrecognized arguments: --no-such-flag"):
         check_cli(["validate", "--no-such-flag"])
-    with pytest.raises(broken):
+    with pytest.raises(broken, match="unknown config key 'model.no_such_key'"):
         check_cli(["validate", "model.no_such_key=1"])
-    with pytest.raises(broken):  # parses, but the config breaks a rule
+    with pytest.raises(broken, match=r"recompute_granularity=full exited 1\b"):  # parses, but the config breaks a rule
         check_cli(["validate", "-g", "h100", "comm_overlap.overlap_moe_expert_parallel_comm=true",
                    "model.recompute_granularity=full"])
-    with pytest.raises(broken):
+    with pytest.raises(broken, match="argument --moe_a2a_overlap: expected true or false, got 'maybe'"):
         check_run_script(["-g", "h100", "--moe_a2a_overlap", "maybe"], tmp_path)
-    with pytest.raises(broken):
+    with pytest.raises(broken, match=r"exited 2:\s+error: unknown config key 'comm_overlap.no_such_switch'"):
         check_run_script(["-g", "h100", "comm_overlap.no_such_switch=true"], tmp_path)
-    with pytest.raises(broken):  # parses, but breaks a rule: the dry run's validation says so
+    # parses, but breaks a rule: the dry run's validation says so
+    with pytest.raises(broken, match=r"(?s)exited 1:.*\[recompute_full\] EP overlap does not work with full"):
         check_run_script(["-g", "h100", "-ng", "16", "--moe_a2a_overlap", "true",
                           "model.recompute_granularity=full"], tmp_path)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit_tests.requirements import require_or_skip
+
 REPO = Path(__file__).resolve().parents[3]
 RUN_SCRIPT = REPO / "scripts" / "performance" / "run_script.py"
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "scancel", "srun")
@@ -151,10 +153,11 @@ def _write_conf(root: Path, node: str, ctld_port: int, slurmd_port: int) -> Path
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """A one-node Slurm cluster for this test session (skips where it cannot be started)."""
     if os.geteuid() != 0:
-        pytest.skip("the private Slurm cluster needs root (slurmd runs jobs as root here)")
+        require_or_skip("slurm", "the private Slurm cluster needs root (slurmd runs jobs as root here)")
     missing = [b for b in SLURM_BINARIES if shutil.which(b) is None]
     if missing:
-        pytest.skip(f"Slurm/munge binaries missing: {', '.join(missing)} (scripts/setup_system_deps.sh installs them)")
+        require_or_skip("slurm", f"Slurm/munge binaries missing: {', '.join(missing)} "
+                                 "(scripts/setup_system_deps.sh installs them)")
     root = Path(tempfile.mkdtemp(prefix="epoverlap-slurm-"))
     for sub in ("state", "spool", "log", "munge", "fake-gpu"):
         (root / sub).mkdir()

@@ -72,7 +72,7 @@ def test_overrides_may_come_between_flags():
                                   ["--cuda_graph_scope", "attn,everything"], ["-t", "soon"], ["--from_logs", "x"],
                                   ["--moe_flex_dispatcher_backend", "nccl"], ["-c", "int4"]])
 def test_bad_flags_exit_2(argv, capsys):
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(SystemExit, match="^2$") as exc:  # argparse's usage-error exit status
         parse(argv)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err

@@ -34,13 +34,17 @@ def run(times, losses=None, **kw):
 
 def test_parse_and_clip_window():
     assert parse_window("3:8") == Window(3, 8)
-    for bad in ("3", "8:3", "0:5", "a:b"):
-        with pytest.raises(UsageError):
-            parse_window(bad)
     assert clip_window(Window(3, 8), 10) == (Window(3, 8), None)
     clipped, warning = clip_window(Window(3, 8), 5)
     assert clipped == Window(3, 5) and "3:8" in warning
     assert clip_window(Window(3, 8), 2)[0] == Window(2, 2)
+
+
+@pytest.mark.parametrize(("bad", "message"), [("3", "is not START:END"), ("8:3", "need 1 <= START <= END"),
+                                              ("0:5", "need 1 <= START <= END"), ("a:b", "is not START:END")])
+def test_parse_window_names_the_flag_and_the_form(bad, message):
+    with pytest.raises(UsageError, match=f"^--stable_window '{bad}':? {message}.*e.g. 3:8"):
+        parse_window(bad)
 
 
 def test_median_by_iteration_and_window_mean():
@@ -114,7 +118,7 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
         tmp.write_text("half")
         raise RuntimeError("boom")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^boom$"):
         atomic_write(target, fail)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

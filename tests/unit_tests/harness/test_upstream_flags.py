@@ -97,7 +97,7 @@ def test_detach_takes_true_and_false_as_upstream():
 
 
 def test_bad_values_exit_2_naming_the_flag(capsys):
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit, match="^2$") as info:  # argparse's usage-error exit status
         PARSER.parse_args(["--max_retries", "many"])
     assert info.value.code == 2
     assert "--max_retries" in capsys.readouterr().err

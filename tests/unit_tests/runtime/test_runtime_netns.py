@@ -11,13 +11,18 @@ import pytest
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.launch import netns
 from mbridge_epoverlap.runtime import run_local
+from tests.unit_tests.requirements import require_or_skip
 
 pytestmark = pytest.mark.timeout(240)
 
-needs_netns = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="link emulation needs root and iproute2 (ip, tc)",
-)
+
+@pytest.fixture
+def _netns_tools() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        require_or_skip("netns", "link emulation needs root and iproute2 (ip, tc)")
+
+
+needs_netns = pytest.mark.usefixtures("_netns_tools")
 
 
 class _Recorder:

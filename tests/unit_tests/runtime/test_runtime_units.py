@@ -201,7 +201,7 @@ def test_executor_rejects_bad_schedules(make_tiny):
     steps = one_f_one_b(2, cfg.model.num_layers, overlap=False)
     with pytest.raises(RuntimeError, match="left work behind"):
         ScheduleExecutor(tiny_model(cfg)).run(steps[:-1], micro_batches(cfg, 2))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"runs before \(1, 0, 'attn_dgrad'\) finished"):
         ScheduleExecutor(tiny_model(cfg)).run(list(reversed(steps)), micro_batches(cfg, 2))
 
 
@@ -240,12 +240,19 @@ def test_options_and_rank_environment():
         RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_SPLIT_EXPERT_WGRAD": "on"})
     with pytest.raises(UsageError, match="COMM_CHANNELS='3'.*use 2"):
         RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_COMM_CHANNELS": "3"})
-    for bad in ({"MBRIDGE_EPOVERLAP_DTYPE": "fp8"}, {"MBRIDGE_EPOVERLAP_FAULT": "x"},
-                {"MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S": "soon"}, {"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "yes"}):
-        with pytest.raises(UsageError):
-            RuntimeOptions.from_env(bad)
     with pytest.raises(UsageError, match="PAIRED_EDGES='yes'.*Megatron-Core's order"):
         RuntimeOptions.from_env({"MBRIDGE_EPOVERLAP_PAIRED_EDGES": "yes"})
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("DTYPE", "fp8", "DTYPE='fp8': use fp32 or bf16"),
+    ("FAULT", "x", "FAULT='x': expected RANK:MODE:ITERATION with MODE in"),
+    ("COMM_TIMEOUT_S", "soon", "COMM_TIMEOUT_S='soon' is not a number"),
+    ("PAIRED_EDGES", "yes", "PAIRED_EDGES='yes': use 1"),
+])
+def test_bad_runtime_options_name_the_variable_and_what_to_use(name, value, message):
+    with pytest.raises(UsageError, match=f"^MBRIDGE_EPOVERLAP_{message}"):
+        RuntimeOptions.from_env({f"MBRIDGE_EPOVERLAP_{name}": value})
 
 
 def test_hidden_share_is_each_ranks_own_account():

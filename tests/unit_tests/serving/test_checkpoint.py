@@ -53,8 +53,11 @@ def _rewrite_tensors(directory: Path, edit) -> Path:
     return path
 
 
-def _raises(source: Path | str, *needles: str) -> str:
-    with pytest.raises(UsageError) as info:
+def _raises(source: Path | str, first: str, *needles: str) -> str:
+    """load_spec(source) raises a UsageError whose message names `first` and every one of `needles`."""
+    import re
+
+    with pytest.raises(UsageError, match=re.escape(first)) as info:
         load_spec(source)
     message = str(info.value)
     for needle in needles:

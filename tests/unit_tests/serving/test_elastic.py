@@ -73,9 +73,10 @@ def test_losing_every_replica_without_a_copy_names_the_experts(tiny_mixtral_dir,
     orphans = layout.without({0})[1]
     assert orphans  # the killed worker holds the only replica of some experts
     pids: list[int] = []
-    with pytest.raises(EngineFailed) as info:
+    import re
+
+    with pytest.raises(EngineFailed, match=re.escape(f"experts {orphans} lost every replica")):
         run_engine(plan, on_start=pids.extend, run_timeout_s=120)
-    assert f"experts {orphans} lost every replica" in str(info.value)
     assert _leftovers(pids) == ([], [])
 
 
@@ -137,10 +138,9 @@ def test_a_lost_attention_worker_fails_its_requests_clearly():
             os.kill(pids[1], signal.SIGKILL)  # attention worker 1
             killed.set()
 
-    with pytest.raises(EngineFailed) as info:
+    with pytest.raises(EngineFailed, match=r"attention worker 1 \(rank 1\) was killed by signal 9") as info:
         run_engine(plan, progress=kill_attention, on_start=pids.extend, run_timeout_s=120)
     assert killed.is_set()
-    assert "attention worker 1 (rank 1) was killed by signal 9" in str(info.value)
     statuses = {c["id"]: c["status"] for c in info.value.result["completions"]}
     assert statuses["r1"] == "failed" and statuses["r3"] == "failed"  # attention worker 1's requests
     assert _leftovers(pids) == ([], [])

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import pytest
 
@@ -77,18 +76,17 @@ def test_a_killed_expert_worker_stops_the_run_naming_it(prompts):
             os.kill(pids[plan.attn_workers], signal.SIGKILL)  # the first expert worker
             killed.set()
 
-    start = time.monotonic()
-    with pytest.raises(EngineFailed) as failure:
+    # The message opens with the kill: had the run ended at its time limit, it would open with "run timed out".
+    with pytest.raises(EngineFailed, match=r"^expert worker 0 \(rank 1\) was killed by signal 9") as failure:
         run_engine(plan, progress=kill_expert, on_start=pids.extend, run_timeout_s=120)
     assert killed.is_set()
-    assert time.monotonic() - start < 60
     message = str(failure.value)
     assert "expert worker 0 (rank 1) was killed by signal 9" in message
     completions = failure.value.result["completions"]
     assert len(completions) == len(prompts)
     assert any(c["status"] == "failed" for c in completions)
     for pid in pids:
-        with pytest.raises(ProcessLookupError):
+        with pytest.raises(ProcessLookupError, match="No such process"):
             os.kill(pid, 0)
     assert set(os.listdir("/dev/shm")) <= shm_before
 
@@ -103,22 +101,30 @@ def test_serve_cli_json_and_bad_input_exit_2(tiny_mixtral_dir, tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["completions"][0]["id"] == "x" and len(out["completions"][0]["output_ids"]) <= 2
     assert {"tokens_per_s", "machine", "predicted"} <= set(out)
-
-    bad_json = tmp_path / "bad.jsonl"
-    bad_json.write_text('{"id": 1, "prompt_ids": [1]}\nnot json\n')
-    out_of_vocab = tmp_path / "vocab.jsonl"
-    out_of_vocab.write_text(json.dumps({"id": "v", "prompt_ids": [1, 100000]}) + "\n")
-    cases = [
-        (["--prompts", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
-        (["--prompts", str(bad_json)], "line 2"),
-        (["--prompts", str(out_of_vocab)], "outside the vocabulary"),
-        (["--prompts", str(good), "--expert-workers", "9"], "--expert-workers 9"),
-    ]
-    for extra, needle in cases:
-        assert main(base + extra) == 2
-        assert needle in capsys.readouterr().err
     assert main(["serve", "--checkpoint", str(tmp_path), "--prompts", str(good)]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+# What each prompts file holds (None: the file does not exist), extra flags, what the error must say.
+BAD_SERVE_INPUT = {
+    "missing": (None, [], "missing.jsonl"),
+    "bad_json": ('{"id": 1, "prompt_ids": [1]}\nnot json\n', [], "line 2"),
+    "out_of_vocab": (json.dumps({"id": "v", "prompt_ids": [1, 100000]}) + "\n", [], "outside the vocabulary"),
+    "too_many_experts": (json.dumps({"id": "x", "prompt_ids": [5, 17, 42]}) + "\n", ["--expert-workers", "9"],
+                         "--expert-workers 9"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SERVE_INPUT))
+def test_serve_cli_bad_input_exits_2_naming_it(tiny_mixtral_dir, tmp_path, capsys, case):
+    from mbridge_epoverlap.cli import main
+
+    text, extra, needle = BAD_SERVE_INPUT[case]
+    prompts = tmp_path / f"{case}.jsonl"
+    if text is not None:
+        prompts.write_text(text)
+    assert main(["serve", "--checkpoint", str(tiny_mixtral_dir), "--json", "--prompts", str(prompts), *extra]) == 2
+    assert needle in capsys.readouterr().err
 
 
 def test_serve_bench_reports_and_matches_reference(tiny_qwen3_moe_dir, capsys):

@@ -33,16 +33,23 @@ def test_load_prompts_names_the_line_and_field(tmp_path):
     path.write_text('{"id": "a", "prompt_ids": [1, 2]}\n\n{"prompt_ids": [3]}\n')
     requests = load_prompts(path, vocab_size=10)
     assert requests == [Request("a", (1, 2)), Request("1", (3,))]
-    for text, needle in [('{"id": "a", "prompt_ids": []}', "non-empty list"),
-                         ('{"id": "a"}', 'missing "prompt_ids"'),
-                         ('{"id": "a", "prompt": "hi"}', "needs a checkpoint with a tokenizer"),
-                         ('{"id": "a", "prompt_ids": [1]}\n{"id": "a", "prompt_ids": [2]}', "appears twice"),
-                         ("[1, 2]", "expected an object"), ("", "no requests")]:
-        path.write_text(text + "\n")
-        with pytest.raises(UsageError, match=needle):
-            load_prompts(path, vocab_size=10)
     path.write_text(json.dumps({"id": "t", "prompt": "hi"}) + "\n")
     assert load_prompts(path, vocab_size=10, tokenizer=lambda text: [len(text)])[0].prompt_ids == (2,)
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ('{"id": "a", "prompt_ids": []}', "non-empty list"),
+    ('{"id": "a"}', 'missing "prompt_ids"'),
+    ('{"id": "a", "prompt": "hi"}', "needs a checkpoint with a tokenizer"),
+    ('{"id": "a", "prompt_ids": [1]}\n{"id": "a", "prompt_ids": [2]}', "appears twice"),
+    ("[1, 2]", "expected an object"),
+    ("", "no requests"),
+])
+def test_load_prompts_rejects_bad_lines(tmp_path, text, needle):
+    path = tmp_path / "p.jsonl"
+    path.write_text(text + "\n")
+    with pytest.raises(UsageError, match=needle):
+        load_prompts(path, vocab_size=10)
 
 
 def test_queue_admits_at_step_boundaries_and_retires_finished_ones():
@@ -67,13 +74,19 @@ def test_roles_split_the_ping_pong_order_as_the_stage_table_says():
 
     order = ping_pong(3, 2)
     attention, expert = role_steps(order, Role.ATTENTION), role_steps(order, Role.EXPERT)
-    assert len(attention) + len(expert) == len(order)
+    # Per (micro-batch, layer): attention runs attn and post, issues dispatch and waits for combine; the
+    # experts run the other three steps. 3 micro-batches x 2 layers of each.
+    assert {(s.stage, s.phase.value) for s in attention} == {("attn", "run"), ("dispatch", "issue"),
+                                                             ("combine", "wait"), ("post", "run")}
+    assert (len(attention), len(expert)) == (4 * 3 * 2, 3 * 3 * 2)
     assert {s.stage for s in expert} == {"dispatch", "experts", "combine"}
     assert {(s.stage, s.phase.value) for s in expert} == {("dispatch", "wait"), ("experts", "run"),
                                                           ("combine", "issue")}
     # Each role's steps keep the order's relative order.
     assert attention == [s for s in order if s in set(attention)]
-    assert all(stage.role in (Role.ATTENTION, Role.EXPERT) for stage in FORWARD_STAGES)
+    # Every transfer crosses from one role to the other: its WAIT runs on the receiving side.
+    assert {(s.name, s.role, s.to_role) for s in FORWARD_STAGES if s.to_role is not None} == {
+        ("dispatch", Role.ATTENTION, Role.EXPERT), ("combine", Role.EXPERT, Role.ATTENTION)}
 
 
 def test_plan_places_roles_by_rank_and_round_trips():

@@ -190,20 +190,18 @@ def test_check_elastic_layout() -> None:
         eplb.check_elastic_layout(16, 32, 4, 4)
 
 
-def test_layout_errors_name_the_setting() -> None:
-    load = torch.ones(2, 16)
-    cases = [
-        ((load, 12, 1, 1, 4), "num_replicas=12 is below the 16 logical experts"),
-        ((load, 18, 1, 1, 4), "num_replicas=18 does not divide over num_gpus=4"),
-        ((load, 16, 1, 3, 4), "num_gpus=4 does not divide over num_nodes=3"),
-        ((load, 16, 3, 1, 4), "num_groups=3 does not divide"),
-        ((torch.ones(16), 16, 1, 1, 4), r"\[layers, logical_experts\]"),
-        ((-load, 16, 1, 1, 4), "negative"),
-        ((load, 0, 1, 1, 4), "num_replicas=0 must be a positive integer"),
-    ]
-    for args, message in cases:
-        with pytest.raises(UsageError, match=message):
-            eplb.rebalance_experts(*args)
+@pytest.mark.parametrize(("load", "args", "message"), [
+    (torch.ones(2, 16), (12, 1, 1, 4), "num_replicas=12 is below the 16 logical experts"),
+    (torch.ones(2, 16), (18, 1, 1, 4), "num_replicas=18 does not divide over num_gpus=4"),
+    (torch.ones(2, 16), (16, 1, 3, 4), "num_gpus=4 does not divide over num_nodes=3"),
+    (torch.ones(2, 16), (16, 3, 1, 4), "num_groups=3 does not divide"),
+    (torch.ones(16), (16, 1, 1, 4), r"\[layers, logical_experts\]"),
+    (-torch.ones(2, 16), (16, 1, 1, 4), "negative"),
+    (torch.ones(2, 16), (0, 1, 1, 4), "num_replicas=0 must be a positive integer"),
+])
+def test_layout_errors_name_the_setting(load, args, message) -> None:
+    with pytest.raises(UsageError, match=message):
+        eplb.rebalance_experts(load, *args)
 
 
 def test_choose_replicas_is_position_modulo_count() -> None:

@@ -8,6 +8,7 @@ import pytest
 
 from mbridge_epoverlap.config import CommOverlapConfig, ConfigValidationError, Environment, Violation
 from mbridge_epoverlap.config.rules import all_rules
+from tests.unit_tests.requirements import import_or_skip
 from tests.unit_tests.training.conftest import good_model, h100, rules_of
 
 REQUIRED_RULE_IDS = {
@@ -147,12 +148,14 @@ def test_delay_with_te_graphs_needs_te_210_from_core_016(mcore, severity, overla
     assert [(v.rule, v.severity) for v in violations] == [("delay_cuda_graph_te", severity)]
 
 
-def test_graph_scope_spellings(overlap_on, ddp):
-    for scope in ("attn,moe", ["attn", "moe"], [SimpleNamespace(name="attn"), SimpleNamespace(name="moe")]):
-        model = SimpleNamespace(**vars(good_model(cuda_graph_impl="transformer_engine",
-                                                  gradient_accumulation_fusion=True)))
-        model.cuda_graph_scope = scope
-        assert "cuda_graph_moe" in rules_of(overlap_on.validate(model, ddp, h100()))
+@pytest.mark.parametrize("scope", ["attn,moe", ["attn", "moe"], [SimpleNamespace(name="attn"),
+                                                                   SimpleNamespace(name="moe")]],
+                         ids=["string", "names", "enum-like"])
+def test_graph_scope_spellings(overlap_on, ddp, scope):
+    model = SimpleNamespace(**vars(good_model(cuda_graph_impl="transformer_engine",
+                                              gradient_accumulation_fusion=True)))
+    model.cuda_graph_scope = scope
+    assert "cuda_graph_moe" in rules_of(overlap_on.validate(model, ddp, h100()))
 
 
 def test_absent_attributes_take_megatron_core_defaults(ddp):
@@ -173,7 +176,7 @@ def test_none_switches_take_the_model_values(ddp):
 
 
 def test_finalize_raises_with_every_error_and_writes_switches(overlap_on, ddp):
-    with pytest.raises(ConfigValidationError) as info:
+    with pytest.raises(ConfigValidationError, match=r"^2 EP-overlap configuration error\(s\):") as info:
         overlap_on.finalize(good_model(expert_model_parallel_size=1, bf16=False), ddp, h100())
     assert isinstance(info.value, ValueError)
     assert {v.rule for v in info.value.violations} == {"ep_size", "precision"}
@@ -186,7 +189,7 @@ def test_finalize_raises_with_every_error_and_writes_switches(overlap_on, ddp):
 
 def test_finalize_works_on_a_real_transformer_config(ddp):
     """The validated config builds a real Megatron-Core TransformerConfig, which the validator reads back."""
-    pytest.importorskip("megatron.core")
+    import_or_skip("megatron.core", "megatron_core")
     model = good_model()
     CommOverlapConfig(overlap_moe_expert_parallel_comm=True).finalize(model, ddp, h100())
     real = model.to_transformer_config()
@@ -199,11 +202,15 @@ def test_finalize_works_on_a_real_transformer_config(ddp):
 def test_environment_versions_and_catalog():
     env = Environment.for_gpu("B200", te_version="2.10.0rc1")
     assert env.compute_capability == (10, 0) and env.gpu_name.startswith("NVIDIA B200")
-    for name in ("a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300", "vr200", "r100", "H100"):
-        assert Environment.for_gpu(name).has_gpu
     with pytest.raises(ValueError, match="unknown GPU 'v100'.*known: a100"):
         Environment.for_gpu("v100")
     with pytest.raises(ValueError, match="te_version"):
         Environment(te_version="two point nine")
     detected = Environment.detect()
     assert detected.torch_version is not None and detected.te_version is None  # CPU machine without TE
+
+
+@pytest.mark.parametrize("name", ["a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300", "vr200",
+                                  "r100", "H100"])
+def test_every_catalog_gpu_is_a_gpu(name):
+    assert Environment.for_gpu(name).has_gpu

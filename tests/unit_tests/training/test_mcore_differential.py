@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from importlib import metadata
 
-import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-transformer_config = pytest.importorskip("megatron.core.transformer.transformer_config")
+from tests.unit_tests.requirements import import_or_skip
+
+transformer_config = import_or_skip("megatron.core.transformer.transformer_config", "megatron_core")
 
 from mbridge_epoverlap.config import Environment  # noqa: E402
 from mbridge_epoverlap.config.fuzz import compare  # noqa: E402

@@ -23,6 +23,7 @@ from mbridge_epoverlap.config import (
 )
 from mbridge_epoverlap.config.container import DDPConfig
 from mbridge_epoverlap.config.environment import GpuProbeError
+from tests.unit_tests.requirements import import_or_skip
 from tests.unit_tests.training.conftest import good_model, rules_of
 
 UPSTREAM_CORE = "0.20.0"
@@ -118,7 +119,7 @@ def test_delay_wgrad_cuda_graph_attn_validation_passes_with_supported_settings()
 
 def _real_config_with_scope(scope: list[str]):
     """A real installed-release TransformerConfig whose graph scope is set the pre-0.18 way."""
-    pytest.importorskip("megatron.core")
+    import_or_skip("megatron.core", "megatron_core")
     real = good_model(num_moe_experts=8).to_transformer_config()
     real.cuda_graph_impl = "transformer_engine"
     real.cuda_graph_scope = list(scope)
@@ -195,7 +196,7 @@ def test_apply_flex_dispatcher_backend_overrides_existing_configs_for_moe_model(
 def test_apply_flex_dispatcher_backend_preserves_cuda_probe_errors(monkeypatch):
     """Mirrors test_apply_flex_dispatcher_backend_preserves_cuda_probe_errors. Fake (no GPU here): CUDA reports
     itself available and the device query fails, as a broken driver does."""
-    torch = pytest.importorskip("torch")
+    import torch
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("CUDA initialization failed")
@@ -208,7 +209,7 @@ def test_apply_flex_dispatcher_backend_preserves_cuda_probe_errors(monkeypatch):
     with pytest.raises(GpuProbeError, match="CUDA probe.*CUDA initialization failed"):
         apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="deepep")
     assert model.moe_token_dispatcher_type == "alltoall"  # never switched unchecked
-    with pytest.raises(GpuProbeError):
+    with pytest.raises(GpuProbeError, match=r"CUDA probe.*CUDA initialization failed; fix the CUDA setup.*-g/--gpu"):
         validate_flex_dispatcher_backend(SimpleNamespace(moe_token_dispatcher_type="flex",
                                                          moe_flex_dispatcher_backend="deepep"))
     violations = CommOverlapConfig().validate(good_model(moe_token_dispatcher_type="flex",
