@@ -25,8 +25,11 @@ def _done_then_rank_1_fails(rank: int) -> list[str]:
 
 
 def test_launcher_survives_only_expendable_ranks():
-    def command(rank):  # rank 2 fails, the others succeed after it
-        return [sys.executable, "-c", f"import sys, time; time.sleep(0.3); sys.exit({1 if rank == 2 else 0})"]
+    def command(rank):  # rank 2 fails, the others succeed after it (the launcher's timeout bounds their wait)
+        if rank == 2:
+            return [sys.executable, "-c", "open('{workdir}/failing', 'w').close(); import sys; sys.exit(1)"]
+        return [sys.executable, "-c",
+                "import os, time\nwhile not os.path.exists('{workdir}/failing'): time.sleep(0.05)"]
 
     result = launch_processes(3, command, collect=lambda workdir: {}, expendable=[2], timeout_s=60)
     assert result["lost_ranks"] == [2]
@@ -35,15 +38,20 @@ def test_launcher_survives_only_expendable_ranks():
 
 
 def test_launcher_replaces_a_lost_expendable_rank_once(tmp_path):
+    gen = str(tmp_path / "gen")
+
     def command(rank):  # rank 1 fails at first; its replacement writes a file and succeeds
-        return [sys.executable, "-c", f"import sys, time; time.sleep(0.2); sys.exit({3 if rank == 1 else 0})"]
+        if rank == 1:
+            return [sys.executable, "-c", "import sys; sys.exit(3)"]
+        # Rank 0 runs until the replacement wrote its file (the launcher's timeout bounds the wait): rank 1
+        # fails while a rank that is not expendable still runs, which is when the launcher replaces it.
+        return [sys.executable, "-c", f"import os, time\nwhile not os.path.exists({gen!r}): time.sleep(0.05)"]
 
     def replacement(rank, generation):
-        return [sys.executable, "-c", f"open({str(tmp_path / 'gen')!r}, 'w').write('{generation}')"]
+        return [sys.executable, "-c", f"open({gen!r}, 'w').write('{generation}')"]
 
     started: list[int] = []
-    result = launch_processes(2, lambda rank: command(rank) if rank == 1 else [sys.executable, "-c",
-                              "import time; time.sleep(2)"], collect=lambda workdir: {}, expendable=[1],
+    result = launch_processes(2, command, collect=lambda workdir: {}, expendable=[1],
                               respawn=replacement, on_start=started.extend, timeout_s=60)
     assert result["lost_ranks"] == [1]
     assert (tmp_path / "gen").read_text() == "1" and len(started) == 3
@@ -51,9 +59,8 @@ def test_launcher_replaces_a_lost_expendable_rank_once(tmp_path):
 
 @pytest.mark.parametrize("activity", ["serving", "training"])
 def test_a_failure_after_the_work_names_what_the_processes_did(activity):
-    with pytest.raises(RunFailedError) as failure:
+    with pytest.raises(RunFailedError, match=rf"rank 1 failed with exit code 1 \(after {activity}\)"):
         launch_processes(2, _done_then_rank_1_fails, activity=activity, timeout_s=60)
-    assert f"rank 1 failed with exit code 1 (after {activity})" in str(failure.value)
 
 
 def test_serving_workers_fail_after_serving_not_after_training(monkeypatch):
@@ -68,11 +75,9 @@ def test_serving_workers_fail_after_serving_not_after_training(monkeypatch):
     monkeypatch.setattr(launch, "launch_processes",
                         lambda world, command_for, **kwargs: real(world, _done_then_rank_1_fails, **kwargs))
     plan = make_plan(load_spec("qwen3_30b_a3b"), [Request("p0", (1, 2, 3))], max_new_tokens=2, timeout_s=5)
-    with pytest.raises(EngineFailed) as failure:
+    with pytest.raises(EngineFailed, match=r"\(rank 1\) failed with exit code 1 \(after serving\)") as failure:
         run_engine(plan, run_timeout_s=60)
-    message = str(failure.value)
-    assert "(rank 1) failed with exit code 1 (after serving)" in message
-    assert "after training" not in message
+    assert "after training" not in str(failure.value)
 
 
 def test_training_ranks_fail_after_training(monkeypatch):
