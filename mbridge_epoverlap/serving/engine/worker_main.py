@@ -1,6 +1,6 @@
 """One serving worker process: `python -m mbridge_epoverlap.serving.engine.worker_main --plan PLAN.json --out DIR`.
 
-Started by the engine through the training runtime's launcher (`runtime.launch.launch_processes`):
+Started by the engine through the process supervisor (`launch.launch_processes`):
 rank and world from `RANK`/`WORLD_SIZE` (or Slurm's variables), rendezvous at `MASTER_ADDR`/`MASTER_PORT`
 (one TCP store for the M2N rendezvous and the gloo group), heartbeats in the launcher's directory.
 Each rank writes `DIR/rank<R>.json`: its completions (attention), its stage times and counters. On a
