@@ -10,7 +10,7 @@ from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.costs import check_duration, serving_costs, training_costs
-from mbridge_epoverlap.schedule.resources import COLOCATED, DISAGGREGATED, TRAINING
+from mbridge_epoverlap.schedule.resources import COLOCATED_RESOURCES, DISAGGREGATED_RESOURCES, TRAINING
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, two_batch_overlap
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.timeline import Timeline
@@ -109,5 +109,5 @@ def simulate_schedule(
         return simulate(steps, costs, TRAINING)
     costs = serving_costs(t_attn, t_expert, t_comm, t_post=t_post)
     if schedule == "pingpong":
-        return simulate(ping_pong(m, layers), costs, DISAGGREGATED)
-    return simulate(two_batch_overlap(m, layers), costs, COLOCATED)
+        return simulate(ping_pong(m, layers), costs, DISAGGREGATED_RESOURCES)
+    return simulate(two_batch_overlap(m, layers), costs, COLOCATED_RESOURCES)

@@ -49,7 +49,7 @@ class Resources:
 
 # Training (combined 1F1B) and colocated serving: one compute stream, one comm channel.
 TRAINING = Resources()
-COLOCATED = Resources()
+COLOCATED_RESOURCES = Resources()
 # Training with the backward all-to-alls on a channel of their own (the CPU runtime's default): a forward
 # collective never queues behind a backward one, nor the other way round.
 TRAINING_TWO_CHANNELS = Resources(channels={stage.name: "comm_bwd" for stage in BACKWARD_STAGES
@@ -74,4 +74,4 @@ def _disaggregated() -> Resources:
     return Resources(default_stream=Role.ATTENTION.value, streams=streams, channels=channels)
 
 
-DISAGGREGATED = _disaggregated()
+DISAGGREGATED_RESOURCES = _disaggregated()

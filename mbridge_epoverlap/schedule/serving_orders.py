@@ -3,7 +3,7 @@
 Decode runs only the forward program of each layer: attn | dispatch | experts | combine | post.
 Every ordering here is a plain list of `Step`s, valid under `check_schedule`, that the runtime can
 execute and the simulator can time; which worker runs a step is a separate `Resources` mapping
-(`COLOCATED` or `DISAGGREGATED`).
+(`COLOCATED_RESOURCES` or `DISAGGREGATED_RESOURCES`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def ping_pong(num_micro_batches: int, num_layers: int) -> list[Step]:
     Per layer the attention worker handles micro-batches 0..m-1 in turn, each sent to the experts as
     soon as its attention finished; the expert worker handles them in the same order and sends each
     back. While micro-batch i is on the expert side (or in flight), the attention worker computes
-    the others, which is what hides the M2N transfers. Run it with `DISAGGREGATED` resources.
+    the others, which is what hides the M2N transfers. Run it with `DISAGGREGATED_RESOURCES` resources.
 
     Args:
         num_micro_batches: micro-batches in flight (m >= 1); m = 1 is the no-overlap baseline.
@@ -77,7 +77,7 @@ def two_batch_overlap(num_micro_batches: int, num_layers: int) -> list[Step]:
 
     Micro-batches advance segment by segment in turn, micro-batch i+1 one segment behind micro-batch
     i: while one waits for its dispatch or combine, the other computes. With more than two
-    micro-batches the same round-robin applies. Run it with `COLOCATED` resources.
+    micro-batches the same round-robin applies. Run it with `COLOCATED_RESOURCES` resources.
 
     Args:
         num_micro_batches: micro-batches interleaved (m >= 1; 2 is the usual choice).

@@ -43,7 +43,7 @@ def simulate(
         steps: the schedule, e.g. `one_f_one_b(...)`, `ping_pong(...)` or `two_batch_overlap(...)`.
         costs: `stage name -> duration` or `Step -> duration`, all in one time unit.
         resources: which stream runs each step and which channel carries each collective
-            (`TRAINING`/`COLOCATED` for one GPU, `DISAGGREGATED` for attention and expert workers).
+            (`TRAINING`/`COLOCATED_RESOURCES` for one GPU, `DISAGGREGATED_RESOURCES` for attention and expert workers).
         validate: check the schedule with `check_schedule` first (a schedule that fails it has no
             meaningful timing).
 

@@ -1,8 +1,8 @@
 """The replay: the stage times the workers measured, fed to the simulator with the order the engine ran.
 
 `stage_times_ms` turns the workers' reports into one cost per stage of the stage table, `replay` times
-the engine's order with those costs (`ping_pong` over `DISAGGREGATED` resources, or the colocated order
-over `COLOCATED`) and gives a predicted step time, throughput and per-role utilization, and
+the engine's order with those costs (`ping_pong` over `DISAGGREGATED_RESOURCES`, or the colocated order
+over `COLOCATED_RESOURCES`) and gives a predicted step time, throughput and per-role utilization, and
 `measured_utilization` is the measured counterpart of the last.
 
 The transfer time comes from the fastest round trips (dispatch issued -> combine received): slower
@@ -55,8 +55,7 @@ def stage_times_ms(readers: Sequence[dict[str, Any]], holders: Sequence[dict[str
 
 def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float) -> dict[str, Any]:
     """Feed measured stage times to the simulator: predicted step time, throughput and utilization."""
-    from mbridge_epoverlap.schedule.resources import COLOCATED as COLOCATED_RESOURCES
-    from mbridge_epoverlap.schedule.resources import DISAGGREGATED
+    from mbridge_epoverlap.schedule.resources import COLOCATED_RESOURCES, DISAGGREGATED_RESOURCES
     from mbridge_epoverlap.schedule.serving_orders import COLOCATED_ORDERS, ping_pong
     from mbridge_epoverlap.schedule.simulator import simulate
 
@@ -64,7 +63,7 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
     if plan.mode == COLOCATED:
         steps, resources = COLOCATED_ORDERS[plan.order](plan.micro_batches, spec.num_layers), COLOCATED_RESOURCES
     else:
-        steps, resources = None, DISAGGREGATED
+        steps, resources = None, DISAGGREGATED_RESOURCES
 
     def cost(step: Any) -> float:
         # Dense layers have no routed experts and move nothing (layers number on across decode steps).

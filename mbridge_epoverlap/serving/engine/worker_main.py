@@ -81,13 +81,21 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
         if queue is not None:
             queue.start = started
         worker.run()
-        payload["wall_s"] = time.monotonic() - started
+    _finish(worker, queue, payload, state, beat, started)
+    dist.destroy_process_group()
+    return EXIT_OK
+
+
+def _finish(worker: Worker, queue: Any, payload: dict[str, Any], state: dict[str, Any], beat: Any,
+            started: float) -> None:
+    """After a worker's run: its wall time and report written, its heartbeat done, its channels closed."""
+    from mbridge_epoverlap.launch import heartbeat as hb
+
+    payload["wall_s"] = time.monotonic() - started
     payload.update(_report(worker, queue))
     _write(state["out"], payload)
     beat.beat(worker.decode_steps, 0, hb.DONE)
     worker.close()
-    dist.destroy_process_group()
-    return EXIT_OK
 
 
 def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement: Any, queue: Any, store: Any,
@@ -233,11 +241,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
         state["worker"] = worker
         joined = time.monotonic()
         worker.run()
-        payload["wall_s"] = time.monotonic() - joined
-    payload.update(_report(worker, None))
-    _write(state["out"], payload)
-    beat.beat(worker.decode_steps, 0, hb.DONE)
-    worker.close()
+    _finish(worker, None, payload, state, beat, joined)
     return EXIT_OK
 
 

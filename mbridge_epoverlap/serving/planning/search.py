@@ -510,7 +510,7 @@ def simulate_deployment(result: Deployment) -> Timeline:
         The timeline, in milliseconds.
     """
     from mbridge_epoverlap.schedule.costs import serving_costs
-    from mbridge_epoverlap.schedule.resources import DISAGGREGATED
+    from mbridge_epoverlap.schedule.resources import DISAGGREGATED_RESOURCES
     from mbridge_epoverlap.schedule.serving_orders import ping_pong
     from mbridge_epoverlap.schedule.simulator import simulate
 
@@ -518,4 +518,4 @@ def simulate_deployment(result: Deployment) -> Timeline:
         raise UsageError(f"only disaggregated plans run the ping-pong schedule; this one is {result.deployment}")
     layers = get_model(result.model).moe_layers
     costs = serving_costs(result.t_attn_ms, result.t_expert_ms, result.t_comm_ms)
-    return simulate(ping_pong(result.m, layers), costs, DISAGGREGATED)
+    return simulate(ping_pong(result.m, layers), costs, DISAGGREGATED_RESOURCES)

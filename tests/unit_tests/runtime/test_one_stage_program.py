@@ -15,7 +15,7 @@ import torch
 from mbridge_epoverlap.moe.wgrad import WeightGradStore
 from mbridge_epoverlap.runtime.executor import ScheduleExecutor
 from mbridge_epoverlap.schedule.program import STAGES, Direction, Phase, Step, predecessors
-from mbridge_epoverlap.schedule.resources import COLOCATED, DISAGGREGATED, TRAINING
+from mbridge_epoverlap.schedule.resources import COLOCATED_RESOURCES, DISAGGREGATED_RESOURCES, TRAINING
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, sequential, two_batch_overlap
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.training_orders import one_f_one_b
@@ -26,11 +26,11 @@ LAYERS = 2
 SCHEDULES = {
     "1f1b": (lambda: one_f_one_b(3, LAYERS, overlap=False), TRAINING),
     "combined_1f1b_delayed": (lambda: one_f_one_b(3, LAYERS, overlap=True, delay_wgrad=True), TRAINING),
-    "ping_pong_m1": (lambda: ping_pong(1, LAYERS), DISAGGREGATED),
-    "ping_pong_m2": (lambda: ping_pong(2, LAYERS), DISAGGREGATED),
-    "ping_pong_m3": (lambda: ping_pong(3, LAYERS), DISAGGREGATED),
-    "two_batch_overlap": (lambda: two_batch_overlap(2, LAYERS), COLOCATED),
-    "sequential": (lambda: sequential(2, LAYERS), COLOCATED),
+    "ping_pong_m1": (lambda: ping_pong(1, LAYERS), DISAGGREGATED_RESOURCES),
+    "ping_pong_m2": (lambda: ping_pong(2, LAYERS), DISAGGREGATED_RESOURCES),
+    "ping_pong_m3": (lambda: ping_pong(3, LAYERS), DISAGGREGATED_RESOURCES),
+    "two_batch_overlap": (lambda: two_batch_overlap(2, LAYERS), COLOCATED_RESOURCES),
+    "sequential": (lambda: sequential(2, LAYERS), COLOCATED_RESOURCES),
 }
 
 

@@ -12,7 +12,7 @@ from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.costs import serving_costs
 from mbridge_epoverlap.schedule.presets import min_micro_batches, ping_pong_makespan
 from mbridge_epoverlap.schedule.program import check_schedule
-from mbridge_epoverlap.schedule.resources import COLOCATED, DISAGGREGATED
+from mbridge_epoverlap.schedule.resources import COLOCATED_RESOURCES, DISAGGREGATED_RESOURCES
 from mbridge_epoverlap.schedule.serving_orders import ping_pong, sequential, two_batch_overlap
 from mbridge_epoverlap.schedule.simulator import simulate
 
@@ -22,7 +22,7 @@ layers = st.integers(min_value=1, max_value=5)
 
 
 def _pingpong(t_a: float, t_e: float, t_c: float, m: int, num_layers: int) -> float:
-    return simulate(ping_pong(m, num_layers), serving_costs(t_a, t_e, t_c), DISAGGREGATED).makespan
+    return simulate(ping_pong(m, num_layers), serving_costs(t_a, t_e, t_c), DISAGGREGATED_RESOURCES).makespan
 
 
 @settings(max_examples=60, deadline=None, database=None)
@@ -73,10 +73,10 @@ def test_fast_links_need_three_micro_batches_slow_links_four():
 
 
 def test_ping_pong_keeps_both_workers_busy_once_full():
-    timeline = simulate(ping_pong(3, 8), serving_costs(1.0, 1.0, 0.2), DISAGGREGATED)
+    timeline = simulate(ping_pong(3, 8), serving_costs(1.0, 1.0, 0.2), DISAGGREGATED_RESOURCES)
     utilization = timeline.utilization()
     assert utilization["attention"] > 0.9 and utilization["expert"] > 0.9
-    single = simulate(ping_pong(1, 8), serving_costs(1.0, 1.0, 0.2), DISAGGREGATED)
+    single = simulate(ping_pong(1, 8), serving_costs(1.0, 1.0, 0.2), DISAGGREGATED_RESOURCES)
     assert single.utilization()["attention"] < 0.5
 
 
@@ -96,8 +96,8 @@ def test_ping_pong_orders_each_worker_by_micro_batch_within_a_layer():
 
 def test_two_batch_overlap_hides_communication_on_one_gpu():
     costs = serving_costs(1.0, 1.0, 0.5)
-    overlapped = simulate(two_batch_overlap(2, 4), costs, COLOCATED)
-    serial = simulate(sequential(2, 4), costs, COLOCATED)
+    overlapped = simulate(two_batch_overlap(2, 4), costs, COLOCATED_RESOURCES)
+    serial = simulate(sequential(2, 4), costs, COLOCATED_RESOURCES)
     compute = sum(e.duration for e in serial.events if e.resource == "compute")
     assert serial.makespan == pytest.approx(compute + 2 * 4 * 2 * 0.5)
     assert compute <= overlapped.makespan < serial.makespan
@@ -108,14 +108,14 @@ def test_two_batch_overlap_hides_communication_on_one_gpu():
 @given(t_a=times, t_e=times, t_c=times, num_layers=layers)
 def test_two_batch_overlap_never_slower_than_serial(t_a, t_e, t_c, num_layers):
     costs = serving_costs(t_a, t_e, t_c)
-    overlapped = simulate(two_batch_overlap(2, num_layers), costs, COLOCATED).makespan
-    serial = simulate(sequential(2, num_layers), costs, COLOCATED).makespan
+    overlapped = simulate(two_batch_overlap(2, num_layers), costs, COLOCATED_RESOURCES).makespan
+    serial = simulate(sequential(2, num_layers), costs, COLOCATED_RESOURCES).makespan
     assert overlapped <= serial * (1 + 1e-12)
     assert overlapped >= 2 * num_layers * (t_a + t_e) * (1 - 1e-12)
 
 
 def test_two_batch_overlap_with_free_communication_is_pure_compute():
-    timeline = simulate(two_batch_overlap(2, 3), serving_costs(1.0, 2.0, 0.0), COLOCATED)
+    timeline = simulate(two_batch_overlap(2, 3), serving_costs(1.0, 2.0, 0.0), COLOCATED_RESOURCES)
     assert timeline.makespan == pytest.approx(2 * 3 * 3.0)
 
 

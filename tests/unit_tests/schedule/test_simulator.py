@@ -7,7 +7,7 @@ import pytest
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.costs import serving_costs, training_costs
 from mbridge_epoverlap.schedule.program import forward_steps, issue, run, wait
-from mbridge_epoverlap.schedule.resources import DISAGGREGATED, TRAINING, Resources
+from mbridge_epoverlap.schedule.resources import DISAGGREGATED_RESOURCES, TRAINING, Resources
 from mbridge_epoverlap.schedule.serving_orders import ping_pong
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.training_orders import one_f_one_b
@@ -77,7 +77,7 @@ def test_collective_starts_only_once_its_input_is_ready():
 
 
 def test_disaggregated_mapping_puts_stages_on_workers_and_links():
-    timeline = simulate(ping_pong(2, 1), COSTS, DISAGGREGATED)
+    timeline = simulate(ping_pong(2, 1), COSTS, DISAGGREGATED_RESOURCES)
     where = {(e.stage, e.resource) for e in timeline.events}
     assert where == {
         ("attn", "attention"),
@@ -105,7 +105,7 @@ def test_utilization_and_idle_add_up():
 
 
 def test_summary_is_one_line_naming_every_resource():
-    timeline = simulate(ping_pong(3, 2), COSTS, DISAGGREGATED)
+    timeline = simulate(ping_pong(3, 2), COSTS, DISAGGREGATED_RESOURCES)
     line = timeline.summary()
     assert "\n" not in line
     for name in ("makespan", "attention", "expert", "link_a2e", "link_e2a"):

@@ -8,7 +8,7 @@ from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.schedule.costs import serving_costs, training_costs
 from mbridge_epoverlap.schedule.gantt import save_gantt
 from mbridge_epoverlap.schedule.presets import simulate_schedule
-from mbridge_epoverlap.schedule.resources import DISAGGREGATED
+from mbridge_epoverlap.schedule.resources import DISAGGREGATED_RESOURCES
 from mbridge_epoverlap.schedule.serving_orders import ping_pong
 from mbridge_epoverlap.schedule.simulator import simulate
 from mbridge_epoverlap.schedule.timeline import Event, Timeline, intersect, union
@@ -37,7 +37,7 @@ def test_busy_time_is_a_union_not_a_sum():
 
 
 def test_to_dict_has_the_cli_keys():
-    out = simulate(ping_pong(2, 2), serving_costs(1, 1, 0.2), DISAGGREGATED).to_dict()
+    out = simulate(ping_pong(2, 2), serving_costs(1, 1, 0.2), DISAGGREGATED_RESOURCES).to_dict()
     assert {"makespan", "utilization", "idle", "busy", "exposed_comm", "resources"} <= set(out)
     assert set(out["utilization"]) == {"attention", "expert", "link_a2e", "link_e2a"}
 
