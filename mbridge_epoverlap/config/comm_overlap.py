@@ -15,7 +15,7 @@ from typing import Any
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.model import model_attr
 from mbridge_epoverlap.config.rules import RuleContext, RunShape, evaluate
-from mbridge_epoverlap.config.versions import core_rules
+from mbridge_epoverlap.config.versions import bridge_rules, core_rules
 from mbridge_epoverlap.config.violations import ConfigValidationError, Violation, errors_of
 from mbridge_epoverlap.fields import get_field, set_field
 
@@ -85,6 +85,7 @@ class CommOverlapConfig:
             env=env,
             core=core_rules(env.mcore_version),
             run=run,
+            bridge=bridge_rules(env.bridge_version),
         )
         return evaluate(ctx)
 

@@ -46,6 +46,8 @@ MCORE_DEFAULTS: dict[str, Any] = {
     "delay_wgrad_compute": False,
     "ep_overlap_early_attn_memory_release": False,
     "overlap_dispatch_backward_with_experts_wgrad": False,
+    "fine_grained_activation_offloading": False,
+    "offload_modules": None,
 }
 
 _MISSING = object()
@@ -122,6 +124,9 @@ class MoEModelConfig:
     cuda_graph_scope: list[str] = field(default_factory=list)
     # Fusions
     gradient_accumulation_fusion: bool = False
+    # Activation offloading (Megatron-Core >= 0.17)
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[str] | None = None
     # EP overlap (mirrored from comm_overlap when the config is finalized)
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False

@@ -117,8 +117,8 @@ def string_list(text: str) -> list[str]:
 def flex_backend(text: str) -> str | None:
     if text in ("None", "none"):
         return None
-    if text not in ("deepep", "hybridep"):
-        raise argparse.ArgumentTypeError(f"expected deepep, hybridep or None, got {text!r}")
+    if text not in ("deepep", "hybridep", "ncclep"):
+        raise argparse.ArgumentTypeError(f"expected deepep, hybridep, ncclep or None, got {text!r}")
     return text
 
 
@@ -237,8 +237,8 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     model.add_argument("--cuda_graph_scope", type=graph_scopes, default=UNSET,
                        help=f"comma-separated: {', '.join(CUDA_GRAPH_SCOPES)}; or none")
     model.add_argument("--moe_flex_dispatcher_backend", type=flex_backend, default=UNSET,
-                       metavar="{deepep,hybridep,None}",
-                       help="deepep or hybridep switch the dispatcher to flex where the GPU supports it (an "
+                       metavar="{deepep,hybridep,ncclep,None}",
+                       help="deepep, hybridep or ncclep switch the dispatcher to flex where the GPU supports it (an "
                             "unsupported GPU is a validation error, never a silent fallback); None keeps alltoall")
     model.add_argument("--moe_a2a_overlap", type=bool_arg, default=UNSET, metavar="{true,false}",
                        help="sets comm_overlap.overlap_moe_expert_parallel_comm only: false really turns EP overlap "

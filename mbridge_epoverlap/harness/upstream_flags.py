@@ -152,7 +152,7 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
     F('--activation_offload_layers', '-ol', 'value', 'int', None, 'job'),
     F('--recompute_modules', None, 'value', 'list_of_strings', None, 'harness'),
     F('--moe_flex_dispatcher_backend', None, 'value', 'none_or_str', -1, 'harness',
-      choices=('deepep', 'hybridep', None)),
+      choices=('deepep', 'hybridep', 'ncclep', None)),
     F('--deterministic', None, 'switch', None, False, 'job'),
     F('--wandb_key', '-wdk', 'value', 'str', None, 'job'),
     F('--wandb_project_name', '-wdp', 'value', 'str', None, 'job'),

@@ -68,6 +68,7 @@ def _delay_te_grad_accum(ctx: RuleContext) -> Violation | None:
 
 @rule("delay_cuda_graph_te", "delay_wgrad", "Megatron-Core >= 0.16",
       "delay_wgrad with transformer_engine CUDA graphs needs TE >= 2.10.0",
+      versions="Megatron-Core >= 0.16 (0.15: a warning)",
       symptom=f"{MCORE_ASSERT} from Megatron-Core 0.16 on (Transformer Engine version)",
       cause="TE graphs before 2.10 cannot replay a layer whose weight gradients run later",
       where="`--te-version`, `--cuda_graph_impl`",
@@ -152,6 +153,7 @@ def _delay_graph_attn_bias(ctx: RuleContext) -> Violation | None:
 
 
 @rule("delay_legacy_grouped_gemm", "delay_wgrad", "Megatron-Core 0.15-0.16", "not with moe_use_legacy_grouped_gemm",
+      versions="Megatron-Core 0.15-0.16",
       symptom=f"{MCORE_ASSERT} about moe_use_legacy_grouped_gemm (Megatron-Core 0.15-0.16)",
       cause="the legacy grouped GEMM has no separate weight-gradient step",
       where="`model.moe_use_legacy_grouped_gemm`, `--mcore-version`",

@@ -2,7 +2,8 @@
 
 Each test names the upstream test it mirrors (NVIDIA-NeMo/Megatron-Bridge `tests/unit_tests/training/
 test_comm_overlap.py`, `test_deepep.py`). Upstream checks for Megatron-Core 0.20 (what its HEAD pins), so
-the environment here is 0.20 unless a case is about an older release. Where upstream patches the GPU
+the environment here is 0.20 and Megatron-Bridge main unless a case is about an older release (the NCCL EP
+cases are the 0.6.2 wheel's, whose main has no ncclep yet). Where upstream patches the GPU
 probe, these tests describe the GPU through `Environment.for_gpu` (the catalog), or fake only the CUDA
 calls a CPU machine cannot make, named as such.
 """
@@ -28,8 +29,9 @@ from tests.unit_tests.training.conftest import good_model, rules_of
 UPSTREAM_CORE = "0.20.0"
 
 
-def env(te: str | None = "2.18.0", mcore: str | None = UPSTREAM_CORE, gpu: str = "h100") -> Environment:
-    return Environment.for_gpu(gpu, te_version=te, torch_version="2.13.0", mcore_version=mcore)
+def env(te: str | None = "2.18.0", mcore: str | None = UPSTREAM_CORE, gpu: str = "h100",
+        bridge: str = "main") -> Environment:
+    return Environment.for_gpu(gpu, te_version=te, torch_version="2.13.0", mcore_version=mcore, bridge_version=bridge)
 
 
 def minimal_moe(**changes):
@@ -256,6 +258,18 @@ def test_none_backend_override_falls_back_to_alltoall():
     assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("alltoall", None)
 
 
+def test_none_backend_is_an_error_before_launch_on_bridge_06():
+    """Megatron-Bridge 0.6.2 has no fallback (#5740 is main only): the job would stop at model build."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=None)
+    with pytest.raises(ValueError, match="Invalid backend: None"):
+        validate_flex_dispatcher_backend(model, env(bridge="0.6.2"))
+    assert model.moe_token_dispatcher_type == "flex"
+    violations = CommOverlapConfig().validate(good_model(moe_token_dispatcher_type="flex"), None, env(bridge="0.6.2"))
+    assert [(v.rule, v.severity) for v in violations] == [("flex_without_backend", "error")]
+    violations = CommOverlapConfig().validate(good_model(moe_token_dispatcher_type="flex"), None, env())
+    assert [(v.rule, v.severity) for v in violations] == [("flex_without_backend", "warning")]
+
+
 @pytest.mark.parametrize(("backend", "gpu_env"), [
     ("deepep", Environment.for_gpu("gb200")),
     ("hybridep", Environment(gpu_name="NVIDIA X200", compute_capability=(11, 0))),
@@ -305,3 +319,67 @@ def test_apply_without_cuda_sets_flex_unchecked():
     model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
     apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="hybridep", env=Environment(torch_version="2.13"))
     assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", "hybridep")
+
+
+# ---- the 0.6.2 wheel's NCCL EP gate (flex_dispatcher_backend.py: Hopper and Blackwell) ---------------------
+
+
+@pytest.mark.parametrize(("gpu", "ok"), [("h100", True), ("h200", True), ("b200", True), ("gb200", True),
+                                         ("gb300", True), ("a100", False), ("l40s", False)])
+def test_ncclep_is_gated_to_hopper_and_blackwell(gpu, ok):
+    """validate_flex_dispatcher_backend raises "NCCL EP is supported for Hopper and Blackwell GPUs" elsewhere;
+    apply_flex_dispatcher_backend warns and falls back."""
+    bridge = env(gpu=gpu, bridge="0.6.2")
+    model = SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    applied = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=True)
+    if ok:
+        validate_flex_dispatcher_backend(model, bridge)
+        apply_flex_dispatcher_backend(applied, "ncclep", env=bridge)
+        assert (applied.moe_token_dispatcher_type, applied.moe_flex_dispatcher_backend) == ("flex", "ncclep")
+    else:
+        with pytest.raises(ValueError, match="Hopper and Blackwell"):
+            validate_flex_dispatcher_backend(model, bridge)
+        with pytest.warns(FlexDispatcherWarning, match="falling back"):
+            apply_flex_dispatcher_backend(applied, "ncclep", env=bridge)
+        assert (applied.moe_token_dispatcher_type, applied.moe_flex_dispatcher_backend) == ("alltoall", None)
+    model_cfg = good_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    assert bool(rules_of(CommOverlapConfig().validate(model_cfg, None, bridge), "error")) is not ok
+
+
+def test_ncclep_is_not_a_backend_on_bridge_main():
+    """Megatron-Bridge main (067f987) warns "Not a valid flex dispatcher backend" and leaves the dispatcher."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
+    with pytest.warns(FlexDispatcherWarning, match="not one of deepep, hybridep"):
+        apply_flex_dispatcher_backend(model, "ncclep", env=env())
+    assert model.moe_token_dispatcher_type == "alltoall"
+
+
+@pytest.mark.parametrize(("mcore", "rejected"), [("0.18.0", True), ("0.19.0", False), (UPSTREAM_CORE, False)])
+def test_ncclep_needs_core_019(mcore, rejected):
+    model = good_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    errors = rules_of(CommOverlapConfig().validate(model, None, env(mcore=mcore, bridge="0.6.2")), "error")
+    assert errors == ({"flex_backend_gpu"} if rejected else set())
+
+
+def test_ncclep_overlap_rejects_expert_fc1_offload():
+    """Megatron-Core 0.19 TransformerConfig: "overlap_moe_expert_parallel_comm with ncclep does not support
+    offloading 'expert_fc1'"; other modules, or no fine-grained offloading, pass."""
+    bridge = env(bridge="0.6.2")
+    model = minimal_moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep",
+                        fine_grained_activation_offloading=True, offload_modules=["expert_fc1", "moe_act"])
+    assert rules_of(OVERLAP.validate(model, DDPConfig(), bridge), "error") == {"ncclep_offload_expert_fc1"}
+    model.offload_modules = ["moe_act"]
+    assert OVERLAP.validate(model, DDPConfig(), bridge) == []
+    model.offload_modules, model.fine_grained_activation_offloading = ["expert_fc1"], False
+    assert OVERLAP.validate(model, DDPConfig(), bridge) == []
+    model.fine_grained_activation_offloading = True
+    assert OVERLAP.validate(model, DDPConfig(), env(mcore="0.18.0", bridge="0.6.2")) != []  # ncclep unknown there
+    assert "ncclep_offload_expert_fc1" not in rules_of(OVERLAP.validate(model, DDPConfig(),
+                                                                         env(mcore="0.18.0", bridge="0.6.2")))
+
+
+def test_ncclep_names_the_flex_dispatcher():
+    """Megatron-Core 0.19: "moe_flex_dispatcher_backend='ncclep' requires moe_token_dispatcher_type='flex'"."""
+    model = good_model(moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend="ncclep")
+    assert rules_of(CommOverlapConfig().validate(model, None, env(bridge="0.6.2")), "error") == {"ncclep_needs_flex"}
+    assert CommOverlapConfig().validate(model, None, env(mcore="0.18.0", bridge="0.6.2")) == []
