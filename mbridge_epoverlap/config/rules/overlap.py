@@ -426,3 +426,25 @@ def _ncclep_offload_expert_fc1(ctx: RuleContext) -> Violation | None:
                      f"{modules} with fine_grained_activation_offloading)",
                      f"model.offload_modules=[{','.join(kept)}], or model.fine_grained_activation_offloading=false, "
                      f"or {OVERLAP_KEY}=false")
+
+
+@rule("model_switch_overwritten", "always", "Megatron-Bridge",
+      "an EP switch set on the model only is overwritten with False (set it in comm_overlap)",
+      symptom="the job runs without the EP overlap or delayed wgrad the model config asked for, and no error says so",
+      cause="Megatron-Bridge's comm-overlap set-up starts from off, copies only the comm_overlap.* switches that are "
+            "set and writes the result onto the model (training/comm_overlap.py), so an unset comm_overlap switch "
+            "means off",
+      where="`comm_overlap.overlap_moe_expert_parallel_comm`, `comm_overlap.delay_wgrad_compute`, and the model's "
+            "fields of the same names",
+      example=(f"{OVERLAP_KEY}=null", "model.overlap_moe_expert_parallel_comm=true"))
+def _model_switch_overwritten(ctx: RuleContext) -> Violation | None:
+    lost = [name for name in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+            if name in ctx.unset_switches and ctx.get(name)]
+    if not lost:
+        return None
+    return violation("model_switch_overwritten",
+                     f"Megatron-Bridge overwrites {', '.join(f'model.{name}=True' for name in lost)} with False: "
+                     f"{' and '.join(f'comm_overlap.{name}' for name in lost)} "
+                     f"{'is' if len(lost) == 1 else 'are'} unset, which Megatron-Bridge reads as off",
+                     " ".join(f"comm_overlap.{name}=true" for name in lost) + ", or "
+                     + " ".join(f"model.{name}=false" for name in lost), "warning")

@@ -166,10 +166,29 @@ def test_dict_model_config(overlap_on, ddp):
     assert overlap_on.validate(vars(good_model()).copy(), ddp, h100()) == []
 
 
-def test_none_switches_take_the_model_values(ddp):
+def test_none_switches_are_off_as_in_megatron_bridge(ddp):
+    """Megatron-Bridge writes False onto the model for an unset comm_overlap switch: the overlap checks do not
+    fire, and the user whose model-level switch is overwritten is told which comm_overlap key to set."""
     model = good_model(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False, expert_model_parallel_size=1)
-    assert rules_of(CommOverlapConfig().validate(model, ddp, h100())) == {"ep_size"}
+    unset = CommOverlapConfig()
+    assert unset.effective_overlap(model) is False and unset.effective_delay_wgrad(model) is False
+    (warning,) = unset.validate(model, ddp, h100())
+    assert (warning.rule, warning.severity) == ("model_switch_overwritten", "warning")
+    assert "comm_overlap.overlap_moe_expert_parallel_comm=true" in warning.fix
     assert CommOverlapConfig(overlap_moe_expert_parallel_comm=False).validate(model, ddp, h100()) == []
+    assert rules_of(CommOverlapConfig(overlap_moe_expert_parallel_comm=True).validate(model, ddp, h100())) == {
+        "ep_size"}
+    unset.finalize(model, ddp, h100())
+    assert (model.overlap_moe_expert_parallel_comm, model.delay_wgrad_compute) == (False, False)
+
+
+def test_both_overwritten_switches_are_named(ddp):
+    model = good_model(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    (warning,) = CommOverlapConfig().validate(model, ddp, h100())
+    assert warning.fix == ("comm_overlap.overlap_moe_expert_parallel_comm=true comm_overlap.delay_wgrad_compute=true, "
+                           "or model.overlap_moe_expert_parallel_comm=false model.delay_wgrad_compute=false")
+    set_delay = CommOverlapConfig(delay_wgrad_compute=False)
+    assert "delay_wgrad_compute" not in set_delay.validate(model, ddp, h100())[0].message
 
 
 def test_finalize_raises_with_every_error_and_writes_switches(overlap_on, ddp):
@@ -191,9 +210,10 @@ def test_finalize_works_on_a_real_transformer_config(ddp):
     CommOverlapConfig(overlap_moe_expert_parallel_comm=True).finalize(model, ddp, h100())
     real = model.to_transformer_config()
     assert real.overlap_moe_expert_parallel_comm is True
-    assert CommOverlapConfig().validate(real, ddp, h100()) == []
+    overlap = CommOverlapConfig(overlap_moe_expert_parallel_comm=True)
+    assert overlap.validate(real, ddp, h100()) == []
     real.expert_model_parallel_size = 1
-    assert rules_of(CommOverlapConfig().validate(real, ddp, h100())) == {"ep_size"}
+    assert rules_of(overlap.validate(real, ddp, h100())) == {"ep_size"}
 
 
 def test_environment_versions_and_catalog():
