@@ -59,6 +59,15 @@ class CommOverlapConfig:
         """Delayed wgrad as the job will run it: this config's switch; unset is off."""
         return bool(self.delay_wgrad_compute)
 
+    def grad_reduce_for_te_check(self, ddp_config: Any) -> bool:
+        """What Megatron-Bridge's delayed-wgrad TE check reads: the DDP value or this config's.
+
+        Bridge checks `ddp.overlap_grad_reduce or comm_overlap.overlap_grad_reduce` before its own set-up
+        writes the comm value onto DDP, so either one on asks for TE >= 2.7, even when the other is False.
+        """
+        ddp_value = bool(get_field(ddp_config, "overlap_grad_reduce", False)) if ddp_config is not None else False
+        return ddp_value or bool(self.overlap_grad_reduce)
+
     def unset_switches(self) -> frozenset[str]:
         """The EP switches left None here (Megatron-Bridge writes False onto the model for them)."""
         return frozenset(name for name in EP_SWITCHES if getattr(self, name) is None)
@@ -87,12 +96,13 @@ class CommOverlapConfig:
             model=model_cfg,
             overlap=self.effective_overlap(model_cfg),
             delay_wgrad=self.effective_delay_wgrad(model_cfg),
-            overlap_grad_reduce=self.effective_overlap_grad_reduce(ddp_config),
+            overlap_grad_reduce=self.grad_reduce_for_te_check(ddp_config),
             env=env,
             core=core_rules(env.mcore_version),
             run=run,
             bridge=bridge_rules(env.bridge_version),
             unset_switches=self.unset_switches(),
+            ddp=ddp_config,
         )
         return evaluate(ctx)
 

@@ -48,6 +48,7 @@ MCORE_DEFAULTS: dict[str, Any] = {
     "overlap_dispatch_backward_with_experts_wgrad": False,
     "fine_grained_activation_offloading": False,
     "offload_modules": None,
+    "use_te_rng_tracker": False,
 }
 
 _MISSING = object()
@@ -122,6 +123,7 @@ class MoEModelConfig:
     # CUDA graphs
     cuda_graph_impl: str = "none"
     cuda_graph_scope: list[str] = field(default_factory=list)
+    use_te_rng_tracker: bool = False
     # Fusions
     gradient_accumulation_fusion: bool = False
     # Activation offloading (Megatron-Core >= 0.17)

@@ -14,6 +14,7 @@
 | `overlap_dispatch_backward_with_experts_wgrad` exists (TE >= 2.3)| no   | no   | no   | yes  | yes  | yes  |
 | `ncclep` flex backend; needs flex; no `expert_fc1` offload w/ overlap| no | no   | no   | no   | yes  | yes  |
 | whole-layer TE graph with overlap fails at layer build          | no   | yes  | yes  | yes  | yes  | yes  |
+| Megatron-FSDP + overlap: no double buffer, graphs none/full_iteration (wrap)| no | no | no | yes | yes | yes |
 
 Megatron-Bridge adds its own checks on top whatever the core release: `"moe"` in `recompute_modules` and
 `mtp_num_layers` in (None, 0, 1) with overlap, the TE 2.7 / 2.12 delayed-wgrad rules. `mcore_version=None`
@@ -61,6 +62,7 @@ class CoreRules:
     has_dispatch_wgrad_overlap: bool
     has_ncclep: bool = False
     has_whole_layer_graph_check: bool = False
+    has_fsdp_overlap_checks: bool = False
 
     def at_least(self, release: str) -> bool:
         return self.minor >= _minor(release)
@@ -92,6 +94,7 @@ def core_rules(mcore_version: str | None) -> CoreRules:
         has_dispatch_wgrad_overlap=minor >= (0, 18),
         has_ncclep=minor >= (0, 19),
         has_whole_layer_graph_check=minor >= (0, 16),
+        has_fsdp_overlap_checks=minor >= (0, 18),
     )
 
 

@@ -279,6 +279,8 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     target.add_argument("--torch_version", "--torch-version", default=None, help="PyTorch version the job will run")
     target.add_argument("--mcore_version", "--mcore-version", default=None,
                         help="Megatron-Core version the job will run")
+    target.add_argument("--bridge_version", "--bridge-version", default=None,
+                        help="Megatron-Bridge release the job will run, or main (default: the newest release)")
 
     launch = parser.add_argument_group("launching")
     launch.add_argument("--executor", choices=EXECUTORS, default=None,

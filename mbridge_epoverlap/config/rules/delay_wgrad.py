@@ -17,7 +17,8 @@ from mbridge_epoverlap.config.rules.registry import (
 )
 from mbridge_epoverlap.config.violations import Violation
 
-_TE_GRAPH_ATTN = (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn")
+_TE_GRAPH_ATTN = (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn",
+                  "model.use_te_rng_tracker=true")
 
 
 def _te_text(version: str | None) -> str:
@@ -36,7 +37,8 @@ def _delay_needs_overlap(ctx: RuleContext) -> Violation | None:
                      f"{OVERLAP_KEY}=true, or {DELAY_KEY}=false")
 
 
-@rule("delay_te_grad_reduce", "delay_wgrad", "Megatron-Bridge", "TE >= 2.7.0 when overlap_grad_reduce is set",
+@rule("delay_te_grad_reduce", "delay_wgrad", "Megatron-Bridge",
+      "TE >= 2.7.0 when ddp.overlap_grad_reduce or comm_overlap.overlap_grad_reduce is on",
       symptom=f"{BRIDGE_ASSERT} (Transformer Engine version)",
       cause="before TE 2.7 the delayed weight gradients miss the grad-reduce hooks",
       where="`--te-version` (the job's container), `ddp.overlap_grad_reduce`",
@@ -72,7 +74,8 @@ def _delay_te_grad_accum(ctx: RuleContext) -> Violation | None:
       symptom=f"{MCORE_ASSERT} from Megatron-Core 0.16 on (Transformer Engine version)",
       cause="TE graphs before 2.10 cannot replay a layer whose weight gradients run later",
       where="`--te-version`, `--cuda_graph_impl`",
-      example=(OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe_router"),
+      example=(OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe_router",
+               "model.use_te_rng_tracker=true"),
       example_versions=(("--te-version", "2.9.0"),),
       core_enforces=lambda core: core.delay_te_graph_needs_te_2_10)
 def _delay_cuda_graph_te(ctx: RuleContext) -> Violation | None:
@@ -91,11 +94,10 @@ def wgrad_in_graph(ctx: RuleContext) -> bool:
     """Whether a weight gradient is captured in a CUDA graph: attention graphed, or the router graphed with a
     shared expert that is not overlapped (its weights then sit in the graphed region).
 
-    As Megatron-Bridge reads it: the graph modules of either field, whatever the implementation, except
-    `none` (Megatron-Bridge clears the modules of a config without graphs before this check).
+    As Megatron-Bridge reads it: the graph modules of either field, whatever the implementation, `none`
+    included. Its comm-overlap set-up (where these checks live) runs before `ConfigContainer.validate`
+    clears the modules of a config without graphs, so leftover modules on a `none` config count.
     """
-    if ctx.get("cuda_graph_impl") in (None, "none"):
-        return False
     scopes = ctx.graph_scopes()
     if "attn" in scopes:
         return True

@@ -205,7 +205,8 @@ def _mtp_layers(ctx: RuleContext) -> Violation | None:
       symptom=f"{MCORE_ASSERT} about the CUDA graph scope (cuda_graph_scope, cuda_graph_modules from 0.18)",
       cause="a CUDA graph around the MoE block freezes the dispatch/compute order the overlap interleaves",
       where="`--cuda_graph_impl`, `--cuda_graph_scope`",
-      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe"),
+      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe",
+               "model.use_te_rng_tracker=true"),
       core_enforces=lambda core: core.rejects_te_graph_of_moe)
 def _cuda_graph_moe(ctx: RuleContext) -> Violation | None:
     if ctx.get("cuda_graph_impl") != "transformer_engine":
@@ -231,7 +232,8 @@ def _cuda_graph_moe(ctx: RuleContext) -> Violation | None:
       symptom=f"{MCORE_ASSERT} about cuda_graph_impl (Megatron-Core 0.16-0.17)",
       cause="those releases accept only scoped transformer_engine graphs next to EP overlap; 0.18 lifted it",
       where="`--cuda_graph_impl`, `--mcore-version`",
-      example=(OVERLAP_ON, "model.cuda_graph_impl=local"), example_versions=(("--mcore-version", "0.17.0"),),
+      example=(OVERLAP_ON, "model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]",
+               "model.use_te_rng_tracker=true"), example_versions=(("--mcore-version", "0.17.0"),),
       core_enforces=lambda core: core.graph_impl_must_be_te)
 def _cuda_graph_local(ctx: RuleContext) -> Violation | None:
     impl = ctx.get("cuda_graph_impl")
@@ -250,10 +252,14 @@ def _cuda_graph_local(ctx: RuleContext) -> Violation | None:
               "\"EP overlap must be disabled when CUDA graph captures the whole MLP/MoE part\"",
       cause="an empty graph scope captures the whole layer, MoE block included, so nothing is left to overlap",
       where="`--cuda_graph_impl`, `--cuda_graph_scope`",
-      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[]"))
+      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[]",
+               "model.use_te_rng_tracker=true"),
+      versions="Megatron-Core >= 0.16 (transformer_layer.py)")
 def _cuda_graph_whole_layer(ctx: RuleContext) -> Violation | None:
     if ctx.get("cuda_graph_impl") != "transformer_engine" or ctx.graph_scopes():
         return None
+    if not ctx.core.has_whole_layer_graph_check:
+        return None  # 0.15's layer has no such assertion
     return violation("cuda_graph_whole_layer",
                      "EP overlap with a transformer_engine CUDA graph of the whole layer (empty graph scope) fails "
                      "when the layer is built: the graph captures the MoE block",
@@ -266,7 +272,8 @@ def _cuda_graph_whole_layer(ctx: RuleContext) -> Violation | None:
       versions="full_iteration from Megatron-Core 0.18",
       symptom=f"{MCORE_ASSERT} about an invalid cuda graph implementation",
       cause="the full_iteration implementation arrived in Megatron-Core 0.18",
-      where="`--cuda_graph_impl`, `--mcore-version`", example=("model.cuda_graph_impl=full_iteration",),
+      where="`--cuda_graph_impl`, `--mcore-version`",
+      example=("model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true"),
       example_versions=(("--mcore-version", "0.17.0"),), core_enforces=_always)
 def _cuda_graph_impl_known(ctx: RuleContext) -> Violation | None:
     impl = ctx.get("cuda_graph_impl")
@@ -276,7 +283,7 @@ def _cuda_graph_impl_known(ctx: RuleContext) -> Violation | None:
     return violation("cuda_graph_impl_known",
                      f"cuda_graph_impl={impl!r} is not known to Megatron-Core {ctx.core.version} "
                      f"(known: {', '.join(known)})",
-                     "model.cuda_graph_impl=local with cuda_graph_scope=[full_iteration] (releases before 0.18), "
+                     "model.cuda_graph_impl=local model.cuda_graph_scope=[full_iteration] (releases before 0.18), "
                      "or a job on Megatron-Core >= 0.18")
 
 
@@ -315,6 +322,26 @@ def _dispatch_wgrad_overlap(ctx: RuleContext) -> Violation | None:
                      f"overlap_dispatch_backward_with_experts_wgrad cannot be combined with {' and '.join(clash)}",
                      "model.overlap_dispatch_backward_with_experts_wgrad=false, or "
                      + " ".join(f"comm_overlap.{name}=false" for name in clash))
+
+
+@rule("dispatch_wgrad_overlap_te", "always", "Megatron-Core >= 0.18",
+      "overlap_dispatch_backward_with_experts_wgrad needs Transformer Engine >= 2.3.0",
+      symptom=f"{MCORE_ASSERT} (\"TE version >= 2.3.0 is required for overlap_dispatch_backward_with_experts_wgrad\")",
+      cause="the expert weight-gradient split it overlaps with the dispatch backward arrived in TE 2.3",
+      where="`model.overlap_dispatch_backward_with_experts_wgrad`, `--te-version`",
+      example=(OVERLAP_OFF, "model.overlap_dispatch_backward_with_experts_wgrad=true"),
+      example_versions=(("--te-version", "2.2.0"),), versions="Megatron-Core >= 0.18",
+      core_enforces=lambda core: core.has_dispatch_wgrad_overlap)
+def _dispatch_wgrad_overlap_te(ctx: RuleContext) -> Violation | None:
+    if not ctx.get("overlap_dispatch_backward_with_experts_wgrad") or not ctx.core.has_dispatch_wgrad_overlap:
+        return None
+    if version_at_least(ctx.env.te_version, "2.3.0"):
+        return None
+    te = f"TE {ctx.env.te_version}" if ctx.env.te_version else "no Transformer Engine"
+    return violation("dispatch_wgrad_overlap_te",
+                     f"overlap_dispatch_backward_with_experts_wgrad needs Transformer Engine >= 2.3.0 ({te})",
+                     "use TE >= 2.3 in the job (give its version with --te_version), or "
+                     "model.overlap_dispatch_backward_with_experts_wgrad=false")
 
 
 @rule("ep_divides_experts", "always", "Megatron-Core", "num_moe_experts divisible by expert_model_parallel_size",

@@ -15,6 +15,7 @@ from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.model import model_attr
 from mbridge_epoverlap.config.versions import BridgeRules, CoreRules, bridge_rules
 from mbridge_epoverlap.config.violations import Severity, Violation
+from mbridge_epoverlap.fields import get_field
 
 When = Literal["overlap", "delay_wgrad", "always", "layout"]
 
@@ -57,9 +58,14 @@ class RuleContext:
     run: RunShape | None = None
     bridge: BridgeRules = field(default_factory=lambda: bridge_rules(None))
     unset_switches: frozenset[str] = frozenset()
+    ddp: Any = None
 
     def get(self, name: str) -> Any:
         return model_attr(self.model, name)
+
+    def ddp_get(self, name: str, default: Any = None) -> Any:
+        """A DDP-config setting (Megatron-Core's `DistributedDataParallelConfig` names), or `default`."""
+        return default if self.ddp is None else get_field(self.ddp, name, default)
 
     def graph_scopes(self) -> set[str]:
         """Per-layer CUDA-graph modules, from `cuda_graph_modules` (core >= 0.18) and `cuda_graph_scope`."""

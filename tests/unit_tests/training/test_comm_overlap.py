@@ -33,7 +33,7 @@ BREAKERS = {
     "shared_expert_overlap": (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True), h100()),
     "mtp_layers": (dict(mtp_num_layers=2), h100()),
     "cuda_graph_moe": (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe"]), h100()),
-    "cuda_graph_local": (dict(cuda_graph_impl="local"), h100()),
+    "cuda_graph_local": (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), h100()),
     "delay_te_grad_accum": (dict(gradient_accumulation_fusion=True), h100(te="2.6.0")),
     "delay_cuda_graph_te": (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router"]),
                             h100(te="2.9.0")),
@@ -75,11 +75,15 @@ def test_each_rule_fails_alone_with_a_fix(rule_id, overlap_on, ddp):
 
 
 def test_delay_te_grad_reduce_follows_ddp_and_comm_overlap(overlap_on, ddp):
+    """Megatron-Bridge reads `ddp.overlap_grad_reduce or comm_overlap.overlap_grad_reduce`: either on asks for
+    TE >= 2.7, even when comm_overlap's False will later override DDP's True."""
     old_te = h100(te="2.6.0")
     assert rules_of(overlap_on.validate(good_model(), ddp, old_te)) == {"delay_te_grad_reduce"}
     assert overlap_on.validate(good_model(), None, old_te) == []
-    overlap_on.overlap_grad_reduce = False  # comm_overlap's own setting wins over DDP's
-    assert overlap_on.validate(good_model(), ddp, old_te) == []
+    overlap_on.overlap_grad_reduce = False
+    assert rules_of(overlap_on.validate(good_model(), ddp, old_te)) == {"delay_te_grad_reduce"}
+    overlap_on.overlap_grad_reduce = True
+    assert rules_of(overlap_on.validate(good_model(), None, old_te)) == {"delay_te_grad_reduce"}
 
 
 def test_te_not_installed_counts_as_too_old(overlap_on, ddp):

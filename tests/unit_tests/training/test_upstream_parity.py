@@ -87,12 +87,12 @@ def test_delay_wgrad_requires_ep_overlap():
     assert rules_of(cfg.validate(minimal_moe(), DDPConfig(), env()), "error") == {"delay_needs_overlap"}
 
 
-# Upstream's cases leave cuda_graph_impl at "none" and call the overlap check directly; in a real run
-# Megatron-Bridge's ConfigContainer.validate clears the graph modules of a "none" config before that check,
-# so the whole-run outcome is what a transformer_engine graph of attn gives. The modules are set the 0.18+
-# way (`cuda_graph_modules`, as upstream's set_cuda_graph_modules does).
-def _attn_graph(**changes):
-    model = SimpleNamespace(**vars(minimal_moe(cuda_graph_impl="transformer_engine", **changes)))
+# Upstream's cases leave cuda_graph_impl at "none" and set the modules the 0.18+ way (`cuda_graph_modules`,
+# as upstream's set_cuda_graph_modules does). Bridge's checks read the modules whatever the implementation,
+# and in a real run they run first: runtime_config_update calls comm_overlap.setup (these checks) before
+# cfg.validate(), which is where the modules of a "none" config are cleared.
+def _attn_graph(impl: str = "none", **changes):
+    model = SimpleNamespace(**vars(minimal_moe(cuda_graph_impl=impl, **changes)))
     model.cuda_graph_modules, model.cuda_graph_scope = ["attn"], None
     return model
 
@@ -113,6 +113,13 @@ def test_delay_wgrad_cuda_graph_attn_validation_passes_with_supported_settings()
     """Mirrors test_delay_wgrad_cuda_graph_attn_validation_passes_with_supported_settings."""
     model = _attn_graph(add_qkv_bias=False, gradient_accumulation_fusion=True)
     assert DELAY.validate(model, DDPConfig(), env()) == []
+
+
+@pytest.mark.parametrize("impl", ["none", "transformer_engine"])
+def test_delay_wgrad_graph_checks_ignore_the_implementation(impl):
+    """has_cuda_graph_module reads the modules whatever cuda_graph_impl says: old TE fails either way."""
+    model = _attn_graph(impl, gradient_accumulation_fusion=True)
+    assert "delay_graph_te" in rules_of(DELAY.validate(model, DDPConfig(), env(te="2.11.0")), "error")
 
 
 # ---- CUDA-graph modules on real TransformerConfig objects, written both ways (core 0.18 moved the field) ----
@@ -152,17 +159,54 @@ def test_graph_rules_read_both_fields(written, mcore):
 ])
 def test_cuda_graph_impl_with_overlap_by_core_release(mcore, impl, rejected):
     """transformer_layer/TransformerConfig history: 0.16-0.17 accept only transformer_engine graphs with
-    overlap; 0.18 lifts it and adds the full_iteration implementation."""
-    errors = rules_of(OVERLAP.validate(minimal_moe(cuda_graph_impl=impl), DDPConfig(), env(mcore=mcore)), "error")
+    overlap; 0.18 lifts it and adds the full_iteration implementation. (A local graph is the full iteration's:
+    Megatron-Bridge runs no other, see below.)"""
+    scope = ["full_iteration"] if impl == "local" else []
+    model = minimal_moe(cuda_graph_impl=impl, cuda_graph_scope=scope)
+    errors = rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error")
     assert bool(errors) is rejected, errors
 
 
-@pytest.mark.parametrize("mcore", ["0.15.0", "0.16.1", UPSTREAM_CORE])
-def test_whole_layer_te_graph_with_overlap_is_caught_before_launch(mcore):
+@pytest.mark.parametrize("bridge", ["0.6.2", "main"])
+@pytest.mark.parametrize("mcore", ["0.15.0", "0.18.0", UPSTREAM_CORE])
+def test_local_graphs_only_for_the_full_iteration(mcore, bridge):
+    """utils/cuda_graph.py validate_cuda_graph_configuration: local graphs of modules raise in Bridge's config
+    validation whatever the core release and the overlap."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    scoped = minimal_moe(cuda_graph_impl="local", cuda_graph_scope=["attn"])
+    assert rules_of(off.validate(scoped, DDPConfig(), env(mcore=mcore, bridge=bridge)), "error") == {
+        "cuda_graph_local_scoped"}
+    whole = minimal_moe(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+    assert off.validate(whole, DDPConfig(), env(mcore=mcore, bridge=bridge)) == []
+
+
+def test_full_iteration_scope_stands_alone():
+    """The perf script: "full_iteration CUDA graph scope cannot be combined with other scopes", nor with
+    transformer_engine graphs."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    for impl, scope in (("local", ["full_iteration", "attn"]), ("transformer_engine", ["full_iteration"])):
+        model = minimal_moe(cuda_graph_impl=impl, cuda_graph_scope=scope)
+        assert "cuda_graph_full_iteration_mixed" in rules_of(off.validate(model, DDPConfig(), env()), "error")
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine", "full_iteration"])
+def test_any_graph_needs_the_te_rng_tracker(impl):
+    """GPTModelProvider.provide asserts use_te_rng_tracker with any CUDA graph (run_script.py switches it on)."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    scope = ["full_iteration"] if impl == "local" else ["attn"] if impl == "transformer_engine" else []
+    model = minimal_moe(cuda_graph_impl=impl, cuda_graph_scope=scope, use_te_rng_tracker=False)
+    assert rules_of(off.validate(model, DDPConfig(), env()), "error") == {"cuda_graph_rng_tracker"}
+    model.use_te_rng_tracker = True
+    assert off.validate(model, DDPConfig(), env()) == []
+
+
+@pytest.mark.parametrize(("mcore", "rejected"), [("0.15.0", False), ("0.16.1", True), (UPSTREAM_CORE, True)])
+def test_whole_layer_te_graph_with_overlap_is_caught_before_launch(mcore, rejected):
     """TransformerConfig accepts it; transformer_layer.py fails at build time ("EP overlap must be disabled
-    when CUDA graph captures the whole MLP/MoE part")."""
+    when CUDA graph captures the whole MLP/MoE part"), from 0.16 (0.15's layer has no such assertion)."""
     model = minimal_moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=[])
-    assert rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error") == {"cuda_graph_whole_layer"}
+    expected = {"cuda_graph_whole_layer"} if rejected else set()
+    assert rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error") == expected
 
 
 @pytest.mark.parametrize(("mcore", "rejected"), [("0.15.0", True), ("0.16.1", True), ("0.17.0", False),
@@ -383,3 +427,39 @@ def test_ncclep_names_the_flex_dispatcher():
     model = good_model(moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend="ncclep")
     assert rules_of(CommOverlapConfig().validate(model, None, env(bridge="0.6.2")), "error") == {"ncclep_needs_flex"}
     assert CommOverlapConfig().validate(model, None, env(mcore="0.18.0", bridge="0.6.2")) == []
+
+
+# ---- Megatron-FSDP with EP overlap (Megatron-Core distributed/fsdp/mcore_fsdp_adapter.py, 0.18+) -----------
+
+
+def _fsdp(**changes) -> DDPConfig:
+    ddp = DDPConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
+    for name, value in changes.items():
+        setattr(ddp, name, value)
+    return ddp
+
+
+@pytest.mark.parametrize(("mcore", "checked"), [("0.17.0", False), ("0.18.0", True), (UPSTREAM_CORE, True)])
+def test_fsdp_with_overlap_rejects_double_buffer_and_per_layer_graphs(mcore, checked):
+    double = OVERLAP.validate(minimal_moe(), _fsdp(fsdp_double_buffer=True), env(mcore=mcore))
+    assert rules_of(double, "error") == ({"fsdp_double_buffer"} if checked else set())
+    graphs = minimal_moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "moe_router"])
+    assert rules_of(OVERLAP.validate(graphs, _fsdp(), env(mcore=mcore)), "error") == (
+        {"fsdp_cuda_graph"} if checked else set())
+
+
+def test_fsdp_with_overlap_accepts_no_graphs_or_the_full_iteration():
+    assert OVERLAP.validate(minimal_moe(), _fsdp(), env()) == []
+    assert OVERLAP.validate(minimal_moe(cuda_graph_impl="full_iteration"), _fsdp(), env()) == []
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    assert off.validate(minimal_moe(), _fsdp(fsdp_double_buffer=True), env()) == []
+
+
+@pytest.mark.parametrize(("te", "rejected"), [("2.2.0", True), ("2.3.0", False), (None, True)])
+def test_dispatch_wgrad_overlap_needs_te_23(te, rejected):
+    """TransformerConfig 0.18+: "TE version >= 2.3.0 is required for overlap_dispatch_backward_with_experts_wgrad"."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    model = minimal_moe(overlap_dispatch_backward_with_experts_wgrad=True)
+    errors = rules_of(off.validate(model, DDPConfig(), env(te=te)), "error")
+    assert errors == ({"dispatch_wgrad_overlap_te"} if rejected else set())
+    assert off.validate(model, DDPConfig(), env(te="2.2.0", mcore="0.17.0")) == []

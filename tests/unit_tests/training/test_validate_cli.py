@@ -36,7 +36,8 @@ def test_errors_exit_1_with_every_violation_in_json():
 def test_warnings_only_exit_0():
     result = run_cli("validate", "--json", "--gpu", "h100", "--te-version", "2.9", "--mcore-version", "0.15",
                      "comm_overlap.overlap_moe_expert_parallel_comm=true", "comm_overlap.delay_wgrad_compute=true",
-                     "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[moe_router]")
+                     "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[moe_router]",
+                     "model.use_te_rng_tracker=true")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["valid"] is True and report["warnings"] == 1
