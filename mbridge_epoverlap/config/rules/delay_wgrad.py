@@ -42,7 +42,8 @@ def _delay_needs_overlap(ctx: RuleContext) -> Violation | None:
       symptom=f"{BRIDGE_ASSERT} (Transformer Engine version)",
       cause="before TE 2.7 the delayed weight gradients miss the grad-reduce hooks",
       where="`--te-version` (the job's container), `ddp.overlap_grad_reduce`",
-      example=(OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=true"), example_versions=(("--te-version", "2.6.0"),))
+      example=(OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=true"), example_versions=(("--te-version", "2.6.0"),),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_te_grad_reduce(ctx: RuleContext) -> Violation | None:
     if not ctx.overlap_grad_reduce or version_at_least(ctx.env.te_version, "2.7.0"):
         return None
@@ -58,7 +59,8 @@ def _delay_te_grad_reduce(ctx: RuleContext) -> Violation | None:
       cause="before TE 2.7 fused gradient accumulation does not support delayed weight gradients",
       where="`--te-version`, `model.gradient_accumulation_fusion`",
       example=(OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=false", "model.gradient_accumulation_fusion=true"),
-      example_versions=(("--te-version", "2.6.0"),))
+      example_versions=(("--te-version", "2.6.0"),),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_te_grad_accum(ctx: RuleContext) -> Violation | None:
     if not ctx.get("gradient_accumulation_fusion") or version_at_least(ctx.env.te_version, "2.7.0"):
         return None
@@ -110,7 +112,8 @@ def wgrad_in_graph(ctx: RuleContext) -> bool:
             "expert) needs TE 2.12 to be split out",
       where="`--te-version`, `--cuda_graph_scope`",
       example=_TE_GRAPH_ATTN + ("model.gradient_accumulation_fusion=true",),
-      example_versions=(("--te-version", "2.11.0"),))
+      example_versions=(("--te-version", "2.11.0"),),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_graph_te(ctx: RuleContext) -> Violation | None:
     if not wgrad_in_graph(ctx) or version_at_least(ctx.env.te_version, "2.12.0"):
         return None
@@ -126,7 +129,8 @@ def _delay_graph_te(ctx: RuleContext) -> Violation | None:
       "wgrad inside a CUDA graph scope needs gradient_accumulation_fusion",
       symptom=f"{BRIDGE_ASSERT} (gradient_accumulation_fusion)",
       cause="graphed weight gradients are delayed through the fused accumulation path only",
-      where="`model.gradient_accumulation_fusion`, `--cuda_graph_scope`", example=_TE_GRAPH_ATTN)
+      where="`model.gradient_accumulation_fusion`, `--cuda_graph_scope`", example=_TE_GRAPH_ATTN,
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_graph_grad_accum(ctx: RuleContext) -> Violation | None:
     if not wgrad_in_graph(ctx) or ctx.get("gradient_accumulation_fusion"):
         return None
@@ -140,7 +144,8 @@ def _delay_graph_grad_accum(ctx: RuleContext) -> Violation | None:
       symptom=f"{BRIDGE_ASSERT} (attention biases)",
       cause="graphed attention with delayed wgrad does not handle bias gradients",
       where="`model.add_bias_linear`, `model.add_qkv_bias`, `--cuda_graph_scope`",
-      example=_TE_GRAPH_ATTN + ("model.gradient_accumulation_fusion=true", "model.add_qkv_bias=true"))
+      example=_TE_GRAPH_ATTN + ("model.gradient_accumulation_fusion=true", "model.add_qkv_bias=true"),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_graph_attn_bias(ctx: RuleContext) -> Violation | None:
     if not wgrad_in_graph(ctx) or "attn" not in ctx.graph_scopes():
         return None

@@ -38,7 +38,8 @@ def _ep_size(ctx: RuleContext) -> Violation | None:
 @rule("num_experts", "overlap", "Megatron-Bridge", "num_moe_experts > 1",
       symptom=f"{BRIDGE_ASSERT} (num_moe_experts)",
       cause="overlap was switched on for a dense model or a recipe without experts",
-      where="`model.num_moe_experts`", example=(OVERLAP_ON, "model.num_moe_experts=1"))
+      where="`model.num_moe_experts`", example=(OVERLAP_ON, "model.num_moe_experts=1"),
+      bridge_enforces=lambda _bridge, _core: True)
 def _num_experts(ctx: RuleContext) -> Violation | None:
     experts = ctx.get("num_moe_experts")
     if experts is not None and experts > 1:
@@ -148,7 +149,8 @@ def _recompute_layers(ctx: RuleContext) -> Violation | None:
       symptom=f"{BRIDGE_ASSERT} (recompute_modules); {MCORE_ASSERT} from Megatron-Core 0.17 on",
       cause="recomputing the MoE block repeats its all-to-alls inside backward",
       where="`--recompute_modules` / `model.recompute_modules`", example=(OVERLAP_ON, "model.recompute_modules=moe"),
-      core_enforces=lambda core: core.rejects_moe_recompute)
+      core_enforces=lambda core: core.rejects_moe_recompute,
+      bridge_enforces=lambda _bridge, _core: True)
 def _recompute_moe(ctx: RuleContext) -> Violation | None:
     modules = ctx.get("recompute_modules") or []
     if "moe" not in modules:
