@@ -287,6 +287,10 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                         help="local (reference runtime here; default for -g cpu) or slurm (sbatch; default for GPUs)")
     launch.add_argument("-d", "--dryrun", action="store_true",
                         help="resolve, validate, write the config (and the sbatch script), launch nothing")
+    launch.add_argument("--check_with_bridge", action="store_true",
+                        help="GPU targets: build each case's job with the real Megatron-Bridge (here, or the Python "
+                             "in MBRIDGE_EPOVERLAP_BRIDGE_PYTHON) and run its runtime_config_update on the CPU under "
+                             "the GPU's mock before submitting; a disagreement stops the run")
     launch.add_argument("--save_config_filepath", default=None, metavar="PATH",
                         help="write the resolved config as YAML (A/B: PATH holds the first case, "
                              "STEM.<case>.yaml beside it the others)")
