@@ -95,10 +95,14 @@ def check_in_bridge(request: dict[str, Any]) -> list[dict[str, Any]]:
 
     from megatron.bridge.training.config import runtime_config_update
 
+    from mbridge_epoverlap.errors import UsageError
     from mbridge_epoverlap.harness.mbridge_job import apply_changes, bridge_recipe, choose_recipe
 
     set_te_version(request.get("te_version") or "2.12.0")
-    recipe = choose_recipe(**request["choose"])
+    try:
+        recipe = choose_recipe(**request["choose"])
+    except (LookupError, UsageError) as exc:  # no such recipe: what the job itself would stop with
+        return [{"recipe": None, "error": str(exc)}]
     importlib.import_module(recipe.module)  # imports the library recipes too, which pin the model revisions
     write_hf_cache(Path(os.environ["HF_HOME"]), request["hf_model"], request["hf_config"],
                    pinned_revisions(request["hf_model"]))
@@ -146,6 +150,11 @@ def run_check(choose: dict[str, Any], cases: list[Any], *, gpu: str, num_gpus: i
         RuntimeError: no Megatron-Bridge to check with, a recipe it cannot write the model config of, or
             the child failed.
     """
+    from mbridge_epoverlap.gpus import gpu_facts
+
+    if gpu_facts(gpu).compute_capability is None:
+        raise RuntimeError(f"--check_with_bridge mocks the target GPU, but the catalog does not know the compute "
+                           f"capability of {gpu} (mbridge_epoverlap/gpus.py); it cannot be checked here")
     python = bridge_python()
     if python is None:
         raise RuntimeError(f"--check_with_bridge needs Megatron-Bridge: install it here, or set {PYTHON_VAR} to a "
@@ -166,6 +175,8 @@ def run_check(choose: dict[str, Any], cases: list[Any], *, gpu: str, num_gpus: i
     if proc.returncode != 0 or not proc.stdout.strip():
         raise RuntimeError(f"the Megatron-Bridge check failed to run: {proc.stderr.strip()[-1500:]}")
     first, *outcomes = json.loads(proc.stdout.strip().splitlines()[-1])
+    if first["recipe"] is None:
+        raise RuntimeError(f"Megatron-Bridge builds no recipe for this job: {first['error']}")
     return first["recipe"], [BridgeOutcome(**item) for item in outcomes]
 
 

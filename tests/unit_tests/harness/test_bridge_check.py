@@ -50,9 +50,9 @@ def test_the_offline_model_config_is_found_at_every_pinned_revision(tmp_path):
 
 @pytest.mark.skipif(not BRIDGE_PYTHON or not Path(BRIDGE_PYTHON).exists(),
                     reason="set MBRIDGE_EPOVERLAP_BRIDGE_PYTHON (scripts/setup_bridge_venv.sh builds it)")
-@pytest.mark.parametrize("gpu", ["h100", "gb200"])
+@pytest.mark.parametrize("gpu", ["h100", "b200", "b300", "gb200", "gb300"])  # the GPUs with qwen3_30b_a3b recipes
 def test_the_ab_job_survives_megatron_bridge_and_runs_what_the_report_says(gpu, tmp_path, capsys):
-    layout = ["-ng", "16"] if gpu == "h100" else ["-ng", "8", "-ep", "8"]  # gb200's recipe is the 8-GPU one
+    layout = ["-ng", "16"] if gpu == "h100" else ["-ng", "8", "-ep", "8"]  # Blackwell's recipes are the 8-GPU ones
     rc = main(["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", gpu, *layout, "--te_version", "2.12", "--ab",
                "ep_overlap", "--dryrun", "--check_with_bridge", "--results_json", str(tmp_path / "r.json")])
     err = capsys.readouterr().err
@@ -73,3 +73,11 @@ def test_a_disagreement_stops_the_run_before_submission(tmp_path, capsys):
     assert rc == 1, err
     assert "case run: Megatron-Bridge runs it differently (overlap: case False, Megatron-Bridge True)" in err
     assert "nothing was submitted" in err
+
+
+def test_a_gpu_the_catalog_cannot_describe_is_not_checked(tmp_path, capsys, monkeypatch):
+    """VR200's compute capability is not known here, so its mock would reject every flex backend."""
+    monkeypatch.setenv("MBRIDGE_EPOVERLAP_BRIDGE_PYTHON", "/nonexistent/python")
+    rc = main(["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "vr200", "-ng", "8", "-ep", "8", "--dryrun",
+               "--check_with_bridge", "--results_json", str(tmp_path / "r.json")])
+    assert rc == 2 and "does not know the compute capability of vr200" in capsys.readouterr().err
