@@ -17,4 +17,7 @@ python="${PYTHON312:-python3.12}"
 wheels="$(mktemp -d)"
 "$venv/bin/pip" download --quiet --no-deps --python-version 3.12 --only-binary=:all: megatron-bridge==0.6.2 -d "$wheels"
 "$venv/bin/pip" install --quiet --no-deps "$wheels"/megatron_bridge-0.6.2-*.whl
+# Building recipes (--check_with_bridge, its tests) imports megatron.bridge.recipes, which needs these too;
+# the differential test alone does not.
+"$venv/bin/pip" install --quiet datasets pillow tensorboard megatron-energon diffusers nvidia-modelopt
 echo "export MBRIDGE_EPOVERLAP_BRIDGE_PYTHON=$(cd "$venv" && pwd)/bin/python"
