@@ -87,6 +87,11 @@ def _serving(doc: dict[str, Any]) -> str:
             f"{r['disaggregated_m2_over_colocated']:.2f}x; matches reference {match}")
 
 
+def _bridge_fuzz(doc: dict[str, Any]) -> str:
+    return (f"{doc['tried']} configs, {doc['rejected_by_bridge']} rejected by Megatron-Bridge 0.6.2: missed "
+            f"{doc['missed']} / false {doc['false']}")
+
+
 def _fuzz(doc: dict[str, Any]) -> str:
     return ", ".join(f"{release}: missed {t['missed']} / false {t['false']}" for release, t in doc["releases"].items())
 
@@ -112,6 +117,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("serving", "serving_bench.py", True, _serving),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),
+    Benchmark("bridge_fuzz", "bridge_fuzz.py", False, _bridge_fuzz,
+              needs_path=("MBRIDGE_EPOVERLAP_BRIDGE_PYTHON", "--python")),
 )
 
 

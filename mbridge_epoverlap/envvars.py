@@ -8,6 +8,8 @@ from __future__ import annotations
 
 ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_PYTHON", "Python on the Slurm nodes that has Megatron-Bridge (GPU jobs; default python3)"),
+    ("MBRIDGE_EPOVERLAP_BRIDGE_PYTHON", "a Python here with Megatron-Bridge (3.12; scripts/setup_bridge_venv.sh "
+     "builds one) for --check_with_bridge and the differential test against Megatron-Bridge"),
     ("MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S", "seconds any collective may take before the run fails (default 120)"),
     ("MBRIDGE_EPOVERLAP_DTYPE", "fp32 or bf16: override the config's precision in the reference runtime"),
     ("MBRIDGE_EPOVERLAP_CPU_FLAGS", "CPU flags (space or comma separated) used instead of /proc/cpuinfo's when "

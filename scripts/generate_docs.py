@@ -276,10 +276,11 @@ def render_rules() -> str:
 
     when_text = {"overlap": "EP overlap on", "delay_wgrad": "delayed wgrad on", "always": "always",
                  "layout": "always (run layout)"}
-    rows = [[_code(r.id), when_text.get(r.when, r.when), r.source, r.summary] for r in all_rules()]
+    rows = [[_code(r.id), when_text.get(r.when, r.when), r.source, r.summary, r.versions] for r in all_rules()]
     return (f"{len(rows)} rules (`mbridge-epoverlap validate --list-rules` prints the same list). All are checked "
-            "on every validation and every violation is reported at once.\n\n"
-            + _table(["rule", "checked when", "source", "constraint"], rows))
+            "on every validation and every violation is reported at once; `--mcore-version` and `--bridge-version` "
+            "pick the releases (default: installed, else the newest Megatron-Core rules and Megatron-Bridge 0.6).\n\n"
+            + _table(["rule", "checked when", "source", "constraint", "releases"], rows))
 
 
 @dataclass(frozen=True)
@@ -353,7 +354,7 @@ def render_core_versions() -> str:
     rows = [[text, *("yes" if getattr(r, field) else "no" for r in rules)] for field, text in _CORE_ROWS]
     return ("What each Megatron-Core release's `TransformerConfig` enforces (read from the release tags; "
             "`--mcore-version` picks the column, the newest when unknown). A whole-layer `transformer_engine` graph "
-            "with overlap passes `TransformerConfig` in every release but fails when the layer is built "
+            "with overlap passes `TransformerConfig` in every release but, from 0.16, fails when the layer is built "
             "(`cuda_graph_whole_layer`).\n\n"
             + _table(["rule", *KNOWN_RELEASES], rows))
 
@@ -361,10 +362,11 @@ def render_core_versions() -> str:
 def render_differences() -> str:
     from mbridge_epoverlap.config.differences import DIFFERENCES
 
-    rows = [[d.topic, d.upstream, d.ours, d.why] for d in DIFFERENCES]
-    return ("Deliberate differences from Megatron-Bridge (HEAD: Megatron-Core 0.20, Transformer Engine 2.18, torch "
-            "2.13). Everything else behaves as upstream; any other difference is a bug.\n\n"
-            + _table(["topic", "Megatron-Bridge", "mbridge_epoverlap", "why"], rows))
+    rows = [[d.topic, d.upstream, d.ours, d.why, d.open_pr or "none"] for d in DIFFERENCES]
+    return ("Deliberate differences from Megatron-Bridge (each row holds for the 0.6.2 release and for main at "
+            "067f987, 2026-08-22, with Megatron-Core 0.19-0.20). Everything else behaves as upstream; any other "
+            "difference is a bug. The last column names the open upstream pull request that would change a row.\n\n"
+            + _table(["topic", "Megatron-Bridge", "mbridge_epoverlap", "why", "open pull request"], rows))
 
 
 def render_diagnosis() -> str:

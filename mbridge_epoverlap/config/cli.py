@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
                         help="PyTorch version of the job (default: installed)")
     parser.add_argument("--mcore-version", "--mcore_version", default=None,
                         help="Megatron-Core version whose rules apply (default: installed, else newest)")
+    parser.add_argument("--bridge-version", "--bridge_version", default=None,
+                        help="Megatron-Bridge release whose behaviour applies, or main (default: installed, else the "
+                        "newest release)")
     parser.add_argument("--json", action="store_true", help="print a JSON report on stdout")
     parser.add_argument("--list-rules", action="store_true", help="list every rule id and exit")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -65,14 +68,15 @@ def register(subparsers: Any) -> None:
 
 
 def resolve_environment(gpu: str | None, te_version: str | None, torch_version: str | None,
-                        mcore_version: str | None):
+                        mcore_version: str | None, bridge_version: str | None = None):
     """The environment to check for: a catalog GPU (versions as given) or this machine (versions replaced)."""
-    from mbridge_epoverlap.config.environment import Environment, parse_version
+    from mbridge_epoverlap.config.environment import Environment, parse_bridge_version, parse_version
 
     versions = {
         "te_version": parse_version(te_version, "--te-version"),
         "torch_version": parse_version(torch_version, "--torch-version"),
         "mcore_version": parse_version(mcore_version, "--mcore-version"),
+        "bridge_version": parse_bridge_version(bridge_version, "--bridge-version"),
     }
     installed = installed_versions()
     if gpu is None and _may_have_cuda_gpu():
@@ -100,7 +104,8 @@ def installed_versions() -> dict[str, str | None]:
 
     return {"torch_version": version_of("torch"),
             "te_version": version_of("transformer-engine", "transformer_engine"),
-            "mcore_version": version_of("megatron-core", "megatron_core")}
+            "mcore_version": version_of("megatron-core", "megatron_core"),
+            "bridge_version": version_of("megatron-bridge", "megatron_bridge")}
 
 
 def _may_have_cuda_gpu() -> bool:
@@ -124,7 +129,7 @@ def run_validate(args: argparse.Namespace) -> int:
         bare = next(item for item in args.overrides if "=" not in item)
         if bare.endswith(".py") or ".py:" in bare:
             raise UsageError(f"{bare!r} looks like a recipe file; pass it as -mr {bare}")
-    env = resolve_environment(args.gpu, args.te_version, args.torch_version, args.mcore_version)
+    env = resolve_environment(args.gpu, args.te_version, args.torch_version, args.mcore_version, args.bridge_version)
     cfg = load_recipe(args.recipe or DEFAULT_RECIPE, args.task)
     apply_overrides(cfg, args.overrides)
     violations = cfg.validate(env)
@@ -174,12 +179,12 @@ def _print_table(report: dict[str, Any], env_text: str) -> None:
 
 
 def _list_rules(rules: list, as_json: bool) -> int:
-    rows = [(r.id, r.when, r.source, r.summary) for r in rules]
+    rows = [(r.id, r.when, r.source, r.summary, r.versions) for r in rules]
     if as_json:
-        keys = ("rule", "when", "source", "summary")
+        keys = ("rule", "when", "source", "summary", "versions")
         print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], indent=2))
         return EXIT_OK
     width = max(len(row[0]) for row in rows)
-    for rule_id, when, source, summary in rows:
-        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<40}  {summary}\n")
+    for rule_id, when, source, summary, versions in rows:
+        sys.stdout.write(f"{rule_id:<{width}}  {when:<11}  {source:<40}  {summary} [{versions}]\n")
     return EXIT_OK

@@ -13,21 +13,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from mbridge_epoverlap.config.environment import Environment
-from mbridge_epoverlap.config.model import model_attr
 from mbridge_epoverlap.config.rules import RuleContext, RunShape, evaluate
-from mbridge_epoverlap.config.versions import core_rules
+from mbridge_epoverlap.config.versions import bridge_rules, core_rules
 from mbridge_epoverlap.config.violations import ConfigValidationError, Violation, errors_of
 from mbridge_epoverlap.fields import get_field, set_field
 
 logger = logging.getLogger(__name__)
+
+EP_SWITCHES = ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
 
 
 @dataclass
 class CommOverlapConfig:
     """Communication-overlap settings, with Megatron-Bridge's field names.
 
-    Every field is optional: None keeps what the model or DDP config already says. The two EP fields
-    are independent switches; turning overlap off never turns delayed wgrad on or off by itself.
+    Every field is optional. The two EP fields are independent switches; turning overlap off never
+    turns delayed wgrad on or off by itself. As in Megatron-Bridge, an EP switch left None means off:
+    Bridge's comm-overlap set-up starts from False, copies only the non-None values and writes the result
+    onto the model, so a model-level `overlap_moe_expert_parallel_comm` / `delay_wgrad_compute` with the
+    switch here unset is overwritten (the `model_switch_overwritten` rule warns). The other fields left
+    None keep what the model or DDP config says.
     """
 
     tp_comm_overlap: bool = False
@@ -46,16 +51,26 @@ class CommOverlapConfig:
     overlap_moe_expert_parallel_comm: bool | None = None
     delay_wgrad_compute: bool | None = None
 
-    def effective_overlap(self, model_cfg: Any) -> bool:
-        """EP overlap as the job will run it: this config's switch, else the model's."""
-        if self.overlap_moe_expert_parallel_comm is not None:
-            return bool(self.overlap_moe_expert_parallel_comm)
-        return bool(model_attr(model_cfg, "overlap_moe_expert_parallel_comm"))
+    def effective_overlap(self, model_cfg: Any = None) -> bool:
+        """EP overlap as the job will run it: this config's switch; unset is off, whatever `model_cfg` says."""
+        return bool(self.overlap_moe_expert_parallel_comm)
 
-    def effective_delay_wgrad(self, model_cfg: Any) -> bool:
-        if self.delay_wgrad_compute is not None:
-            return bool(self.delay_wgrad_compute)
-        return bool(model_attr(model_cfg, "delay_wgrad_compute"))
+    def effective_delay_wgrad(self, model_cfg: Any = None) -> bool:
+        """Delayed wgrad as the job will run it: this config's switch; unset is off."""
+        return bool(self.delay_wgrad_compute)
+
+    def grad_reduce_for_te_check(self, ddp_config: Any) -> bool:
+        """What Megatron-Bridge's delayed-wgrad TE check reads: the DDP value or this config's.
+
+        Bridge checks `ddp.overlap_grad_reduce or comm_overlap.overlap_grad_reduce` before its own set-up
+        writes the comm value onto DDP, so either one on asks for TE >= 2.7, even when the other is False.
+        """
+        ddp_value = bool(get_field(ddp_config, "overlap_grad_reduce", False)) if ddp_config is not None else False
+        return ddp_value or bool(self.overlap_grad_reduce)
+
+    def unset_switches(self) -> frozenset[str]:
+        """The EP switches left None here (Megatron-Bridge writes False onto the model for them)."""
+        return frozenset(name for name in EP_SWITCHES if getattr(self, name) is None)
 
     def effective_overlap_grad_reduce(self, ddp_config: Any) -> bool:
         if self.overlap_grad_reduce is not None:
@@ -81,10 +96,13 @@ class CommOverlapConfig:
             model=model_cfg,
             overlap=self.effective_overlap(model_cfg),
             delay_wgrad=self.effective_delay_wgrad(model_cfg),
-            overlap_grad_reduce=self.effective_overlap_grad_reduce(ddp_config),
+            overlap_grad_reduce=self.grad_reduce_for_te_check(ddp_config),
             env=env,
             core=core_rules(env.mcore_version),
             run=run,
+            bridge=bridge_rules(env.bridge_version),
+            unset_switches=self.unset_switches(),
+            ddp=ddp_config,
         )
         return evaluate(ctx)
 
@@ -92,7 +110,7 @@ class CommOverlapConfig:
         """Validate, raise `ConfigValidationError` with every error, then write the EP switches to the model.
 
         Returns the warnings (also logged). The model gets `overlap_moe_expert_parallel_comm` and
-        `delay_wgrad_compute` as they will run, as Megatron-Bridge does when it sets up the model.
+        `delay_wgrad_compute` as they will run (False where unset here), as Megatron-Bridge's set-up does.
         """
         violations = self.validate(model_cfg, ddp_config, env)
         errors = errors_of(violations)

@@ -40,6 +40,9 @@ class DDPConfig:
     use_distributed_optimizer: bool = True
     bucket_size: int | None = None
     grad_reduce_in_fp32: bool = True
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    fsdp_double_buffer: bool = False
 
 
 @dataclass

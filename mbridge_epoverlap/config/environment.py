@@ -28,6 +28,13 @@ def parse_version(value: str | None, setting: str) -> str | None:
         raise UsageError(f"{setting}: {value!r} is not a version; use a form like 2.9.0") from None
 
 
+def parse_bridge_version(value: str | None, setting: str) -> str | None:
+    """A Megatron-Bridge version: "main" (the main branch) or a release, normalised like `parse_version`."""
+    if value is not None and str(value).strip().lower() == "main":
+        return "main"
+    return parse_version(value, setting)
+
+
 def _installed(dist: str) -> str | None:
     try:
         return metadata.version(dist)
@@ -43,6 +50,8 @@ class Environment:
         torch_version: PyTorch version; None means unknown (the torch rule is then not checked).
         te_version: Transformer Engine version; None means Transformer Engine is not installed.
         mcore_version: Megatron-Core version whose rules apply; None means the newest rules.
+        bridge_version: Megatron-Bridge release whose behaviour applies ("main" for the main branch);
+            None means the newest release.
         gpu_name: CUDA device name (e.g. "NVIDIA H100 80GB HBM3"); None means no GPU is known.
         compute_capability: (major, minor); None means no GPU is known.
         gpu_probe_error: why probing this machine's GPU failed (CUDA present but broken); None when the
@@ -55,10 +64,12 @@ class Environment:
     gpu_name: str | None = None
     compute_capability: tuple[int, int] | None = None
     gpu_probe_error: str | None = None
+    bridge_version: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("torch_version", "te_version", "mcore_version"):
             object.__setattr__(self, name, parse_version(getattr(self, name), name))
+        object.__setattr__(self, "bridge_version", parse_bridge_version(self.bridge_version, "bridge_version"))
         if self.compute_capability is not None:
             object.__setattr__(self, "compute_capability", tuple(int(x) for x in self.compute_capability))
 
@@ -70,17 +81,18 @@ class Environment:
             torch_version = torch_version.split("+")[0]
         te_version = _installed("transformer-engine") or _installed("transformer_engine")
         mcore_version = _installed("megatron-core") or _installed("megatron_core")
+        bridge_version = _installed("megatron-bridge") or _installed("megatron_bridge")
         gpu_name, capability, probe_error = _probe_gpu()
-        return cls(torch_version, te_version, mcore_version, gpu_name, capability, probe_error)
+        return cls(torch_version, te_version, mcore_version, gpu_name, capability, probe_error, bridge_version)
 
     @classmethod
     def for_gpu(cls, name: str, **versions: str | None) -> Environment:
         """An environment for a GPU family from the catalog (a100, h100, h200, h20, l40s, b200, ...)."""
         spec = gpu_spec(name)
-        unknown = set(versions) - {"torch_version", "te_version", "mcore_version"}
+        unknown = set(versions) - {"torch_version", "te_version", "mcore_version", "bridge_version"}
         if unknown:
             raise UsageError(f"Environment.for_gpu: unknown setting(s) {sorted(unknown)}; "
-                             "use torch_version, te_version, mcore_version")
+                             "use torch_version, te_version, mcore_version, bridge_version")
         # A target whose device name is not known here still counts as a GPU (its backends are then unsupported).
         return cls(gpu_name=spec.device_name or f"NVIDIA {spec.name}", compute_capability=spec.compute_capability,
                    **versions)
@@ -102,7 +114,9 @@ class Environment:
         gpu = self.gpu_name or ("GPU probe failed" if self.gpu_probe_error else "no GPU")
         te = self.te_version or "not installed"
         core = self.mcore_version or "newest"
-        return f"GPU {gpu}; torch {self.torch_version or 'unknown'}; TE {te}; Megatron-Core rules {core}"
+        bridge = self.bridge_version or "newest release"
+        return (f"GPU {gpu}; torch {self.torch_version or 'unknown'}; TE {te}; Megatron-Core rules {core}; "
+                f"Megatron-Bridge {bridge}")
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -112,6 +126,7 @@ class Environment:
             "gpu_name": self.gpu_name,
             "compute_capability": list(self.compute_capability) if self.compute_capability else None,
             "gpu_probe_error": self.gpu_probe_error,
+            "bridge_version": self.bridge_version,
         }
 
 

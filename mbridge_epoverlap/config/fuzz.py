@@ -138,7 +138,11 @@ def core_errors(model: Any, env: Any) -> list[str]:
 
     core = core_rules(env.mcore_version)
     enforced = {r.id for r in all_rules() if r.enforced_by_core(core)}
-    return [v.rule for v in errors_of(CommOverlapConfig().validate(model, env=env)) if v.rule in enforced]
+    # TransformerConfig takes the switches as they are; in Megatron-Bridge terms, they are set in comm_overlap.
+    overlap = bool(getattr(model, "overlap_moe_expert_parallel_comm", False))
+    switches = CommOverlapConfig(overlap_moe_expert_parallel_comm=overlap,
+                                 delay_wgrad_compute=bool(getattr(model, "delay_wgrad_compute", False)))
+    return [v.rule for v in errors_of(switches.validate(model, env=env)) if v.rule in enforced]
 
 
 def compare(config_class: type, env: Any, samples: int, seed: int, torch_dtype: Any,

@@ -46,6 +46,9 @@ MCORE_DEFAULTS: dict[str, Any] = {
     "delay_wgrad_compute": False,
     "ep_overlap_early_attn_memory_release": False,
     "overlap_dispatch_backward_with_experts_wgrad": False,
+    "fine_grained_activation_offloading": False,
+    "offload_modules": None,
+    "use_te_rng_tracker": False,
 }
 
 _MISSING = object()
@@ -120,8 +123,12 @@ class MoEModelConfig:
     # CUDA graphs
     cuda_graph_impl: str = "none"
     cuda_graph_scope: list[str] = field(default_factory=list)
+    use_te_rng_tracker: bool = False
     # Fusions
     gradient_accumulation_fusion: bool = False
+    # Activation offloading (Megatron-Core >= 0.17)
+    fine_grained_activation_offloading: bool = False
+    offload_modules: list[str] | None = None
     # EP overlap (mirrored from comm_overlap when the config is finalized)
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False

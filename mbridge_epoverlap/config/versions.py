@@ -11,11 +11,25 @@
 | delay_wgrad rejects `moe_use_legacy_grouped_gemm`              | yes  | yes  | no   | no   | no   | no   |
 | `ep_overlap_early_attn_memory_release` exists (needs overlap)  | no   | yes  | yes  | yes  | yes  | yes  |
 | graph scope lives in `cuda_graph_modules`; `full_iteration` impl| no   | no   | no   | yes  | yes  | yes  |
-| `overlap_dispatch_backward_with_experts_wgrad` exists           | no   | no   | no   | yes  | yes  | yes  |
+| `overlap_dispatch_backward_with_experts_wgrad` exists (TE >= 2.3)| no   | no   | no   | yes  | yes  | yes  |
+| `ncclep` flex backend; needs flex; no `expert_fc1` offload w/ overlap| no | no   | no   | no   | yes  | yes  |
+| whole-layer TE graph with overlap fails at layer build          | no   | yes  | yes  | yes  | yes  | yes  |
+| Megatron-FSDP + overlap: no double buffer, graphs none/full_iteration (wrap)| no | no | no | yes | yes | yes |
 
-Megatron-Bridge (HEAD, which pins 0.20) adds its own checks on top whatever the core release: `"moe"`
-in `recompute_modules` and `mtp_num_layers` in (None, 0, 1) with overlap, the TE 2.7 / 2.12 delayed-wgrad
-rules. `mcore_version=None` means the newest rules (the last column).
+Megatron-Bridge adds its own checks on top whatever the core release: `"moe"` in `recompute_modules` and
+`mtp_num_layers` in (None, 0, 1) with overlap, the TE 2.7 / 2.12 delayed-wgrad rules. `mcore_version=None`
+means the newest rules (the last column).
+
+Megatron-Bridge's own releases differ too (read from the 0.6.2 wheel and main at 067f987, 2026-08-22):
+
+| Megatron-Bridge behaviour                                      | 0.6.x | main |
+|----------------------------------------------------------------|-------|------|
+| `ncclep` is a flex backend (gated to compute capability 9, 10) | yes   | no   |
+| `flex` with backend None falls back to alltoall (#5740)        | no    | yes  |
+
+(0.6.x lets flex without a backend through; the job stops at model build with "Invalid backend: None".)
+
+`bridge_version=None` means the newest release (0.6); "main" names the main branch.
 """
 
 from __future__ import annotations
@@ -25,6 +39,8 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 NEWEST_KNOWN = "0.20"
+NEWEST_BRIDGE = "0.6"
+KNOWN_BRIDGE = ("0.6", "main")
 KNOWN_RELEASES = ("0.15", "0.16", "0.17", "0.18", "0.19", "0.20")
 
 
@@ -44,6 +60,9 @@ class CoreRules:
     has_early_attn_release: bool
     has_graph_modules: bool
     has_dispatch_wgrad_overlap: bool
+    has_ncclep: bool = False
+    has_whole_layer_graph_check: bool = False
+    has_fsdp_overlap_checks: bool = False
 
     def at_least(self, release: str) -> bool:
         return self.minor >= _minor(release)
@@ -73,4 +92,25 @@ def core_rules(mcore_version: str | None) -> CoreRules:
         has_early_attn_release=minor >= (0, 16),
         has_graph_modules=minor >= (0, 18),
         has_dispatch_wgrad_overlap=minor >= (0, 18),
+        has_ncclep=minor >= (0, 19),
+        has_whole_layer_graph_check=minor >= (0, 16),
+        has_fsdp_overlap_checks=minor >= (0, 18),
     )
+
+
+@dataclass(frozen=True)
+class BridgeRules:
+    """What one Megatron-Bridge release does differently (see the table above)."""
+
+    version: str
+    has_ncclep: bool
+    flex_none_falls_back: bool
+
+
+def bridge_rules(bridge_version: str | None) -> BridgeRules:
+    """The behaviour of Megatron-Bridge `bridge_version` ("main", or a release: major.minor matters)."""
+    version = bridge_version or NEWEST_BRIDGE
+    if version == "main":
+        return BridgeRules("main", has_ncclep=False, flex_none_falls_back=True)
+    minor = _minor(version)
+    return BridgeRules(f"{minor[0]}.{minor[1]}", has_ncclep=minor >= (0, 6), flex_none_falls_back=False)

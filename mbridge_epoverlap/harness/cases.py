@@ -12,9 +12,10 @@ import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from mbridge_epoverlap.config.container import RunConfig
-from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides
+from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides, parse_override
 from mbridge_epoverlap.config.violations import Violation
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.fields import get_path
@@ -44,12 +45,17 @@ class CaseSpec:
 
 @dataclass
 class Case:
-    """A resolved case: finalized config (its `env_vars` hold the launch environment)."""
+    """A resolved case: finalized config (its `env_vars` hold the launch environment).
+
+    `changes` are the settings a GPU job changes on the recipe Megatron-Bridge builds: the dotted keys the
+    user's flags and overrides set and the ones the case itself sets, with their values in `cfg`.
+    """
 
     name: str
     overrides: list[str]
     cfg: RunConfig
     launch_env: dict[str, str] = field(default_factory=dict)
+    changes: dict[str, Any] = field(default_factory=dict)
 
 
 class ValidationFailed(Exception):
@@ -173,7 +179,9 @@ def build_cases(resolved: Resolved, specs: list[CaseSpec]) -> tuple[list[Case], 
             else:
                 text = f"[{violation.rule}] {violation.message} (fix: {violation.fix})"
                 warnings.setdefault(text, []).append(spec.name)
-        cases.append(Case(spec.name, list(spec.overrides), cfg))
+        keys = set(resolved.explicit) | {parse_override(item)[0] for item in spec.overrides}
+        changes = {key: get_path(cfg, key) for key in sorted(keys)}
+        cases.append(Case(spec.name, list(spec.overrides), cfg, changes=changes))
     if errors:
         raise ValidationFailed(resolved.target, list(errors.items()))
     for case in cases:

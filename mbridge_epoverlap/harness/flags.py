@@ -73,8 +73,8 @@ def string_list(text: str) -> list[str]:
 def flex_backend(text: str) -> str | None:
     if text in ("None", "none"):
         return None
-    if text not in ("deepep", "hybridep"):
-        raise argparse.ArgumentTypeError(f"expected deepep, hybridep or None, got {text!r}")
+    if text not in ("deepep", "hybridep", "ncclep"):
+        raise argparse.ArgumentTypeError(f"expected deepep, hybridep, ncclep or None, got {text!r}")
     return text
 
 
@@ -193,8 +193,8 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     model.add_argument("--cuda_graph_scope", type=graph_scopes, default=UNSET,
                        help=f"comma-separated: {', '.join(CUDA_GRAPH_SCOPES)}; or none")
     model.add_argument("--moe_flex_dispatcher_backend", type=flex_backend, default=UNSET,
-                       metavar="{deepep,hybridep,None}",
-                       help="deepep or hybridep switch the dispatcher to flex where the GPU supports it (an "
+                       metavar="{deepep,hybridep,ncclep,None}",
+                       help="deepep, hybridep or ncclep switch the dispatcher to flex where the GPU supports it (an "
                             "unsupported GPU is a validation error, never a silent fallback); None keeps alltoall")
     model.add_argument("--moe_a2a_overlap", type=bool_arg, default=UNSET, metavar="{true,false}",
                        help="sets comm_overlap.overlap_moe_expert_parallel_comm only: false really turns EP overlap "
@@ -235,12 +235,18 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
     target.add_argument("--torch_version", "--torch-version", default=None, help="PyTorch version the job will run")
     target.add_argument("--mcore_version", "--mcore-version", default=None,
                         help="Megatron-Core version the job will run")
+    target.add_argument("--bridge_version", "--bridge-version", default=None,
+                        help="Megatron-Bridge release the job will run, or main (default: the newest release)")
 
     launch = parser.add_argument_group("launching")
     launch.add_argument("--executor", choices=EXECUTORS, default=None,
                         help="local (reference runtime here; default for -g cpu) or slurm (sbatch; default for GPUs)")
     launch.add_argument("-d", "--dryrun", action="store_true",
                         help="resolve, validate, write the config (and the sbatch script), launch nothing")
+    launch.add_argument("--check_with_bridge", action="store_true",
+                        help="GPU targets: build each case's job with the real Megatron-Bridge (here, or the Python "
+                             "in MBRIDGE_EPOVERLAP_BRIDGE_PYTHON) and run its runtime_config_update on the CPU under "
+                             "the GPU's mock before submitting; a disagreement stops the run")
     launch.add_argument("--save_config_filepath", default=None, metavar="PATH",
                         help="write the resolved config as YAML (A/B: PATH holds the first case, "
                              "STEM.<case>.yaml beside it the others)")

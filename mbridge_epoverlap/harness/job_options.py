@@ -24,6 +24,12 @@ def _compute_dtype(args: Any) -> str:
     return args.compute_dtype if given(args, "compute_dtype") else "bf16"
 
 
+def bridge_lookup(args: Any, cfg: Any) -> dict[str, Any]:
+    """The recipe-lookup arguments the job gets (`mbridge_job.choose_recipe`'s keywords beyond the recipe)."""
+    return {"gpu": args.gpu, "compute_dtype": _compute_dtype(args), "num_gpus": cfg.num_gpus,
+            "config_variant": args.config_variant, "use_recipes": bool(args.use_recipes)}
+
+
 def recipe_note(args: Any, recipe: str, task: str, num_gpus: int) -> str:
     """Which Megatron-Bridge recipe the job builds (exactly when Megatron-Bridge is installed here)."""
     from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names

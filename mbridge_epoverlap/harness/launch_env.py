@@ -11,7 +11,7 @@ from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.gpus import GPU_FACTS, GpuFacts
 
-FLEX_BACKENDS = ("deepep", "hybridep")
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
 MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 HYBRID_EP_RANKS = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 NVLINK_DOMAIN_SIZE = "NVLINK_DOMAIN_SIZE"
@@ -31,7 +31,7 @@ def _backend(cfg: RunConfig) -> str | None:
 
 
 def cuda_device_max_connections(cfg: RunConfig, gpu: str) -> int:
-    """32 on Blackwell/VR200 targets; else 1 with TP>1 or CP>1 and no EP overlap; else 32 for DeepEP/HybridEP, 8.
+    """32 on Blackwell/VR200 targets; else 1 with TP>1 or CP>1 and no EP overlap; else 32 for a flex backend, 8.
 
     EP overlap needs more than one hardware queue so the comm stream's kernels are not serialized
     behind the compute stream's; TP/CP comm overlap without EP overlap wants exactly one.

@@ -221,6 +221,35 @@ def oversubscription(processes: int) -> str | None:
             "that mean something")
 
 
+def _check_with_bridge(args: argparse.Namespace, resolved: Resolved, cases: list[Case]) -> int:
+    """--check_with_bridge: each case's job built and validated by the real Megatron-Bridge before submission."""
+    from mbridge_epoverlap.config.recipes import family_of
+    from mbridge_epoverlap.harness.bridge_check import disagreements, run_check
+    from mbridge_epoverlap.harness.job_options import bridge_lookup
+
+    cfg = resolved.cfg
+    choose = {"family": family_of(cfg.recipe), "name": cfg.recipe, "task": cfg.task, **bridge_lookup(args, cfg)}
+    try:
+        recipe, outcomes = run_check(choose, cases, gpu=args.gpu, num_gpus=cfg.num_gpus,
+                                     max_steps=resolved.max_steps, te_version=resolved.target.env.te_version,
+                                     project_recipe=cfg)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    problems = disagreements(cases, outcomes)
+    _err(f"checked with Megatron-Bridge ({recipe}, runtime_config_update on a CPU, {args.gpu} mocked):")
+    for outcome in outcomes:
+        if outcome.ok:
+            backend = f"/{outcome.backend}" if outcome.backend else ""
+            _err(f"  case {outcome.case}: accepted; EP overlap {'on' if outcome.overlap else 'off'}, delayed wgrad "
+                 f"{'on' if outcome.delay_wgrad else 'off'}, dispatcher {outcome.dispatcher}{backend}")
+    for line in problems:
+        _err(f"  error: {line}")
+    if problems:
+        _err("Megatron-Bridge and this harness disagree; nothing was submitted")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, cases: list[Case],
                results_path: Path) -> int:
     from mbridge_epoverlap.harness.executors.slurm import SlurmExecutor, job_shape, require_tool
@@ -229,6 +258,10 @@ def _run_slurm(args: argparse.Namespace, resolved: Resolved, exp: Experiment, ca
     from mbridge_epoverlap.harness.results import sibling
 
     cfg = resolved.cfg
+    if getattr(args, "check_with_bridge", False) and args.gpu != "cpu":
+        status = _check_with_bridge(args, resolved, cases)
+        if status != EXIT_OK:
+            return status
     if not args.dryrun:
         require_tool("sbatch")  # before writing anything
     repo_root = Path(__file__).resolve().parents[2]

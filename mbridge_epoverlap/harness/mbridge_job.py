@@ -3,10 +3,11 @@
 Started once per GPU (`python -m mbridge_epoverlap.harness.mbridge_job --config CASE.yaml ...`) with
 RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment. It builds the recipe Megatron-Bridge's
 own `run_script.py` would (a flat performance recipe for the GPU, precision, GPU count and `-cv` variant; the
-library recipe with `--use_recipes`; see `bridge_recipes`), writes every setting of the resolved config that
-Megatron-Bridge has onto it (model provider, comm_overlap, train, ddp) and the pass-through flags it has a
-place for, logs every iteration, and calls Megatron-Bridge's `pretrain`/`finetune`. The training log is what
-the harness reads back (`mbridge_logs`).
+library recipe with `--use_recipes`; see `bridge_recipes`), changes on it only what the user's flags and
+dotted overrides set and what the A/B case sets (`--changes`, written by the harness from `Case.changes`)
+plus the pass-through flags it has a place for and the iteration count, logs every iteration, and calls
+Megatron-Bridge's `pretrain`/`finetune`. Every other setting is the recipe's, as with upstream's
+run_script.py. The training log is what the harness reads back (`mbridge_logs`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from typing import Any
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.errors import EXIT_NO_BRIDGE
 from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe, choose_perf_recipe, library_recipe
-
-TRAIN_FIELDS = ("global_batch_size", "micro_batch_size")
 
 
 class BridgeMissing(RuntimeError):
@@ -116,47 +115,61 @@ def apply_job_settings(bridge_cfg: Any, settings: dict[str, Any]) -> list[str]:
     return unused
 
 
-def apply_run_config(bridge_cfg: Any, run: RunConfig, *, max_steps: int, mixed_precision: str | None,
-                     tokenizer_type: str | None) -> list[str]:
-    """Write the resolved settings onto a Megatron-Bridge ConfigContainer; return the keys it has no place for.
+# Run-config keys that are launch settings, not ConfigContainer fields (the job gets them another way).
+LAUNCH_KEYS = ("num_gpus", "gpus_per_node", "train.train_iters")
+# Run-config keys written to a second place of the ConfigContainer as well: key -> (section, field).
+ALSO_WRITES = {"model.seq_length": ("dataset", "sequence_length"),
+               "model.use_te_rng_tracker": ("rng", "te_rng_tracker")}
+# Settings the job makes on every recipe: (section, field, value, why).
+JOB_FIXED = (("logger", "log_interval", 1, "one log line per iteration: the harness reads per-iteration step times"),)
 
-    Attribute names are shared with Megatron-Core/Megatron-Bridge, so each setting is copied by name.
-    `comm_overlap` fields left None keep Megatron-Bridge's defaults, as they mean "unset".
+
+def _set_graph_scope(model: Any, scope: Any) -> None:
+    """Megatron-Bridge's own setter where it has one (Core 0.18+ keeps the modules in cuda_graph_modules)."""
+    try:
+        from megatron.bridge.utils.cuda_graph import set_cuda_graph_modules
+    except ImportError:
+        model.cuda_graph_scope = scope
+        return
+    set_cuda_graph_modules(model, scope)
+
+
+def apply_changes(bridge_cfg: Any, changes: dict[str, Any], *, max_steps: int) -> list[str]:
+    """Write the user's and the A/B case's settings onto the recipe's ConfigContainer; return the keys it lacks.
+
+    `changes` holds only what the user's flags and dotted overrides set and what the case itself sets
+    (`Case.changes`), by run-config dotted key: everything else keeps the recipe's value, as upstream's
+    run_script.py keeps it. The flex backend goes through Megatron-Bridge's `apply_flex_dispatcher_backend`
+    (it also sets the dispatcher and turns shared-expert overlap off).
     """
     missing: list[str] = []
-    model = bridge_cfg.model
-    for name, value in run.model.to_dict().items():
-        if (name, value) in (("cuda_graph_scope", []), ("moe_flex_dispatcher_backend", None)):
-            continue  # "no scope" / "no flex backend": Megatron-Bridge's own defaults say the same
-        if hasattr(model, name):
-            setattr(model, name, value)
-        else:
-            missing.append(f"model.{name}")
-    for name, value in run.comm_overlap.to_dict().items():
-        if value is None:
+    for key, value in changes.items():
+        if key in LAUNCH_KEYS or key.startswith("env_vars."):
             continue
-        if hasattr(bridge_cfg.comm_overlap, name):
-            setattr(bridge_cfg.comm_overlap, name, value)
-        else:
-            missing.append(f"comm_overlap.{name}")
-    for name in TRAIN_FIELDS:
-        setattr(bridge_cfg.train, name, getattr(run.train, name))
+        places = [tuple(key.split(".", 1))] + ([ALSO_WRITES[key]] if key in ALSO_WRITES else [])
+        written = False
+        for section, name in places:
+            target = getattr(bridge_cfg, section, None)
+            if target is None or not hasattr(target, name):
+                continue
+            if key == "model.cuda_graph_scope":
+                _set_graph_scope(target, value)
+            else:
+                setattr(target, name, value)
+            written = True
+        if not written:
+            missing.append(key)
+    backend = changes.get("model.moe_flex_dispatcher_backend")
+    if backend is not None:
+        flex = importlib.import_module("megatron.bridge.training.flex_dispatcher_backend")
+        flex.apply_flex_dispatcher_backend(bridge_cfg.model, backend)
+    elif "model.moe_flex_dispatcher_backend" in changes and bridge_cfg.model.moe_token_dispatcher_type == "flex":
+        bridge_cfg.model.moe_token_dispatcher_type = "alltoall"  # backend None: the user asked for alltoall
     bridge_cfg.train.train_iters = max_steps
-    for name, value in vars(run.ddp).items():
-        if hasattr(bridge_cfg.ddp, name):
-            setattr(bridge_cfg.ddp, name, value)
-    dataset = getattr(bridge_cfg, "dataset", None)
-    if dataset is not None and hasattr(dataset, "sequence_length"):
-        dataset.sequence_length = run.model.seq_length
-    if mixed_precision is not None:
-        bridge_cfg.mixed_precision = mixed_precision
-    if tokenizer_type is not None and getattr(bridge_cfg, "tokenizer", None) is not None:
-        bridge_cfg.tokenizer.tokenizer_type = tokenizer_type
-        if tokenizer_type == "NullTokenizer" and hasattr(bridge_cfg.tokenizer, "vocab_size"):
-            bridge_cfg.tokenizer.vocab_size = run.model.vocab_size
-    logger = getattr(bridge_cfg, "logger", None)
-    if logger is not None and hasattr(logger, "log_interval"):
-        logger.log_interval = 1  # one log line per iteration: the harness needs per-iteration step times
+    for section, name, value, _why in JOB_FIXED:
+        target = getattr(bridge_cfg, section, None)
+        if target is not None and hasattr(target, name):
+            setattr(target, name, value)
     return missing
 
 
@@ -191,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="profile with the PyTorch profiler (Kineto traces) instead of nsys")
     parser.add_argument("--job-settings", default=None,
                         help="JSON object of the pass-through run_script.py flags for the job")
+    parser.add_argument("--changes", type=Path, default=None,
+                        help="JSON file: run-config dotted key -> value, the settings the job changes on the recipe")
     args = parser.parse_args(argv)
     try:
         import_bridge()
@@ -216,16 +231,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unused:
             print(f"note: passed to the job but this Megatron-Bridge has no setting for {', '.join(unused)}",
                   file=sys.stderr)
-    missing = apply_run_config(bridge_cfg, run, max_steps=args.max_steps, mixed_precision=args.mixed_precision,
-                               tokenizer_type=args.tokenizer_type)
+    changes = json.loads(args.changes.read_text()) if args.changes is not None else {}
+    missing = apply_changes(bridge_cfg, changes, max_steps=args.max_steps)
     if missing:
-        print(f"note: this Megatron-Bridge has no setting for {', '.join(missing)}; kept its defaults",
+        print(f"note: this Megatron-Bridge has no setting for {', '.join(missing)}; kept the recipe's",
               file=sys.stderr)
-    if run.model.moe_token_dispatcher_type == "flex":
-        # Megatron-Bridge's apply step also configures the flex backend's buffers, so call it rather
-        # than leaving only the two fields set (setting the backend alone does not enable flex).
-        flex = importlib.import_module("megatron.bridge.training.flex_dispatcher_backend")
-        flex.apply_flex_dispatcher_backend(bridge_cfg.model, run.model.moe_flex_dispatcher_backend)
+    if args.mixed_precision is not None and recipe.kind == "library":
+        bridge_cfg.mixed_precision = args.mixed_precision  # a performance recipe was chosen by -c: its own stays
+    if args.tokenizer_type is not None and getattr(bridge_cfg, "tokenizer", None) is not None:
+        bridge_cfg.tokenizer.tokenizer_type = args.tokenizer_type
+        if args.tokenizer_type == "NullTokenizer" and hasattr(bridge_cfg.tokenizer, "vocab_size"):
+            bridge_cfg.tokenizer.vocab_size = run.model.vocab_size
     if args.profile_window:
         start, _, end = args.profile_window.partition(":")
         _enable_profiling(bridge_cfg, int(start), int(end), pytorch=args.pytorch_profiler)

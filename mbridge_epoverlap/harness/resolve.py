@@ -43,6 +43,10 @@ FLAG_OF_KEY = {
     "train.global_batch_size": "-gb/--global_batch_size",
     "train.micro_batch_size": "-mb/--micro_batch_size",
     "train.train_iters": "-ms/--max_steps",
+    "model.use_te_rng_tracker": "--cuda_graph_impl",
+    "ddp.use_megatron_fsdp": "--use_megatron_fsdp",
+    "ddp.data_parallel_sharding_strategy": "--use_megatron_fsdp",
+    "model.gradient_accumulation_fusion": "--use_megatron_fsdp",
 }
 # Keys -g cpu keeps from the user after shrinking: the batch shape is the CPU run's own choice.
 CPU_KEPT_KEYS = ("train.global_batch_size", "train.micro_batch_size", "model.seq_length")
@@ -103,7 +107,7 @@ def pick_recipe(family: str | None, recipe: str | None) -> str:
 def target_environment(args: argparse.Namespace) -> Target:
     """`Environment.detect()` for cpu (with any versions given), `Environment.for_gpu` for a GPU family."""
     versions = {"te_version": args.te_version, "torch_version": args.torch_version,
-                "mcore_version": args.mcore_version}
+                "mcore_version": args.mcore_version, "bridge_version": getattr(args, "bridge_version", None)}
     if args.gpu == "cpu":
         return Target("cpu", Environment.detect().with_versions(**versions))
     return Target(args.gpu, Environment.for_gpu(args.gpu, **versions))
@@ -205,6 +209,9 @@ def _apply_flags(cfg: RunConfig, args: argparse.Namespace, target: Target, overr
         if given(args, dest):
             setattr(m, name, getattr(args, dest))
             keys.add(f"model.{name}")
+    keys |= _apply_cuda_graph_flags(cfg, given(args, "cuda_graph_impl"), overridden)
+    if getattr(args, "use_megatron_fsdp", None):
+        keys |= _apply_megatron_fsdp(cfg)
     if given(args, "moe_flex_dispatcher_backend"):
         _apply_flex(cfg, args.moe_flex_dispatcher_backend, target)
         keys |= {"model.moe_token_dispatcher_type", "model.moe_flex_dispatcher_backend"}
@@ -216,6 +223,31 @@ def _apply_flags(cfg: RunConfig, args: argparse.Namespace, target: Target, overr
     if delay is not None:
         keys.add(f"comm_overlap.{DELAY_FIELD}")
     return keys
+
+
+def _apply_cuda_graph_flags(cfg: RunConfig, impl_given: bool, overridden: set[str]) -> set[str]:
+    """What Megatron-Bridge's run_script.py does with graphs: `--cuda_graph_impl` other than none switches the
+    TE RNG tracker on (every graph needs it); a config left without graphs has the tracker off and no graph
+    modules (settings a dotted override gave are kept). Returns the keys set."""
+    m = cfg.model
+    if impl_given and m.cuda_graph_impl != "none":
+        m.use_te_rng_tracker = True
+        return {"model.use_te_rng_tracker"}
+    if m.cuda_graph_impl != "none":
+        return set()
+    if "model.use_te_rng_tracker" not in overridden:
+        m.use_te_rng_tracker = False
+    if "model.cuda_graph_scope" not in overridden:
+        m.cuda_graph_scope = []
+    return {"model.use_te_rng_tracker"} if impl_given and "model.use_te_rng_tracker" not in overridden else set()
+
+
+def _apply_megatron_fsdp(cfg: RunConfig) -> set[str]:
+    """`--use_megatron_fsdp true` as run_script.py sets it (the settings the validator reads)."""
+    cfg.ddp.use_megatron_fsdp = True
+    cfg.ddp.data_parallel_sharding_strategy = "optim_grads_params"
+    cfg.model.gradient_accumulation_fusion = True
+    return {"ddp.use_megatron_fsdp", "ddp.data_parallel_sharding_strategy", "model.gradient_accumulation_fusion"}
 
 
 def _apply_compute_dtype(cfg: RunConfig, dtype: str, target: Target) -> None:

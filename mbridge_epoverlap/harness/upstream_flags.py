@@ -152,7 +152,7 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
     F('--activation_offload_layers', '-ol', 'value', 'int', None, 'job'),
     F('--recompute_modules', None, 'value', 'list_of_strings', None, 'harness'),
     F('--moe_flex_dispatcher_backend', None, 'value', 'none_or_str', -1, 'harness',
-      choices=('deepep', 'hybridep', None)),
+      choices=('deepep', 'hybridep', 'ncclep', None)),
     F('--deterministic', None, 'switch', None, False, 'job'),
     F('--wandb_key', '-wdk', 'value', 'str', None, 'job'),
     F('--wandb_project_name', '-wdp', 'value', 'str', None, 'job'),
@@ -183,6 +183,26 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
 )
 
 OMITTED = -1  # upstream's "flag not given" default of -vp and --moe_flex_dispatcher_backend
+# Defaults upstream reads from the environment when the parser is built (argument_parser.py).
+ENV_DEFAULTS = {"nemo_home": "NEMO_HOME"}
+
+
+class EnvDefault(str):
+    """A default taken from an environment variable; `text` says so (for the docs, whatever the machine)."""
+
+    text: str
+
+
+def default_of(flag: UpstreamFlag) -> Any:
+    """The flag's default as upstream computes it: `--nemo_home` is `$NEMO_HOME`, else `~/.cache/nemo`."""
+    import os
+
+    variable = ENV_DEFAULTS.get(flag.dest)
+    if variable is None:
+        return flag.default
+    value = EnvDefault(os.environ.get(variable, flag.default))
+    value.text = f"${variable}, else {flag.default}"
+    return value
 
 
 # ---- Parsing -------------------------------------------------------------------------------------------------
@@ -247,7 +267,7 @@ def add_upstream_flags(parser: Any) -> list[UpstreamFlag]:
         if flag.kind == "switch":
             group.add_argument(*names, action="store_true", default=flag.default, help=help_text)
         else:
-            kwargs: dict[str, Any] = {"type": _converter(flag.type), "default": flag.default, "help": help_text}
+            kwargs: dict[str, Any] = {"type": _converter(flag.type), "default": default_of(flag), "help": help_text}
             if flag.choices:
                 kwargs["choices"] = list(flag.choices)
             if flag.nargs:
@@ -297,8 +317,9 @@ def passthrough_routes(args: Any) -> list[Route]:
     for flag in UPSTREAM_FLAGS:
         if flag.destination == "harness":
             continue
-        value = getattr(args, flag.dest, flag.default)
-        if value == flag.default:
+        default = default_of(flag)
+        value = getattr(args, flag.dest, default)
+        if value == default:
             continue
         if flag.destination == "sbatch":
             effect = SBATCH_EFFECTS.get(flag.dest, "recorded in the sbatch script (a nemo-run executor setting "

@@ -17,7 +17,8 @@ from mbridge_epoverlap.config.rules.registry import (
 )
 from mbridge_epoverlap.config.violations import Violation
 
-_TE_GRAPH_ATTN = (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn")
+_TE_GRAPH_ATTN = (OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=attn",
+                  "model.use_te_rng_tracker=true")
 
 
 def _te_text(version: str | None) -> str:
@@ -36,11 +37,13 @@ def _delay_needs_overlap(ctx: RuleContext) -> Violation | None:
                      f"{OVERLAP_KEY}=true, or {DELAY_KEY}=false")
 
 
-@rule("delay_te_grad_reduce", "delay_wgrad", "Megatron-Bridge", "TE >= 2.7.0 when overlap_grad_reduce is set",
+@rule("delay_te_grad_reduce", "delay_wgrad", "Megatron-Bridge",
+      "TE >= 2.7.0 when ddp.overlap_grad_reduce or comm_overlap.overlap_grad_reduce is on",
       symptom=f"{BRIDGE_ASSERT} (Transformer Engine version)",
       cause="before TE 2.7 the delayed weight gradients miss the grad-reduce hooks",
       where="`--te-version` (the job's container), `ddp.overlap_grad_reduce`",
-      example=(OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=true"), example_versions=(("--te-version", "2.6.0"),))
+      example=(OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=true"), example_versions=(("--te-version", "2.6.0"),),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_te_grad_reduce(ctx: RuleContext) -> Violation | None:
     if not ctx.overlap_grad_reduce or version_at_least(ctx.env.te_version, "2.7.0"):
         return None
@@ -56,7 +59,8 @@ def _delay_te_grad_reduce(ctx: RuleContext) -> Violation | None:
       cause="before TE 2.7 fused gradient accumulation does not support delayed weight gradients",
       where="`--te-version`, `model.gradient_accumulation_fusion`",
       example=(OVERLAP_ON, DELAY_ON, "ddp.overlap_grad_reduce=false", "model.gradient_accumulation_fusion=true"),
-      example_versions=(("--te-version", "2.6.0"),))
+      example_versions=(("--te-version", "2.6.0"),),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_te_grad_accum(ctx: RuleContext) -> Violation | None:
     if not ctx.get("gradient_accumulation_fusion") or version_at_least(ctx.env.te_version, "2.7.0"):
         return None
@@ -68,10 +72,12 @@ def _delay_te_grad_accum(ctx: RuleContext) -> Violation | None:
 
 @rule("delay_cuda_graph_te", "delay_wgrad", "Megatron-Core >= 0.16",
       "delay_wgrad with transformer_engine CUDA graphs needs TE >= 2.10.0",
+      versions="Megatron-Core >= 0.16 (0.15: a warning)",
       symptom=f"{MCORE_ASSERT} from Megatron-Core 0.16 on (Transformer Engine version)",
       cause="TE graphs before 2.10 cannot replay a layer whose weight gradients run later",
       where="`--te-version`, `--cuda_graph_impl`",
-      example=(OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe_router"),
+      example=(OVERLAP_ON, DELAY_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe_router",
+               "model.use_te_rng_tracker=true"),
       example_versions=(("--te-version", "2.9.0"),),
       core_enforces=lambda core: core.delay_te_graph_needs_te_2_10)
 def _delay_cuda_graph_te(ctx: RuleContext) -> Violation | None:
@@ -90,11 +96,10 @@ def wgrad_in_graph(ctx: RuleContext) -> bool:
     """Whether a weight gradient is captured in a CUDA graph: attention graphed, or the router graphed with a
     shared expert that is not overlapped (its weights then sit in the graphed region).
 
-    As Megatron-Bridge reads it: the graph modules of either field, whatever the implementation, except
-    `none` (Megatron-Bridge clears the modules of a config without graphs before this check).
+    As Megatron-Bridge reads it: the graph modules of either field, whatever the implementation, `none`
+    included. Its comm-overlap set-up (where these checks live) runs before `ConfigContainer.validate`
+    clears the modules of a config without graphs, so leftover modules on a `none` config count.
     """
-    if ctx.get("cuda_graph_impl") in (None, "none"):
-        return False
     scopes = ctx.graph_scopes()
     if "attn" in scopes:
         return True
@@ -107,7 +112,8 @@ def wgrad_in_graph(ctx: RuleContext) -> bool:
             "expert) needs TE 2.12 to be split out",
       where="`--te-version`, `--cuda_graph_scope`",
       example=_TE_GRAPH_ATTN + ("model.gradient_accumulation_fusion=true",),
-      example_versions=(("--te-version", "2.11.0"),))
+      example_versions=(("--te-version", "2.11.0"),),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_graph_te(ctx: RuleContext) -> Violation | None:
     if not wgrad_in_graph(ctx) or version_at_least(ctx.env.te_version, "2.12.0"):
         return None
@@ -123,7 +129,8 @@ def _delay_graph_te(ctx: RuleContext) -> Violation | None:
       "wgrad inside a CUDA graph scope needs gradient_accumulation_fusion",
       symptom=f"{BRIDGE_ASSERT} (gradient_accumulation_fusion)",
       cause="graphed weight gradients are delayed through the fused accumulation path only",
-      where="`model.gradient_accumulation_fusion`, `--cuda_graph_scope`", example=_TE_GRAPH_ATTN)
+      where="`model.gradient_accumulation_fusion`, `--cuda_graph_scope`", example=_TE_GRAPH_ATTN,
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_graph_grad_accum(ctx: RuleContext) -> Violation | None:
     if not wgrad_in_graph(ctx) or ctx.get("gradient_accumulation_fusion"):
         return None
@@ -137,7 +144,8 @@ def _delay_graph_grad_accum(ctx: RuleContext) -> Violation | None:
       symptom=f"{BRIDGE_ASSERT} (attention biases)",
       cause="graphed attention with delayed wgrad does not handle bias gradients",
       where="`model.add_bias_linear`, `model.add_qkv_bias`, `--cuda_graph_scope`",
-      example=_TE_GRAPH_ATTN + ("model.gradient_accumulation_fusion=true", "model.add_qkv_bias=true"))
+      example=_TE_GRAPH_ATTN + ("model.gradient_accumulation_fusion=true", "model.add_qkv_bias=true"),
+      bridge_enforces=lambda _bridge, _core: True)
 def _delay_graph_attn_bias(ctx: RuleContext) -> Violation | None:
     if not wgrad_in_graph(ctx) or "attn" not in ctx.graph_scopes():
         return None
@@ -152,6 +160,7 @@ def _delay_graph_attn_bias(ctx: RuleContext) -> Violation | None:
 
 
 @rule("delay_legacy_grouped_gemm", "delay_wgrad", "Megatron-Core 0.15-0.16", "not with moe_use_legacy_grouped_gemm",
+      versions="Megatron-Core 0.15-0.16",
       symptom=f"{MCORE_ASSERT} about moe_use_legacy_grouped_gemm (Megatron-Core 0.15-0.16)",
       cause="the legacy grouped GEMM has no separate weight-gradient step",
       where="`model.moe_use_legacy_grouped_gemm`, `--mcore-version`",

@@ -38,7 +38,8 @@ def _ep_size(ctx: RuleContext) -> Violation | None:
 @rule("num_experts", "overlap", "Megatron-Bridge", "num_moe_experts > 1",
       symptom=f"{BRIDGE_ASSERT} (num_moe_experts)",
       cause="overlap was switched on for a dense model or a recipe without experts",
-      where="`model.num_moe_experts`", example=(OVERLAP_ON, "model.num_moe_experts=1"))
+      where="`model.num_moe_experts`", example=(OVERLAP_ON, "model.num_moe_experts=1"),
+      bridge_enforces=lambda _bridge, _core: True)
 def _num_experts(ctx: RuleContext) -> Violation | None:
     experts = ctx.get("num_moe_experts")
     if experts is not None and experts > 1:
@@ -144,10 +145,12 @@ def _recompute_layers(ctx: RuleContext) -> Violation | None:
 
 
 @rule("recompute_moe", "overlap", "Megatron-Bridge; Megatron-Core >= 0.17", '"moe" not in recompute_modules',
+      versions="Megatron-Bridge: all releases; Megatron-Core >= 0.17",
       symptom=f"{BRIDGE_ASSERT} (recompute_modules); {MCORE_ASSERT} from Megatron-Core 0.17 on",
       cause="recomputing the MoE block repeats its all-to-alls inside backward",
       where="`--recompute_modules` / `model.recompute_modules`", example=(OVERLAP_ON, "model.recompute_modules=moe"),
-      core_enforces=lambda core: core.rejects_moe_recompute)
+      core_enforces=lambda core: core.rejects_moe_recompute,
+      bridge_enforces=lambda _bridge, _core: True)
 def _recompute_moe(ctx: RuleContext) -> Violation | None:
     modules = ctx.get("recompute_modules") or []
     if "moe" not in modules:
@@ -172,6 +175,7 @@ def _shared_expert_overlap(ctx: RuleContext) -> Violation | None:
 
 @rule("mtp_layers", "overlap", "Megatron-Core, Megatron-Bridge",
       "mtp_num_layers in (None, 1), 0 too from core 0.19; PP > 1 with 1 on core 0.16-0.17",
+      versions="None or 1 on every Megatron-Core; 0 from 0.19; PP > 1 with 1 on 0.16-0.17",
       symptom=f"{MCORE_ASSERT} about mtp_num_layers (which values pass depends on the Megatron-Core release)",
       cause="the overlapped schedule handles at most one multi-token-prediction layer; 0.16-0.17 also need PP > 1",
       where="`model.mtp_num_layers`, `model.pipeline_model_parallel_size`, `--mcore-version`",
@@ -199,10 +203,12 @@ def _mtp_layers(ctx: RuleContext) -> Violation | None:
 
 @rule("cuda_graph_moe", "overlap", "Megatron-Core >= 0.16",
       "with transformer_engine CUDA graphs, neither moe nor mlp in the graph modules",
+      versions="Megatron-Core >= 0.16 (0.15: a warning)",
       symptom=f"{MCORE_ASSERT} about the CUDA graph scope (cuda_graph_scope, cuda_graph_modules from 0.18)",
       cause="a CUDA graph around the MoE block freezes the dispatch/compute order the overlap interleaves",
       where="`--cuda_graph_impl`, `--cuda_graph_scope`",
-      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe"),
+      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=moe",
+               "model.use_te_rng_tracker=true"),
       core_enforces=lambda core: core.rejects_te_graph_of_moe)
 def _cuda_graph_moe(ctx: RuleContext) -> Violation | None:
     if ctx.get("cuda_graph_impl") != "transformer_engine":
@@ -224,10 +230,12 @@ def _cuda_graph_moe(ctx: RuleContext) -> Violation | None:
 
 @rule("cuda_graph_local", "overlap", "Megatron-Core 0.16-0.17",
       "CUDA graphs with EP overlap need cuda_graph_impl=transformer_engine (core 0.16-0.17 only)",
+      versions="Megatron-Core 0.16-0.17",
       symptom=f"{MCORE_ASSERT} about cuda_graph_impl (Megatron-Core 0.16-0.17)",
       cause="those releases accept only scoped transformer_engine graphs next to EP overlap; 0.18 lifted it",
       where="`--cuda_graph_impl`, `--mcore-version`",
-      example=(OVERLAP_ON, "model.cuda_graph_impl=local"), example_versions=(("--mcore-version", "0.17.0"),),
+      example=(OVERLAP_ON, "model.cuda_graph_impl=local", "model.cuda_graph_scope=[full_iteration]",
+               "model.use_te_rng_tracker=true"), example_versions=(("--mcore-version", "0.17.0"),),
       core_enforces=lambda core: core.graph_impl_must_be_te)
 def _cuda_graph_local(ctx: RuleContext) -> Violation | None:
     impl = ctx.get("cuda_graph_impl")
@@ -246,10 +254,14 @@ def _cuda_graph_local(ctx: RuleContext) -> Violation | None:
               "\"EP overlap must be disabled when CUDA graph captures the whole MLP/MoE part\"",
       cause="an empty graph scope captures the whole layer, MoE block included, so nothing is left to overlap",
       where="`--cuda_graph_impl`, `--cuda_graph_scope`",
-      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[]"))
+      example=(OVERLAP_ON, "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[]",
+               "model.use_te_rng_tracker=true"),
+      versions="Megatron-Core >= 0.16 (transformer_layer.py)")
 def _cuda_graph_whole_layer(ctx: RuleContext) -> Violation | None:
     if ctx.get("cuda_graph_impl") != "transformer_engine" or ctx.graph_scopes():
         return None
+    if not ctx.core.has_whole_layer_graph_check:
+        return None  # 0.15's layer has no such assertion
     return violation("cuda_graph_whole_layer",
                      "EP overlap with a transformer_engine CUDA graph of the whole layer (empty graph scope) fails "
                      "when the layer is built: the graph captures the MoE block",
@@ -259,9 +271,11 @@ def _cuda_graph_whole_layer(ctx: RuleContext) -> Violation | None:
 
 @rule("cuda_graph_impl_known", "always", "Megatron-Core",
       "cuda_graph_impl in {none, local, transformer_engine}, and full_iteration from core 0.18",
+      versions="full_iteration from Megatron-Core 0.18",
       symptom=f"{MCORE_ASSERT} about an invalid cuda graph implementation",
       cause="the full_iteration implementation arrived in Megatron-Core 0.18",
-      where="`--cuda_graph_impl`, `--mcore-version`", example=("model.cuda_graph_impl=full_iteration",),
+      where="`--cuda_graph_impl`, `--mcore-version`",
+      example=("model.cuda_graph_impl=full_iteration", "model.use_te_rng_tracker=true"),
       example_versions=(("--mcore-version", "0.17.0"),), core_enforces=_always)
 def _cuda_graph_impl_known(ctx: RuleContext) -> Violation | None:
     impl = ctx.get("cuda_graph_impl")
@@ -271,12 +285,13 @@ def _cuda_graph_impl_known(ctx: RuleContext) -> Violation | None:
     return violation("cuda_graph_impl_known",
                      f"cuda_graph_impl={impl!r} is not known to Megatron-Core {ctx.core.version} "
                      f"(known: {', '.join(known)})",
-                     "model.cuda_graph_impl=local with cuda_graph_scope=[full_iteration] (releases before 0.18), "
+                     "model.cuda_graph_impl=local model.cuda_graph_scope=[full_iteration] (releases before 0.18), "
                      "or a job on Megatron-Core >= 0.18")
 
 
 @rule("early_attn_release_needs_overlap", "always", "Megatron-Core >= 0.16",
       "ep_overlap_early_attn_memory_release needs EP overlap",
+      versions="Megatron-Core >= 0.16",
       symptom=f"{MCORE_ASSERT} about ep_overlap_early_attn_memory_release",
       cause="the early attention-memory release is part of the overlapped schedule",
       where="`model.ep_overlap_early_attn_memory_release`",
@@ -292,6 +307,7 @@ def _early_attn_release(ctx: RuleContext) -> Violation | None:
 
 @rule("dispatch_wgrad_overlap_exclusive", "always", "Megatron-Core >= 0.18",
       "overlap_dispatch_backward_with_experts_wgrad excludes EP overlap and delayed wgrad",
+      versions="Megatron-Core >= 0.18",
       symptom=f"{MCORE_ASSERT} about overlap_dispatch_backward_with_experts_wgrad",
       cause="both features reorder the same expert weight-gradient work around the dispatch backward",
       where="`model.overlap_dispatch_backward_with_experts_wgrad`",
@@ -310,6 +326,26 @@ def _dispatch_wgrad_overlap(ctx: RuleContext) -> Violation | None:
                      + " ".join(f"comm_overlap.{name}=false" for name in clash))
 
 
+@rule("dispatch_wgrad_overlap_te", "always", "Megatron-Core >= 0.18",
+      "overlap_dispatch_backward_with_experts_wgrad needs Transformer Engine >= 2.3.0",
+      symptom=f"{MCORE_ASSERT} (\"TE version >= 2.3.0 is required for overlap_dispatch_backward_with_experts_wgrad\")",
+      cause="the expert weight-gradient split it overlaps with the dispatch backward arrived in TE 2.3",
+      where="`model.overlap_dispatch_backward_with_experts_wgrad`, `--te-version`",
+      example=(OVERLAP_OFF, "model.overlap_dispatch_backward_with_experts_wgrad=true"),
+      example_versions=(("--te-version", "2.2.0"),), versions="Megatron-Core >= 0.18",
+      core_enforces=lambda core: core.has_dispatch_wgrad_overlap)
+def _dispatch_wgrad_overlap_te(ctx: RuleContext) -> Violation | None:
+    if not ctx.get("overlap_dispatch_backward_with_experts_wgrad") or not ctx.core.has_dispatch_wgrad_overlap:
+        return None
+    if version_at_least(ctx.env.te_version, "2.3.0"):
+        return None
+    te = f"TE {ctx.env.te_version}" if ctx.env.te_version else "no Transformer Engine"
+    return violation("dispatch_wgrad_overlap_te",
+                     f"overlap_dispatch_backward_with_experts_wgrad needs Transformer Engine >= 2.3.0 ({te})",
+                     "use TE >= 2.3 in the job (give its version with --te_version), or "
+                     "model.overlap_dispatch_backward_with_experts_wgrad=false")
+
+
 @rule("ep_divides_experts", "always", "Megatron-Core", "num_moe_experts divisible by expert_model_parallel_size",
       symptom=f"{MCORE_ASSERT} about num_moe_experts and the EP size",
       cause="every EP rank must hold the same number of experts",
@@ -326,13 +362,16 @@ def _ep_divides_experts(ctx: RuleContext) -> Violation | None:
 
 
 @rule("flex_backend_gpu", "always", "Megatron-Bridge",
-      "the flex dispatcher backend (DeepEP/HybridEP) supports the target GPU",
+      "the flex dispatcher backend (DeepEP/HybridEP/NCCL EP) is known to the releases and supports the target GPU",
       symptom="Megatron-Bridge warns and keeps alltoall (no flex, no error), or its validation raises; the run is "
               "slower than expected",
-      cause="DeepEP runs on Ampere, Hopper, B200 and B300 only; HybridEP also on GB200/GB300",
-      where="`-g`, `--moe_flex_dispatcher_backend`",
+      cause="DeepEP runs on Ampere, Hopper, B200 and B300 only; HybridEP also on GB200/GB300; NCCL EP on Hopper and "
+            "Blackwell only, from Megatron-Bridge 0.6 and Megatron-Core 0.19",
+      where="`-g`, `--moe_flex_dispatcher_backend`, `--mcore-version`, `--bridge-version`",
       example=("model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep"),
-      example_gpu="gb200")
+      example_gpu="gb200",
+      versions="deepep, hybridep: all releases; ncclep: Megatron-Bridge 0.6.x, Megatron-Core >= 0.19",
+      bridge_enforces=lambda _bridge, _core: True)
 def _flex_backend_gpu(ctx: RuleContext) -> Violation | None:
     from mbridge_epoverlap.config.flex import flex_backend_problem
 
@@ -340,13 +379,101 @@ def _flex_backend_gpu(ctx: RuleContext) -> Violation | None:
         return None
     backend = ctx.get("moe_flex_dispatcher_backend")
     if backend is None:
-        return violation("flex_backend_gpu", "moe_token_dispatcher_type=flex without a backend runs as alltoall "
-                         "(Megatron-Bridge switches it back)",
-                         "--moe_flex_dispatcher_backend deepep (or hybridep), or model.moe_token_dispatcher_type="
-                         "alltoall", "warning")
+        return None  # flex_without_backend says it
+    alternatives = ("--moe_flex_dispatcher_backend hybridep (Ampere/Hopper/Blackwell incl. GB200), or "
+                    "model.moe_token_dispatcher_type=alltoall model.moe_flex_dispatcher_backend=null")
+    if backend == "ncclep" and not ctx.core.has_ncclep:
+        return violation("flex_backend_gpu",
+                         f"moe_flex_dispatcher_backend='ncclep' needs Megatron-Core >= 0.19 (the job has "
+                         f"{ctx.core.version}, which has no NCCL EP dispatcher)",
+                         f"{alternatives}, or a job on Megatron-Core >= 0.19")
     problem = flex_backend_problem(backend, ctx.env)
     if problem is None:
         return None
-    return violation("flex_backend_gpu", problem,
-                     "--moe_flex_dispatcher_backend hybridep (Ampere/Hopper/Blackwell incl. GB200), or "
-                     "model.moe_token_dispatcher_type=alltoall")
+    return violation("flex_backend_gpu", problem, alternatives)
+
+
+@rule("flex_without_backend", "always", "Megatron-Bridge",
+      "moe_token_dispatcher_type=flex names a backend (0.6.x crashes without one; main runs alltoall)",
+      symptom="Megatron-Bridge 0.6 accepts the config and the job stops when the model is built (\"Invalid backend: "
+              "None\"); Megatron-Bridge main switches the dispatcher back to alltoall (#5740)",
+      cause="the flex dispatcher needs DeepEP, HybridEP or NCCL EP underneath",
+      where="`--moe_flex_dispatcher_backend`, `model.moe_token_dispatcher_type`, `--bridge-version`",
+      example=("model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=null"),
+      versions="an error on Megatron-Bridge 0.6.x (model build), a warning on main (falls back to alltoall)")
+def _flex_without_backend(ctx: RuleContext) -> Violation | None:
+    from mbridge_epoverlap.config.flex import FLEX_WITHOUT_BACKEND_CRASHES
+
+    if ctx.get("moe_token_dispatcher_type") != "flex" or ctx.get("moe_flex_dispatcher_backend") is not None:
+        return None
+    fix = ("--moe_flex_dispatcher_backend deepep (or hybridep), or model.moe_token_dispatcher_type=alltoall")
+    if ctx.bridge.flex_none_falls_back:
+        return violation("flex_without_backend", "moe_token_dispatcher_type=flex without a backend runs as alltoall "
+                         "(Megatron-Bridge main switches it back)", fix, "warning")
+    return violation("flex_without_backend", FLEX_WITHOUT_BACKEND_CRASHES, fix)
+
+
+@rule("ncclep_needs_flex", "always", "Megatron-Core >= 0.19",
+      "moe_flex_dispatcher_backend=ncclep only with moe_token_dispatcher_type=flex",
+      symptom="Megatron-Core's `TransformerConfig` stops at start-up with a `ValueError` "
+              "(\"moe_flex_dispatcher_backend='ncclep' requires moe_token_dispatcher_type='flex'\")",
+      cause="the NCCL EP backend is a flex-dispatcher backend; naming it with another dispatcher is a contradiction",
+      where="`model.moe_flex_dispatcher_backend`, `model.moe_token_dispatcher_type`",
+      example=("model.moe_token_dispatcher_type=alltoall", "model.moe_flex_dispatcher_backend=ncclep"),
+      versions="Megatron-Core >= 0.19", core_enforces=lambda core: core.has_ncclep)
+def _ncclep_needs_flex(ctx: RuleContext) -> Violation | None:
+    if ctx.get("moe_flex_dispatcher_backend") != "ncclep" or ctx.get("moe_token_dispatcher_type") == "flex":
+        return None
+    if not ctx.core.has_ncclep:
+        return None  # older releases ignore the backend of a non-flex dispatcher
+    return violation("ncclep_needs_flex",
+                     f"moe_flex_dispatcher_backend='ncclep' needs moe_token_dispatcher_type='flex', got "
+                     f"{ctx.get('moe_token_dispatcher_type')!r}",
+                     "model.moe_token_dispatcher_type=flex (flag --moe_flex_dispatcher_backend ncclep), or "
+                     "model.moe_flex_dispatcher_backend=null")
+
+
+@rule("ncclep_offload_expert_fc1", "overlap", "Megatron-Core >= 0.19",
+      "with NCCL EP and EP overlap, no expert_fc1 in offload_modules under fine-grained activation offloading",
+      symptom=f"{MCORE_ASSERT} (\"overlap_moe_expert_parallel_comm with ncclep does not support offloading "
+              "'expert_fc1'\")",
+      cause="offloading expert_fc1 keeps the raw bf16 input of expert FC1, which the overlapped path frees early",
+      where="`model.offload_modules`, `model.fine_grained_activation_offloading`, `--moe_flex_dispatcher_backend`",
+      example=(OVERLAP_ON, "model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=ncclep",
+               "model.fine_grained_activation_offloading=true", "model.offload_modules=[expert_fc1]"),
+      versions="Megatron-Core >= 0.19", core_enforces=lambda core: core.has_ncclep)
+def _ncclep_offload_expert_fc1(ctx: RuleContext) -> Violation | None:
+    if (ctx.get("moe_token_dispatcher_type") != "flex" or ctx.get("moe_flex_dispatcher_backend") != "ncclep"
+            or not ctx.core.has_ncclep):
+        return None
+    modules = list(ctx.get("offload_modules") or [])
+    if not ctx.get("fine_grained_activation_offloading") or "expert_fc1" not in modules:
+        return None
+    kept = [m for m in modules if m != "expert_fc1"]
+    return violation("ncclep_offload_expert_fc1",
+                     "EP overlap with the ncclep flex backend cannot offload 'expert_fc1' (offload_modules "
+                     f"{modules} with fine_grained_activation_offloading)",
+                     f"model.offload_modules=[{','.join(kept)}], or model.fine_grained_activation_offloading=false, "
+                     f"or {OVERLAP_KEY}=false")
+
+
+@rule("model_switch_overwritten", "always", "Megatron-Bridge",
+      "an EP switch set on the model only is overwritten with False (set it in comm_overlap)",
+      symptom="the job runs without the EP overlap or delayed wgrad the model config asked for, and no error says so",
+      cause="Megatron-Bridge's comm-overlap set-up starts from off, copies only the comm_overlap.* switches that are "
+            "set and writes the result onto the model (training/comm_overlap.py), so an unset comm_overlap switch "
+            "means off",
+      where="`comm_overlap.overlap_moe_expert_parallel_comm`, `comm_overlap.delay_wgrad_compute`, and the model's "
+            "fields of the same names",
+      example=(f"{OVERLAP_KEY}=null", "model.overlap_moe_expert_parallel_comm=true"))
+def _model_switch_overwritten(ctx: RuleContext) -> Violation | None:
+    lost = [name for name in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute")
+            if name in ctx.unset_switches and ctx.get(name)]
+    if not lost:
+        return None
+    return violation("model_switch_overwritten",
+                     f"Megatron-Bridge overwrites {', '.join(f'model.{name}=True' for name in lost)} with False: "
+                     f"{' and '.join(f'comm_overlap.{name}' for name in lost)} "
+                     f"{'is' if len(lost) == 1 else 'are'} unset, which Megatron-Bridge reads as off",
+                     " ".join(f"comm_overlap.{name}=true" for name in lost) + ", or "
+                     + " ".join(f"model.{name}=false" for name in lost), "warning")

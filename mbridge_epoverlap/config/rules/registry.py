@@ -8,13 +8,14 @@ generator and the tests read the rules instead of keeping tables of their own.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.model import model_attr
-from mbridge_epoverlap.config.versions import CoreRules
+from mbridge_epoverlap.config.versions import BridgeRules, CoreRules, bridge_rules
 from mbridge_epoverlap.config.violations import Severity, Violation
+from mbridge_epoverlap.fields import get_field
 
 When = Literal["overlap", "delay_wgrad", "always", "layout"]
 
@@ -42,7 +43,11 @@ class RunShape:
 
 @dataclass(frozen=True)
 class RuleContext:
-    """Resolved inputs of the rules: the model config, the effective switches, the environment, the run."""
+    """Resolved inputs of the rules: the model config, the effective switches, the environment, the run.
+
+    `unset_switches` names the `comm_overlap.*` EP switches the user left unset (None): Megatron-Bridge
+    writes False onto the model for them, whatever the model said.
+    """
 
     model: Any
     overlap: bool
@@ -51,9 +56,16 @@ class RuleContext:
     env: Environment
     core: CoreRules
     run: RunShape | None = None
+    bridge: BridgeRules = field(default_factory=lambda: bridge_rules(None))
+    unset_switches: frozenset[str] = frozenset()
+    ddp: Any = None
 
     def get(self, name: str) -> Any:
         return model_attr(self.model, name)
+
+    def ddp_get(self, name: str, default: Any = None) -> Any:
+        """A DDP-config setting (Megatron-Core's `DistributedDataParallelConfig` names), or `default`."""
+        return default if self.ddp is None else get_field(self.ddp, name, default)
 
     def graph_scopes(self) -> set[str]:
         """Per-layer CUDA-graph modules, from `cuda_graph_modules` (core >= 0.18) and `cuda_graph_scope`."""
@@ -65,6 +77,7 @@ class RuleContext:
 
 RuleFn = Callable[[RuleContext], "Violation | None"]
 CoreEnforces = Callable[[CoreRules], bool]
+BridgeEnforces = Callable[[BridgeRules, CoreRules], bool]
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,10 @@ class Rule:
         example_versions: version flags of the reproducer that differ from the defaults of the docs.
         core_enforces: for a Megatron-Core release, whether its `TransformerConfig` raises this rule's
             error (None: no release does; the rule is Megatron-Bridge's, a layer build's or a launcher's).
+        versions: the releases that bring the rule ("all releases" when every modelled one does).
+        bridge_enforces: for a Megatron-Bridge and a Megatron-Core release, whether Bridge's config path
+            (`CommOverlapConfig` finalize + setup, `validate_flex_dispatcher_backend`, then Core's
+            `TransformerConfig`) raises this rule's error on a CPU; None: only `core_enforces` says.
         check: the function returning a `Violation` or None.
     """
 
@@ -100,6 +117,8 @@ class Rule:
     example_gpu: str = "h100"
     example_versions: tuple[tuple[str, str], ...] = ()
     core_enforces: CoreEnforces | None = None
+    versions: str = "all releases"
+    bridge_enforces: BridgeEnforces | None = None
 
     def applies(self, ctx: RuleContext) -> bool:
         if self.when == "overlap":
@@ -113,20 +132,27 @@ class Rule:
     def enforced_by_core(self, core: CoreRules) -> bool:
         return self.core_enforces is not None and self.core_enforces(core)
 
+    def enforced_by_bridge(self, bridge: BridgeRules, core: CoreRules) -> bool:
+        """Whether Megatron-Bridge's config path (with Core's finalize under it) raises this rule's error."""
+        if self.bridge_enforces is not None:
+            return self.bridge_enforces(bridge, core)
+        return self.enforced_by_core(core)
+
 
 _REGISTRY: dict[str, Rule] = {}
 
 
 def rule(rule_id: str, when: When, source: str, summary: str, *, symptom: str, cause: str, where: str,
          example: tuple[str, ...], example_gpu: str = "h100", example_versions: tuple[tuple[str, str], ...] = (),
-         core_enforces: CoreEnforces | None = None) -> Callable[[RuleFn], RuleFn]:
+         core_enforces: CoreEnforces | None = None, versions: str = "all releases",
+         bridge_enforces: BridgeEnforces | None = None) -> Callable[[RuleFn], RuleFn]:
     """Register the decorated function as rule `rule_id` with its documentation."""
 
     def register(fn: RuleFn) -> RuleFn:
         if rule_id in _REGISTRY:
             raise RuntimeError(f"rule id {rule_id!r} registered twice")
         _REGISTRY[rule_id] = Rule(rule_id, when, source, summary, symptom, cause, where, example, fn,
-                                  example_gpu, example_versions, core_enforces)
+                                  example_gpu, example_versions, core_enforces, versions, bridge_enforces)
         return fn
 
     return register

@@ -76,6 +76,9 @@ class SlurmExecutor:
         (job_dir / "runs").mkdir(parents=True, exist_ok=True)
         for case in cases:
             (job_dir / "configs" / f"{case.name}.yaml").write_text(case.cfg.to_yaml())
+            if exp.gpu != "cpu":  # what the Megatron-Bridge job changes on the recipe it builds
+                (job_dir / "configs" / f"{case.name}.changes.json").write_text(
+                    json.dumps(case.changes, indent=2, sort_keys=True))
         for record in exp.cases:
             record.config_path = str(job_dir / "configs" / f"{record.name}.yaml")
         plan = job_dir / "plan.json"

@@ -106,7 +106,7 @@ def _run_command(exp: Experiment, case: Case, opts: ScriptOptions, out: Path, pr
             cmd += ["--profile-dir", _q(trace_dir(opts.job_dir, case.name))]
         return cmd
     cmd = ['"$PYTHON"', "-m", "mbridge_epoverlap.harness.mbridge_job", "--config", _q(config),
-           "--max-steps", str(exp.max_steps)]
+           "--changes", _q(opts.job_dir / "configs" / f"{case.name}.changes.json"), "--max-steps", str(exp.max_steps)]
     if opts.mixed_precision:
         cmd += ["--mixed-precision", _q(opts.mixed_precision)]
     if opts.tokenizer_type:
@@ -116,6 +116,21 @@ def _run_command(exp: Experiment, case: Case, opts: ScriptOptions, out: Path, pr
         window = opts.profile_window or f"{exp.window.start}:{exp.window.end}"
         cmd = ['${PROFILER[@]+"${PROFILER[@]}"}', *cmd, "--profile-window", window]
     return cmd
+
+
+def job_change_lines(cases: list[Case], max_steps: int) -> list[str]:
+    """Comment lines: every setting the Megatron-Bridge job changes on the recipe it builds, case by case."""
+    from mbridge_epoverlap.harness.mbridge_job import JOB_FIXED, LAUNCH_KEYS
+
+    fixed = [f"train.train_iters={max_steps}"] + [f"{section}.{name}={value!r} ({why})"
+                                                   for section, name, value, why in JOB_FIXED]
+    lines = ["# the job builds that recipe and changes on it only these settings (every other one is the recipe's):",
+             f"#   every case: {', '.join(fixed)}"]
+    for case in cases:
+        written = [f"{key}={value!r}" for key, value in case.changes.items()
+                   if key not in LAUNCH_KEYS and not key.startswith("env_vars.")]
+        lines.append(f"#   case {case.name}: {', '.join(written) or 'nothing else'}")
+    return lines
 
 
 def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: ScriptOptions) -> str:
@@ -128,6 +143,7 @@ def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: Scr
         f"# mbridge-epoverlap: {exp.ab or 'single run'} of {exp.recipe} ({exp.task}) on {exp.gpu} x "
         f"{shape.num_tasks}; {len(cases)} case(s) x {exp.repeats} repeat(s), interleaved; {exp.max_steps} steps each",
         *(f"# {note}" for note in opts.notes),
+        *(job_change_lines(cases, exp.max_steps) if gpu_job else []),
         "set -euo pipefail",
         "",
         f"JOB_DIR={_q(opts.job_dir)}",

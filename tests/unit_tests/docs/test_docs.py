@@ -223,6 +223,9 @@ def test_every_rule_id_has_a_diagnosis_row(path):
     assert not missing, f"{_rel(path)} has no table row for rule(s) {missing}; run `make docs`"
 
 
+WARNING_ONLY_RULES = {"model_switch_overwritten"}
+
+
 def test_diagnosis_reproducers_trip_exactly_their_rule_through_the_cli():
     from mbridge_epoverlap.cli import main
     from mbridge_epoverlap.config.rules import all_rules
@@ -234,6 +237,9 @@ def test_diagnosis_reproducers_trip_exactly_their_rule_through_the_cli():
         report = json.loads(out.getvalue())
         rules = [v["rule"] for v in report["violations"]]
         assert rules == [rule.id], f"{rule.id}: the reproducer reports {rules}"
+        if rule.id in WARNING_ONLY_RULES:  # a warning by design: the job runs, differently from what was asked
+            assert (code, report["violations"][0]["severity"]) == (0, "warning"), rule.id
+            continue
         assert code == 1, f"{rule.id}: expected an error (exit 1), got exit {code}"
 
 

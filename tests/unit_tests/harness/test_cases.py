@@ -91,3 +91,10 @@ def test_cases_carry_their_launch_environment():
 def test_cpu_ab_validates_on_this_machine():
     cases, _ = cases_for("ep_overlap", "-g", "cpu", "-ng", "2")
     assert len(cases) == 3 and all(c.cfg.num_gpus == 2 for c in cases)
+
+
+def test_fsdp_with_overlap_and_partial_graphs_is_caught_before_launch():
+    """Megatron-FSDP + EP overlap + the recommended partial TE graphs used to pass and fail at model wrap."""
+    with pytest.raises(ValidationFailed, match="fsdp_cuda_graph"):
+        cases_for("ep_overlap", *GPU, "--mcore_version", "0.19", "--use_megatron_fsdp", "true", "--cuda_graph_impl",
+                  "transformer_engine", "--cuda_graph_scope", "attn,moe_router,moe_preprocess")

@@ -29,21 +29,28 @@ def bridge_like():
     )
 
 
-def test_apply_run_config_copies_settings_by_name():
-    run = load_recipe("qwen3_30b_a3b")
-    run.comm_overlap.overlap_moe_expert_parallel_comm = True
+def test_the_job_changes_only_what_the_user_and_the_case_set():
+    """Upstream's run_script.py keeps every recipe value the flags do not name; so does the job (issue #23:
+    copying the project's own recipe over upstream's turned EP overlap, flex and graphs off)."""
     target = bridge_like()
-    missing = mbridge_job.apply_run_config(target, run, max_steps=8, mixed_precision="bf16_mixed",
-                                           tokenizer_type="NullTokenizer")
-    assert target.model.num_layers == 48 and target.model.expert_model_parallel_size == 16
-    assert target.model.cuda_graph_scope == "full"  # an empty scope list keeps Megatron-Bridge's default
-    assert target.comm_overlap.overlap_moe_expert_parallel_comm is True
-    assert target.comm_overlap.overlap_grad_reduce is None  # unset in ours: Megatron-Bridge's default stays
-    assert (target.train.train_iters, target.train.global_batch_size) == (8, 1024)
-    assert target.ddp.overlap_grad_reduce is True and target.dataset.sequence_length == 4096
-    assert target.mixed_precision == "bf16_mixed" and target.tokenizer.tokenizer_type == "NullTokenizer"
-    assert target.tokenizer.vocab_size == run.model.vocab_size and target.logger.log_interval == 1
-    assert "model.moe_router_topk" in missing
+    target.model.moe_permute_fusion, target.ddp.grad_reduce_in_fp32 = True, False  # the recipe's tuning
+    changes = {"model.expert_model_parallel_size": 8, "comm_overlap.overlap_moe_expert_parallel_comm": False,
+               "model.seq_length": 2048, "num_gpus": 16, "env_vars.NCCL_DEBUG": "INFO", "model.no_such_field": 1}
+    missing = mbridge_job.apply_changes(target, changes, max_steps=8)
+    assert target.model.expert_model_parallel_size == 8 and target.dataset.sequence_length == 2048
+    assert target.comm_overlap.overlap_moe_expert_parallel_comm is False
+    assert target.model.moe_permute_fusion is True and target.ddp.grad_reduce_in_fp32 is False  # untouched
+    assert (target.model.num_layers, target.train.global_batch_size) == (1, 1)
+    assert target.comm_overlap.overlap_grad_reduce is None and target.model.cuda_graph_scope == "full"
+    assert (target.train.train_iters, target.logger.log_interval) == (8, 1)
+    assert missing == ["model.no_such_field"]
+
+
+def test_a_none_backend_asks_for_alltoall():
+    target = bridge_like()
+    target.model.moe_token_dispatcher_type, target.model.moe_flex_dispatcher_backend = "flex", "deepep"
+    mbridge_job.apply_changes(target, {"model.moe_flex_dispatcher_backend": None}, max_steps=1)
+    assert (target.model.moe_token_dispatcher_type, target.model.moe_flex_dispatcher_backend) == ("alltoall", None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is not None, reason="Megatron-Bridge is installed")

@@ -155,3 +155,24 @@ def test_recipe_selection():
         pick_recipe("llama", None)
     with pytest.raises(UsageError, match="unknown recipe"):
         resolved("-mr", "no_such_recipe")
+
+
+def test_cuda_graph_impl_switches_the_te_rng_tracker_as_run_script_does():
+    graphs = resolved(*GPU, "--cuda_graph_impl", "transformer_engine", "--cuda_graph_scope", "attn")
+    assert graphs.cfg.model.use_te_rng_tracker is True
+    assert "model.use_te_rng_tracker" in graphs.explicit
+    none = resolved(*GPU, "--cuda_graph_impl", "none", "model.use_te_rng_tracker=true")
+    assert none.cfg.model.use_te_rng_tracker is True  # a dotted override is kept
+    assert resolved(*GPU).cfg.model.use_te_rng_tracker is False
+
+
+def test_use_megatron_fsdp_reaches_the_validated_config():
+    r = resolved(*GPU, "--use_megatron_fsdp", "true")
+    assert (r.cfg.ddp.use_megatron_fsdp, r.cfg.ddp.data_parallel_sharding_strategy) == (True, "optim_grads_params")
+    assert r.cfg.model.gradient_accumulation_fusion is True
+    assert resolved(*GPU).cfg.ddp.use_megatron_fsdp is False
+
+
+def test_bridge_version_is_part_of_the_target():
+    assert resolved(*GPU, "--bridge_version", "main").target.env.bridge_version == "main"
+    assert resolved(*GPU).target.env.bridge_version is None

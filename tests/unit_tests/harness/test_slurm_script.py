@@ -142,3 +142,21 @@ def test_profile_window_is_clipped_to_the_run():
     assert profile_window(args, 10) == "10:10"
     assert profile_window(args, 5) is None  # starts after the run: the stable window is profiled instead
     assert profile_window(SimpleNamespace(enable_nsys=False, pytorch_profiler=False), 10) is None
+
+
+def test_the_job_changes_only_the_flags_and_the_case_settings(tmp_path, capsys):
+    """Issue #23 item 0: the job starts from Megatron-Bridge's recipe; the dry run lists every field it changes."""
+    rc, script, err = dry_run(tmp_path, capsys, "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16",
+                              "-gn", "8", "--te_version", "2.12", "--ab", "ep_overlap", "-ep", "8")
+    assert rc == 0, err
+    lines = script.splitlines()
+    every = next(line for line in lines if line.startswith("#   every case: train.train_iters="))
+    assert "logger.log_interval=1" in every
+    off = next(line for line in lines if line.startswith("#   case ep_overlap_off:"))
+    assert "model.expert_model_parallel_size=8" in off and "comm_overlap.overlap_moe_expert_parallel_comm=False" in off
+    assert "moe_token_dispatcher_type" not in off and "moe_permute_fusion" not in off  # the recipe's stay
+    job_dir = tmp_path / "ab.slurm"
+    changes = json.loads((job_dir / "configs" / "ep_overlap_on.changes.json").read_text())
+    assert changes["comm_overlap.overlap_moe_expert_parallel_comm"] is True
+    assert "model.num_layers" not in changes and "ddp.grad_reduce_in_fp32" not in changes
+    assert f"--changes {job_dir / 'configs' / 'ep_overlap_on.changes.json'}" in script

@@ -115,3 +115,16 @@ def test_passthrough_routes_say_where_each_flag_went():
     assert job_settings(passthrough_routes(args)) == {"lr": 1e-4, "wandb_project_name": "proj",
                                                       "golden_values_path": "g.json"}
     assert passthrough_routes(PARSER.parse_args([])) == []
+
+
+def test_nemo_home_defaults_to_the_environment(monkeypatch):
+    """argument_parser.py: DEFAULT_NEMO_HOME = os.getenv("NEMO_HOME", ~/.cache/nemo)."""
+    from mbridge_epoverlap.harness.flags import build_parser
+    from mbridge_epoverlap.harness.upstream_flags import passthrough_routes
+
+    monkeypatch.setenv("NEMO_HOME", "/lustre/nemo")
+    args = build_parser().parse_intermixed_args(["-g", "h100"])
+    assert args.nemo_home == "/lustre/nemo"
+    assert not [r for r in passthrough_routes(args) if r.flag == "--nemo_home"]  # the default is not a request
+    monkeypatch.delenv("NEMO_HOME")
+    assert build_parser().parse_intermixed_args(["-g", "h100"]).nemo_home == "~/.cache/nemo"

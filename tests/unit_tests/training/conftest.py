@@ -11,7 +11,7 @@ from mbridge_epoverlap.config.container import DDPConfig
 def good_model(**changes) -> MoEModelConfig:
     """A MoE model on which EP overlap and delayed wgrad pass every rule."""
     base = dict(num_layers=8, num_moe_experts=16, moe_router_topk=2, expert_model_parallel_size=8, bf16=True,
-                moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+                moe_token_dispatcher_type="alltoall", add_bias_linear=False, use_te_rng_tracker=True)
     base.update(changes)
     return MoEModelConfig(**base)
 

@@ -34,7 +34,7 @@ BREAKERS = {
     "shared_expert_overlap": (dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True), h100()),
     "mtp_layers": (dict(mtp_num_layers=2), h100()),
     "cuda_graph_moe": (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe"]), h100()),
-    "cuda_graph_local": (dict(cuda_graph_impl="local"), h100()),
+    "cuda_graph_local": (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), h100()),
     "delay_te_grad_accum": (dict(gradient_accumulation_fusion=True), h100(te="2.6.0")),
     "delay_cuda_graph_te": (dict(cuda_graph_impl="transformer_engine", cuda_graph_scope=["moe_router"]),
                             h100(te="2.9.0")),
@@ -76,11 +76,15 @@ def test_each_rule_fails_alone_with_a_fix(rule_id, overlap_on, ddp):
 
 
 def test_delay_te_grad_reduce_follows_ddp_and_comm_overlap(overlap_on, ddp):
+    """Megatron-Bridge reads `ddp.overlap_grad_reduce or comm_overlap.overlap_grad_reduce`: either on asks for
+    TE >= 2.7, even when comm_overlap's False will later override DDP's True."""
     old_te = h100(te="2.6.0")
     assert rules_of(overlap_on.validate(good_model(), ddp, old_te)) == {"delay_te_grad_reduce"}
     assert overlap_on.validate(good_model(), None, old_te) == []
-    overlap_on.overlap_grad_reduce = False  # comm_overlap's own setting wins over DDP's
-    assert overlap_on.validate(good_model(), ddp, old_te) == []
+    overlap_on.overlap_grad_reduce = False
+    assert rules_of(overlap_on.validate(good_model(), ddp, old_te)) == {"delay_te_grad_reduce"}
+    overlap_on.overlap_grad_reduce = True
+    assert rules_of(overlap_on.validate(good_model(), None, old_te)) == {"delay_te_grad_reduce"}
 
 
 def test_te_not_installed_counts_as_too_old(overlap_on, ddp):
@@ -169,10 +173,29 @@ def test_dict_model_config(overlap_on, ddp):
     assert overlap_on.validate(vars(good_model()).copy(), ddp, h100()) == []
 
 
-def test_none_switches_take_the_model_values(ddp):
+def test_none_switches_are_off_as_in_megatron_bridge(ddp):
+    """Megatron-Bridge writes False onto the model for an unset comm_overlap switch: the overlap checks do not
+    fire, and the user whose model-level switch is overwritten is told which comm_overlap key to set."""
     model = good_model(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=False, expert_model_parallel_size=1)
-    assert rules_of(CommOverlapConfig().validate(model, ddp, h100())) == {"ep_size"}
+    unset = CommOverlapConfig()
+    assert unset.effective_overlap(model) is False and unset.effective_delay_wgrad(model) is False
+    (warning,) = unset.validate(model, ddp, h100())
+    assert (warning.rule, warning.severity) == ("model_switch_overwritten", "warning")
+    assert "comm_overlap.overlap_moe_expert_parallel_comm=true" in warning.fix
     assert CommOverlapConfig(overlap_moe_expert_parallel_comm=False).validate(model, ddp, h100()) == []
+    assert rules_of(CommOverlapConfig(overlap_moe_expert_parallel_comm=True).validate(model, ddp, h100())) == {
+        "ep_size"}
+    unset.finalize(model, ddp, h100())
+    assert (model.overlap_moe_expert_parallel_comm, model.delay_wgrad_compute) == (False, False)
+
+
+def test_both_overwritten_switches_are_named(ddp):
+    model = good_model(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    (warning,) = CommOverlapConfig().validate(model, ddp, h100())
+    assert warning.fix == ("comm_overlap.overlap_moe_expert_parallel_comm=true comm_overlap.delay_wgrad_compute=true, "
+                           "or model.overlap_moe_expert_parallel_comm=false model.delay_wgrad_compute=false")
+    set_delay = CommOverlapConfig(delay_wgrad_compute=False)
+    assert "delay_wgrad_compute" not in set_delay.validate(model, ddp, h100())[0].message
 
 
 def test_finalize_raises_with_every_error_and_writes_switches(overlap_on, ddp):
@@ -194,9 +217,10 @@ def test_finalize_works_on_a_real_transformer_config(ddp):
     CommOverlapConfig(overlap_moe_expert_parallel_comm=True).finalize(model, ddp, h100())
     real = model.to_transformer_config()
     assert real.overlap_moe_expert_parallel_comm is True
-    assert CommOverlapConfig().validate(real, ddp, h100()) == []
+    overlap = CommOverlapConfig(overlap_moe_expert_parallel_comm=True)
+    assert overlap.validate(real, ddp, h100()) == []
     real.expert_model_parallel_size = 1
-    assert rules_of(CommOverlapConfig().validate(real, ddp, h100())) == {"ep_size"}
+    assert rules_of(overlap.validate(real, ddp, h100())) == {"ep_size"}
 
 
 def test_environment_versions_and_catalog():

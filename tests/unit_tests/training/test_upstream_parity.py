@@ -2,7 +2,8 @@
 
 Each test names the upstream test it mirrors (NVIDIA-NeMo/Megatron-Bridge `tests/unit_tests/training/
 test_comm_overlap.py`, `test_deepep.py`). Upstream checks for Megatron-Core 0.20 (what its HEAD pins), so
-the environment here is 0.20 unless a case is about an older release. Where upstream patches the GPU
+the environment here is 0.20 and Megatron-Bridge main unless a case is about an older release (the NCCL EP
+cases are the 0.6.2 wheel's, whose main has no ncclep yet). Where upstream patches the GPU
 probe, these tests describe the GPU through `Environment.for_gpu` (the catalog), or fake only the CUDA
 calls a CPU machine cannot make, named as such.
 """
@@ -29,8 +30,9 @@ from tests.unit_tests.training.conftest import good_model, rules_of
 UPSTREAM_CORE = "0.20.0"
 
 
-def env(te: str | None = "2.18.0", mcore: str | None = UPSTREAM_CORE, gpu: str = "h100") -> Environment:
-    return Environment.for_gpu(gpu, te_version=te, torch_version="2.13.0", mcore_version=mcore)
+def env(te: str | None = "2.18.0", mcore: str | None = UPSTREAM_CORE, gpu: str = "h100",
+        bridge: str = "main") -> Environment:
+    return Environment.for_gpu(gpu, te_version=te, torch_version="2.13.0", mcore_version=mcore, bridge_version=bridge)
 
 
 def minimal_moe(**changes):
@@ -86,12 +88,12 @@ def test_delay_wgrad_requires_ep_overlap():
     assert rules_of(cfg.validate(minimal_moe(), DDPConfig(), env()), "error") == {"delay_needs_overlap"}
 
 
-# Upstream's cases leave cuda_graph_impl at "none" and call the overlap check directly; in a real run
-# Megatron-Bridge's ConfigContainer.validate clears the graph modules of a "none" config before that check,
-# so the whole-run outcome is what a transformer_engine graph of attn gives. The modules are set the 0.18+
-# way (`cuda_graph_modules`, as upstream's set_cuda_graph_modules does).
-def _attn_graph(**changes):
-    model = SimpleNamespace(**vars(minimal_moe(cuda_graph_impl="transformer_engine", **changes)))
+# Upstream's cases leave cuda_graph_impl at "none" and set the modules the 0.18+ way (`cuda_graph_modules`,
+# as upstream's set_cuda_graph_modules does). Bridge's checks read the modules whatever the implementation,
+# and in a real run they run first: runtime_config_update calls comm_overlap.setup (these checks) before
+# cfg.validate(), which is where the modules of a "none" config are cleared.
+def _attn_graph(impl: str = "none", **changes):
+    model = SimpleNamespace(**vars(minimal_moe(cuda_graph_impl=impl, **changes)))
     model.cuda_graph_modules, model.cuda_graph_scope = ["attn"], None
     return model
 
@@ -112,6 +114,13 @@ def test_delay_wgrad_cuda_graph_attn_validation_passes_with_supported_settings()
     """Mirrors test_delay_wgrad_cuda_graph_attn_validation_passes_with_supported_settings."""
     model = _attn_graph(add_qkv_bias=False, gradient_accumulation_fusion=True)
     assert DELAY.validate(model, DDPConfig(), env()) == []
+
+
+@pytest.mark.parametrize("impl", ["none", "transformer_engine"])
+def test_delay_wgrad_graph_checks_ignore_the_implementation(impl):
+    """has_cuda_graph_module reads the modules whatever cuda_graph_impl says: old TE fails either way."""
+    model = _attn_graph(impl, gradient_accumulation_fusion=True)
+    assert "delay_graph_te" in rules_of(DELAY.validate(model, DDPConfig(), env(te="2.11.0")), "error")
 
 
 # ---- CUDA-graph modules on real TransformerConfig objects, written both ways (core 0.18 moved the field) ----
@@ -151,17 +160,54 @@ def test_graph_rules_read_both_fields(written, mcore):
 ])
 def test_cuda_graph_impl_with_overlap_by_core_release(mcore, impl, rejected):
     """transformer_layer/TransformerConfig history: 0.16-0.17 accept only transformer_engine graphs with
-    overlap; 0.18 lifts it and adds the full_iteration implementation."""
-    errors = rules_of(OVERLAP.validate(minimal_moe(cuda_graph_impl=impl), DDPConfig(), env(mcore=mcore)), "error")
+    overlap; 0.18 lifts it and adds the full_iteration implementation. (A local graph is the full iteration's:
+    Megatron-Bridge runs no other, see below.)"""
+    scope = ["full_iteration"] if impl == "local" else []
+    model = minimal_moe(cuda_graph_impl=impl, cuda_graph_scope=scope)
+    errors = rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error")
     assert bool(errors) is rejected, errors
 
 
-@pytest.mark.parametrize("mcore", ["0.15.0", "0.16.1", UPSTREAM_CORE])
-def test_whole_layer_te_graph_with_overlap_is_caught_before_launch(mcore):
+@pytest.mark.parametrize("bridge", ["0.6.2", "main"])
+@pytest.mark.parametrize("mcore", ["0.15.0", "0.18.0", UPSTREAM_CORE])
+def test_local_graphs_only_for_the_full_iteration(mcore, bridge):
+    """utils/cuda_graph.py validate_cuda_graph_configuration: local graphs of modules raise in Bridge's config
+    validation whatever the core release and the overlap."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    scoped = minimal_moe(cuda_graph_impl="local", cuda_graph_scope=["attn"])
+    assert rules_of(off.validate(scoped, DDPConfig(), env(mcore=mcore, bridge=bridge)), "error") == {
+        "cuda_graph_local_scoped"}
+    whole = minimal_moe(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"])
+    assert off.validate(whole, DDPConfig(), env(mcore=mcore, bridge=bridge)) == []
+
+
+def test_full_iteration_scope_stands_alone():
+    """The perf script: "full_iteration CUDA graph scope cannot be combined with other scopes", nor with
+    transformer_engine graphs."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    for impl, scope in (("local", ["full_iteration", "attn"]), ("transformer_engine", ["full_iteration"])):
+        model = minimal_moe(cuda_graph_impl=impl, cuda_graph_scope=scope)
+        assert "cuda_graph_full_iteration_mixed" in rules_of(off.validate(model, DDPConfig(), env()), "error")
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine", "full_iteration"])
+def test_any_graph_needs_the_te_rng_tracker(impl):
+    """GPTModelProvider.provide asserts use_te_rng_tracker with any CUDA graph (run_script.py switches it on)."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    scope = ["full_iteration"] if impl == "local" else ["attn"] if impl == "transformer_engine" else []
+    model = minimal_moe(cuda_graph_impl=impl, cuda_graph_scope=scope, use_te_rng_tracker=False)
+    assert rules_of(off.validate(model, DDPConfig(), env()), "error") == {"cuda_graph_rng_tracker"}
+    model.use_te_rng_tracker = True
+    assert off.validate(model, DDPConfig(), env()) == []
+
+
+@pytest.mark.parametrize(("mcore", "rejected"), [("0.15.0", False), ("0.16.1", True), (UPSTREAM_CORE, True)])
+def test_whole_layer_te_graph_with_overlap_is_caught_before_launch(mcore, rejected):
     """TransformerConfig accepts it; transformer_layer.py fails at build time ("EP overlap must be disabled
-    when CUDA graph captures the whole MLP/MoE part")."""
+    when CUDA graph captures the whole MLP/MoE part"), from 0.16 (0.15's layer has no such assertion)."""
     model = minimal_moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=[])
-    assert rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error") == {"cuda_graph_whole_layer"}
+    expected = {"cuda_graph_whole_layer"} if rejected else set()
+    assert rules_of(OVERLAP.validate(model, DDPConfig(), env(mcore=mcore)), "error") == expected
 
 
 @pytest.mark.parametrize(("mcore", "rejected"), [("0.15.0", True), ("0.16.1", True), ("0.17.0", False),
@@ -257,6 +303,18 @@ def test_none_backend_override_falls_back_to_alltoall():
     assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("alltoall", None)
 
 
+def test_none_backend_is_an_error_before_launch_on_bridge_06():
+    """Megatron-Bridge 0.6.2 has no fallback (#5740 is main only): the job would stop at model build."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=None)
+    with pytest.raises(ValueError, match="Invalid backend: None"):
+        validate_flex_dispatcher_backend(model, env(bridge="0.6.2"))
+    assert model.moe_token_dispatcher_type == "flex"
+    violations = CommOverlapConfig().validate(good_model(moe_token_dispatcher_type="flex"), None, env(bridge="0.6.2"))
+    assert [(v.rule, v.severity) for v in violations] == [("flex_without_backend", "error")]
+    violations = CommOverlapConfig().validate(good_model(moe_token_dispatcher_type="flex"), None, env())
+    assert [(v.rule, v.severity) for v in violations] == [("flex_without_backend", "warning")]
+
+
 @pytest.mark.parametrize(("backend", "gpu_env"), [
     ("deepep", Environment.for_gpu("gb200")),
     ("hybridep", Environment(gpu_name="NVIDIA X200", compute_capability=(11, 0))),
@@ -306,3 +364,103 @@ def test_apply_without_cuda_sets_flex_unchecked():
     model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
     apply_flex_dispatcher_backend(model, moe_flex_dispatcher_backend="hybridep", env=Environment(torch_version="2.13"))
     assert (model.moe_token_dispatcher_type, model.moe_flex_dispatcher_backend) == ("flex", "hybridep")
+
+
+# ---- the 0.6.2 wheel's NCCL EP gate (flex_dispatcher_backend.py: Hopper and Blackwell) ---------------------
+
+
+@pytest.mark.parametrize(("gpu", "ok"), [("h100", True), ("h200", True), ("b200", True), ("gb200", True),
+                                         ("gb300", True), ("a100", False), ("l40s", False)])
+def test_ncclep_is_gated_to_hopper_and_blackwell(gpu, ok):
+    """validate_flex_dispatcher_backend raises "NCCL EP is supported for Hopper and Blackwell GPUs" elsewhere;
+    apply_flex_dispatcher_backend warns and falls back."""
+    bridge = env(gpu=gpu, bridge="0.6.2")
+    model = SimpleNamespace(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    applied = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=True)
+    if ok:
+        validate_flex_dispatcher_backend(model, bridge)
+        apply_flex_dispatcher_backend(applied, "ncclep", env=bridge)
+        assert (applied.moe_token_dispatcher_type, applied.moe_flex_dispatcher_backend) == ("flex", "ncclep")
+    else:
+        with pytest.raises(ValueError, match="Hopper and Blackwell"):
+            validate_flex_dispatcher_backend(model, bridge)
+        with pytest.warns(FlexDispatcherWarning, match="falling back"):
+            apply_flex_dispatcher_backend(applied, "ncclep", env=bridge)
+        assert (applied.moe_token_dispatcher_type, applied.moe_flex_dispatcher_backend) == ("alltoall", None)
+    model_cfg = good_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    assert bool(rules_of(CommOverlapConfig().validate(model_cfg, None, bridge), "error")) is not ok
+
+
+def test_ncclep_is_not_a_backend_on_bridge_main():
+    """Megatron-Bridge main (067f987) warns "Not a valid flex dispatcher backend" and leaves the dispatcher."""
+    model = SimpleNamespace(num_moe_experts=8, moe_token_dispatcher_type="alltoall")
+    with pytest.warns(FlexDispatcherWarning, match="not one of deepep, hybridep"):
+        apply_flex_dispatcher_backend(model, "ncclep", env=env())
+    assert model.moe_token_dispatcher_type == "alltoall"
+
+
+@pytest.mark.parametrize(("mcore", "rejected"), [("0.18.0", True), ("0.19.0", False), (UPSTREAM_CORE, False)])
+def test_ncclep_needs_core_019(mcore, rejected):
+    model = good_model(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep")
+    errors = rules_of(CommOverlapConfig().validate(model, None, env(mcore=mcore, bridge="0.6.2")), "error")
+    assert errors == ({"flex_backend_gpu"} if rejected else set())
+
+
+def test_ncclep_overlap_rejects_expert_fc1_offload():
+    """Megatron-Core 0.19 TransformerConfig: "overlap_moe_expert_parallel_comm with ncclep does not support
+    offloading 'expert_fc1'"; other modules, or no fine-grained offloading, pass."""
+    bridge = env(bridge="0.6.2")
+    model = minimal_moe(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ncclep",
+                        fine_grained_activation_offloading=True, offload_modules=["expert_fc1", "moe_act"])
+    assert rules_of(OVERLAP.validate(model, DDPConfig(), bridge), "error") == {"ncclep_offload_expert_fc1"}
+    model.offload_modules = ["moe_act"]
+    assert OVERLAP.validate(model, DDPConfig(), bridge) == []
+    model.offload_modules, model.fine_grained_activation_offloading = ["expert_fc1"], False
+    assert OVERLAP.validate(model, DDPConfig(), bridge) == []
+    model.fine_grained_activation_offloading = True
+    assert OVERLAP.validate(model, DDPConfig(), env(mcore="0.18.0", bridge="0.6.2")) != []  # ncclep unknown there
+    assert "ncclep_offload_expert_fc1" not in rules_of(OVERLAP.validate(model, DDPConfig(),
+                                                                         env(mcore="0.18.0", bridge="0.6.2")))
+
+
+def test_ncclep_names_the_flex_dispatcher():
+    """Megatron-Core 0.19: "moe_flex_dispatcher_backend='ncclep' requires moe_token_dispatcher_type='flex'"."""
+    model = good_model(moe_token_dispatcher_type="alltoall", moe_flex_dispatcher_backend="ncclep")
+    assert rules_of(CommOverlapConfig().validate(model, None, env(bridge="0.6.2")), "error") == {"ncclep_needs_flex"}
+    assert CommOverlapConfig().validate(model, None, env(mcore="0.18.0", bridge="0.6.2")) == []
+
+
+# ---- Megatron-FSDP with EP overlap (Megatron-Core distributed/fsdp/mcore_fsdp_adapter.py, 0.18+) -----------
+
+
+def _fsdp(**changes) -> DDPConfig:
+    ddp = DDPConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")
+    for name, value in changes.items():
+        setattr(ddp, name, value)
+    return ddp
+
+
+@pytest.mark.parametrize(("mcore", "checked"), [("0.17.0", False), ("0.18.0", True), (UPSTREAM_CORE, True)])
+def test_fsdp_with_overlap_rejects_double_buffer_and_per_layer_graphs(mcore, checked):
+    double = OVERLAP.validate(minimal_moe(), _fsdp(fsdp_double_buffer=True), env(mcore=mcore))
+    assert rules_of(double, "error") == ({"fsdp_double_buffer"} if checked else set())
+    graphs = minimal_moe(cuda_graph_impl="transformer_engine", cuda_graph_scope=["attn", "moe_router"])
+    assert rules_of(OVERLAP.validate(graphs, _fsdp(), env(mcore=mcore)), "error") == (
+        {"fsdp_cuda_graph"} if checked else set())
+
+
+def test_fsdp_with_overlap_accepts_no_graphs_or_the_full_iteration():
+    assert OVERLAP.validate(minimal_moe(), _fsdp(), env()) == []
+    assert OVERLAP.validate(minimal_moe(cuda_graph_impl="full_iteration"), _fsdp(), env()) == []
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    assert off.validate(minimal_moe(), _fsdp(fsdp_double_buffer=True), env()) == []
+
+
+@pytest.mark.parametrize(("te", "rejected"), [("2.2.0", True), ("2.3.0", False), (None, True)])
+def test_dispatch_wgrad_overlap_needs_te_23(te, rejected):
+    """TransformerConfig 0.18+: "TE version >= 2.3.0 is required for overlap_dispatch_backward_with_experts_wgrad"."""
+    off = CommOverlapConfig(overlap_moe_expert_parallel_comm=False)
+    model = minimal_moe(overlap_dispatch_backward_with_experts_wgrad=True)
+    errors = rules_of(off.validate(model, DDPConfig(), env(te=te)), "error")
+    assert errors == ({"dispatch_wgrad_overlap_te"} if rejected else set())
+    assert off.validate(model, DDPConfig(), env(te="2.2.0", mcore="0.17.0")) == []

@@ -36,7 +36,8 @@ def test_errors_exit_1_with_every_violation_in_json():
 def test_warnings_only_exit_0():
     result = run_cli("validate", "--json", "--gpu", "h100", "--te-version", "2.9", "--mcore-version", "0.15",
                      "comm_overlap.overlap_moe_expert_parallel_comm=true", "comm_overlap.delay_wgrad_compute=true",
-                     "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[moe_router]")
+                     "model.cuda_graph_impl=transformer_engine", "model.cuda_graph_scope=[moe_router]",
+                     "model.use_te_rng_tracker=true")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["valid"] is True and report["warnings"] == 1
@@ -65,3 +66,20 @@ def test_package_import_is_light():
             "print(sorted(m for m in ('torch', 'megatron', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("bridge", "code", "severity"), [("0.6.2", 1, "error"), ("main", 0, "warning")])
+def test_bridge_version_decides_flex_without_backend(bridge, code, severity):
+    result = run_cli("validate", "--json", "--gpu", "h100", "--bridge-version", bridge,
+                     "model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=null")
+    assert result.returncode == code, result.stderr
+    report = json.loads(result.stdout)
+    assert report["environment"]["bridge_version"] == bridge
+    assert [(v["rule"], v["severity"]) for v in report["violations"]] == [("flex_without_backend", severity)]
+
+
+def test_list_rules_says_which_release_brings_each_rule():
+    result = run_cli("validate", "--list-rules", "--json")
+    rows = {row["rule"]: row for row in json.loads(result.stdout)}
+    assert "Megatron-Core >= 0.19" in rows["ncclep_offload_expert_fc1"]["versions"]
+    assert all(row["versions"] for row in rows.values())
