@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from mbridge_epoverlap.config.recipes import load_recipe
+
 from mbridge_epoverlap.harness.bridge_check import BridgeOutcome, disagreements, qwen3_moe_hf_config, write_hf_cache
 from mbridge_epoverlap.harness.main import main
 
