@@ -31,6 +31,8 @@ REQUIREMENTS: dict[str, str] = {
     "netns": "network namespaces for the emulated link (root, Debian iproute2: ip, tc)",
     "slurm": "a private one-node Slurm cluster (root, Debian slurm-wlm and munge)",
     "megatron_core": "Megatron-Core (pip megatron-core, a dependency of the package)",
+    "bridge": "the Python 3.12 environment with Megatron-Bridge 0.6.2 named by MBRIDGE_EPOVERLAP_BRIDGE_PYTHON "
+              "(scripts/setup_bridge_venv.sh builds it)",
 }
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from mbridge_epoverlap.config.recipes import load_recipe
 
 from mbridge_epoverlap.harness.bridge_check import BridgeOutcome, disagreements, qwen3_moe_hf_config, write_hf_cache
 from mbridge_epoverlap.harness.main import main
+from mbridge_epoverlap.recipes.loader import load_recipe
+from tests.unit_tests.requirements import require_or_skip
 
 BRIDGE_PYTHON = os.environ.get("MBRIDGE_EPOVERLAP_BRIDGE_PYTHON")
 
@@ -48,8 +49,14 @@ def test_the_offline_model_config_is_found_at_every_pinned_revision(tmp_path):
         assert json.loads((repo / "snapshots" / revision / "config.json").read_text()) == config
 
 
-@pytest.mark.skipif(not BRIDGE_PYTHON or not Path(BRIDGE_PYTHON).exists(),
-                    reason="set MBRIDGE_EPOVERLAP_BRIDGE_PYTHON (scripts/setup_bridge_venv.sh builds it)")
+@pytest.fixture
+def bridge_python() -> str:
+    if not BRIDGE_PYTHON or not Path(BRIDGE_PYTHON).exists():
+        require_or_skip("bridge", "set MBRIDGE_EPOVERLAP_BRIDGE_PYTHON (scripts/setup_bridge_venv.sh builds it)")
+    return BRIDGE_PYTHON
+
+
+@pytest.mark.usefixtures("bridge_python")
 @pytest.mark.parametrize("gpu", ["h100", "b200", "b300", "gb200", "gb300"])  # the GPUs with qwen3_30b_a3b recipes
 def test_the_ab_job_survives_megatron_bridge_and_runs_what_the_report_says(gpu, tmp_path, capsys):
     layout = ["-ng", "16"] if gpu == "h100" else ["-ng", "8", "-ep", "8"]  # Blackwell's recipes are the 8-GPU ones
@@ -62,8 +69,7 @@ def test_the_ab_job_survives_megatron_bridge_and_runs_what_the_report_says(gpu, 
         assert f"case {case}: accepted; EP overlap {overlap}, delayed wgrad {delay}" in err
 
 
-@pytest.mark.skipif(not BRIDGE_PYTHON or not Path(BRIDGE_PYTHON).exists(),
-                    reason="set MBRIDGE_EPOVERLAP_BRIDGE_PYTHON (scripts/setup_bridge_venv.sh builds it)")
+@pytest.mark.usefixtures("bridge_python")
 def test_a_disagreement_stops_the_run_before_submission(tmp_path, capsys):
     """A single run that sets no switch: the project's recipe has EP overlap off, Megatron-Bridge's 16-GPU H100
     perf recipe (which the job keeps) has it on, so the report would call the run something it is not."""

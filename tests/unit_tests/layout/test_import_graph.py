@@ -70,3 +70,36 @@ def test_each_package_is_small_and_maps_its_modules(init):
         missing = [m for m in modules + [p.name for p in folder.iterdir() if (p / "__init__.py").exists()]
                    if f"`{m}`" not in doc]
         assert not missing, f"{init} does not map {missing}"
+
+
+def _project_imports():
+    """Every `from mbridge_epoverlap... import name` and `python -m mbridge_epoverlap...` in the scanned files."""
+    import re
+
+    found = set()
+    for path in [*graph.project_files(), *(graph.ROOT / "tests").rglob("*.py")]:
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(graph.PACKAGE):
+                found.update((node.module, alias.name) for alias in node.names)
+        found.update((m, None) for m in re.findall(r"-m[\"', ]+(mbridge_epoverlap(?:\.\w+)+)", text))
+    return sorted(found, key=str)
+
+
+def test_every_import_of_the_package_resolves():
+    # A module moved without its importers updated fails here, not only when a slow test reaches it.
+    import importlib
+
+    missing = []
+    for module, name in _project_imports():
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(f"{module}: {exc}")
+            continue
+        if name is not None and name != "*" and not hasattr(imported, name):
+            try:
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{module}.{name}")
+    assert not missing, "\n".join(missing)

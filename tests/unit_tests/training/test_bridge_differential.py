@@ -17,12 +17,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit_tests.requirements import require_or_skip
+
 REPO = Path(__file__).resolve().parents[3]
 PYTHON = os.environ.get("MBRIDGE_EPOVERLAP_BRIDGE_PYTHON")
 SAMPLES = 150
 
-pytestmark = pytest.mark.skipif(not PYTHON or not Path(PYTHON).exists(),
-                                reason="set MBRIDGE_EPOVERLAP_BRIDGE_PYTHON (scripts/setup_bridge_venv.sh builds it)")
+
+
+@pytest.fixture(autouse=True)
+def _bridge_python() -> None:
+    if not PYTHON or not Path(PYTHON).exists():
+        require_or_skip("bridge", "set MBRIDGE_EPOVERLAP_BRIDGE_PYTHON (scripts/setup_bridge_venv.sh builds it)")
 
 
 def test_validator_agrees_with_megatron_bridge():
