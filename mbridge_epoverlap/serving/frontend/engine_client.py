@@ -1,0 +1,284 @@
+"""`EngineClient`: the front end's side of the online engine, requests out to the attention workers, tokens back.
+
+It binds the ZeroMQ sockets (loopback only, before any worker starts; `serving.workers.online` is the
+workers' side), starts the engine (`serving.engine.run.run_engine`) on a thread, and follows every request:
+
+- `submit` sends a request to the least-loaded attention worker (fewest requests outstanding), or refuses it
+  (`Unavailable`, a 503) while the engine is not serving or when it would wait behind more than
+  `max_waiting` others;
+- a task on the event loop reads the workers' messages and puts each request's tokens on its
+  `RequestStream`; the workers' `Stats` feed the gauges;
+- `abort` tells the worker to drop a request (its KV rows are freed at its next step boundary);
+- `drain` stops taking requests, lets the running ones finish for up to a time limit, fails the rest,
+  and tells the workers to leave; the engine thread then returns;
+- when the engine fails (a worker died, without elastic mode), every request in flight ends with the
+  engine's reason, which names the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_epoverlap.serving.workers import online
+
+STARTING, READY, DRAINING, STOPPED, FAILED = "starting", "ready", "draining", "stopped", "failed"
+
+
+class Unavailable(Exception):
+    """The engine cannot take this request now (starting, draining, failed, or too many waiting)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a request's stream gets when the engine fails under it."""
+
+    reason: str
+
+
+@dataclass
+class RequestStream:
+    """One engine request as the front end follows it: its tokens arrive on `queue` as (token, finish reason or
+    None), or a `Failure`."""
+
+    id: str
+    worker: int
+    prompt_tokens: int
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    tokens: int = 0
+    done: bool = False
+
+
+class EngineClient:
+    """The online engine seen from the front end (see the module docstring).
+
+    Args:
+        make_plan: (request endpoints, one per attention worker; events endpoint) -> the `EnginePlan` to run.
+        attn_workers: attention workers the plan has.
+        max_batch: sequences one attention worker decodes at once (more wait).
+        max_waiting: most requests waiting over all workers; one more is refused.
+        metrics: the server's metrics (`frontend.metrics.ServerMetrics`).
+        on_end: called (on the loop) once the engine ended, with the failure reason or None.
+    """
+
+    def __init__(self, make_plan: Callable[[list[str], str], Any], *, attn_workers: int, max_batch: int,
+                 max_waiting: int, metrics: Any, on_end: Callable[[str | None], None] | None = None) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.attn_workers, self.max_batch, self.max_waiting = attn_workers, max_batch, max_waiting
+        self.metrics, self.on_end = metrics, on_end
+        self._context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self._outboxes = []
+        for _ in range(attn_workers):
+            sock = self._context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:*")
+            self._outboxes.append(sock)
+        self._inbox = self._async_context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.bind("tcp://127.0.0.1:*")
+        endpoints = [s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in self._outboxes]
+        self.plan = make_plan(endpoints, self._inbox.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self.state, self.reason = STARTING, "the workers are starting"
+        self.streams: dict[str, RequestStream] = {}
+        self.outstanding = [0] * attn_workers
+        self.ready_workers: set[int] = set()
+        self.pids: list[int] = []
+        self.stats: dict[int, online.Stats] = {}
+        self.lost_seen: set[int] = set()
+        self.on_ready: list[Callable[[], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._ended = asyncio.Event()
+        self._next_id = 0
+
+    # --- the engine's life ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread and the reader task (on the running loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._ended = asyncio.Event()
+        self._reader = asyncio.create_task(self._read())
+        self._thread = threading.Thread(target=self._run_engine, name="engine", daemon=True)
+        self._thread.start()
+
+    def _run_engine(self) -> None:
+        from mbridge_epoverlap.serving.engine.run import EngineFailed, run_engine
+
+        reason: str | None = None
+        try:
+            run_engine(self.plan, on_start=self.pids.extend, run_timeout_s=float("inf"))
+        except EngineFailed as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else "the engine failed"
+        except Exception as exc:  # a bug or a start-up error: the server must still answer and exit
+            reason = f"the engine failed: {type(exc).__name__}: {exc}"
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed already
+                self._loop.call_soon_threadsafe(self._engine_ended, reason)
+
+    def _engine_ended(self, reason: str | None) -> None:
+        if reason is not None:
+            self.state, self.reason = FAILED, reason
+            for stream in list(self.streams.values()):
+                self._finish(stream, "failed")
+                stream.queue.put_nowait(Failure(reason))
+        elif self.state != FAILED:
+            self.state, self.reason = STOPPED, "the engine stopped"
+        self._ended.set()
+        if self.on_end is not None:
+            self.on_end(reason)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests, let the running ones finish within `timeout_s`, then end the engine."""
+        if self.state in (READY, STARTING):
+            self.state, self.reason = DRAINING, "the server is shutting down"
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline and not self._ended.is_set():
+            await asyncio.sleep(0.05)
+        for stream in list(self.streams.values()):
+            self.abort(stream, outcome="failed")
+            stream.queue.put_nowait(Failure("the server shut down before the request finished"))
+        for index in range(self.attn_workers):
+            self._send(index, online.Shutdown())
+        await self.wait_ended(timeout_s=max(10.0, self.plan.timeout_s))
+
+    async def wait_ended(self, *, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._ended.wait(), timeout_s)
+
+    def stop_workers(self, join_s: float = 30.0) -> None:
+        """End the worker processes if the engine still runs (the launcher then cleans up), and wait for it."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        self._thread.join(join_s)
+
+    def cannot_serve(self) -> str | None:
+        """Why the engine cannot serve although it runs: without elastic mode, a dead worker ends it."""
+        if self.plan.elastic:
+            return None
+        dead = [w for w in self.workers() if not w["alive"]]
+        if dead:
+            w = dead[0]
+            return f"{w['role']} worker {w['index']} (rank {w['rank']}, pid {w['pid']}) died; the engine is stopping"
+        return None
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        for sock in self._outboxes:
+            sock.close(linger=0)
+        self._inbox.close(linger=0)
+        self._context.term()
+        self._async_context.term()
+
+    # --- requests -----------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], *, max_tokens: int, ignore_eos: bool, temperature: float, top_p: float,
+               top_k: int, seed: int | None) -> RequestStream:
+        """Send a request to the least-loaded attention worker.
+
+        Raises:
+            Unavailable: the engine is not serving, or the request would wait behind `max_waiting` others.
+        """
+        if self.state != READY:
+            raise Unavailable(self.reason)
+        reason = self.cannot_serve()
+        if reason is not None:
+            raise Unavailable(reason)
+        worker = min(range(self.attn_workers), key=lambda w: self.outstanding[w])
+        waiting = sum(max(0, n - self.max_batch) for n in self.outstanding)
+        if self.outstanding[worker] >= self.max_batch and waiting >= self.max_waiting:
+            raise Unavailable(f"too many requests waiting ({waiting}, --max-waiting {self.max_waiting}); "
+                              "retry later")
+        self._next_id += 1
+        stream = RequestStream(f"r{self._next_id}", worker, len(prompt_ids))
+        self.streams[stream.id] = stream
+        self.outstanding[worker] += 1
+        self._send(worker, online.Submit(stream.id, list(prompt_ids), max_tokens, ignore_eos, temperature, top_p,
+                                         top_k, seed))
+        return stream
+
+    def abort(self, stream: RequestStream, *, outcome: str = "aborted") -> None:
+        """Drop a request the client no longer wants (or a stop string ended); nothing if it already ended."""
+        if stream.done:
+            return
+        self._finish(stream, outcome)
+        self._send(stream.worker, online.Abort(stream.id))
+
+    def _finish(self, stream: RequestStream, outcome: str) -> None:
+        stream.done = True
+        self.streams.pop(stream.id, None)
+        self.outstanding[stream.worker] -= 1
+        self.metrics.finished(outcome, stream)
+
+    def _send(self, worker: int, message: Any) -> None:
+        import zmq
+
+        with contextlib.suppress(zmq.ZMQError):  # a worker that is gone takes nothing (the engine says why)
+            self._outboxes[worker].send_json(online.encode(message), zmq.NOBLOCK)
+
+    # --- the workers' messages ----------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            message = online.decode(await self._inbox.recv_json())
+            if isinstance(message, online.Tokens):
+                self._tokens(message)
+            elif isinstance(message, online.Stats):
+                self.stats[message.worker] = message
+                self.metrics.worker_stats(message, self.stats.values())
+            elif isinstance(message, online.Ready):
+                self.ready_workers.add(message.worker)
+                if len(self.ready_workers) == self.attn_workers and self.state == STARTING:
+                    self.state, self.reason = READY, ""
+                    for callback in self.on_ready:
+                        callback()
+
+    def _tokens(self, message: online.Tokens) -> None:
+        now = time.monotonic()
+        for rid, token, finish in message.items:
+            stream = self.streams.get(rid)
+            if stream is None:  # aborted meanwhile
+                continue
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+            stream.tokens += 1
+            if finish is not None:
+                self._finish(stream, "finished")
+            stream.queue.put_nowait((token, finish))
+
+    # --- health ---------------------------------------------------------------------------------------
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker process: role, rank, pid, alive (replacements after the first `world` pids)."""
+        out = []
+        for rank, pid in enumerate(self.pids[:self.plan.world]):
+            role, index = self.plan.role_of(rank)
+            alive = _alive(pid)
+            if not alive and rank not in self.lost_seen and self.state in (READY, DRAINING):
+                self.lost_seen.add(rank)
+                self.metrics.worker_lost()
+            out.append({"role": "colocated" if role is None else role.value, "index": index, "rank": rank,
+                        "pid": pid, "alive": alive})
+        return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
