@@ -43,6 +43,46 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def memory_needed(size: int, senders: int, receivers: int) -> int:
+    """Bytes a run with `size`-byte messages holds at once, roughly: two ring slots of each direction of every
+    sender-receiver pair, and each process's payload and one received copy per peer."""
+    world = senders + receivers
+    return size * (4 * senders * receivers + world * (1 + max(senders, receivers)))
+
+
+def check_sizes_fit(sizes: Sequence[int], senders: int, receivers: int, available: int) -> None:
+    """Refuse message sizes whose run would not fit in half of `available` bytes (the rest is the system's).
+
+    Raises:
+        UsageError: naming the size, what it needs, the limit and the largest size that fits.
+    """
+    limit = available // 2
+    per_byte = memory_needed(1, senders, receivers)
+    for size in sizes:
+        needed = memory_needed(size, senders, receivers)
+        if needed > limit:
+            raise UsageError(f"--sizes: a {size:,}-byte message needs about {needed:,} "
+                             f"bytes over {senders + receivers} processes, more than the limit of {limit:,} bytes "
+                             f"(half the memory available); the largest that fits is {limit // per_byte:,} bytes")
+
+
+def available_memory() -> int:
+    """Bytes free for the run: the smaller of MemAvailable and the free space of /dev/shm (the shm rings)."""
+    candidates = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        stat = os.statvfs("/dev/shm")
+        candidates.append(stat.f_bavail * stat.f_frsize)
+    except OSError:
+        pass
+    return min(candidates) if candidates else 1 << 62
+
+
 def machine() -> dict[str, Any]:
     """The machine a figure was measured on: CPU model, count, and the bf16 flags that matter here."""
     from mbridge_epoverlap.config.cpu_precision import cpu_flags
@@ -81,6 +121,7 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
         raise UsageError(f"--iters {iters}: need at least one iteration")
     if not sizes:
         raise UsageError("--sizes: give at least one message size, e.g. --sizes 2K,256K,8M")
+    check_sizes_fit(sizes, senders, receivers, available_memory())
     if concrete == "mooncake" and not mooncake_available():
         raise UsageError(MOONCAKE_INSTALL)
     world = senders + receivers

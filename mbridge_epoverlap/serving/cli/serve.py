@@ -100,7 +100,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(spec)
     requests = load_prompts(args.prompts, vocab_size=spec.vocab_size,
                             tokenizer=tokenizer.encode if tokenizer is not None else None)
-    check_context(requests, args.max_new_tokens, context_length(spec))
+    check_context(requests, args.max_new_tokens, args.max_model_len or context_length(spec))
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
