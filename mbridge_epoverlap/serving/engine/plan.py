@@ -119,6 +119,14 @@ class EnginePlan:
         return self.elastic and bool(self.rebalance_every or self.rejoin_after_steps)
 
     @property
+    def expendable_ranks(self) -> list[int]:
+        """Ranks whose loss the run survives: elastic mode's expert workers, and online the attention workers
+        after the first (which holds the rendezvous store)."""
+        if not self.elastic:
+            return []
+        return self.expert_ranks + (self.attention_ranks[1:] if self.online else [])
+
+    @property
     def world(self) -> int:
         return self.processes if self.mode == COLOCATED else self.attn_workers + self.expert_workers
 

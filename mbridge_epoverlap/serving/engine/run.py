@@ -112,13 +112,13 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
                "--out", "{workdir}"]
 
     def replacement(rank: int, generation: int) -> list[str] | None:  # one replacement per lost expert worker
-        return command + ["--rejoin", str(generation)] if generation == 1 else None
+        return command + ["--rejoin", str(generation)] if generation == 1 and rank in plan.expert_ranks else None
 
     try:
         ranks = launch_processes(plan.world, lambda rank: command, files={"plan.json": plan.to_json()},
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
                                  rank_names=plan.rank_names(), collect=collect_reports,
-                                 expendable=plan.expert_ranks if plan.elastic else (),
+                                 expendable=plan.expendable_ranks,
                                  respawn=replacement if plan.elastic and plan.rejoin_after_steps else None)
     except RunFailedError as exc:
         partial = getattr(exc, "partial", {"ranks": []})
@@ -126,7 +126,7 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     finally:
         _remove_shared_memory(pids)
     result = merge(plan, ranks["ranks"])
-    if plan.elastic:
+    if plan.elastic and not plan.online:  # online: the front end reported each loss as it happened
         from mbridge_epoverlap.serving.elastic.report import elastic_summary
 
         result["elastic"] = elastic_summary(plan, ranks)

@@ -179,7 +179,8 @@ def _expert_worker(plan: EnginePlan, spec: Any, comm: Any, beat: Any, layout: An
     from mbridge_epoverlap.serving.elastic.workers import ElasticExpertWorker
 
     return ElasticExpertWorker(spec, experts, comm, plan.attention_ranks, plan.micro_batches, plan.timeout_s, beat,
-                               layout=layout, index=index, restore=plan.expert_restore, mover=mover, **kwargs)
+                               layout=layout, index=index, restore=plan.expert_restore, mover=mover,
+                               drop_lost_attention=plan.online and plan.attn_workers > 1, **kwargs)
 
 
 def _weight_mover(plan: EnginePlan, index: int, store: Any, *, peers: list[int], key_prefix: str = "m2n") -> Any:

@@ -12,7 +12,9 @@ workers' side), starts the engine (`serving.engine.run.run_engine`) on a thread,
 - `drain` stops taking requests, lets the running ones finish for up to a time limit, fails the rest,
   and tells the workers to leave; the engine thread then returns;
 - when the engine fails (a worker died, without elastic mode), every request in flight ends with the
-  engine's reason, which names the worker.
+  engine's reason, which names the worker;
+- in elastic mode, when an attention worker other than the first dies, its requests move to the survivors
+  (`_move_off`): each is sent again as its prompt and the tokens generated so far, and its stream goes on.
 """
 
 from __future__ import annotations
@@ -51,11 +53,16 @@ class RequestStream:
     id: str
     worker: int
     prompt_tokens: int
+    submit: online.Submit | None = None  # what was sent (sent again, extended, if its worker dies)
+    generated: list[int] = field(default_factory=list)
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     submitted_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    tokens: int = 0
     done: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return len(self.generated)
 
 
 class EngineClient:
@@ -97,6 +104,7 @@ class EngineClient:
         self.pids: list[int] = []
         self.stats: dict[int, online.Stats] = {}
         self.lost_seen: set[int] = set()
+        self.lost_attention: set[int] = set()  # attention workers whose requests moved to the others
         self.on_ready: list[Callable[[], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -110,6 +118,7 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         self._ended = asyncio.Event()
         self._reader = asyncio.create_task(self._read())
+        self._watcher = asyncio.create_task(self._watch()) if self.plan.elastic and self.attn_workers > 1 else None
         self._thread = threading.Thread(target=self._run_engine, name="engine", daemon=True)
         self._thread.start()
 
@@ -177,8 +186,9 @@ class EngineClient:
         return None
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, getattr(self, "_watcher", None)):
+            if task is not None:
+                task.cancel()
         for sock in self._outboxes:
             sock.close(linger=0)
         self._inbox.close(linger=0)
@@ -198,18 +208,50 @@ class EngineClient:
         reason = self.cannot_serve()
         if reason is not None:
             raise Unavailable(reason)
-        worker = min(range(self.attn_workers), key=lambda w: self.outstanding[w])
+        worker = min(self._live_workers(), key=lambda w: self.outstanding[w])
         waiting = sum(max(0, n - self.max_batch) for n in self.outstanding)
         if self.outstanding[worker] >= self.max_batch and waiting >= self.max_waiting:
             raise Unavailable(f"too many requests waiting ({waiting}, --max-waiting {self.max_waiting}); "
                               "retry later")
         self._next_id += 1
-        stream = RequestStream(f"r{self._next_id}", worker, len(prompt_ids))
+        submit = online.Submit(f"r{self._next_id}", list(prompt_ids), max_tokens, ignore_eos, temperature, top_p,
+                               top_k, seed)
+        stream = RequestStream(submit.id, worker, len(prompt_ids), submit)
         self.streams[stream.id] = stream
         self.outstanding[worker] += 1
-        self._send(worker, online.Submit(stream.id, list(prompt_ids), max_tokens, ignore_eos, temperature, top_p,
-                                         top_k, seed))
+        self._send(worker, submit)
         return stream
+
+    def _live_workers(self) -> list[int]:
+        return [w for w in range(self.attn_workers) if w not in self.lost_attention]
+
+    def _move_off(self, worker: int) -> None:
+        """Attention worker `worker` died (elastic mode): each of its requests goes to the least-loaded survivor
+        as its prompt and the tokens generated so far, for the tokens still to come; its client's stream goes
+        on from there."""
+        self.lost_attention.add(worker)
+        self.outstanding[worker] = 0
+        for stream in list(self.streams.values()):
+            if stream.worker != worker or stream.done or stream.submit is None:
+                continue
+            target = min(self._live_workers(), key=lambda w: self.outstanding[w])
+            first = stream.submit
+            resumed = online.Submit(first.id, first.prompt_ids + stream.generated, first.max_tokens - stream.tokens,
+                                    first.ignore_eos, first.temperature, first.top_p, first.top_k, first.seed)
+            stream.worker = target
+            self.outstanding[target] += 1
+            self._send(target, resumed)
+            self.metrics.moved()
+
+    async def _watch(self) -> None:
+        """Elastic mode with several attention workers: move the requests of one that died."""
+        while True:
+            await asyncio.sleep(0.1)
+            if self.state not in (READY, DRAINING) or len(self.pids) < self.attn_workers:
+                continue
+            for worker in self._live_workers()[1:]:  # the first holds the rendezvous: its loss ends the engine
+                if not _alive(self.pids[worker]):
+                    self._move_off(worker)
 
     def abort(self, stream: RequestStream, *, outcome: str = "aborted") -> None:
         """Drop a request the client no longer wants (or a stop string ended); nothing if it already ended."""
@@ -254,7 +296,7 @@ class EngineClient:
                 continue
             if stream.first_token_at is None:
                 stream.first_token_at = now
-            stream.tokens += 1
+            stream.generated.append(token)
             if finish is not None:
                 self._finish(stream, "finished")
             stream.queue.put_nowait((token, finish))

@@ -14,6 +14,7 @@ Names (all prefixed `mbe_`):
 - `mbe_elastic_workers_lost_total`, `mbe_elastic_workers_rejoined_total`, `mbe_elastic_rebalances_total`:
   counters of elastic events (a worker process seen dead; a replacement admitted; a re-placement that moved
   expert weights).
+- `mbe_requests_moved_total`: requests moved off a lost attention worker to a survivor (elastic mode).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class ServerMetrics:
         self.lost = Counter("mbe_elastic_workers_lost", "Worker processes lost", registry=registry)
         self.rejoined = Counter("mbe_elastic_workers_rejoined", "Replacement expert workers admitted",
                                 registry=registry)
+        self.moved_requests = Counter("mbe_requests_moved", "Requests moved off a lost attention worker",
+                                      registry=registry)
         self.rebalances = Counter("mbe_elastic_rebalances", "Re-placements that moved expert weights",
                                   registry=registry)
 
@@ -81,6 +84,9 @@ class ServerMetrics:
                 self.rejoined.inc()
             elif event == "moved":
                 self.rebalances.inc()
+
+    def moved(self) -> None:
+        self.moved_requests.inc()
 
     def worker_lost(self) -> None:
         self.lost.inc()

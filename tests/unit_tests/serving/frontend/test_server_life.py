@@ -3,7 +3,8 @@
 SIGTERM drains (503 for new requests, the running ones finish, exit 0, nothing left behind); `--max-waiting`
 answers 503 at once; `--api-key` guards `/v1/*`; an expert worker SIGKILLed under live streams fails them
 naming the worker and ends the server (exit 1), or, with `--elastic`, no stream fails and each greedy
-output equals the one before the fault.
+output equals the one before the fault; so too when an attention worker dies (its streams go on from a
+survivor, which re-prefills each prompt with the tokens generated so far).
 """
 
 from __future__ import annotations
@@ -115,11 +116,11 @@ def test_a_killed_expert_worker_fails_the_streams_naming_it_and_ends_the_server(
     assert leftovers(every) == ([], [])
 
 
-def test_elastic_serving_survives_a_killed_expert_worker_under_live_streams(start_server, chat_mixtral_dir):
-    server = start_server(chat_mixtral_dir, "--expert-workers", "2", "--elastic", "--redundant-experts", "4",
-                          "--max-batch", "32", "--timeout", "30")
+def _streams_survive_a_kill(server, role: str, index: int, streams: int) -> None:
+    """`streams` live greedy streams; SIGKILL worker `index` of `role` once each has its first tokens; every
+    stream finishes with the text of the same request before the fault, and the answers after it too."""
     client = _client(server)
-    prompts = [[1 + i, 2 + (i * 7) % 300, 3 + (i * 13) % 300] for i in range(32)]
+    prompts = [[1 + i, 2 + (i * 7) % 300, 3 + (i * 13) % 300] for i in range(streams)]
     baseline = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=48, temperature=0,
                                          extra_body={"ignore_eos": True})
     expected = [c.model_extra["token_ids"] for c in baseline.choices]
@@ -143,7 +144,7 @@ def test_elastic_serving_survives_a_killed_expert_worker_under_live_streams(star
     for t in threads:
         t.start()
     started.wait()  # every stream is live
-    os.kill(pids["expert"][0], signal.SIGKILL)
+    os.kill(pids[role][index], signal.SIGKILL)
     for t in threads:
         t.join(WAIT_S)
     assert not errors, errors
@@ -153,8 +154,22 @@ def test_elastic_serving_survives_a_killed_expert_worker_under_live_streams(star
     assert [c.model_extra["token_ids"] for c in again.choices] == expected[:4]
     code, health = _get(server, "/health")
     assert code == 200 and health["status"] == "degraded"
-    assert [w["pid"] for w in health["workers"] if not w["alive"]] == [pids["expert"][0]]
+    assert [w["pid"] for w in health["workers"] if not w["alive"]] == [pids[role][index]]
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
         metrics = answer.read().decode()
     assert "mbe_elastic_workers_lost_total 1.0" in metrics
     assert 'mbe_requests_total{outcome="failed"} 0.0' in metrics
+    if role == "attention":
+        assert "mbe_requests_moved_total 0.0" not in metrics
+
+
+def test_elastic_serving_survives_a_killed_expert_worker_under_live_streams(start_server, chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--expert-workers", "2", "--elastic", "--redundant-experts", "4",
+                          "--max-batch", "32", "--timeout", "30")
+    _streams_survive_a_kill(server, "expert", 0, streams=32)
+
+
+def test_a_killed_attention_worker_s_streams_go_on_from_a_survivor(start_server, chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
+                          "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30")
+    _streams_survive_a_kill(server, "attention", 1, streams=16)
