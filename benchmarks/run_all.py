@@ -88,6 +88,15 @@ def _serving(doc: dict[str, Any]) -> str:
             f"{r['disaggregated_m2_over_colocated']:.2f}x; matches reference {match}")
 
 
+def _serving_online(doc: dict[str, Any]) -> str:
+    cells = []
+    for server, cases in doc["servers"].items():
+        burst = cases["burst"]
+        cells.append(f"{server} {burst['output_tokens_per_s']:,.1f} output tokens/s, P99 TPOT "
+                     f"{burst['p99_tpot_ms']:.1f} ms, {burst['failed']} failed")
+    return f"{doc['prompts']} requests at once ({doc['client']} client): " + "; ".join(cells)
+
+
 def _fuzz(doc: dict[str, Any]) -> str:
     return ", ".join(f"{release}: missed {t['missed']} / false {t['false']}" for release, t in doc["releases"].items())
 
@@ -111,6 +120,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("elastic", "elastic_bench.py", False, _elastic),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
     Benchmark("serving", "serving_bench.py", True, _serving),
+    Benchmark("serving_online", "serving_online_bench.py", False, _serving_online),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),
 )
