@@ -27,7 +27,7 @@ import uvicorn
 
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, UsageError
 
-API_KEY_ENV = "MBRIDGE_EPOVERLAP_API_KEY"
+API_KEY_ENV = "MBRIDGE_EPOVERLAP_API_KEY"  # listed in `mbridge_epoverlap.envvars`
 
 
 def parse_address(text: str) -> tuple[str, int]:
