@@ -34,6 +34,8 @@ from mbridge_epoverlap.schedule.program import Role
 from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 from mbridge_epoverlap.serving.workers.protocol import Worker
 
+ONLINE_TIMER_SAMPLES = 4096  # stage times an online worker keeps per stage
+
 
 def _write(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
@@ -76,6 +78,10 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     with torch.no_grad():
         worker = _build(plan, spec, role, index, placement, queue, store, beat, progress)
         state["worker"] = worker
+        if plan.online:  # a server runs for days: keep a window of stage times, not every one
+            timer = worker.side.timer if role is Role.ATTENTION else getattr(worker, "timer", None)
+            if timer is not None:
+                timer.limit = ONLINE_TIMER_SAMPLES
         dist.barrier()  # every worker loaded its weights: start timing together
         started = time.monotonic()
         if queue is not None:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 IDLE_WAIT_S = 0.05  # how long an idle worker waits for a message at a step boundary
 STATS_EVERY_S = 0.25  # how often a busy worker reports its queue and expert load
+STEP_LOG_KEPT = 4096  # decode steps of the attention side's step log an online worker keeps
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,8 @@ class OnlineSource:
             idle = self.serving and not self.queue.waiting and not self.queue.running
             self._take(self._receive(IDLE_WAIT_S if idle else 0.0))
             self.queue.done.clear()  # their tokens went out as they came; nobody reads them later
+            if len(side.step_log) > 2 * STEP_LOG_KEPT:  # a server runs for days: keep the recent steps
+                del side.step_log[:-STEP_LOG_KEPT]
             self._report()
         if self.aborts:
             for seq in seqs:
