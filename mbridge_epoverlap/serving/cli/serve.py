@@ -52,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="on SIGTERM/SIGINT, seconds the running requests get to finish (default 30)")
     online.add_argument("--api-key", metavar="KEY", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MBRIDGE_EPOVERLAP_API_KEY)")
+    online.add_argument("--workers-plan", type=Path, default=None, metavar="FILE",
+                        help="start no worker: write the engine plan to FILE for workers started elsewhere (srun)")
+    online.add_argument("--worker-host", default="127.0.0.1", metavar="ADDR",
+                        help="the address the front end's worker sockets bind (default 127.0.0.1; the cluster "
+                             "interface when the workers run on other nodes)")
     serve.add_argument("--max-new-tokens", type=positive, default=16, metavar="N", help="default 16")
     layout_args(serve)
     serve.add_argument("--elastic", action="store_true",

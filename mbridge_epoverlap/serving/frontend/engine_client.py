@@ -75,10 +75,15 @@ class EngineClient:
         max_waiting: most requests waiting over all workers; one more is refused.
         metrics: the server's metrics (`frontend.metrics.ServerMetrics`).
         on_end: called (on the loop) once the engine ended, with the failure reason or None.
+        host: the address the sockets bind: loopback, or the cluster interface when the workers run on other
+            nodes (never the HTTP address).
+        external: the workers are started by someone else (srun, from the plan file `serve --workers-plan`
+            writes); the engine has ended once every attention worker said it is done.
     """
 
     def __init__(self, make_plan: Callable[[list[str], str], Any], *, attn_workers: int, max_batch: int,
-                 max_waiting: int, metrics: Any, on_end: Callable[[str | None], None] | None = None) -> None:
+                 max_waiting: int, metrics: Any, on_end: Callable[[str | None], None] | None = None,
+                 host: str = "127.0.0.1", external: bool = False) -> None:
         import zmq
         import zmq.asyncio
 
@@ -90,11 +95,11 @@ class EngineClient:
         for _ in range(attn_workers):
             sock = self._context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind("tcp://127.0.0.1:*")
+            sock.bind(f"tcp://{host}:*")
             self._outboxes.append(sock)
         self._inbox = self._async_context.socket(zmq.PULL)
         self._inbox.setsockopt(zmq.LINGER, 0)
-        self._inbox.bind("tcp://127.0.0.1:*")
+        self._inbox.bind(f"tcp://{host}:*")
         endpoints = [s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in self._outboxes]
         self.plan = make_plan(endpoints, self._inbox.getsockopt(zmq.LAST_ENDPOINT).decode())
         self.state, self.reason = STARTING, "the workers are starting"
@@ -106,6 +111,9 @@ class EngineClient:
         self.lost_seen: set[int] = set()
         self.lost_attention: set[int] = set()  # attention workers whose requests moved to the others
         self.on_ready: list[Callable[[], None]] = []
+        self.external = external
+        self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
+        self.done_workers: set[int] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -119,6 +127,8 @@ class EngineClient:
         self._ended = asyncio.Event()
         self._reader = asyncio.create_task(self._read())
         self._watcher = asyncio.create_task(self._watch()) if self.plan.elastic and self.attn_workers > 1 else None
+        if self.external:  # srun started the workers: they report their own end (`online.Done`)
+            return
         self._thread = threading.Thread(target=self._run_engine, name="engine", daemon=True)
         self._thread.start()
 
@@ -160,7 +170,7 @@ class EngineClient:
             stream.queue.put_nowait(Failure("the server shut down before the request finished"))
         for index in range(self.attn_workers):
             self._send(index, online.Shutdown())
-        await self.wait_ended(timeout_s=max(10.0, self.plan.timeout_s))
+        await self.wait_ended(timeout_s=10.0 if self.external else max(10.0, self.plan.timeout_s))
 
     async def wait_ended(self, *, timeout_s: float) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -281,8 +291,13 @@ class EngineClient:
             elif isinstance(message, online.Stats):
                 self.stats[message.worker] = message
                 self.metrics.worker_stats(message, self.stats.values())
+            elif isinstance(message, online.Done):
+                self.done_workers.add(message.worker)
+                if self.external and len(self.done_workers) == self.attn_workers:
+                    self._engine_ended(None)
             elif isinstance(message, online.Ready):
                 self.ready_workers.add(message.worker)
+                self.ready_pids[message.worker] = message.pid
                 if len(self.ready_workers) == self.attn_workers and self.state == STARTING:
                     self.state, self.reason = READY, ""
                     for callback in self.on_ready:
@@ -304,6 +319,9 @@ class EngineClient:
     # --- health ---------------------------------------------------------------------------------------
     def workers(self) -> list[dict[str, Any]]:
         """Every worker process: role, rank, pid, alive (replacements after the first `world` pids)."""
+        if self.external:  # on other nodes: what they said (expert workers are not seen from here)
+            return [{"role": "attention", "index": w, "rank": w, "pid": pid, "alive": w not in self.done_workers}
+                    for w, pid in sorted(self.ready_pids.items())]
         out = []
         for rank, pid in enumerate(self.pids[:self.plan.world]):
             role, index = self.plan.role_of(rank)

@@ -11,6 +11,10 @@ The order of a server's life:
 5. if the engine fails (a worker died, without `--elastic`), the requests in flight fail naming the worker,
    `/health` answers 503 and the process exits 1, for a supervisor to restart it.
 
+With `--workers-plan FILE` the server starts no worker: it writes the engine plan there, and whoever runs
+it (`run_script.py --task serve`: srun, roles by rank) starts the workers, which connect to the front end's
+sockets at `--worker-host` (the first node's cluster address).
+
 Whatever ends the server, no worker process is left behind (their shared memory is removed by the engine).
 """
 
@@ -90,8 +94,14 @@ def serve_http(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
+    external = args.workers_plan is not None
     engine = EngineClient(plan_for, attn_workers=args.attn_workers, max_batch=args.max_batch,
-                          max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended)
+                          max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended,
+                          host=args.worker_host, external=external)
+    if external:  # srun starts the workers from this plan (they read their rank and rendezvous from Slurm)
+        tmp = args.workers_plan.with_suffix(".tmp")
+        tmp.write_text(engine.plan.to_json())
+        tmp.replace(args.workers_plan)
     codec = TextCodec(spec.source if spec.is_checkpoint else None)
     app = build_app(Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key), engine, metrics)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
@@ -114,7 +124,8 @@ def serve_http(args: argparse.Namespace) -> int:
             announcing.cancel()
             if engine.state not in (FAILED, STOPPED):  # not drained (a bind error, a forced stop): stop the workers
                 engine.stop_workers()
-            await engine.wait_ended(timeout_s=30.0)
+            # srun's workers may be gone without a word (their step was cancelled): no long wait for them
+            await engine.wait_ended(timeout_s=5.0 if external else 30.0)
 
     try:
         asyncio.run(main())

@@ -1,8 +1,9 @@
 """Online serving on an attention worker: requests that arrive while it decodes, and tokens sent back every step.
 
-The front end (`serving.frontend`) binds ZeroMQ sockets on loopback before the workers start: one PUSH per
-attention worker, which carries `Submit`, `Abort` and `Shutdown` to it, and one PULL, which gathers every
-attention worker's `Ready`, `Tokens` and `Stats`. A worker only connects (it listens on nothing).
+The front end (`serving.frontend`) binds ZeroMQ sockets on loopback (or the cluster interface) before the
+workers start: one PUSH per attention worker, which carries `Submit`, `Abort` and `Shutdown` to it, and one
+PULL, which gathers every attention worker's `Ready`, `Tokens`, `Stats` and, as it leaves, `Done`. A worker
+only connects (it listens on nothing).
 
 `OnlineSource` is what the attention side polls at each micro-batch's step boundary
 (`AttentionSide.source`):
@@ -75,6 +76,14 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Done:
+    """An attention worker finished serving (after `Shutdown`) and leaves."""
+
+    kind: ClassVar[str] = "done"
+    worker: int
+
+
+@dataclass(frozen=True)
 class Tokens:
     """One micro-batch's new tokens: `(request id, token, finish reason or None)` each."""
 
@@ -97,7 +106,7 @@ class Stats:
     events: list[str] = field(default_factory=list)
 
 
-MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready, Tokens, Stats)}
+MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready, Done, Tokens, Stats)}
 
 
 def encode(message: Any) -> dict[str, Any]:
@@ -180,6 +189,8 @@ class OnlineSource:
             self._send(Tokens(self.worker, items))
 
     def close(self) -> None:
+        """After the last step: say so (a front end that did not start the workers learns their end) and close."""
+        self._send(Done(self.worker))
         self.inbox.close(linger=0)
         self.outbox.close()
         self.context.term()

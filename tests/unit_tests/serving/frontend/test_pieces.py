@@ -72,6 +72,7 @@ def test_sampling_narrowed_to_one_token_is_greedy_and_a_seed_repeats():
 
 def test_online_messages_round_trip():
     for message in (online.Submit("r1", [1, 2], 5, True, 0.5, 0.9, 3, 7), online.Abort("r1"), online.Shutdown(),
+                    online.Done(1),
                     online.Ready(0, 123), online.Tokens(1, [("r1", 4, None), ("r2", 2, "stop")]),
                     online.Stats(0, 1, 2, 30, [1, 0], ["moved"])):
         assert online.decode(online.encode(message)) == message
