@@ -114,6 +114,7 @@ class EngineClient:
         self.external = external
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
         self.done_workers: set[int] = set()
+        self.last_heard: dict[int, float] = {}  # attention worker -> when its last message came
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -127,6 +128,8 @@ class EngineClient:
         self._ended = asyncio.Event()
         self._reader = asyncio.create_task(self._read())
         self._watcher = asyncio.create_task(self._watch()) if self.plan.elastic and self.attn_workers > 1 else None
+        if self.external:
+            self._watcher = asyncio.create_task(self._watch_silence())
         if self.external:  # srun started the workers: they report their own end (`online.Done`)
             return
         self._thread = threading.Thread(target=self._run_engine, name="engine", daemon=True)
@@ -263,6 +266,20 @@ class EngineClient:
                 if not _alive(self.pids[worker]):
                     self._move_off(worker)
 
+    async def _watch_silence(self) -> None:
+        """Workers started elsewhere (their processes not seen from here): one that has requests but sent
+        nothing for the plan's timeout is lost, and the engine with it."""
+        while not self._ended.is_set():
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for worker in range(self.attn_workers):
+                quiet = now - self.last_heard.get(worker, now)
+                if self.outstanding[worker] and quiet > self.plan.timeout_s and self.state in (READY, DRAINING):
+                    self._engine_ended(f"attention worker {worker} sent nothing for {quiet:.0f} s with "
+                                       f"{self.outstanding[worker]} requests in flight (--timeout "
+                                       f"{self.plan.timeout_s:g}); the workers are lost")
+                    return
+
     def abort(self, stream: RequestStream, *, outcome: str = "aborted") -> None:
         """Drop a request the client no longer wants (or a stop string ended); nothing if it already ended."""
         if stream.done:
@@ -286,6 +303,7 @@ class EngineClient:
     async def _read(self) -> None:
         while True:
             message = online.decode(await self._inbox.recv_json())
+            self.last_heard[message.worker] = time.monotonic()
             if isinstance(message, online.Tokens):
                 self._tokens(message)
             elif isinstance(message, online.Stats):
