@@ -255,7 +255,11 @@ def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Nam
                "--num-prompts", str(args.prompts), "--ignore-eos", "--request-rate", str(rate),
                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--save-result",
                "--result-dir", str(out.parent), "--result-filename", out.name]
-    subprocess.run(command, check=True, timeout=3600, cwd=out.parent)
+    with open(out.parent / "client.log", "wb") as log:  # its chatter stays out of this table
+        done = subprocess.run(command, timeout=3600, cwd=out.parent, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = (out.parent / "client.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"vllm.benchmarks.serve failed (exit {done.returncode}):\n{tail}")
     doc = json.loads(out.read_text())
     figures = {"completed": doc.get("completed"), "failed": args.prompts - int(doc.get("completed", 0)),
                "output_tokens_per_s": doc.get("output_throughput"), "mean_tpot_ms": doc.get("mean_tpot_ms")}
