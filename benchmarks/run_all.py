@@ -74,6 +74,15 @@ def _elastic(doc: dict[str, Any]) -> str:
             f"match {doc['outputs_match_reference']}")
 
 
+def _serving_online(doc: dict[str, Any]) -> str:
+    cells = []
+    for server, cases in doc["servers"].items():
+        burst = cases["burst"]
+        cells.append(f"{server} {burst['output_tokens_per_s']:,.1f} output tokens/s, P99 TPOT "
+                     f"{burst['p99_tpot_ms']:.1f} ms, {burst['failed']} failed")
+    return f"{doc['prompts']} requests at once ({doc['client']} client): " + "; ".join(cells)
+
+
 def _m2n(doc: dict[str, Any]) -> str:
     b = doc["backends"]
     cells = [f"{name} {v['median_vs_gloo']:.2f}x / {v['p99_vs_gloo']:.2f}x" for name, v in b.items() if name != "gloo"]
@@ -86,15 +95,6 @@ def _serving(doc: dict[str, Any]) -> str:
     match = all(case.get("matches_reference", True) for case in doc["cases"].values())
     return (f"ping-pong m=2/m=1 {r['m2_over_m1']:.2f}x, m=3/m=2 {r['m3_over_m2']:.2f}x, disaggregated/colocated "
             f"{r['disaggregated_m2_over_colocated']:.2f}x; matches reference {match}")
-
-
-def _serving_online(doc: dict[str, Any]) -> str:
-    cells = []
-    for server, cases in doc["servers"].items():
-        burst = cases["burst"]
-        cells.append(f"{server} {burst['output_tokens_per_s']:,.1f} output tokens/s, P99 TPOT "
-                     f"{burst['p99_tpot_ms']:.1f} ms, {burst['failed']} failed")
-    return f"{doc['prompts']} requests at once ({doc['client']} client): " + "; ".join(cells)
 
 
 def _fuzz(doc: dict[str, Any]) -> str:
@@ -118,9 +118,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gloo_alltoall_cost", "gloo_alltoall_cost.py", False, _gloo),
     Benchmark("runtime_overlap", "runtime_overlap_bench.py", True, _runtime),
     Benchmark("elastic", "elastic_bench.py", False, _elastic),
+    Benchmark("serving_online", "serving_online_bench.py", False, _serving_online),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
     Benchmark("serving", "serving_bench.py", True, _serving),
-    Benchmark("serving_online", "serving_online_bench.py", False, _serving_online),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),
 )

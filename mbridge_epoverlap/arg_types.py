@@ -24,11 +24,7 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-positive = int_at_least(1)
-count = int_at_least(0)
-
-
-def float_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
+def number_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
     """An argparse type: a finite number > `minimum` (>= with `inclusive`)."""
 
     def parse(text: str) -> float:
@@ -45,5 +41,8 @@ def float_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
     return parse
 
 
-positive_float = float_above(0.0, inclusive=False)
-non_negative_float = float_above(0.0, inclusive=True)
+positive_seconds = number_above(0.0, inclusive=False)
+non_negative_seconds = number_above(0.0, inclusive=True)
+positive = int_at_least(1)
+count = int_at_least(0)
+

@@ -43,6 +43,23 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def machine() -> dict[str, Any]:
+    """The machine a figure was measured on: CPU model, count, and the bf16 flags that matter here."""
+    from mbridge_epoverlap.config.cpu_precision import cpu_flags
+    from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
+
+    flags = cpu_flags()
+    info = machine_info()
+    info.update(cpu_model=cpu_model(), avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
+                avx512f="avx512f" in flags, avx2="avx2" in flags)
+    return info
+
+
+def describe_machine(info: dict[str, Any]) -> str:
+    flags = ", ".join(f"{k} {'yes' if info.get(k) else 'no'}" for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    return f"{info.get('cpu_model')} x {info.get('cpus')} ({flags}) on {info.get('hostname')}"
+
+
 def memory_needed(size: int, senders: int, receivers: int) -> int:
     """Bytes a run with `size`-byte messages holds at once, roughly: two ring slots of each direction of every
     sender-receiver pair, and each process's payload and one received copy per peer."""
@@ -81,23 +98,6 @@ def available_memory() -> int:
     except OSError:
         pass
     return min(candidates) if candidates else 1 << 62
-
-
-def machine() -> dict[str, Any]:
-    """The machine a figure was measured on: CPU model, count, and the bf16 flags that matter here."""
-    from mbridge_epoverlap.config.cpu_precision import cpu_flags
-    from mbridge_epoverlap.harness.experiment import cpu_model, machine_info
-
-    flags = cpu_flags()
-    info = machine_info()
-    info.update(cpu_model=cpu_model(), avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
-                avx512f="avx512f" in flags, avx2="avx2" in flags)
-    return info
-
-
-def describe_machine(info: dict[str, Any]) -> str:
-    flags = ", ".join(f"{k} {'yes' if info.get(k) else 'no'}" for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
-    return f"{info.get('cpu_model')} x {info.get('cpus')} ({flags}) on {info.get('hostname')}"
 
 
 def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int], iters: int = 200,

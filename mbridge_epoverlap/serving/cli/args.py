@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.arg_types import count, positive, positive_float
+from mbridge_epoverlap.arg_types import count, positive, positive_seconds
 
 
 def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -21,7 +21,7 @@ def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
                         help="a recipe name: a shrunk random model, as the training runtime shrinks recipes")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default: float32")
     parser.add_argument("--backend", default="m2n", help="M2N backend: m2n (fastest here), shm, mooncake, torch, gloo")
-    parser.add_argument("--timeout", type=positive_float, default=30.0, metavar="S",
+    parser.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S",
                         help="seconds any worker waits for another before naming it lost (default 30)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.arg_types import count, non_negative_float, positive
+from mbridge_epoverlap.arg_types import count, non_negative_seconds, positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
 from mbridge_epoverlap.serving.cli.args import epoch_args, layout_args, model_args, progress_printer, source_of
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="longest prompt plus max_tokens (default: the model's max_position_embeddings)")
     online.add_argument("--max-waiting", type=count, default=256, metavar="N",
                         help="requests that may wait for a slot; more answer 503 at once (default 256)")
-    online.add_argument("--drain-timeout", type=non_negative_float, default=30.0, metavar="S",
+    online.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                         help="on SIGTERM/SIGINT, seconds the running requests get to finish (default 30)")
     online.add_argument("--api-key", metavar="KEY", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MBRIDGE_EPOVERLAP_API_KEY)")

@@ -92,8 +92,6 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     _write(state["out"], payload)
     beat.beat(worker.decode_steps, 0, hb.DONE)
     worker.close()
-    if getattr(worker, "side", None) is not None and worker.side.source is not None:
-        worker.side.source.close()  # online: the last tokens leave before the process does
     dist.destroy_process_group()
     return EXIT_OK
 
