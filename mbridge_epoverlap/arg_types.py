@@ -24,25 +24,5 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def number_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
-    """An argparse type: a finite number > `minimum` (>= with `inclusive`)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value != value or value in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-        if value < minimum or (value == minimum and not inclusive):
-            raise argparse.ArgumentTypeError(f"{text} must be {'at least' if inclusive else 'more than'} {minimum:g}")
-        return value
-
-    return parse
-
-
-positive_seconds = number_above(0.0, inclusive=False)
-non_negative_seconds = number_above(0.0, inclusive=True)
 positive = int_at_least(1)
 count = int_at_least(0)
-

@@ -7,10 +7,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.arg_types import count, positive, positive_seconds
+from mbridge_epoverlap.arg_types import count, positive
+
+
+def number_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number > `minimum` (>= with `inclusive`); argparse reports the flag, exit 2."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be {'at least' if inclusive else 'more than'} {minimum:g}")
+        return value
+
+    return parse
+
+
+positive_seconds = number_above(0.0, inclusive=False)  # --timeout: 0 would start workers that cannot wait
+non_negative_seconds = number_above(0.0, inclusive=True)
 
 
 def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:

@@ -12,9 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.arg_types import count, non_negative_seconds, positive
+from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
-from mbridge_epoverlap.serving.cli.args import epoch_args, layout_args, model_args, progress_printer, source_of
+from mbridge_epoverlap.serving.cli.args import (
+    epoch_args,
+    layout_args,
+    model_args,
+    non_negative_seconds,
+    progress_printer,
+    source_of,
+)
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
 
 
