@@ -73,6 +73,15 @@ def _elastic(doc: dict[str, Any]) -> str:
             f"match {doc['outputs_match_reference']}")
 
 
+def _serving_online(doc: dict[str, Any]) -> str:
+    cells = []
+    for server, cases in doc["servers"].items():
+        burst = cases["burst"]
+        cells.append(f"{server} {burst['output_tokens_per_s']:,.1f} output tokens/s, P99 TPOT "
+                     f"{burst['p99_tpot_ms']:.1f} ms, {burst['failed']} failed")
+    return f"{doc['prompts']} requests at once ({doc['client']} client): " + "; ".join(cells)
+
+
 def _m2n(doc: dict[str, Any]) -> str:
     b = doc["backends"]
     cells = [f"{name} {v['median_vs_gloo']:.2f}x / {v['p99_vs_gloo']:.2f}x" for name, v in b.items() if name != "gloo"]
@@ -113,6 +122,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("gloo_alltoall_cost", "gloo_alltoall_cost.py", False, _gloo),
     Benchmark("runtime_overlap", "runtime_overlap_bench.py", True, _runtime),
     Benchmark("elastic", "elastic_bench.py", False, _elastic),
+    Benchmark("serving_online", "serving_online_bench.py", False, _serving_online),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
     Benchmark("serving", "serving_bench.py", True, _serving),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,

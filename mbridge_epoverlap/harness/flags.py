@@ -17,7 +17,7 @@ from mbridge_epoverlap.arg_types import bool_arg, none_or, positive_float, posit
 from mbridge_epoverlap.gpus import GPUS
 
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32", "fp8_cs", "fp8_mx", "fp8_sc", "nvfp4")
-TASKS = ("pretrain", "sft", "peft", "serve_bench")
+TASKS = ("pretrain", "sft", "peft", "serve_bench", "serve")
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 CUDA_GRAPH_SCOPES = ("full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 TOKENIZERS = ("NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer")
@@ -155,7 +155,8 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                       help="recipe name (e.g. qwen3_30b_a3b) or FILE.py[:FUNCTION]; default: the family's first")
     what.add_argument("--task", choices=TASKS, default="pretrain",
                       help="pretrain or sft (default: pretrain); peft is accepted as upstream does, but the project's "
-                           "recipes define pretrain and sft; serve_bench runs the serving bench (roles by rank)")
+                           "recipes define pretrain and sft; serve_bench runs the serving bench (roles by rank); "
+                           "serve starts the OpenAI-compatible server as a Slurm job (front end on the first node)")
     what.add_argument("-g", "--gpu", type=str.lower, choices=GPUS, default=None,
                       help="target GPU; cpu runs the reference runtime in CPU processes (default: cpu)")
     what.add_argument("-c", "--compute_dtype", type=str.lower, choices=COMPUTE_DTYPES, default=UNSET,

@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         from mbridge_epoverlap.harness.executors.slurm_serve import run_serve_bench
 
         return run_serve_bench(args)
+    if args.task == "serve":
+        from mbridge_epoverlap.harness.executors.slurm_serve import run_serve
+
+        return run_serve(args)
     args.gpu = args.gpu or "cpu"
     executor = args.executor or ("local" if args.gpu == "cpu" else "slurm")
     _check_combinations(args, executor)

@@ -50,6 +50,46 @@ def describe_machine(info: dict[str, Any]) -> str:
     return f"{info.get('cpu_model')} x {info.get('cpus')} ({flags}) on {info.get('hostname')}"
 
 
+def memory_needed(size: int, senders: int, receivers: int) -> int:
+    """Bytes a run with `size`-byte messages holds at once, roughly: two ring slots of each direction of every
+    sender-receiver pair, and each process's payload and one received copy per peer."""
+    world = senders + receivers
+    return size * (4 * senders * receivers + world * (1 + max(senders, receivers)))
+
+
+def check_sizes_fit(sizes: Sequence[int], senders: int, receivers: int, available: int) -> None:
+    """Refuse message sizes whose run would not fit in half of `available` bytes (the rest is the system's).
+
+    Raises:
+        UsageError: naming the size, what it needs, the limit and the largest size that fits.
+    """
+    limit = available // 2
+    per_byte = memory_needed(1, senders, receivers)
+    for size in sizes:
+        needed = memory_needed(size, senders, receivers)
+        if needed > limit:
+            raise UsageError(f"--sizes: a {size:,}-byte message needs about {needed:,} "
+                             f"bytes over {senders + receivers} processes, more than the limit of {limit:,} bytes "
+                             f"(half the memory available); the largest that fits is {limit // per_byte:,} bytes")
+
+
+def available_memory() -> int:
+    """Bytes free for the run: the smaller of MemAvailable and the free space of /dev/shm (the shm rings)."""
+    candidates = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        stat = os.statvfs("/dev/shm")
+        candidates.append(stat.f_bavail * stat.f_frsize)
+    except OSError:
+        pass
+    return min(candidates) if candidates else 1 << 62
+
+
 def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int], iters: int = 200,
               timeout_s: float = 300.0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the M2N benchmark in `senders + receivers` local processes; return the `m2n-bench --json` document.
@@ -71,6 +111,7 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
         raise UsageError(f"--iters {iters}: need at least one iteration")
     if not sizes:
         raise UsageError("--sizes: give at least one message size, e.g. --sizes 2K,256K,8M")
+    check_sizes_fit(sizes, senders, receivers, available_memory())
     if concrete == "mooncake" and not mooncake_available():
         raise UsageError(MOONCAKE_INSTALL)
     world = senders + receivers

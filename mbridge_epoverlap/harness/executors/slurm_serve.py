@@ -9,6 +9,12 @@ on local processes.
 
 Flags: `-mr` recipe, `-ng` workers (A+E), `-gn` workers per node, `--attn_workers A`, `--micro_batches M`,
 `-gb` sequences, `-ms` tokens per sequence, `--results_json`, `--dryrun` (print the sbatch script).
+
+`run_script.py --task serve` is the online server as one Slurm job: the batch script starts
+`mbridge-epoverlap serve --http` on the first node (its worker sockets on that node's cluster address, the
+plan written for srun with `--workers-plan`), then srun starts the workers from that plan, roles by rank as
+above. The harness submits the job, waits for the server's ready line in the job's log and prints the URL
+(`scancel` the job to stop it: the server drains). Same flags, `-gb` is the sequences per attention worker.
 """
 
 from __future__ import annotations
@@ -59,6 +65,129 @@ def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: Scri
         "",
     ]
     return "\n".join(lines)
+
+
+HTTP_PORT_BASE = 30000  # the server's port is HTTP_PORT_BASE + job id % 20000 (beside MASTER_PORT's range)
+READY_LINE = "ready at http://"
+
+
+def render_online_script(plan_path: Path, world: int, shape: JobShape, opts: ScriptOptions, *, recipe: str,
+                         attn_workers: int, micro_batches: int, max_batch: int, backend: str) -> str:
+    """The sbatch script of the online server: the front end on the first node, then srun the workers."""
+    q = shlex.quote
+    out_dir = opts.job_dir / "workers"
+
+    class _Exp:  # what the shared header reads
+        recipe = "serve"
+
+    serve = (f'"$PYTHON" -m mbridge_epoverlap.cli serve -mr {q(recipe)} --http "0.0.0.0:$HTTP_PORT" '
+             f'--workers-plan "$PLAN" --worker-host "$MASTER_IP" --attn-workers {attn_workers} '
+             f"--expert-workers {world - attn_workers} --micro-batches {micro_batches} --max-batch {max_batch} "
+             f"--backend {backend} --max-model-len 512")
+    lines = sbatch_header(_Exp(), shape, opts)  # type: ignore[arg-type]
+    lines += [
+        "#",
+        f"# mbridge-epoverlap serve --http on the first node; ranks 0..{attn_workers - 1} attention workers, ranks "
+        f"{attn_workers}..{world - 1} expert workers",
+        "set -euo pipefail",
+        f"JOB_DIR={q(str(opts.job_dir))}",
+        f'PYTHON="${{MBRIDGE_EPOVERLAP_PYTHON:-{opts.python}}}"',
+        f'export PYTHONPATH={q(str(opts.repo_root))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        """MASTER_IP="$(getent hosts "$MASTER_ADDR" | awk '{print $1; exit}')\"""",
+        'MASTER_IP="${MASTER_IP:-127.0.0.1}"',
+        "export MASTER_ADDR",
+        "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        f"HTTP_PORT=$(( {HTTP_PORT_BASE} + SLURM_JOB_ID % 20000 ))",
+        f"PLAN={q(str(plan_path))}",
+        'rm -f "$PLAN"',
+        f'log() {{ echo "{MARKER} $*"; }}',
+        f"mkdir -p {q(str(out_dir))}",
+        'log "serve: front end on $MASTER_ADDR port $HTTP_PORT (workers connect to $MASTER_IP)"',
+        serve + " &",
+        "SERVER=$!",
+        "trap 'kill -TERM $SERVER 2>/dev/null' TERM INT",
+        'for _ in $(seq 1200); do [ -f "$PLAN" ] && break; kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done',
+        '[ -f "$PLAN" ] || { log "serve: the front end wrote no plan"; wait "$SERVER"; exit 1; }',
+        f"srun --ntasks={world} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 \\",
+        "  bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec \"$@\"' "
+        f'rank "$PYTHON" -m mbridge_epoverlap.serving.engine.worker_main --plan "$PLAN" --out {q(str(out_dir))} &',
+        "WORKERS=$!",
+        'code=0; wait "$SERVER" || code=$?',
+        'wait "$WORKERS" || true',
+        'log "serve: the server exited with $code"',
+        'exit "$code"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """The harness's serve task: the online server as one Slurm job (`--dryrun` prints the script)."""
+    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, job_shape, job_status, require_tool
+    from mbridge_epoverlap.harness.flags import given
+    from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    if (args.executor or "slurm") != "slurm":
+        raise UsageError("--task serve runs the server as a Slurm job; on this machine run "
+                         "`mbridge-epoverlap serve -mr RECIPE --http HOST:PORT` instead")
+    if args.gpu not in (None, "cpu"):
+        raise UsageError(f"--task serve runs the CPU serving engine; drop -g {args.gpu} (or use -g cpu)")
+    world = args.num_gpus if given(args, "num_gpus") else 2
+    attn = args.attn_workers
+    if attn >= world:
+        raise UsageError(f"--attn_workers {attn} leaves no expert worker among -ng {world} workers; "
+                         f"use --attn_workers at most {world - 1}")
+    per_node = args.gpus_per_node if given(args, "gpus_per_node") else world
+    shape = job_shape(world, per_node, gpus=False)
+    recipe = args.model_recipe_name or DEFAULT_RECIPE
+    load_spec(recipe)  # a bad recipe is a usage error here, not in the job
+    batch = args.global_batch_size if given(args, "global_batch_size") else 64
+    results_path = Path(args.results_json or Path("results") / f"{recipe}_serve_ng{world}.json").resolve()
+    job_dir = results_path.with_suffix(".slurm")
+    job_dir.mkdir(parents=True, exist_ok=True)
+    if not args.dryrun:
+        require_tool("sbatch")
+    opts = ScriptOptions(job_dir=job_dir, repo_root=Path(__file__).resolve().parents[3], python=sys.executable,
+                         time_limit=args.time_limit, account=args.account, partition=args.partition)
+    plan_path = job_dir / "plan.json"
+    text = render_online_script(plan_path, world, shape, opts, recipe=recipe, attn_workers=attn,
+                                micro_batches=args.micro_batches, max_batch=batch,
+                                backend="m2n" if shape.nodes == 1 else "torch")
+    script = job_dir / "job.sbatch"
+    script.write_text(text)
+    if args.dryrun:
+        print(text, end="")
+        print(f"dry run: sbatch script written to {script} (not submitted)", file=sys.stderr)
+        return EXIT_OK
+    slurm = SlurmExecutor(opts, shape, poll_s=2.0, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    job_id = slurm.submit(JobFiles(job_dir, script, plan_path, text))
+    log = job_dir / f"slurm-{job_id}.out"
+    print(f"[slurm] submitted job {job_id}; log {log}", file=sys.stderr, flush=True)
+    url = _wait_ready(job_id, log, job_status, limit_s=600.0)
+    if url is None:
+        raise RunFailedError(f"job {job_id} ended before the server was ready; see {log}")
+    port = url.rsplit(":", 1)[1]
+    print(f"serving: job {job_id}, http://<first node>:{port} (from the log: {url}); scancel {job_id} stops it")
+    return EXIT_OK
+
+
+def _wait_ready(job_id: str, log: Path, status: Any, *, limit_s: float) -> str | None:
+    """The server's URL once its ready line is in the job's log; None if the job ended (or `limit_s` passed)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if log.is_file():
+            for line in log.read_text(errors="replace").splitlines():
+                if READY_LINE in line:
+                    return "http://" + line.split(READY_LINE, 1)[1].split()[0]
+        state = status(job_id).state
+        if state is not None and state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return None
+        time.sleep(1.0)
+    return None
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:

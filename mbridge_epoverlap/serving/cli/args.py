@@ -7,10 +7,32 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.arg_types import count, positive
+
+
+def number_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number > `minimum` (>= with `inclusive`); argparse reports the flag, exit 2."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be {'at least' if inclusive else 'more than'} {minimum:g}")
+        return value
+
+    return parse
+
+
+positive_seconds = number_above(0.0, inclusive=False)  # --timeout: 0 would start workers that cannot wait
+non_negative_seconds = number_above(0.0, inclusive=True)
 
 
 def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -21,7 +43,7 @@ def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
                         help="a recipe name: a shrunk random model, as the training runtime shrinks recipes")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default: float32")
     parser.add_argument("--backend", default="m2n", help="M2N backend: m2n (fastest here), shm, mooncake, torch, gloo")
-    parser.add_argument("--timeout", type=float, default=30.0, metavar="S",
+    parser.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S",
                         help="seconds any worker waits for another before naming it lost (default 30)")
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
 

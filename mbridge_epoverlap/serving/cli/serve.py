@@ -12,9 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.arg_types import positive
+from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
-from mbridge_epoverlap.serving.cli.args import epoch_args, layout_args, model_args, progress_printer, source_of
+from mbridge_epoverlap.serving.cli.args import (
+    epoch_args,
+    layout_args,
+    model_args,
+    non_negative_seconds,
+    progress_printer,
+    source_of,
+)
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
 
 
@@ -33,10 +40,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
         "serve", help="decode prompts with disaggregated attention/expert workers (or colocated ones)",
         description="Greedy decoding of a JSONL prompts file on attention and expert worker processes (ping-pong "
-                    "pipeline of m micro-batches, M2N transfers) or on N colocated processes (EP all-to-all).")
+                    "pipeline of m micro-batches, M2N transfers) or on N colocated processes (EP all-to-all). "
+                    "With --http, an OpenAI-compatible server on the same workers instead, until SIGTERM/SIGINT.")
     model_args(serve, required=True)
-    serve.add_argument("--prompts", type=Path, required=True, metavar="FILE",
+    serve.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                        help='JSONL, one request a line: {"id": ..., "prompt_ids": [int, ...]}')
+    online = serve.add_argument_group("online serving (--http)")
+    online.add_argument("--http", metavar="HOST:PORT", default=None,
+                        help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), /health "
+                             "and /metrics at HOST:PORT instead of reading --prompts")
+    online.add_argument("--served-model-name", metavar="NAME", default=None,
+                        help="the model's name in the API (default: --checkpoint as given)")
+    online.add_argument("--max-model-len", type=positive, default=None, metavar="N",
+                        help="longest prompt plus max_tokens (default: the model's max_position_embeddings)")
+    online.add_argument("--max-waiting", type=count, default=256, metavar="N",
+                        help="requests that may wait for a slot; more answer 503 at once (default 256)")
+    online.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds the running requests get to finish (default 30)")
+    online.add_argument("--api-key", metavar="KEY", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MBRIDGE_EPOVERLAP_API_KEY)")
+    online.add_argument("--workers-plan", type=Path, default=None, metavar="FILE",
+                        help="start no worker: write the engine plan to FILE for workers started elsewhere (srun)")
+    online.add_argument("--worker-host", default="127.0.0.1", metavar="ADDR",
+                        help="the address the front end's worker sockets bind (default 127.0.0.1; the cluster "
+                             "interface when the workers run on other nodes)")
     serve.add_argument("--max-new-tokens", type=positive, default=16, metavar="N", help="default 16")
     layout_args(serve)
     serve.add_argument("--elastic", action="store_true",
@@ -65,15 +92,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle_serve(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.engine.bench import finish_bench_result
     from mbridge_epoverlap.serving.engine.run import make_plan
-    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
     from mbridge_epoverlap.serving.workers.requests import load_prompts
 
+    check_backend(args.backend)
+    if args.http is not None:
+        if not args.elastic and (args.redundant_experts or args.no_expert_restore or args.rebalance_every
+                                 or args.rejoin_after_steps):
+            raise UsageError("--redundant-experts, --no-expert-restore, --rebalance-every and --rejoin-after-steps "
+                             "apply to --elastic serving; add --elastic")
+        from mbridge_epoverlap.serving.frontend.server import serve_http
+
+        return serve_http(args)
+    if args.prompts is None:
+        raise UsageError("give --prompts FILE (a batch of requests) or --http HOST:PORT (a server)")
     spec = load_spec(source_of(args), dtype=args.dtype)
     from mbridge_epoverlap.serving.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     requests = load_prompts(args.prompts, vocab_size=spec.vocab_size,
                             tokenizer=tokenizer.encode if tokenizer is not None else None)
+    check_context(requests, args.max_new_tokens, args.max_model_len or context_length(spec))
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
@@ -92,6 +131,24 @@ def handle_serve(args: argparse.Namespace) -> int:
     return code
 
 
+def check_backend(backend: str) -> None:
+    """An unknown `--backend` is a usage error naming the known ones (before any worker starts)."""
+    from mbridge_epoverlap.comm.m2n import BACKENDS
+
+    if backend not in BACKENDS:
+        raise UsageError(f"--backend {backend}: unknown M2N backend; choose one of {', '.join(BACKENDS)}")
+
+
+def check_context(requests: Any, max_new_tokens: int, context: int) -> None:
+    """Every prompt plus `--max-new-tokens` within the model's context, else a usage error naming both numbers."""
+    for request in requests:
+        total = len(request.prompt_ids) + max_new_tokens
+        if total > context:
+            raise UsageError(f"request {request.id}: {len(request.prompt_ids)} prompt tokens + --max-new-tokens "
+                             f"{max_new_tokens} = {total} is more than the model's context of {context} tokens "
+                             "(max_position_embeddings)")
+
+
 def handle_bench(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch, finish_bench_result, synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan
@@ -99,6 +156,7 @@ def handle_bench(args: argparse.Namespace) -> int:
 
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
+    check_backend(args.backend)
     spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
     attn, experts = args.attn_workers, args.expert_workers
     probes: list[dict[str, float]] = []

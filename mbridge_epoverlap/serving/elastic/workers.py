@@ -28,6 +28,11 @@ Two more hooks make the layout change while requests flow, at step boundaries (l
   makes it install them and drop the ones it no longer holds. Every worker switches at the same step
   boundary, so no token is routed by an old table.
 
+Online serving with several attention workers (`drop_lost_attention`): an expert worker whose dispatch wait
+or combine send fails because an attention worker other than the first (which holds the rendezvous store)
+died drops it and goes on serving the others; the front end moves that worker's requests to a survivor, which
+re-prefills each prompt with the tokens generated so far.
+
 Each worker records what happened (`events`: detected, re-placed, restored, resumed, with
 `time.monotonic()` stamps, comparable across processes on one host); attention worker 0 prints it as it
 happens. Fault injection for tests and the bench (`EnginePlan.kill`): an expert worker SIGKILLs itself at
@@ -75,6 +80,24 @@ class _SendToleratingLoss:
             self.work.wait(timeout_s)
         except PeerError:
             self.router.lose({self.index}, "a send failed")
+
+
+class _SendToAttention:
+    """An expert worker's combine send whose failure drops its attention worker when that loss is survivable."""
+
+    def __init__(self, work: Any, worker: ElasticExpertWorker, rank: int) -> None:
+        self.work, self.worker, self.rank = work, worker, rank
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        try:
+            self.work.wait(timeout_s)
+        except PeerTimeout:
+            raise
+        except PeerError:
+            if not self.worker._droppable(self.rank) and self.rank in self.worker.attention_ranks:
+                raise
+            if self.rank in self.worker.attention_ranks:
+                self.worker._drop_attention(self.rank)
 
 
 class ElasticRouter(Transport):
@@ -364,8 +387,9 @@ class ElasticExpertWorker(ExpertWorker):
 
     def __init__(self, *args: Any, layout: ElasticLayout, index: int, restore: bool,
                  kill_at_step: int | None = None, kill_file: str | None = None, mover: Any = None, epoch: int = 0,
-                 **kwargs: Any) -> None:
+                 drop_lost_attention: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.drop_lost_attention = drop_lost_attention
         self.layout, self.index, self.restore = layout, index, restore
         self.kill_at_step, self.kill_file = kill_at_step, kill_file
         self.mover, self.epoch = mover, epoch
@@ -420,7 +444,12 @@ class ElasticExpertWorker(ExpertWorker):
             self._prefetch = self._start(upcoming, list(control.announced_slots))
 
     def _combine_issue(self, mb: int, layer: int) -> None:
+        issued = len(self._sends)
         super()._combine_issue(mb, layer)
+        if self.drop_lost_attention:
+            ranks = self.attention_ranks if self.spec.is_moe(layer) else []
+            self._sends[issued:] = [_SendToAttention(work, self, rank)
+                                    for work, rank in zip(self._sends[issued:], ranks, strict=True)]
         # This worker's last expert work of the step is out: build the announced layout's share now, while the
         # attention workers finish the step.
         if layer == self._last_moe and mb == self.m - 1 and self._prefetch is not None and self._prefetch.part is None:
@@ -450,8 +479,14 @@ class ElasticExpertWorker(ExpertWorker):
             self._serve_resends()
 
     def _serve_resends(self) -> None:
-        for rank, work in self._resends.items():
-            if not work.done():
+        for rank, work in list(self._resends.items()):
+            try:
+                if not work.done():
+                    continue
+            except PeerError:
+                if not self._droppable(rank):
+                    raise
+                self._drop_attention(rank)
                 continue
             message = Dispatch.decode(work.wait(0))
             control = message.control
@@ -466,8 +501,28 @@ class ElasticExpertWorker(ExpertWorker):
         if self.kill_at_step is not None and self.decode_steps == self.kill_at_step and layer == self._last_moe \
                 and mb == 0:
             self._die()
-        works = [self.comm.irecv(rank, message_tag(layer, mb, self.m)) for rank in self.attention_ranks]
-        return [Dispatch.decode(self._wait_serving(work)) for work in works]
+        works = [(rank, self.comm.irecv(rank, message_tag(layer, mb, self.m))) for rank in self.attention_ranks]
+        received = []
+        for rank, work in works:
+            try:
+                received.append(Dispatch.decode(self._wait_serving(work)))
+            except PeerTimeout:
+                raise
+            except PeerError:
+                if not self._droppable(rank):
+                    raise
+                self._drop_attention(rank)
+        return received
+
+    def _droppable(self, rank: int) -> bool:
+        """Whether the loss of attention worker `rank` can be survived (online, not the first, one left)."""
+        return self.drop_lost_attention and rank in self.attention_ranks[1:]
+
+    def _drop_attention(self, rank: int) -> None:
+        """Serve the other attention workers only (online serving moved the lost one's requests)."""
+        self.attention_ranks = [r for r in self.attention_ranks if r != rank]
+        self._resends.pop(rank, None)
+        self.events.append({"event": "attention-lost", "t": time.monotonic(), "rank": rank})
 
     def _dispatch_wait(self, mb: int, layer: int) -> None:
         if not self.spec.is_moe(layer):

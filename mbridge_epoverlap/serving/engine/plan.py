@@ -50,6 +50,10 @@ class EnginePlan:
         rejoin_after_steps: elastic mode starts a replacement for a lost expert worker and admits it this many
             decode steps after the loss (0: never).
         weight_slot_bytes: M2N slot size of the channels between expert workers that carry moved weights.
+        online_requests: online serving (`serving.workers.online`): per attention worker, the front end's
+            endpoint its requests come from; empty: the batch run of `requests`.
+        online_events: online serving: the front end's endpoint every attention worker sends its tokens to.
+        max_model_len: online serving: the longest sequence (prompt and generated tokens) a request may reach.
     """
 
     source: str
@@ -75,6 +79,14 @@ class EnginePlan:
     rebalance_every: int = 0
     rejoin_after_steps: int = 0
     weight_slot_bytes: int = 0
+    online_requests: tuple[str, ...] = ()
+    online_events: str = ""
+    max_model_len: int = 0
+
+    @property
+    def online(self) -> bool:
+        """Whether requests arrive while the workers run (a server), rather than all dealt up front."""
+        return bool(self.online_requests)
 
     @property
     def mode(self) -> str:
@@ -105,6 +117,14 @@ class EnginePlan:
     def layout_epochs(self) -> bool:
         """Whether the elastic layout can change at step boundaries (rebalancing or rejoining)."""
         return self.elastic and bool(self.rebalance_every or self.rejoin_after_steps)
+
+    @property
+    def expendable_ranks(self) -> list[int]:
+        """Ranks whose loss the run survives: elastic mode's expert workers, and online the attention workers
+        after the first (which holds the rendezvous store)."""
+        if not self.elastic:
+            return []
+        return self.expert_ranks + (self.attention_ranks[1:] if self.online else [])
 
     @property
     def world(self) -> int:
@@ -149,6 +169,7 @@ class EnginePlan:
         raw["requests"] = tuple(tuple(r) for r in raw["requests"])
         raw["slots"] = tuple(raw.get("slots", ()))
         raw["kill"] = tuple(tuple(k) for k in raw.get("kill", ()))
+        raw["online_requests"] = tuple(raw.get("online_requests", ()))
         return cls(**raw)
 
 

@@ -45,8 +45,12 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
               micro_batches: int = 2, colocated: int = 0, order: str = "two_batch_overlap",
               max_new_tokens: int = 16, max_batch: int = 64, placement: Sequence[int] | None = None,
               backend: str = "m2n", timeout_s: float = 30.0, num_layers: int | None = None, seed: int = 0,
-              dtype: str = "float32") -> EnginePlan:
+              dtype: str = "float32", online_requests: Sequence[str] = (), online_events: str = "",
+              max_model_len: int = 0) -> EnginePlan:
     """Check a layout against the model and deal the requests to the attention workers (round robin).
+
+    Online serving (`online_requests`, one front-end endpoint per attention worker, and `online_events`) deals
+    none: requests arrive while the workers run, each at most `max_model_len` tokens long.
 
     Raises:
         UsageError: a count below one, more expert workers than experts, a placement that does not fit,
@@ -70,16 +74,20 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     # The largest message: every token of a full micro-batch of prefills routed k times to one worker (a
     # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
     # share of the batch limit (`AttentionSide.refill`).
-    longest = max(len(r.prompt_ids) for r in requests)
-    per_micro_batch = min(micro_batch_limit(max_batch, micro_batches, 0), max(len(d) for d in dealt))
-    rows = per_micro_batch * longest * spec.top_k
+    if online_requests:  # a boundary starts at most max_model_len prompt tokens beside its decoding sequences
+        rows = (max_model_len + micro_batch_limit(max_batch, micro_batches, 0)) * spec.top_k
+    else:
+        longest = max(len(r.prompt_ids) for r in requests)
+        per_micro_batch = min(micro_batch_limit(max_batch, micro_batches, 0), max(len(d) for d in dealt))
+        rows = per_micro_batch * longest * spec.top_k
     element = 2 if dtype == "bfloat16" else 4
     slot_bytes = rows * (spec.hidden_size * element + 8) + _HEADER_BYTES
     return EnginePlan(source=str(spec.source), attn_workers=attn_workers, expert_workers=expert_workers,
                       processes=colocated, micro_batches=micro_batches, order=order if colocated else "ping_pong",
                       placement=table.owner, max_new_tokens=max_new_tokens, max_batch=max_batch, requests=dealt,
                       backend=backend, slot_bytes=slot_bytes, timeout_s=timeout_s, num_layers=num_layers, seed=seed,
-                      dtype=dtype)
+                      dtype=dtype, online_requests=tuple(online_requests), online_events=online_events,
+                      max_model_len=max_model_len)
 
 
 def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = None,
@@ -104,13 +112,13 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
                "--out", "{workdir}"]
 
     def replacement(rank: int, generation: int) -> list[str] | None:  # one replacement per lost expert worker
-        return command + ["--rejoin", str(generation)] if generation == 1 else None
+        return command + ["--rejoin", str(generation)] if generation == 1 and rank in plan.expert_ranks else None
 
     try:
         ranks = launch_processes(plan.world, lambda rank: command, files={"plan.json": plan.to_json()},
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
                                  rank_names=plan.rank_names(), collect=collect_reports,
-                                 expendable=plan.expert_ranks if plan.elastic else (),
+                                 expendable=plan.expendable_ranks,
                                  respawn=replacement if plan.elastic and plan.rejoin_after_steps else None,
                                  activity="serving")
     except RunFailedError as exc:
@@ -119,7 +127,7 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     finally:
         _remove_shared_memory(pids)
     result = merge(plan, ranks["ranks"])
-    if plan.elastic:
+    if plan.elastic and not plan.online:  # online: the front end reported each loss as it happened
         from mbridge_epoverlap.serving.elastic.report import elastic_summary
 
         result["elastic"] = elastic_summary(plan, ranks)
@@ -178,7 +186,7 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
         "decode_steps": max((r.get("decode_steps", 0) for r in readers), default=0),
         "failed_requests": [c["id"] for c in ordered if c["status"] != "ok"],
     }
-    if failed or not readers:
+    if failed or not readers or plan.online:  # online: the front end measured each request itself
         return result
     stages = stage_times_ms(readers, holders)
     result["stage_ms"] = stages

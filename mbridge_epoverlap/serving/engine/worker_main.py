@@ -34,6 +34,8 @@ from mbridge_epoverlap.schedule.program import Role
 from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 from mbridge_epoverlap.serving.workers.protocol import Worker
 
+ONLINE_TIMER_SAMPLES = 4096  # stage times an online worker keeps per stage
+
 
 def _write(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
@@ -63,7 +65,7 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     spec = plan.load_spec()
     role, index = plan.role_of(rank)
     placement = Placement.from_list(plan.placement, len(plan.expert_ranks))
-    progress = (lambda line: print(line, flush=True)) if rank == 0 else None
+    progress = (lambda line: print(line, flush=True)) if rank == 0 and not plan.online else None
     payload: dict[str, Any] = {"rank": rank, "role": "colocated" if role is None else role.value, "index": index}
     state["payload"], state["out"] = payload, out / f"rank{rank}.json"
 
@@ -76,6 +78,10 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     with torch.no_grad():
         worker = _build(plan, spec, role, index, placement, queue, store, beat, progress)
         state["worker"] = worker
+        if plan.online:  # a server runs for days: keep a window of stage times, not every one
+            timer = worker.side.timer if role is Role.ATTENTION else getattr(worker, "timer", None)
+            if timer is not None:
+                timer.limit = ONLINE_TIMER_SAMPLES
         dist.barrier()  # every worker loaded its weights: start timing together
         started = time.monotonic()
         if queue is not None:
@@ -125,8 +131,9 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
         return _build_elastic(plan, spec, role, index, queue, comm, beat, progress, store)
     if role is Role.ATTENTION:
         side = _attention_side(plan, spec, queue)
-        return AttentionWorker(side, M2NTransport(side, comm, plan.expert_ranks, placement), beat=beat,
-                               progress=progress)
+        transport = M2NTransport(side, comm, plan.expert_ranks, placement)
+        _serve_online(plan, index, side, transport)
+        return AttentionWorker(side, transport, beat=beat, progress=progress)
     return ExpertWorker(spec, parts.load_expert_part(spec, placement.experts_of(index)), comm, plan.attention_ranks,
                         plan.micro_batches, plan.timeout_s, beat)
 
@@ -138,6 +145,16 @@ def _attention_side(plan: EnginePlan, spec: Any, queue: Any) -> Any:
 
     return AttentionSide(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
                          plan.micro_batches, plan.timeout_s)
+
+
+def _serve_online(plan: EnginePlan, index: int, side: Any, transport: Any) -> None:
+    """Online serving: attach the front end's request source to the attention side (nothing in a batch run)."""
+    if not plan.online:
+        return
+    from mbridge_epoverlap.serving.workers.online import OnlineSource
+
+    OnlineSource(index, plan.online_requests[index], plan.online_events, side, prefill_budget=plan.max_model_len,
+                 events=transport.events)
 
 
 def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
@@ -160,6 +177,7 @@ def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: A
         router = ElasticRouter(side, comm, plan.expert_ranks, layout=layout, restore=plan.expert_restore, sync=sync,
                                m2n_store=dist.PrefixStore("m2n", store), rebalance_every=plan.rebalance_every,
                                rejoin_after_steps=plan.rejoin_after_steps, progress=progress)
+        _serve_online(plan, index, side, router)
         return AttentionWorker(side, router, beat=beat, progress=progress)
     kill_at = next((step for worker, step in plan.kill if worker == index), None)
     out = os.environ.get(PREFIX + "HEARTBEAT_DIR")
@@ -173,7 +191,8 @@ def _expert_worker(plan: EnginePlan, spec: Any, comm: Any, beat: Any, layout: An
     from mbridge_epoverlap.serving.elastic.workers import ElasticExpertWorker
 
     return ElasticExpertWorker(spec, experts, comm, plan.attention_ranks, plan.micro_batches, plan.timeout_s, beat,
-                               layout=layout, index=index, restore=plan.expert_restore, mover=mover, **kwargs)
+                               layout=layout, index=index, restore=plan.expert_restore, mover=mover,
+                               drop_lost_attention=plan.online and plan.attn_workers > 1, **kwargs)
 
 
 def _weight_mover(plan: EnginePlan, index: int, store: Any, *, peers: list[int], key_prefix: str = "m2n") -> Any:

@@ -368,3 +368,16 @@ def _recipe_spec(name: str, *, seed: int, num_layers: int | None, dtype: str) ->
         norm_topk_prob=True, rope_theta=_RECIPE_ROPE_THETA.get(family_of(name) or "", 10000.0),
         dtype=dtype, seed=seed,
     )
+
+
+RECIPE_CONTEXT = 4096  # the context of a recipe model (it has no config.json to say)
+
+
+def context_length(spec: ModelSpec) -> int:
+    """The longest sequence (prompt and generated tokens) the model takes: a checkpoint's
+    `max_position_embeddings`, a recipe's `RECIPE_CONTEXT`."""
+    if spec.is_checkpoint:
+        value = _read_json(Path(spec.source) / CONFIG, required=True).get("max_position_embeddings")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return RECIPE_CONTEXT

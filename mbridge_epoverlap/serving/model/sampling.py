@@ -1,4 +1,4 @@
-"""Greedy sampling and the stop rules of generation."""
+"""Greedy and random (temperature, top-p, top-k, seeded) sampling, and the stop rules of generation."""
 
 from __future__ import annotations
 
@@ -25,3 +25,45 @@ class StopRule:
         if len(generated) >= self.max_new_tokens:
             return True
         return bool(generated) and generated[-1] in self.eos_token_ids
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Random sampling of one request (temperature > 0; temperature 0 is greedy and never reaches here).
+
+    Attributes:
+        temperature: the logits are divided by it.
+        top_p: keep the smallest set of most likely tokens whose probability reaches `top_p` (1: all).
+        top_k: keep the `top_k` most likely tokens (0: all).
+        seed: seeds the request's own generator; the same request and seed give the same tokens on every
+            layout (the logits are bitwise the same). None: a fresh seed.
+    """
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def generator(self) -> torch.Generator:
+        generator = torch.Generator()
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from a row of logits ([vocab]) by `params`, drawn with `generator`."""
+    scaled = logits.float() / params.temperature
+    if params.top_k and params.top_k < scaled.numel():
+        threshold = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        ordered, index = torch.sort(probs, descending=True)
+        # Keep a token while the mass before it is below top_p (the most likely token always stays).
+        drop = (torch.cumsum(ordered, dim=-1) - ordered) >= params.top_p
+        ordered = ordered.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, index, ordered)
+    return int(torch.multinomial(probs, 1, generator=generator)[0])

@@ -12,5 +12,7 @@
 - `colocated`: the colocated baseline, the attention side with `AllToAllTransport` (EP all-to-all over gloo).
 - `placement`: `Placement`, expert id -> expert worker.
 - `requests`: requests, running sequences and continuous batching (`RequestQueue`).
+- `online`: online serving's request source (`OnlineSource`, polled at step boundaries) and its ZeroMQ
+  messages to and from the front end.
 - `stage_timer`: `StageTimer`, per-stage durations and utilization.
 """

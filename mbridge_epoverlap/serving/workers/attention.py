@@ -92,16 +92,22 @@ class AttentionSide:
         self.step_log: list[tuple[float, int]] = []  # (seconds, tokens generated) of each decode step
         self.handles: list[MicroBatchHandle] = []  # streamed steps: the m micro-batches, each with its cache
         self.on_sampled: list[Callable[[MicroBatchHandle], None]] = []  # after a micro-batch's new tokens
+        # Online serving (`workers.online.OnlineSource`): polled at every step boundary for new requests and
+        # aborts; while it serves, this worker counts as active, so the experts never answer stop.
+        self.source: Any = None
+        self.expert_load: torch.Tensor | None = None  # online: tokens routed to each expert since last read
 
     # --- step boundaries ----------------------------------------------------------------------------
     def boundary(self) -> None:
         """A drained step's boundary: retire finished sequences, admit waiting ones, for every micro-batch."""
+        if self.source is not None:
+            self.source.at_boundary(self, self.queue.running, first=True)
         admitted, retired = self.queue.step_boundary()
         for seq in retired:
             self.cache.free(seq.slot)
         for seq in admitted:
             self.cache.add(seq.slot)
-        self.active = bool(self.queue.running)
+        self.active = bool(self.queue.running) or (self.source is not None and self.source.serving)
 
     def refill(self, h: MicroBatchHandle) -> None:
         """Micro-batch `h`'s step boundary (streamed steps): retire its finished sequences, admit its share of
@@ -110,6 +116,8 @@ class AttentionSide:
         The share is what is waiting spread over this and the later micro-batches of the round (so a first
         batch of requests is dealt evenly), capped by this micro-batch's part of the batch limit.
         """
+        if self.source is not None:
+            self.source.at_boundary(self, h.seqs, first=h.index == 0)
         for seq in self.queue.retire(h.seqs):
             h.cache.free(seq.slot)
         h.seqs = [seq for seq in h.seqs if not seq.finished]
@@ -120,6 +128,7 @@ class AttentionSide:
             h.seqs.append(seq)
         if h.index == 0:  # the control every dispatch of this step carries (read by the experts at micro-batch 0)
             self.active = bool(self.queue.waiting) or any(not s.finished for g in self.handles for s in g.seqs)
+            self.active = self.active or (self.source is not None and self.source.serving)
 
     def finish(self) -> None:
         """After the last step: retire what finished (drained steps)."""
@@ -169,14 +178,31 @@ class AttentionSide:
             return
         with self.timer.time(POST.name):
             expert_out = h.expert_out if self.spec.is_moe(layer) else None
+            if self.expert_load is not None and expert_out is not None:
+                self.expert_load += torch.bincount(h.attn.expert_ids.flatten(), minlength=self.expert_load.numel())
             h.x = self.part.post_step(layer, h.attn, expert_out)
             h.attn, h.expert_out = None, None
             if layer == self.spec.num_layers - 1:
-                for seq, token in zip(h.seqs, self.greedy(self.part.logits(h.x[h.last_rows])), strict=True):
+                for seq, token in zip(h.seqs, self._next_tokens(h), strict=True):
                     self.queue.append_token(seq, int(token))
                 self.tokens_generated += len(h.seqs)
                 for listener in self.on_sampled:
                     listener(h)
+
+    def _next_tokens(self, h: MicroBatchHandle) -> list[int]:
+        """Each sequence's next token: greedy, or sampled with the sequence's own generator when its request
+        asks for sampling (the greedy rows stay bitwise what they were)."""
+        logits = self.part.logits(h.x[h.last_rows])
+        tokens = self.greedy(logits)
+        for row, seq in enumerate(h.seqs):
+            params = seq.request.sampling
+            if params is not None:
+                from mbridge_epoverlap.serving.model.sampling import sample
+
+                if seq.generator is None:
+                    seq.generator = params.generator()
+                tokens[row] = sample(logits[row], params, seq.generator)
+        return tokens
 
     # --- what every transport shares ----------------------------------------------------------------
     def dispatch_rows(self, h: MicroBatchHandle) -> tuple[torch.Tensor, torch.Tensor]:

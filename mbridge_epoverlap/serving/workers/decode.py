@@ -94,6 +94,8 @@ class AttentionWorker:
 
     def close(self) -> None:
         self.transport.close()
+        if self.side.source is not None:  # online: the last tokens (and `Done`) leave before the process does
+            self.side.source.close()
 
     def _report_progress(self) -> None:
         line = self.side.progress_line() if self.progress is not None else None

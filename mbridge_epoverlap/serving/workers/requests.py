@@ -19,10 +19,20 @@ from mbridge_epoverlap.errors import UsageError
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to complete."""
+    """One prompt to complete.
+
+    Attributes:
+        id, prompt_ids: the request's name and its prompt.
+        max_new_tokens: its own generation limit (None: the queue's).
+        ignore_eos: keep generating past an end-of-sequence token (only the limit stops it).
+        sampling: temperature/top-p/top-k/seed sampling (`serving.model.sampling.SamplingParams`); None: greedy.
+    """
 
     id: str
     prompt_ids: tuple[int, ...]
+    max_new_tokens: int | None = None
+    ignore_eos: bool = False
+    sampling: Any = None
 
 
 def load_prompts(path: str | Path, *, vocab_size: int, tokenizer: Any = None) -> list[Request]:
@@ -85,6 +95,8 @@ class RunningSequence:
     admitted_at: float = 0.0
     prefilled: bool = False
     finished: bool = False
+    aborted: bool = False  # the client went away: finished without a reason of its own
+    generator: Any = None  # its random generator, made at its first sampled token (`sampling.sample`)
 
     @property
     def length(self) -> int:
@@ -124,6 +136,9 @@ class RequestQueue:
         self.max_batch, self.max_new_tokens, self.eos_ids = max_batch, max_new_tokens, frozenset(eos_ids)
         self._next_slot = 0
         self.start = time.monotonic()
+        # Online serving: the prompt tokens one `admit` may start at most (one request always starts), so a
+        # micro-batch's prefill fits the M2N slot; None: no limit (every request is known up front).
+        self.prefill_budget: int | None = None
 
     @property
     def idle(self) -> bool:
@@ -146,7 +161,11 @@ class RequestQueue:
     def admit(self, limit: int) -> list[RunningSequence]:
         """Start up to `limit` waiting requests (never past `max_batch` running); return them."""
         admitted: list[RunningSequence] = []
+        tokens = 0
         while self.waiting and len(admitted) < limit and len(self.running) < self.max_batch:
+            tokens += len(self.waiting[0].prompt_ids)
+            if admitted and self.prefill_budget is not None and tokens > self.prefill_budget:
+                break
             seq = RunningSequence(self.waiting.popleft(), self._next_slot, admitted_at=self.start)
             self._next_slot += 1
             self.running.append(seq)
@@ -157,8 +176,16 @@ class RequestQueue:
         seq.output_ids.append(token)
         seq.token_times.append(time.monotonic())
         seq.prefilled = True
-        if token in self.eos_ids or len(seq.output_ids) >= self.max_new_tokens:
+        if self.stop_reason(seq) is not None:
             seq.finished = True
+
+    def stop_reason(self, seq: RunningSequence) -> str | None:
+        """Why `seq` stops after its last token: "stop" (an end-of-sequence token), "length" (its limit), or None."""
+        request = seq.request
+        if seq.output_ids and not request.ignore_eos and seq.output_ids[-1] in self.eos_ids:
+            return "stop"
+        limit = request.max_new_tokens if request.max_new_tokens is not None else self.max_new_tokens
+        return "length" if len(seq.output_ids) >= limit else None
 
     def completions(self, *, failed: bool = False) -> list[dict[str, Any]]:
         """Every request's result; with `failed`, unfinished ones are reported as failed."""

@@ -18,6 +18,8 @@ class StageTimer:
         self.busy_s = 0.0
         self.started = time.monotonic()
         self._steady: tuple[float, float] | None = None  # (busy_s, time) when the first decode step ended
+        # Keep about the last `limit` samples of each stage (None: all): an online worker runs for days.
+        self.limit: int | None = None
 
     def mark_steady(self) -> None:
         """The prefill step is over: utilization counts from here (a prefill's long stages would swamp it)."""
@@ -32,13 +34,19 @@ class StageTimer:
         finally:
             if record:
                 elapsed = time.perf_counter() - start
-                self.samples[stage].append(elapsed)
+                self._add(stage, elapsed)
                 if stage in self.compute:
                     self.busy_s += elapsed
 
     def record(self, stage: str, seconds: float) -> None:
         """A duration measured elsewhere (not counted as busy)."""
-        self.samples[stage].append(seconds)
+        self._add(stage, seconds)
+
+    def _add(self, stage: str, seconds: float) -> None:
+        samples = self.samples[stage]
+        samples.append(seconds)
+        if self.limit is not None and len(samples) > 2 * self.limit:  # trimmed now and then: amortized O(1)
+            del samples[:-self.limit]
 
     def summary(self) -> dict[str, object]:
         """Median milliseconds and counts per stage, busy and wall seconds."""

@@ -48,13 +48,55 @@ def fresh_copy(dest: Path) -> Path:
 
 
 def argv_of(command: str) -> list[str]:
-    """A tour command as this interpreter runs it (`python` and `mbridge-epoverlap` from this venv)."""
+    """A tour command as this interpreter runs it (`python` and `mbridge-epoverlap` from this venv; `curl`
+    only for the server step)."""
     tokens = shlex.split(command)
     if tokens[0] == "python":
         return [sys.executable, *tokens[1:]]
     if tokens[0] == "mbridge-epoverlap":
         return [sys.executable, "-m", "mbridge_epoverlap.cli", *tokens[1:]]
-    raise AssertionError(f"the tour runs python and mbridge-epoverlap only, not {tokens[0]!r}")
+    if tokens[0] == "curl":
+        return tokens
+    raise AssertionError(f"the tour runs python, mbridge-epoverlap and curl only, not {tokens[0]!r}")
+
+
+class TourServer:
+    """The server step (`serve --http`): started as a second terminal would, stopped (it drains) at the end."""
+
+    READY_S = 300.0
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]) -> None:
+        import threading
+
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if "ready at http://" in line:
+                    self.ready.set()
+
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
+        if not self.ready.wait(self.READY_S):
+            self.stop()
+            raise AssertionError("the tour's server did not get ready:\n" + "".join(self.lines))
+
+    def stop(self) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
 
 
 def quicker(argv: list[str]) -> list[str]:
@@ -75,28 +117,44 @@ def test_the_readme_tour_runs_as_written_from_a_fresh_copy(tmp_path: Path):
     commands = tour_commands(readme)
     assert len(commands) >= 6
     printed = ""
-    for command in commands:
-        argv = argv_of(command)
-        if "run_script.py" in command:
-            argv = quicker(argv)
-        result = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
-        shown = f"$ {command}\n{result.stdout}\n{result.stderr}"
-        assert result.returncode == 0, shown
-        assert "Traceback" not in shown
-        if "run_script.py" in command:
-            printed = result.stdout
-            assert str(checkout) in printed, "the A/B ran the copy's code and wrote into the copy"
-            # -ms 1 clips the stable window 3:8; the user is told once, under the table.
-            assert shown.count("does not fit --max_steps") == 1, shown
-        if command.startswith("mbridge-epoverlap profile results/"):
-            # Step 3 reads exactly the folders step 1 printed.
-            for folder in shlex.split(command)[2:4]:
-                assert folder in printed, f"step 1 did not print {folder}"
-                assert list((checkout / folder).glob("rank*.json")), folder
-            assert "before -> after" in result.stdout
-        if "--png" in command:
-            png = shlex.split(command)[shlex.split(command).index("--png") + 1]
-            assert (checkout / png).is_file()
+    server: TourServer | None = None
+    try:
+        for command in commands:
+            if " --http " in command:  # the server step: it serves until stopped, the next step talks to it
+                server = TourServer(argv_of(command), checkout, env)
+            else:
+                printed = run_step(command, checkout, env, printed)
+    finally:
+        if server is not None:
+            assert server.stop() == 0, "".join(server.lines)
+
+
+def run_step(command: str, checkout: Path, env: dict[str, str], printed: str) -> str:
+    """Run one tour command and check it; returns what step 1 printed (once step 1 ran, else `printed`)."""
+    argv = argv_of(command)
+    if "run_script.py" in command:
+        argv = quicker(argv)
+    result = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
+    shown = f"$ {command}\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, shown
+    assert "Traceback" not in shown
+    if "run_script.py" in command:
+        printed = result.stdout
+        assert str(checkout) in printed, "the A/B ran the copy's code and wrote into the copy"
+        # -ms 1 clips the stable window 3:8; the user is told once, under the table.
+        assert shown.count("does not fit --max_steps") == 1, shown
+    if command.startswith("mbridge-epoverlap profile results/"):
+        # Step 3 reads exactly the folders step 1 printed.
+        for folder in shlex.split(command)[2:4]:
+            assert folder in printed, f"step 1 did not print {folder}"
+            assert list((checkout / folder).glob("rank*.json")), folder
+        assert "before -> after" in result.stdout
+    if "--png" in command:
+        png = shlex.split(command)[shlex.split(command).index("--png") + 1]
+        assert (checkout / png).is_file()
+    if command.startswith("curl"):  # the server step's completion
+        assert '"object":"text_completion"' in result.stdout, shown
+    return printed
 
 
 def test_tour_commands_are_found():

@@ -1,0 +1,367 @@
+"""Online serving: the project's OpenAI-compatible server (and vLLM's, given its venv) under the same client.
+
+Builds a random Mixtral checkpoint with a tokenizer (a byte-level BPE trained with `tokenizers` on the
+Python standard library's sources, saved with `transformers` beside the weights, with a chat template),
+starts `mbridge-epoverlap serve --http` on it and sends `--prompts` requests of `--input-len` random token
+ids, `--output-len` tokens each with `ignore_eos`, all at once (`burst`) and at a Poisson rate (`poisson`),
+streaming. It prints output tokens/s, TTFT, TPOT and ITL (P50, P99) and the failed requests per case, with
+the machine. `--kill-expert` adds a case on an elastic server (2 expert workers, redundant experts) whose
+expert worker 0 is SIGKILLed once half the requests stream: failed requests and P99 ITL through the loss.
+
+With `--vllm-python PATH` (a venv's python with vLLM's CPU build), vLLM's OpenAI server is started on the
+same checkpoint (`python -m vllm.entrypoints.openai.api_server --dtype float32 --max-model-len 512
+--max-num-seqs 64 --enforce-eager`, `VLLM_CPU_KVCACHE_SPACE=2`) and both servers are driven by vLLM's own
+client (`vllm.benchmarks.serve`, random dataset, `--ignore-eos`) instead of the built-in one, side by side.
+
+    python benchmarks/serving_online_bench.py                     # the issue's model, 64 x (64 in, 64 out)
+    python benchmarks/serving_online_bench.py --vllm-python ~/vllm-venv/bin/python
+    python benchmarks/serving_online_bench.py --quick --json      # a tiny model, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
+
+READY_S = 600.0
+NAME = "bench-model"
+
+
+# --- the checkpoint ---------------------------------------------------------------------------------------
+def build_checkpoint(directory: Path, *, hidden: int, layers: int, experts: int, vocab: int, context: int,
+                     text_files: int) -> Path:
+    """A random Mixtral with a BPE tokenizer and a chat template in `directory` (reused when present)."""
+    if (directory / "tokenizer.json").is_file() and (directory / "config.json").is_file():
+        return directory
+    import sysconfig
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                           num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                           num_key_value_heads=max(1, hidden // 128), num_local_experts=experts,
+                           num_experts_per_tok=2, max_position_embeddings=context, bos_token_id=1, eos_token_id=2)
+    MixtralForCausalLM(config).eval().save_pretrained(directory)
+    sources = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:text_files]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train(sources, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<s>", "</s>"],
+                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                 show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    fast.save_pretrained(directory)
+    return directory
+
+
+# --- servers ----------------------------------------------------------------------------------------------
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A server process started by `command`, ready once `probe` answers (or its ready line is printed)."""
+
+    def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = READY_S) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        self.log.seek(0)
+        raise RuntimeError(f"the server did not get ready: {self.log.read().decode(errors='replace')[-3000:]}")
+
+    def worker_pids(self, role: str) -> list[int]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}/health", timeout=10) as answer:
+            return [w["pid"] for w in json.loads(answer.read())["workers"] if w["role"] == role]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def ours(checkpoint: Path, flags: list[str]) -> Server:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return Server([sys.executable, "-m", "mbridge_epoverlap.cli", "serve", "--checkpoint", str(checkpoint),
+                   "--http", f"127.0.0.1:{port}", "--served-model-name", NAME, *flags], port, env)
+
+
+def vllm(python: str, checkpoint: Path, context: int, max_seqs: int) -> Server:
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2")
+    return Server([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+                   "--served-model-name", NAME, "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+                   "--max-model-len", str(context), "--max-num-seqs", str(max_seqs), "--enforce-eager"], port, env)
+
+
+# --- the built-in client ------------------------------------------------------------------------------------
+class Streaming:
+    """Counts the requests that got their first text; `half` is set once half of them did."""
+
+    def __init__(self, requests: int) -> None:
+        self.count, self.target, self.half = 0, max(1, requests // 2), threading.Event()
+        self.done = threading.Event()  # every request answered
+
+    def first(self) -> None:
+        self.count += 1
+        if self.count >= self.target:
+            self.half.set()
+
+
+async def _one(client: Any, url: str, prompt: list[int], output_len: int, streaming: Streaming) -> dict[str, Any]:
+    body = {"model": NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as answer:
+            if answer.status_code != 200:
+                return {"ok": False, "error": f"HTTP {answer.status_code}"}
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return {"ok": False, "error": event["error"]["message"]}
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+                    if len(times) == 1:
+                        streaming.first()
+    except Exception as exc:  # noqa: BLE001 - a failed request is a figure here
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    ok = tokens == output_len and bool(times)
+    return {"ok": ok, "start": started, "times": times, "tokens": tokens,
+            "error": None if ok else f"{tokens} of {output_len} tokens"}
+
+
+async def _drive(url: str, prompts: list[list[int]], output_len: int, rate: float,
+                 on_half: Any = None) -> tuple[list[dict[str, Any]], float]:
+    """Send every prompt (all at once, or at a Poisson `rate`); `on_half(streaming)` runs on a thread meanwhile."""
+    import httpx
+
+    streaming = Streaming(len(prompts))
+
+    rng = random.Random(1)
+    limits = httpx.Limits(max_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        started = time.perf_counter()
+        side = asyncio.create_task(asyncio.to_thread(on_half, streaming)) if on_half is not None else None
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(_one(client, url, prompt, output_len, streaming)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        if side is not None:
+            streaming.done.set()
+            streaming.half.set()  # nothing streams any more: let it finish
+            await side
+    return list(results), time.perf_counter() - started
+
+
+def summarize(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """vLLM's figures from per-request chunk times: output tokens/s, TTFT, TPOT, ITL (ms, P50/P99), failed."""
+    good = [r for r in results if r["ok"]]
+    ttft = [(r["times"][0] - r["start"]) * 1e3 for r in good]
+    tpot = [(r["times"][-1] - r["times"][0]) * 1e3 / (r["tokens"] - 1) for r in good if r["tokens"] > 1]
+    itl = [(b - a) * 1e3 for r in good for a, b in zip(r["times"], r["times"][1:], strict=False)]
+
+    def pct(values: list[float], q: float) -> float | None:
+        if not values:
+            return None
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+    out = {"completed": len(good), "failed": len(results) - len(good),
+           "output_tokens_per_s": sum(r["tokens"] for r in good) / wall_s if wall_s > 0 else 0.0}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        out[f"p50_{name}_ms"], out[f"p99_{name}_ms"] = pct(values, 50), pct(values, 99)
+    out["mean_tpot_ms"] = statistics.fmean(tpot) if tpot else None
+    errors = sorted({r["error"] for r in results if not r["ok"]})
+    if errors:
+        out["errors"] = errors[:5]
+    return out
+
+
+def builtin_case(url: str, vocab: int, args: argparse.Namespace, rate: float, on_half: Any = None) -> dict[str, Any]:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
+    results, wall = asyncio.run(_drive(url, prompts, args.output_len, rate, on_half))
+    return summarize(results, wall)
+
+
+# --- vLLM's client -----------------------------------------------------------------------------------------
+def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """Run `vllm.benchmarks.serve` against `url`; its figures under this benchmark's names."""
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    code = ("import argparse, sys; from vllm.benchmarks import serve as s; p = argparse.ArgumentParser(); "
+            "s.add_cli_args(p); s.main(p.parse_args(sys.argv[1:]))")
+    command = [python, "-c", code, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+               "--model", str(checkpoint), "--served-model-name", NAME, "--dataset-name", "random",
+               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+               "--num-prompts", str(args.prompts), "--ignore-eos", "--request-rate", str(rate),
+               "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--save-result",
+               "--result-dir", str(out.parent), "--result-filename", out.name]
+    with open(out.parent / "client.log", "wb") as log:  # its chatter stays out of this table
+        done = subprocess.run(command, timeout=3600, cwd=out.parent, stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = (out.parent / "client.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"vllm.benchmarks.serve failed (exit {done.returncode}):\n{tail}")
+    doc = json.loads(out.read_text())
+    figures = {"completed": doc.get("completed"), "failed": args.prompts - int(doc.get("completed", 0)),
+               "output_tokens_per_s": doc.get("output_throughput"), "mean_tpot_ms": doc.get("mean_tpot_ms")}
+    for name in ("ttft", "tpot", "itl"):
+        for q in (50, 99):
+            figures[f"p{q}_{name}_ms"] = doc.get(f"p{q}_{name}_ms")
+    return figures
+
+
+# --- the run -------------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mbe-online-bench",
+                        help="where the checkpoint is built (reused)")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=16.0, help="requests/s of the Poisson case (default 16)")
+    parser.add_argument("--server-flags", default="", help="extra `serve` flags, e.g. '--expert-workers 2'")
+    parser.add_argument("--kill-expert", action="store_true",
+                        help="also a case on an elastic server whose expert worker 0 is killed mid-run")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help="a python with vLLM's CPU build: run vLLM's server too, both driven by vLLM's client")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 8 requests of 16 in, 16 out")
+    args = parser.parse_args(argv)
+    size = dict(hidden=512, layers=4, experts=8, vocab=4096, context=512, text_files=200)
+    if args.quick:
+        size = dict(hidden=64, layers=2, experts=4, vocab=320, context=256, text_files=5)
+        args.prompts, args.input_len, args.output_len = 8, 16, 16
+    name = "quick" if args.quick else "full"
+    checkpoint = build_checkpoint(args.workdir / name, **size)
+    flags = ["--max-model-len", str(size["context"]), "--max-batch", str(max(args.prompts, 1)),
+             "--max-waiting", str(args.prompts * 2), *args.server_flags.split()]
+    doc: dict[str, Any] = {"machine": machine(), "model": {k: v for k, v in size.items() if k != "text_files"},
+                           "prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
+                           "rate": args.rate, "client": "vllm.benchmarks.serve" if args.vllm_python else "built-in",
+                           "servers": {}}
+    rates = {"burst": float("inf"), "poisson": args.rate}
+    servers = {"mbridge-epoverlap": lambda: ours(checkpoint, flags)}
+    if args.vllm_python:
+        servers["vllm"] = lambda: vllm(args.vllm_python, checkpoint, size["context"], max(args.prompts, 1))
+    for label, start in servers.items():
+        server = start()
+        try:
+            server.wait_ready()
+            cases = {}
+            for case, rate in rates.items():
+                if args.vllm_python:
+                    cases[case] = vllm_client_case(args.vllm_python, server.url, checkpoint, args, rate)
+                else:
+                    cases[case] = builtin_case(server.url, size["vocab"], args, rate)
+            doc["servers"][label] = cases
+        finally:
+            server.stop()
+    if args.kill_expert:
+        server = ours(checkpoint, [*flags, "--elastic", "--expert-workers", "2", "--redundant-experts",
+                                   str(size["experts"])])
+        try:
+            server.wait_ready()
+            victim = server.worker_pids("expert")[0]
+            killed = threading.Event()
+
+            def kill(streaming: Streaming) -> None:
+                streaming.half.wait(READY_S)
+                if not streaming.done.is_set():  # mid-run: half the requests stream, some still run
+                    os.kill(victim, signal.SIGKILL)
+                    killed.set()
+
+            doc["kill_expert"] = builtin_case(server.url, size["vocab"], args, float("inf"), on_half=kill)
+            doc["kill_expert"]["killed_mid_run"] = killed.is_set()
+        finally:
+            server.stop()
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        _print(doc)
+    failed = sum(c["failed"] for cases in doc["servers"].values() for c in cases.values())
+    failed += doc.get("kill_expert", {}).get("failed", 0)
+    return 0 if failed == 0 else 1
+
+
+def _print(doc: dict[str, Any]) -> None:
+    m = doc["machine"]
+    print(f"machine: {m.get('cpu')} ({m.get('cores')} cores, avx512_bf16={m.get('avx512_bf16')}, "
+          f"amx_bf16={m.get('amx_bf16')}); client: {doc['client']}; {doc['prompts']} requests of "
+          f"{doc['input_len']} in, {doc['output_len']} out")
+
+    def fmt(value: Any) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    print(f"{'server':<20} {'case':<8} {'out tok/s':>10} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} "
+          f"{'ITL p50/p99 ms':>18} {'failed':>6}")
+    rows = [(label, case, c) for label, cases in doc["servers"].items() for case, c in cases.items()]
+    if "kill_expert" in doc:
+        rows.append(("mbridge-epoverlap", "kill", doc["kill_expert"]))
+    for label, case, c in rows:
+        print(f"{label:<20} {case:<8} {fmt(c['output_tokens_per_s']):>10} "
+              f"{fmt(c['p50_ttft_ms']) + ' / ' + fmt(c['p99_ttft_ms']):>18} "
+              f"{fmt(c['p50_tpot_ms']) + ' / ' + fmt(c['p99_tpot_ms']):>18} "
+              f"{fmt(c['p50_itl_ms']) + ' / ' + fmt(c['p99_itl_ms']):>18} {c['failed']:>6}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""The online front end: `serve --http`, an OpenAI-compatible HTTP server on the disaggregated engine.
+
+Nothing below this room knows HTTP: the attention workers take requests and send tokens over ZeroMQ
+(`serving.workers.online`); this room turns them into OpenAI's API.
+
+- `server`: the server's life: checks, workers in online mode, uvicorn, the ready line, the drain on
+  SIGTERM/SIGINT, the exit code.
+- `engine_client`: `EngineClient`, the ZeroMQ sockets to the attention workers, the engine thread, the
+  least-loaded worker for each request, each request's token stream, aborts, the drain.
+- `app`: the FastAPI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`),
+  the API key, the body limit, server-sent events, disconnects.
+- `openai_api`: OpenAI's request checks (errors naming the field) and its response and chunk shapes.
+- `text`: the tokenizer and chat template (as `transformers` renders it), and text that streams with stop strings.
+- `metrics`: `ServerMetrics`, the Prometheus metrics and their names.
+
+Nothing is imported here, so importing the package stays cheap.
+"""

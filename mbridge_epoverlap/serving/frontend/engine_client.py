@@ -1,0 +1,362 @@
+"""`EngineClient`: the front end's side of the online engine, requests out to the attention workers, tokens back.
+
+It binds the ZeroMQ sockets (loopback only, before any worker starts; `serving.workers.online` is the
+workers' side), starts the engine (`serving.engine.run.run_engine`) on a thread, and follows every request:
+
+- `submit` sends a request to the least-loaded attention worker (fewest requests outstanding), or refuses it
+  (`Unavailable`, a 503) while the engine is not serving or when it would wait behind more than
+  `max_waiting` others;
+- a task on the event loop reads the workers' messages and puts each request's tokens on its
+  `RequestStream`; the workers' `Stats` feed the gauges;
+- `abort` tells the worker to drop a request (its KV rows are freed at its next step boundary);
+- `drain` stops taking requests, lets the running ones finish for up to a time limit, fails the rest,
+  and tells the workers to leave; the engine thread then returns;
+- when the engine fails (a worker died, without elastic mode), every request in flight ends with the
+  engine's reason, which names the worker;
+- in elastic mode, when an attention worker other than the first dies, its requests move to the survivors
+  (`_move_off`): each is sent again as its prompt and the tokens generated so far, and its stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_epoverlap.serving.workers import online
+
+STARTING, READY, DRAINING, STOPPED, FAILED = "starting", "ready", "draining", "stopped", "failed"
+
+
+class Unavailable(Exception):
+    """The engine cannot take this request now (starting, draining, failed, or too many waiting)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a request's stream gets when the engine fails under it."""
+
+    reason: str
+
+
+@dataclass
+class RequestStream:
+    """One engine request as the front end follows it: its tokens arrive on `queue` as (token, finish reason or
+    None), or a `Failure`."""
+
+    id: str
+    worker: int
+    prompt_tokens: int
+    submit: online.Submit | None = None  # what was sent (sent again, extended, if its worker dies)
+    generated: list[int] = field(default_factory=list)
+    queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    done: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return len(self.generated)
+
+
+class EngineClient:
+    """The online engine seen from the front end (see the module docstring).
+
+    Args:
+        make_plan: (request endpoints, one per attention worker; events endpoint) -> the `EnginePlan` to run.
+        attn_workers: attention workers the plan has.
+        max_batch: sequences one attention worker decodes at once (more wait).
+        max_waiting: most requests waiting over all workers; one more is refused.
+        metrics: the server's metrics (`frontend.metrics.ServerMetrics`).
+        on_end: called (on the loop) once the engine ended, with the failure reason or None.
+        host: the address the sockets bind: loopback, or the cluster interface when the workers run on other
+            nodes (never the HTTP address).
+        external: the workers are started by someone else (srun, from the plan file `serve --workers-plan`
+            writes); the engine has ended once every attention worker said it is done.
+    """
+
+    def __init__(self, make_plan: Callable[[list[str], str], Any], *, attn_workers: int, max_batch: int,
+                 max_waiting: int, metrics: Any, on_end: Callable[[str | None], None] | None = None,
+                 host: str = "127.0.0.1", external: bool = False) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.attn_workers, self.max_batch, self.max_waiting = attn_workers, max_batch, max_waiting
+        self.metrics, self.on_end = metrics, on_end
+        self._context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self._outboxes = []
+        for _ in range(attn_workers):
+            sock = self._context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(f"tcp://{host}:*")
+            self._outboxes.append(sock)
+        self._inbox = self._async_context.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.bind(f"tcp://{host}:*")
+        endpoints = [s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in self._outboxes]
+        self.plan = make_plan(endpoints, self._inbox.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self.state, self.reason = STARTING, "the workers are starting"
+        self.streams: dict[str, RequestStream] = {}
+        self.outstanding = [0] * attn_workers
+        self.ready_workers: set[int] = set()
+        self.pids: list[int] = []
+        self.stats: dict[int, online.Stats] = {}
+        self.lost_seen: set[int] = set()
+        self.lost_attention: set[int] = set()  # attention workers whose requests moved to the others
+        self.on_ready: list[Callable[[], None]] = []
+        self.external = external
+        self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
+        self.done_workers: set[int] = set()
+        self.last_heard: dict[int, float] = {}  # attention worker -> when its last message came
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._ended = asyncio.Event()
+        self._next_id = 0
+
+    # --- the engine's life ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread and the reader task (on the running loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._ended = asyncio.Event()
+        self._reader = asyncio.create_task(self._read())
+        self._watcher = asyncio.create_task(self._watch()) if self.plan.elastic and self.attn_workers > 1 else None
+        if self.external:
+            self._watcher = asyncio.create_task(self._watch_silence())
+        if self.external:  # srun started the workers: they report their own end (`online.Done`)
+            return
+        self._thread = threading.Thread(target=self._run_engine, name="engine", daemon=True)
+        self._thread.start()
+
+    def _run_engine(self) -> None:
+        from mbridge_epoverlap.serving.engine.run import EngineFailed, run_engine
+
+        reason: str | None = None
+        try:
+            run_engine(self.plan, on_start=self.pids.extend, run_timeout_s=float("inf"))
+        except EngineFailed as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else "the engine failed"
+        except Exception as exc:  # a bug or a start-up error: the server must still answer and exit
+            reason = f"the engine failed: {type(exc).__name__}: {exc}"
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed already
+                self._loop.call_soon_threadsafe(self._engine_ended, reason)
+
+    def _engine_ended(self, reason: str | None) -> None:
+        if reason is not None:
+            self.state, self.reason = FAILED, reason
+            for stream in list(self.streams.values()):
+                self._finish(stream, "failed")
+                stream.queue.put_nowait(Failure(reason))
+        elif self.state != FAILED:
+            self.state, self.reason = STOPPED, "the engine stopped"
+        self._ended.set()
+        if self.on_end is not None:
+            self.on_end(reason)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests, let the running ones finish within `timeout_s`, then end the engine."""
+        if self.state in (READY, STARTING):
+            self.state, self.reason = DRAINING, "the server is shutting down"
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline and not self._ended.is_set():
+            await asyncio.sleep(0.05)
+        for stream in list(self.streams.values()):
+            self.abort(stream, outcome="failed")
+            stream.queue.put_nowait(Failure("the server shut down before the request finished"))
+        for index in range(self.attn_workers):
+            self._send(index, online.Shutdown())
+        await self.wait_ended(timeout_s=10.0 if self.external else max(10.0, self.plan.timeout_s))
+
+    async def wait_ended(self, *, timeout_s: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._ended.wait(), timeout_s)
+
+    def stop_workers(self, join_s: float = 30.0) -> None:
+        """End the worker processes if the engine still runs (the launcher then cleans up), and wait for it."""
+        if self._thread is None or not self._thread.is_alive():
+            return
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGTERM)
+        self._thread.join(join_s)
+
+    def cannot_serve(self) -> str | None:
+        """Why the engine cannot serve although it runs: without elastic mode, a dead worker ends it."""
+        if self.plan.elastic:
+            return None
+        dead = [w for w in self.workers() if not w["alive"]]
+        if dead:
+            w = dead[0]
+            return f"{w['role']} worker {w['index']} (rank {w['rank']}, pid {w['pid']}) died; the engine is stopping"
+        return None
+
+    def close(self) -> None:
+        for task in (self._reader, getattr(self, "_watcher", None)):
+            if task is not None:
+                task.cancel()
+        for sock in self._outboxes:
+            sock.close(linger=0)
+        self._inbox.close(linger=0)
+        self._context.term()
+        self._async_context.term()
+
+    # --- requests -----------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], *, max_tokens: int, ignore_eos: bool, temperature: float, top_p: float,
+               top_k: int, seed: int | None) -> RequestStream:
+        """Send a request to the least-loaded attention worker.
+
+        Raises:
+            Unavailable: the engine is not serving, or the request would wait behind `max_waiting` others.
+        """
+        if self.state != READY:
+            raise Unavailable(self.reason)
+        reason = self.cannot_serve()
+        if reason is not None:
+            raise Unavailable(reason)
+        worker = min(self._live_workers(), key=lambda w: self.outstanding[w])
+        waiting = sum(max(0, n - self.max_batch) for n in self.outstanding)
+        if self.outstanding[worker] >= self.max_batch and waiting >= self.max_waiting:
+            raise Unavailable(f"too many requests waiting ({waiting}, --max-waiting {self.max_waiting}); "
+                              "retry later")
+        self._next_id += 1
+        submit = online.Submit(f"r{self._next_id}", list(prompt_ids), max_tokens, ignore_eos, temperature, top_p,
+                               top_k, seed)
+        stream = RequestStream(submit.id, worker, len(prompt_ids), submit)
+        self.streams[stream.id] = stream
+        self.outstanding[worker] += 1
+        self._send(worker, submit)
+        return stream
+
+    def _live_workers(self) -> list[int]:
+        return [w for w in range(self.attn_workers) if w not in self.lost_attention]
+
+    def _move_off(self, worker: int) -> None:
+        """Attention worker `worker` died (elastic mode): each of its requests goes to the least-loaded survivor
+        as its prompt and the tokens generated so far, for the tokens still to come; its client's stream goes
+        on from there."""
+        self.lost_attention.add(worker)
+        self.outstanding[worker] = 0
+        for stream in list(self.streams.values()):
+            if stream.worker != worker or stream.done or stream.submit is None:
+                continue
+            target = min(self._live_workers(), key=lambda w: self.outstanding[w])
+            first = stream.submit
+            resumed = online.Submit(first.id, first.prompt_ids + stream.generated, first.max_tokens - stream.tokens,
+                                    first.ignore_eos, first.temperature, first.top_p, first.top_k, first.seed)
+            stream.worker = target
+            self.outstanding[target] += 1
+            self._send(target, resumed)
+            self.metrics.moved()
+
+    async def _watch(self) -> None:
+        """Elastic mode with several attention workers: move the requests of one that died."""
+        while True:
+            await asyncio.sleep(0.1)
+            if self.state not in (READY, DRAINING) or len(self.pids) < self.attn_workers:
+                continue
+            for worker in self._live_workers()[1:]:  # the first holds the rendezvous: its loss ends the engine
+                if not _alive(self.pids[worker]):
+                    self._move_off(worker)
+
+    async def _watch_silence(self) -> None:
+        """Workers started elsewhere (their processes not seen from here): one that has requests but sent
+        nothing for the plan's timeout is lost, and the engine with it."""
+        while not self._ended.is_set():
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for worker in range(self.attn_workers):
+                quiet = now - self.last_heard.get(worker, now)
+                if self.outstanding[worker] and quiet > self.plan.timeout_s and self.state in (READY, DRAINING):
+                    self._engine_ended(f"attention worker {worker} sent nothing for {quiet:.0f} s with "
+                                       f"{self.outstanding[worker]} requests in flight (--timeout "
+                                       f"{self.plan.timeout_s:g}); the workers are lost")
+                    return
+
+    def abort(self, stream: RequestStream, *, outcome: str = "aborted") -> None:
+        """Drop a request the client no longer wants (or a stop string ended); nothing if it already ended."""
+        if stream.done:
+            return
+        self._finish(stream, outcome)
+        self._send(stream.worker, online.Abort(stream.id))
+
+    def _finish(self, stream: RequestStream, outcome: str) -> None:
+        stream.done = True
+        self.streams.pop(stream.id, None)
+        self.outstanding[stream.worker] -= 1
+        self.metrics.finished(outcome, stream)
+
+    def _send(self, worker: int, message: Any) -> None:
+        import zmq
+
+        with contextlib.suppress(zmq.ZMQError):  # a worker that is gone takes nothing (the engine says why)
+            self._outboxes[worker].send_json(online.encode(message), zmq.NOBLOCK)
+
+    # --- the workers' messages ----------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            message = online.decode(await self._inbox.recv_json())
+            self.last_heard[message.worker] = time.monotonic()
+            if isinstance(message, online.Tokens):
+                self._tokens(message)
+            elif isinstance(message, online.Stats):
+                self.stats[message.worker] = message
+                self.metrics.worker_stats(message, self.stats.values())
+            elif isinstance(message, online.Done):
+                self.done_workers.add(message.worker)
+                if self.external and len(self.done_workers) == self.attn_workers:
+                    self._engine_ended(None)
+            elif isinstance(message, online.Ready):
+                self.ready_workers.add(message.worker)
+                self.ready_pids[message.worker] = message.pid
+                if len(self.ready_workers) == self.attn_workers and self.state == STARTING:
+                    self.state, self.reason = READY, ""
+                    for callback in self.on_ready:
+                        callback()
+
+    def _tokens(self, message: online.Tokens) -> None:
+        now = time.monotonic()
+        for rid, token, finish in message.items:
+            stream = self.streams.get(rid)
+            if stream is None:  # aborted meanwhile
+                continue
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+            stream.generated.append(token)
+            if finish is not None:
+                self._finish(stream, "finished")
+            stream.queue.put_nowait((token, finish))
+
+    # --- health ---------------------------------------------------------------------------------------
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker process: role, rank, pid, alive (replacements after the first `world` pids)."""
+        if self.external:  # on other nodes: what they said (expert workers are not seen from here)
+            return [{"role": "attention", "index": w, "rank": w, "pid": pid, "alive": w not in self.done_workers}
+                    for w, pid in sorted(self.ready_pids.items())]
+        out = []
+        for rank, pid in enumerate(self.pids[:self.plan.world]):
+            role, index = self.plan.role_of(rank)
+            alive = _alive(pid)
+            if not alive and rank not in self.lost_seen and self.state in (READY, DRAINING):
+                self.lost_seen.add(rank)
+                self.metrics.worker_lost()
+            out.append({"role": "colocated" if role is None else role.value, "index": index, "rank": rank,
+                        "pid": pid, "alive": alive})
+        return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

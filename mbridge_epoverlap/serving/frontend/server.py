@@ -1,0 +1,159 @@
+"""`serve --http HOST:PORT`: the engine's workers in online mode behind the HTTP front end, until a signal.
+
+The order of a server's life:
+
+1. the checks (model, layout, context length) run before anything starts; a usage error exits 2;
+2. the front end binds its worker sockets on loopback, the engine starts its workers (online: no requests
+   dealt), uvicorn binds HOST:PORT; `/health` answers 503 "starting" until every attention worker is ready;
+3. one line on stderr says the server is ready, with its URL;
+4. SIGTERM or SIGINT drains: new requests get 503, the running ones finish within `--drain-timeout`, the
+   workers leave, the process exits 0 (a second signal stops at once);
+5. if the engine fails (a worker died, without `--elastic`), the requests in flight fail naming the worker,
+   `/health` answers 503 and the process exits 1, for a supervisor to restart it.
+
+With `--workers-plan FILE` the server starts no worker: it writes the engine plan there, and whoever runs
+it (`run_script.py --task serve`: srun, roles by rank) starts the workers, which connect to the front end's
+sockets at `--worker-host` (the first node's cluster address).
+
+Whatever ends the server, no worker process is left behind (their shared memory is removed by the engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from typing import Any
+
+import uvicorn
+
+from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, UsageError
+
+API_KEY_ENV = "MBRIDGE_EPOVERLAP_API_KEY"  # listed in `mbridge_epoverlap.envvars`
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """HOST:PORT of `--http`.
+
+    Raises:
+        UsageError: not HOST:PORT with a port in 0..65535.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--http {text}: expected HOST:PORT, e.g. 127.0.0.1:8000")
+    return host.strip("[]"), int(port)
+
+
+def serve_http(args: argparse.Namespace) -> int:
+    """Run the server the flags describe; the exit code (0 after a drain, 1 after an engine failure)."""
+    from mbridge_epoverlap.serving.cli.args import source_of
+    from mbridge_epoverlap.serving.engine.run import make_plan
+    from mbridge_epoverlap.serving.frontend.app import Settings, build_app
+    from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED, EngineClient
+    from mbridge_epoverlap.serving.frontend.metrics import ServerMetrics
+    from mbridge_epoverlap.serving.frontend.openai_api import ModelInfo
+    from mbridge_epoverlap.serving.frontend.text import TextCodec
+    from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
+
+    host, port = parse_address(args.http)
+    if args.colocated:
+        raise UsageError("--http serves on disaggregated attention and expert workers; drop --colocated")
+    if args.prompts is not None:
+        raise UsageError("--prompts is the batch command; with --http requests come over HTTP (drop one)")
+    spec = load_spec(source_of(args), dtype=args.dtype)
+    model_len = context_length(spec)
+    if args.max_model_len is not None and args.max_model_len > model_len:
+        raise UsageError(f"--max-model-len {args.max_model_len} is more than the model's context of {model_len} "
+                         "tokens (max_position_embeddings)")
+    max_model_len = args.max_model_len or model_len
+    name = args.served_model_name or str(args.checkpoint if args.checkpoint is not None else source_of(args))
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+
+    def plan_for(endpoints: list[str], events: str) -> Any:
+        plan = make_plan(spec, [], attn_workers=args.attn_workers, expert_workers=args.expert_workers,
+                         micro_batches=args.micro_batches, max_batch=args.max_batch, backend=args.backend,
+                         timeout_s=args.timeout, dtype=args.dtype, online_requests=endpoints, online_events=events,
+                         max_model_len=max_model_len)
+        if args.elastic:
+            from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
+
+            plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore,
+                                rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps)
+        return plan
+
+    metrics = ServerMetrics()
+    outcome = {"code": EXIT_OK}
+    server: Any = None
+
+    def engine_ended(reason: str | None) -> None:
+        if reason is not None:
+            print(f"error: {reason}", file=sys.stderr, flush=True)
+            outcome["code"] = EXIT_FAILED
+        if server is not None:
+            server.should_exit = True
+
+    external = args.workers_plan is not None
+    engine = EngineClient(plan_for, attn_workers=args.attn_workers, max_batch=args.max_batch,
+                          max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended,
+                          host=args.worker_host, external=external)
+    if external:  # srun starts the workers from this plan (they read their rank and rendezvous from Slurm)
+        tmp = args.workers_plan.with_suffix(".tmp")
+        tmp.write_text(engine.plan.to_json())
+        tmp.replace(args.workers_plan)
+    codec = TextCodec(spec.source if spec.is_checkpoint else None)
+    app = build_app(Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key), engine, metrics)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+    server = _DrainingServer(config, engine, args.drain_timeout)
+
+    async def announce() -> None:
+        while not (server.started and engine.state == READY):
+            if engine.state in (FAILED, STOPPED) or server.should_exit:
+                return
+            await asyncio.sleep(0.02)
+        print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {args.attn_workers} "
+              f"attention and {args.expert_workers} expert workers)", file=sys.stderr, flush=True)
+
+    async def main() -> None:
+        engine.start()
+        announcing = asyncio.create_task(announce())
+        try:
+            await server.serve()
+        finally:
+            announcing.cancel()
+            if engine.state not in (FAILED, STOPPED):  # not drained (a bind error, a forced stop): stop the workers
+                engine.stop_workers()
+            # srun's workers may be gone without a word (their step was cancelled): no long wait for them
+            await engine.wait_ended(timeout_s=5.0 if external else 30.0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop_workers()
+        engine.close()
+    if not server.started and outcome["code"] == EXIT_OK:
+        return EXIT_FAILED  # uvicorn could not bind HOST:PORT (it said why)
+    return outcome["code"]
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM/SIGINT drains the engine before the HTTP side stops (uvicorn's own
+    handler would stop taking connections at once); a second one stops at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_timeout_s = engine, drain_timeout_s
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:  # a signal handler, on the loop's thread
+        if self.draining:
+            self.force_exit = self.should_exit = True
+            return
+        self.draining = True
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        await self.engine.drain(self.drain_timeout_s)
+        self.should_exit = True

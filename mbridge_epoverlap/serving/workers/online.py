@@ -1,0 +1,246 @@
+"""Online serving on an attention worker: requests that arrive while it decodes, and tokens sent back every step.
+
+The front end (`serving.frontend`) binds ZeroMQ sockets on loopback (or the cluster interface) before the
+workers start: one PUSH per attention worker, which carries `Submit`, `Abort` and `Shutdown` to it, and one
+PULL, which gathers every attention worker's `Ready`, `Tokens`, `Stats` and, as it leaves, `Done`. A worker
+only connects (it listens on nothing).
+
+`OnlineSource` is what the attention side polls at each micro-batch's step boundary
+(`AttentionSide.source`):
+
+- at micro-batch 0's boundary it takes every message that arrived: new requests join the waiting queue (and
+  so the next micro-batch with room, continuous batching as in the batch command), aborts mark their
+  sequences finished (retired, their KV rows freed, at their own micro-batch's boundary), a shutdown ends
+  serving. With nothing running and nothing waiting it waits up to `IDLE_WAIT_S` for a message first: an
+  idle engine keeps stepping (empty micro-batches), slowly, so no worker spins a core and no wait between
+  workers runs into its timeout.
+- while it serves the worker counts as active, so the expert workers never answer stop; after `Shutdown`
+  the worker is active only while it has requests, and the engine ends as the batch command does.
+- after each micro-batch's new tokens (`AttentionSide.on_sampled`) it sends them, with each sequence's
+  finish reason ("stop": end of sequence, "length": its token limit).
+
+Messages are typed records; `encode` gives the JSON object sent (its `kind` names the record), `decode`
+the record back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+IDLE_WAIT_S = 0.05  # how long an idle worker waits for a message at a step boundary
+STATS_EVERY_S = 0.25  # how often a busy worker reports its queue and expert load
+STEP_LOG_KEPT = 4096  # decode steps of the attention side's step log an online worker keeps
+
+
+@dataclass(frozen=True)
+class Submit:
+    """A new request for one attention worker; temperature 0 is greedy."""
+
+    kind: ClassVar[str] = "submit"
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop a request (its client went away, or a stop string ended it); its KV rows are freed."""
+
+    kind: ClassVar[str] = "abort"
+    id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Finish what runs, then leave (the engine ends once every attention worker is idle)."""
+
+    kind: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class Ready:
+    """An attention worker loaded its weights and polls for requests."""
+
+    kind: ClassVar[str] = "ready"
+    worker: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """An attention worker finished serving (after `Shutdown`) and leaves."""
+
+    kind: ClassVar[str] = "done"
+    worker: int
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One micro-batch's new tokens: `(request id, token, finish reason or None)` each."""
+
+    kind: ClassVar[str] = "tokens"
+    worker: int
+    items: list[tuple[str, int, str | None]]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """An attention worker's queue, KV cache use and the tokens routed to each expert since its last report,
+    and the elastic events it saw since then (their names)."""
+
+    kind: ClassVar[str] = "stats"
+    worker: int
+    running: int
+    waiting: int
+    kv_tokens: int
+    expert_load: list[int] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+
+
+MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready, Done, Tokens, Stats)}
+
+
+def encode(message: Any) -> dict[str, Any]:
+    return {"kind": message.kind, **asdict(message)}
+
+
+def decode(payload: dict[str, Any]) -> Any:
+    """The record of a received JSON object.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    fields = dict(payload)
+    kind = fields.pop("kind", None)
+    if kind not in MESSAGES:
+        raise ValueError(f"unknown online message kind {kind!r}")
+    if kind == Tokens.kind:
+        fields["items"] = [tuple(item) for item in fields["items"]]
+    return MESSAGES[kind](**fields)
+
+
+class OnlineSource:
+    """The attention worker's end of the front end's sockets (see the module docstring).
+
+    Args:
+        worker: this attention worker's index.
+        requests_addr: the front end's PUSH endpoint for this worker (`tcp://127.0.0.1:PORT`).
+        events_addr: the front end's PULL endpoint.
+        side: the attention side it feeds (`AttentionSide`); the source attaches itself to it.
+        prefill_budget: the prompt tokens one micro-batch boundary may start (`RequestQueue.prefill_budget`).
+        events: the transport's event list (elastic mode), forwarded by name; None: none.
+    """
+
+    def __init__(self, worker: int, requests_addr: str, events_addr: str, side: Any, *, prefill_budget: int,
+                 events: list[dict[str, Any]] | None = None) -> None:
+        import torch
+        import zmq
+
+        self.worker, self.side, self.queue = worker, side, side.queue
+        self.context = zmq.Context()
+        self.inbox = self.context.socket(zmq.PULL)
+        self.inbox.connect(requests_addr)
+        self.outbox = self.context.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 2000)  # the last tokens still leave when the worker exits
+        self.outbox.connect(events_addr)
+        self.serving = True
+        self.aborts: set[str] = set()
+        self.events = events
+        self._events_sent = 0
+        self._ready = False
+        self._last_stats: tuple[int, int, int] | None = None
+        self._stats_at = 0.0
+        self.queue.prefill_budget = prefill_budget
+        side.source = self
+        side.expert_load = torch.zeros(side.spec.num_experts, dtype=torch.int64)
+        side.on_sampled.append(self.sampled)
+
+    def at_boundary(self, side: Any, seqs: Sequence[Any], *, first: bool) -> None:
+        """A micro-batch's step boundary: take the messages (at micro-batch 0's), end the aborted of `seqs`."""
+        if first:
+            if not self._ready:
+                self._send(Ready(self.worker, os.getpid()))
+                self._ready = True
+            idle = self.serving and not self.queue.waiting and not self.queue.running
+            self._take(self._receive(IDLE_WAIT_S if idle else 0.0))
+            self.queue.done.clear()  # their tokens went out as they came; nobody reads them later
+            if len(side.step_log) > 2 * STEP_LOG_KEPT:  # a server runs for days: keep the recent steps
+                del side.step_log[:-STEP_LOG_KEPT]
+            self._report()
+        if self.aborts:
+            for seq in seqs:
+                if seq.request.id in self.aborts:
+                    seq.finished = seq.aborted = True
+                    self.aborts.discard(seq.request.id)
+
+    def sampled(self, h: Any) -> None:
+        """Send a micro-batch's new tokens."""
+        items = [(s.request.id, s.output_ids[-1], self.queue.stop_reason(s)) for s in h.seqs if not s.aborted]
+        if items:
+            self._send(Tokens(self.worker, items))
+
+    def close(self) -> None:
+        """After the last step: say so (a front end that did not start the workers learns their end) and close."""
+        self._send(Done(self.worker))
+        self.inbox.close(linger=0)
+        self.outbox.close()
+        self.context.term()
+
+    def _receive(self, wait_s: float) -> list[Any]:
+        import zmq
+
+        messages = []
+        if wait_s > 0 and not self.inbox.poll(int(wait_s * 1000)):
+            return messages
+        while True:
+            try:
+                messages.append(decode(self.inbox.recv_json(zmq.NOBLOCK)))
+            except zmq.Again:
+                return messages
+
+    def _take(self, messages: list[Any]) -> None:
+        from mbridge_epoverlap.serving.model.sampling import SamplingParams
+        from mbridge_epoverlap.serving.workers.requests import Request
+
+        for message in messages:
+            if isinstance(message, Submit):
+                sampling = (SamplingParams(message.temperature, message.top_p, message.top_k, message.seed)
+                            if message.temperature > 0 else None)
+                self.queue.waiting.append(Request(message.id, tuple(message.prompt_ids), message.max_tokens,
+                                                  message.ignore_eos, sampling))
+            elif isinstance(message, Abort):
+                waiting = [r for r in self.queue.waiting if r.id == message.id]
+                if waiting:
+                    self.queue.waiting.remove(waiting[0])
+                elif any(s.request.id == message.id for s in self.queue.running):
+                    self.aborts.add(message.id)
+            elif isinstance(message, Shutdown):
+                self.serving = False
+
+    def _report(self) -> None:
+        """Send `Stats` when the queue changed, and every `STATS_EVERY_S` while the experts see tokens."""
+        queue, side = self.queue, self.side
+        now = time.monotonic()
+        counts = (len(queue.running), len(queue.waiting), sum(s.length for s in queue.running))
+        load = side.expert_load
+        new_events = self.events[self._events_sent:] if self.events is not None else []
+        busy = bool(load.any()) and now - self._stats_at >= STATS_EVERY_S
+        if counts == self._last_stats and not busy and not new_events:
+            return
+        self._send(Stats(self.worker, *counts, expert_load=load.tolist(),
+                         events=[str(e.get("event")) for e in new_events]))
+        load.zero_()
+        self._events_sent += len(new_events)
+        self._last_stats, self._stats_at = counts, now
+
+    def _send(self, message: Any) -> None:
+        self.outbox.send_json(encode(message))

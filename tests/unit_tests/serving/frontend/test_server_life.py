@@ -1,0 +1,175 @@
+"""A server's life under signals, limits and faults: each test starts its own server and always stops it.
+
+SIGTERM drains (503 for new requests, the running ones finish, exit 0, nothing left behind); `--max-waiting`
+answers 503 at once; `--api-key` guards `/v1/*`; an expert worker SIGKILLed under live streams fails them
+naming the worker and ends the server (exit 1), or, with `--elastic`, no stream fails and each greedy
+output equals the one before the fault; so too when an attention worker dies (its streams go on from a
+survivor, which re-prefills each prompt with the tokens generated so far).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.unit_tests.serving.engine_runs import leftovers
+from tests.unit_tests.serving.frontend.conftest import MODEL_NAME
+
+openai = pytest.importorskip("openai")
+
+WAIT_S = 120.0
+
+
+def _client(server, key: str = "unused"):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, timeout=WAIT_S, max_retries=0)
+
+
+def _get(server, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{server.url}{path}", timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _until(condition, what: str, timeout_s: float = WAIT_S):
+    """Poll `condition` until it answers something true; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _worker_pids(server) -> dict[str, list[int]]:
+    _, health = _get(server, "/health")
+    pids: dict[str, list[int]] = {}
+    for w in health["workers"]:
+        pids.setdefault(w["role"], []).append(w["pid"])
+    return pids
+
+
+def _stream(client, prompt, max_tokens: int):
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
+
+
+def test_sigterm_drains_then_exits_0_leaving_nothing(start_server, chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--drain-timeout", "60")
+    pids = [p for group in _worker_pids(server).values() for p in group]
+    stream = iter(_stream(_client(server), [5, 6, 7], 120))
+    first = next(stream)
+    server.signal(signal.SIGTERM)
+    _until(lambda: _get(server, "/health")[0] == 503, "/health to answer 503 while draining")
+    assert _get(server, "/health")[1]["status"] == "draining"
+    with pytest.raises(openai.APIStatusError) as refused:
+        _client(server).completions.create(model=MODEL_NAME, prompt=[1], max_tokens=2)
+    assert refused.value.status_code == 503
+    rest = list(stream)
+    assert len(first.choices) + sum(len(e.choices) for e in rest) >= 2
+    assert [c.finish_reason for e in rest for c in e.choices if c.finish_reason] == ["length"]
+    assert server.wait(WAIT_S) == 0
+    assert leftovers(pids) == ([], [])
+
+
+def test_max_waiting_answers_503_at_once_and_the_api_key_guards_v1(start_server, chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--max-batch", "1", "--max-waiting", "0", "--api-key", "s3cret")
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, "wrong").models.list()
+    assert _get(server, "/health")[0] == 200  # /health and /metrics stay open
+    assert _get(server, "/v1/models")[0] == 401
+    client = _client(server, "s3cret")
+    stream = iter(_stream(client, [5, 6, 7], 200))
+    next(stream)  # it holds the only slot
+    started = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=[1], max_tokens=2)
+    assert refused.value.status_code == 503 and "--max-waiting 0" in refused.value.message
+    assert time.monotonic() - started < WAIT_S  # answered, not queued behind the running request
+    stream.close()
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        assert 'mbe_requests_total{outcome="rejected"} 1.0' in answer.read().decode()
+
+
+def test_a_killed_expert_worker_fails_the_streams_naming_it_and_ends_the_server(start_server, chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--expert-workers", "2", "--timeout", "10")
+    pids = _worker_pids(server)
+    every = [p for group in pids.values() for p in group]
+    stream = iter(_stream(_client(server), [5, 6, 7], 240))
+    next(stream)
+    os.kill(pids["expert"][0], signal.SIGKILL)
+    with pytest.raises(openai.APIError) as failed:
+        for _ in stream:
+            pass
+    assert "expert worker 0 (rank 1)" in str(failed.value.body or failed.value.message)
+    assert server.wait(WAIT_S) != 0
+    assert "expert worker 0 (rank 1)" in "".join(server.stderr)
+    assert leftovers(every) == ([], [])
+
+
+def _streams_survive_a_kill(server, role: str, index: int, streams: int) -> None:
+    """`streams` live greedy streams; SIGKILL worker `index` of `role` once each has its first tokens; every
+    stream finishes with the text of the same request before the fault, and the answers after it too."""
+    client = _client(server)
+    prompts = [[1 + i, 2 + (i * 7) % 300, 3 + (i * 13) % 300] for i in range(streams)]
+    baseline = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=48, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    expected = [c.model_extra["token_ids"] for c in baseline.choices]
+    pids = _worker_pids(server)
+    texts = [""] * len(prompts)
+    errors: list[BaseException] = []
+    started = threading.Barrier(len(prompts) + 1, timeout=WAIT_S)
+
+    def follow(i: int) -> None:
+        try:
+            stream = iter(_stream(client, prompts[i], 48))
+            texts[i] += "".join(c.text for c in next(stream).choices)
+            started.wait()
+            for event in stream:
+                texts[i] += "".join(c.text for c in event.choices)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            started.abort()
+
+    threads = [threading.Thread(target=follow, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    started.wait()  # every stream is live
+    os.kill(pids[role][index], signal.SIGKILL)
+    for t in threads:
+        t.join(WAIT_S)
+    assert not errors, errors
+    assert texts == [c.text for c in baseline.choices]
+    again = client.completions.create(model=MODEL_NAME, prompt=prompts[:4], max_tokens=48, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.model_extra["token_ids"] for c in again.choices] == expected[:4]
+    code, health = _get(server, "/health")
+    assert code == 200 and health["status"] == "degraded"
+    assert [w["pid"] for w in health["workers"] if not w["alive"]] == [pids[role][index]]
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        metrics = answer.read().decode()
+    assert "mbe_elastic_workers_lost_total 1.0" in metrics
+    assert 'mbe_requests_total{outcome="failed"} 0.0' in metrics
+    if role == "attention":
+        assert "mbe_requests_moved_total 0.0" not in metrics
+
+
+def test_elastic_serving_survives_a_killed_expert_worker_under_live_streams(start_server, chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--expert-workers", "2", "--elastic", "--redundant-experts", "4",
+                          "--max-batch", "32", "--timeout", "30")
+    _streams_survive_a_kill(server, "expert", 0, streams=32)
+
+
+def test_a_killed_attention_worker_s_streams_go_on_from_a_survivor(start_server, chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
+                          "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30")
+    _streams_survive_a_kill(server, "attention", 1, streams=16)
