@@ -227,9 +227,9 @@ def oversubscription(processes: int) -> str | None:
 
 def _check_with_bridge(args: argparse.Namespace, resolved: Resolved, cases: list[Case]) -> int:
     """--check_with_bridge: each case's job built and validated by the real Megatron-Bridge before submission."""
-    from mbridge_epoverlap.recipes.loader import family_of
     from mbridge_epoverlap.harness.bridge_check import disagreements, run_check
     from mbridge_epoverlap.harness.job_options import bridge_lookup
+    from mbridge_epoverlap.recipes.loader import family_of
 
     cfg = resolved.cfg
     choose = {"family": family_of(cfg.recipe), "name": cfg.recipe, "task": cfg.task, **bridge_lookup(args, cfg)}
