@@ -101,8 +101,10 @@ def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path
     assert _shm_names([p.pid for p in procs]) == []
 
 
-@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("backend", ["shm", "mooncake", "torch"])
 def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path: Path) -> None:
+    _need(backend)
+    late = backend != "torch"
     procs = _start("host", backend, 1, 1, tmp_path)  # rank 0 only; rank 1's processes are started below
     port = procs[0].args[7]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -118,14 +120,14 @@ def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path
         _wait_for_file(tmp_path / "ready", victim, "the victim did not set up")
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
-        if backend == "shm":
+        if late:
             newcomer = start("newcomer")
     finally:
         logs = _finish([procs[0]] + ([newcomer] if newcomer else []))
     assert procs[0].returncode == 0, logs[0][-3000:]
     host = json.loads((tmp_path / "rank0.json").read_text())
     assert "peer rank 1" in host["lost"]
-    if backend == "shm":
+    if late:
         assert host["reply"] == [0, 10, 20, 30, 40]
         assert json.loads((tmp_path / "rank1.json").read_text())["got"] == [0, 1, 2, 3, 4]
     else:

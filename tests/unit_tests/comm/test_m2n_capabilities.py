@@ -19,8 +19,8 @@ from mbridge_epoverlap.comm.m2n.torch_p2p import GlooBatchCommunicator, TorchCom
 def test_capabilities_are_class_attributes_of_each_backend() -> None:
     resumable = {name: communicator_class(name).resumable_wait for name in BACKENDS}
     late = {name: communicator_class(name).connects_late for name in BACKENDS}
-    assert resumable == {"shm": True, "mooncake": False, "torch": False, "gloo": False, "m2n": True}
-    assert late == {"shm": True, "mooncake": False, "torch": False, "gloo": False, "m2n": True}
+    assert resumable == {"shm": True, "mooncake": True, "torch": False, "gloo": False, "m2n": True}
+    assert late == {"shm": True, "mooncake": True, "torch": False, "gloo": False, "m2n": True}
     assert communicator_class("torch") is TorchCommunicator and communicator_class("gloo") is GlooBatchCommunicator
     # `m2n` is whatever it resolves to, on one host and across hosts.
     assert communicator_class("m2n", single_host=False).__name__.lower().startswith(
