@@ -101,10 +101,10 @@ def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path
     assert _shm_names([p.pid for p in procs]) == []
 
 
-@pytest.mark.parametrize("backend", ["shm", "mooncake", "torch"])
+@pytest.mark.parametrize("backend", ["shm", "mooncake", "torch", "gloo"])
 def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path: Path) -> None:
     _need(backend)
-    late = backend != "torch"
+    late = backend != "gloo"
     procs = _start("host", backend, 1, 1, tmp_path)  # rank 0 only; rank 1's processes are started below
     port = procs[0].args[7]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")

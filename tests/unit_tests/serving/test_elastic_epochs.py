@@ -72,10 +72,11 @@ def test_rebalancing_while_decoding_moves_experts_and_keeps_tokens(tiny_mixtral_
     assert _leftovers(pids) == ([], [])
 
 
-@pytest.mark.parametrize("backend", ["m2n", "mooncake"])
+@pytest.mark.parametrize("backend", ["m2n", "mooncake", "torch"])
 def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtral_dir, prompts, hf_greedy, backend):
     # Two attention workers: they agree on the admission and on the rebalances through the store. On mooncake
-    # the replacement's channels are re-opened in the running workers' registered regions (`connect`).
+    # the replacement's channels are re-opened in the running workers' registered regions, on torch as new pair
+    # process groups (`connect`).
     if backend == "mooncake" and not mooncake_available():
         require_or_skip("mooncake", "mooncake.engine does not import (install mooncake-transfer-engine-non-cuda)")
     spec = load_spec(tiny_mixtral_dir)
