@@ -50,6 +50,9 @@ class EnginePlan:
         rejoin_after_steps: elastic mode starts a replacement for a lost expert worker and admits it this many
             decode steps after the loss (0: never).
         weight_slot_bytes: M2N slot size of the channels between expert workers that carry moved weights.
+        emulate_hosts: emulated hosts (`engine.hosts`): attention workers on host 0, expert workers on host 1,
+            each host a network namespace joined by a link shaped to `emulate_link_gbps` (0: one real host).
+        emulate_link_gbps: the emulated link's rate in Gbit/s.
     """
 
     source: str
@@ -75,6 +78,8 @@ class EnginePlan:
     rebalance_every: int = 0
     rejoin_after_steps: int = 0
     weight_slot_bytes: int = 0
+    emulate_hosts: int = 0
+    emulate_link_gbps: float = 0.0
 
     @property
     def mode(self) -> str:
