@@ -54,3 +54,13 @@ def test_a_replacement_rejoins_across_emulated_hosts(tiny_mixtral_dir, prompts, 
     assert result["elastic"]["lost_workers"] == [0] and result["elastic"]["rejoined_workers"] == [0]
     assert _leftovers(pids) == ([], [])
     assert set(existing_namespaces()) == before
+
+
+@pytest.mark.parametrize("command", ["serve-bench", "elastic-bench"])
+def test_the_commands_refuse_shm_across_emulated_hosts_with_exit_2(command):
+    from tests.unit_tests.cli_runner import run_cli
+
+    extra = ["--expert-workers", "2"] if command == "serve-bench" else []
+    result = run_cli(command, "--backend", "shm", "--emulate-hosts", "2", "--emulate-link-gbps", "10", *extra)
+    assert result.returncode == 2, result.stderr
+    assert "--backend shm cannot cross hosts" in result.stderr and "(host 1)" in result.stderr
