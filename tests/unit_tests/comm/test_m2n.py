@@ -167,3 +167,23 @@ def test_bench_bad_input_exits_2_naming_the_flag(args: list[str], named: str) ->
     result = run_cli("m2n-bench", *argv)
     assert result.returncode == 2
     assert named in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_across_two_emulated_hosts() -> None:
+    import shutil as _shutil
+
+    from mbridge_epoverlap.launch.netns import existing_namespaces
+
+    refused = run_cli("m2n-bench", "--senders", "1", "--receivers", "1", "--sizes", "2K", "--backend", "shm",
+                      "--emulate-hosts", "2", "--emulate-link-gbps", "10")
+    assert refused.returncode == 2 and "cannot cross hosts" in refused.stderr and "(host 1)" in refused.stderr
+    if os.geteuid() != 0 or _shutil.which("ip") is None or _shutil.which("tc") is None:
+        require_or_skip("netns", "link emulation needs root and iproute2 (ip, tc)")
+    before = set(existing_namespaces())
+    result = run_cli("m2n-bench", "--senders", "1", "--receivers", "1", "--sizes", "64K", "--iters", "3",
+                     "--backend", "torch", "--emulate-hosts", "2", "--emulate-link-gbps", "10", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["emulate_link_gbps"] == 10 and doc["backend"] == "torch"
+    assert doc["results"][0]["link_us"] == round(65536 * 8 / 10e3, 2)
+    assert set(existing_namespaces()) == before
