@@ -1,5 +1,6 @@
 """Elastic EP's rarer paths with real worker processes on the tiny checkpoint: a replacement that never becomes
-ready (the survivors go on without it after the wait, and say so)."""
+ready (the survivors go on without it after the wait, and say so); two expert workers lost together inside one
+layout epoch switch."""
 
 from __future__ import annotations
 
@@ -50,4 +51,26 @@ def test_survivors_go_on_without_a_replacement_that_never_becomes_ready(tiny_mix
     timeouts = [e for e in elastic["events"] if e["event"] == "rejoin-timeout"]
     assert [e["worker"] for e in timeouts] == ["attention 0"]  # the worker that waited (the merged events say who)
     assert any("no replacement for expert worker 0" in line and "goes on without it" in line for line in lines)
+    assert _leftovers(pids) == ([], [])
+
+
+def test_two_failures_inside_one_epoch_switch(tiny_mixtral_dir, prompts, hf_greedy):
+    # The rebalance of decode step 6 is announced in step 6 (weights move during it, some from the two workers that
+    # die) and entered at step 7; expert workers 0 and 1 die together in step 6 after sending their weights: the
+    # new epoch, announced with them alive, drops them again at the switch.
+    spec = load_spec(tiny_mixtral_dir)
+    plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
+                     timeout_s=20)
+    plan = make_elastic(plan, redundant=4, kill=2, kill_step=6, rebalance_every=3)
+    pids: list[int] = []
+    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)
+    assert result["failed_requests"] == []
+    elastic = result["elastic"]
+    assert elastic["lost_workers"] == [0, 1]
+    events = [e for e in elastic["events"] if e["worker"] == "attention 0"]
+    switch = next(i for i, e in enumerate(events) if e["event"] == "rebalanced" and e["announced_at"] == 6)
+    assert [e["workers"] for e in events[:switch] if e["event"] == "detected"] == [[0, 1]]  # during step 6
+    assert [e["workers"] for e in events[switch:] if e["event"] == "detected"][0] == [0, 1]  # again at the switch
+    assert events[switch]["step"] == 7
     assert _leftovers(pids) == ([], [])
