@@ -8,7 +8,8 @@ leave no process or network namespace behind. The training runtime (`runtime.lau
   failure message that names the rank that caused it.
 - `heartbeat`: the tiny per-rank status file a process writes and the supervisor reads, to tell a hung
   rank from one waiting for it.
-- `netns`: an emulated inter-node link, one network namespace per rank behind a shaped bridge (root only).
+- `netns`: an emulated inter-node link, one network namespace per rank (or per emulated host) behind a
+  shaped bridge (root only).
 - `signals`: SIGTERM/SIGHUP turned into an exception so cleanup runs; signals to whole process groups.
 """
 

@@ -7,6 +7,10 @@ shaped to G Gbit/s with a token-bucket filter (netem is not available everywhere
 Addresses come only from 198.18.0.0/15 (reserved for benchmarking); the namespaces have no route
 beyond their /24, so no packet can leave the bridge. Names carry a random run id, so concurrent runs do
 not collide; a registry under /run lets a later run remove what a killed run left behind. Needs root.
+
+With `hosts` (the emulated host of each rank), a namespace stands for a host instead: its ranks share it
+(and its address; they talk to each other over its loopback), and only traffic between hosts crosses the
+shaped links (`mbe-<id>-h<h>`, address .(h+1)).
 """
 
 from __future__ import annotations
@@ -46,31 +50,40 @@ class EmulatedLink:
     everything it created on exit.
 
     Args:
-        world: number of ranks (one namespace each).
-        gbps: link rate in Gbit/s (each rank's sending and receiving are each limited to it).
+        world: number of ranks (one namespace each, unless `hosts`).
+        gbps: link rate in Gbit/s (each namespace's sending and receiving are each limited to it).
+        hosts: the emulated host (0, 1, ...) of each rank: one namespace per host (None: one per rank).
     """
 
-    def __init__(self, world: int, gbps: float) -> None:
+    def __init__(self, world: int, gbps: float, hosts: list[int] | None = None) -> None:
         if gbps <= 0:
             raise UsageError(f"--emulate-link-gbps {gbps}: the rate must be positive")
         if not 1 <= world <= _MAX_RANKS:
             raise UsageError(f"--emulate-link-gbps supports 1..{_MAX_RANKS} ranks, not {world}")
+        if hosts is not None and (len(hosts) != world or sorted(set(hosts)) != list(range(max(hosts) + 1))):
+            raise UsageError(f"emulated hosts {hosts}: give each of the {world} ranks a host, numbered from 0")
         self.world, self.gbps = world, gbps
+        self.hosts = list(hosts) if hosts is not None else list(range(world))
+        nodes = max(self.hosts) + 1
+        kind = "r" if hosts is None else "h"
         self.run_id = secrets.token_hex(3)
         subnet = int(self.run_id, 16) % 512
         self._prefix = f"198.{18 + subnet // 256}.{subnet % 256}"
         self.bridge = f"mbe{self.run_id}br"
-        self.namespaces = [f"mbe-{self.run_id}-r{r}" for r in range(world)]
-        self.host_links = [f"mbe{self.run_id}h{r}" for r in range(world)]
+        self.namespaces = [f"mbe-{self.run_id}-{kind}{n}" for n in range(nodes)]
+        self.host_links = [f"mbe{self.run_id}h{n}" for n in range(nodes)]
         self._created = False
 
     def address(self, rank: int) -> str:
         """Rank `rank`'s IPv4 address (on interface `IFNAME` inside its namespace)."""
-        return f"{self._prefix}.{rank + 1}"
+        return self._node_address(self.hosts[rank])
+
+    def _node_address(self, node: int) -> str:
+        return f"{self._prefix}.{node + 1}"
 
     def command_prefix(self, rank: int) -> list[str]:
         """Prepend to a command to run it inside rank `rank`'s namespace."""
-        return ["ip", "netns", "exec", self.namespaces[rank]]
+        return ["ip", "netns", "exec", self.namespaces[self.hosts[rank]]]
 
     def __enter__(self) -> EmulatedLink:
         self.create()
@@ -91,8 +104,8 @@ class EmulatedLink:
             _no_ipv6(self.bridge)
             _ip("link", "set", self.bridge, "up")
             rate, burst = _tbf_params(self.gbps)
-            for rank, (ns, host) in enumerate(zip(self.namespaces, self.host_links, strict=True)):
-                peer = f"mbe{self.run_id}n{rank}"
+            for node, (ns, host) in enumerate(zip(self.namespaces, self.host_links, strict=True)):
+                peer = f"mbe{self.run_id}n{node}"
                 _ip("netns", "add", ns)
                 _ip("link", "add", host, "type", "veth", "peer", "name", peer)
                 _no_ipv6(host)
@@ -101,7 +114,7 @@ class EmulatedLink:
                 _run(["ip", "netns", "exec", ns, "sh", "-c",
                       "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
                       f"echo 1 > /proc/sys/net/ipv6/conf/{IFNAME}/disable_ipv6"], check=False)
-                _ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", IFNAME)
+                _ip("-n", ns, "addr", "add", f"{self._node_address(node)}/24", "dev", IFNAME)
                 _ip("-n", ns, "link", "set", "lo", "up")
                 _ip("-n", ns, "link", "set", IFNAME, "up")
                 _ip("link", "set", host, "master", self.bridge)

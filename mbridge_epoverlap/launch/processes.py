@@ -24,6 +24,8 @@ from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.launch.ranks import DEFAULT_ACTIVITY, Ranks
 from mbridge_epoverlap.launch.signals import interruptible
 
+M2N_HOST_ENV = "MBRIDGE_EPOVERLAP_M2N_HOST"  # read by `comm.m2n.make_communicator` (mooncake's listen address)
+
 COMM_TIMEOUT_ENV = "MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S"  # seconds a collective may take (the ranks read it)
 
 
@@ -35,7 +37,7 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                      collect: Callable[[Path], dict[str, Any]] | None = None,
                      expendable: Collection[int] = (),
                      respawn: Callable[[int, int], list[str] | None] | None = None,
-                     activity: str = DEFAULT_ACTIVITY) -> dict[str, Any]:
+                     activity: str = DEFAULT_ACTIVITY, emulate_hosts: list[int] | None = None) -> dict[str, Any]:
     """Start `world` local processes, supervise them, and return the JSON rank 0 wrote to `results_name`.
 
     Args:
@@ -59,6 +61,10 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
             expendable still runs, start this command as replacement `generation` (1, 2, ...) of that rank,
             with the same environment (`{workdir}` replaced; its output in `rank<R>.g<G>.out/.err`); `on_start`
             is called again with its process id. None (or a None answer): no replacement.
+        emulate_hosts: with `emulate_link_gbps`, the emulated host of each rank: one namespace per host, only
+            traffic between hosts crosses the shaped link (None: one namespace per rank). Each rank gets its
+            namespace's address in `MBRIDGE_EPOVERLAP_M2N_HOST` (where its M2N endpoints listen), and a
+            replacement starts in its rank's namespace.
         activity: what the processes do, as failure messages name it: "training" says a rank that failed
             after its last heartbeat failed "(after training)", "serving" "(after serving)".
 
@@ -72,7 +78,7 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
             if emulate_link_gbps is not None:
                 from mbridge_epoverlap.launch.netns import IFNAME, EmulatedLink
 
-                link = stack.enter_context(EmulatedLink(world, emulate_link_gbps))
+                link = stack.enter_context(EmulatedLink(world, emulate_link_gbps, emulate_hosts))
             results = workdir / results_name
             for name, text in (files or {}).items():
                 (workdir / name).write_text(text)
@@ -86,16 +92,20 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
 
             replace = None
             if respawn is not None:
-                def replace(rank: int, generation: int) -> list[str] | None:
+                def replace(rank: int, generation: int) -> list[str] | None:  # in the rank's namespace, as at start
                     command = respawn(rank, generation)
-                    return None if command is None else in_workdir(command)
+                    prefix = link.command_prefix(rank) if link is not None else []
+                    return None if command is None else prefix + in_workdir(command)
 
             ranks = stack.enter_context(Ranks(workdir, rank_names, expendable, replace, on_start, activity=activity))
             for rank in range(world):
                 prefix = link.command_prefix(rank) if link is not None else []
                 command = in_workdir(command_for(rank))
-                ranks.start(rank, prefix + command, dict(env, RANK=str(rank), WORLD_SIZE=str(world),
-                                                         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)))
+                rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                                LOCAL_WORLD_SIZE=str(world))
+                if link is not None:  # where a rank's M2N endpoints listen (mooncake): its namespace's address
+                    rank_env.setdefault(M2N_HOST_ENV, link.address(rank))
+                ranks.start(rank, prefix + command, rank_env)
             if on_start is not None:
                 on_start([r.proc.pid for r in ranks.ranks])
             try:

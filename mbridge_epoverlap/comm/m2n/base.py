@@ -140,7 +140,7 @@ class M2NCommunicator(abc.ABC):
         from mbridge_epoverlap.errors import UsageError
 
         raise UsageError(f"the {self.backend} M2N backend cannot open a channel after set-up (a replacement worker "
-                         "joining back needs it); use backend shm (or m2n on one host)")
+                         "joining back needs it); use backend shm or mooncake (or m2n)")
 
     def __enter__(self) -> M2NCommunicator:
         return self

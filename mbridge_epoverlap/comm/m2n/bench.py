@@ -7,11 +7,16 @@ aggregate rate M x N x size / median. The processes are started and supervised b
 (`mbridge_epoverlap.launch`: sessions killed as a group, a timeout, the failed rank named); rank 0 hosts the
 rendezvous store.
 
+With `emulate_link_gbps` (`m2n-bench --emulate-hosts 2 --emulate-link-gbps G`) the senders run on one emulated
+host and the receivers on another (network namespaces joined by links shaped to G Gbit/s, root only), and
+each size also gets the link's own limit, `link_us` = size x 8 / G (what one message takes on the wire).
+
     python -m mbridge_epoverlap.comm.m2n.bench    # the per-rank entry point (the launcher runs it)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -91,18 +96,26 @@ def available_memory() -> int:
 
 
 def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int], iters: int = 200,
-              timeout_s: float = 300.0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              timeout_s: float = 300.0, progress: Callable[[str], None] | None = None,
+              emulate_link_gbps: float | None = None) -> dict[str, Any]:
     """Run the M2N benchmark in `senders + receivers` local processes; return the `m2n-bench --json` document.
 
+    Args:
+        emulate_link_gbps: senders and receivers on two emulated hosts joined by a link of this rate (None:
+            this host).
+
     Raises:
-        UsageError: bad counts, sizes or backend (also mooncake missing).
+        UsageError: bad counts, sizes or backend (also mooncake missing, or shm across emulated hosts).
         RunFailedError: a rank failed or the run timed out (the message names the rank).
     """
     from mbridge_epoverlap.comm.m2n import MOONCAKE_INSTALL, mooncake_available, resolve_backend
     from mbridge_epoverlap.comm.m2n.shm import remove_leftovers
     from mbridge_epoverlap.launch import Ranks, free_port
 
-    concrete = resolve_backend(backend)
+    concrete = resolve_backend(backend, single_host=emulate_link_gbps is None)
+    if concrete == "shm" and emulate_link_gbps is not None:
+        raise UsageError(f"--backend {backend} cannot cross hosts: the senders (host 0) and the receivers (host 1) "
+                         "share no memory; use --backend mooncake, torch, gloo or m2n")
     if senders < 1:
         raise UsageError(f"--senders {senders}: need at least one sender process")
     if receivers < 1:
@@ -123,10 +136,20 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
                     _PREFIX + "SIZES": ",".join(str(s) for s in sizes), _PREFIX + "ITERS": str(iters),
                     _PREFIX + "DIR": str(workdir), _PREFIX + "TIMEOUT_S": str(min(60.0, timeout_s / 2)),
                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GLOO_SOCKET_IFNAME": "lo"})
-        with Ranks(workdir) as ranks:
+        with contextlib.ExitStack() as stack:
+            link = None
+            if emulate_link_gbps is not None:
+                from mbridge_epoverlap.launch.netns import IFNAME, EmulatedLink
+
+                link = stack.enter_context(EmulatedLink(world, emulate_link_gbps, [0] * senders + [1] * receivers))
+                env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
+            ranks = stack.enter_context(Ranks(workdir))
             for rank in range(world):
-                ranks.start(rank, [sys.executable, "-m", "mbridge_epoverlap.comm.m2n.bench"],
-                            dict(env, RANK=str(rank)))
+                prefix, rank_env = [], dict(env, RANK=str(rank))
+                if link is not None:
+                    prefix = link.command_prefix(rank)
+                    rank_env["MBRIDGE_EPOVERLAP_M2N_HOST"] = link.address(rank)
+                ranks.start(rank, [*prefix, sys.executable, "-m", "mbridge_epoverlap.comm.m2n.bench"], rank_env)
                 pids.append(ranks.ranks[-1].proc.pid)
             ranks.supervise(timeout_s=timeout_s, progress=progress)
         samples: dict[int, list[float]] = {size: [] for size in sizes}
@@ -148,8 +171,13 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
         results.append({"size_bytes": size, "median_us": round(median, 2), "p99_us": round(_quantile(values, 0.99), 2),
                         "gbps": round(senders * receivers * size * 8 / (median * 1e3), 4) if median > 0 else 0.0,
                         "samples": len(values)})
-    return {"backend": concrete, "requested_backend": backend, "senders": senders, "receivers": receivers,
-            "iters": iters, "results": results, "machine": machine()}
+        if emulate_link_gbps is not None:
+            results[-1]["link_us"] = round(size * 8 / (emulate_link_gbps * 1e3), 2)
+    doc = {"backend": concrete, "requested_backend": backend, "senders": senders, "receivers": receivers,
+           "iters": iters, "results": results, "machine": machine()}
+    if emulate_link_gbps is not None:
+        doc.update(emulate_hosts=2, emulate_link_gbps=emulate_link_gbps)
+    return doc
 
 
 def _rank_env() -> dict[str, str]:

@@ -13,7 +13,13 @@ write the consumed count into the sender's credit word, without waiting for that
 supersedes an earlier one). Writes are submitted asynchronously and their completion polled, spinning
 briefly and then sleeping in short steps: the engine's transfer threads need the same few cores (the
 engine's synchronous write spins until done). A write that fails (the peer is gone) is a `PeerError`; a
-wait polls its word the same way until its deadline.
+wait polls its word the same way until its deadline. A wait that runs out leaves its message queued, so
+waiting on it again resumes it (`resumable_wait`).
+
+`connect(peer, ...)` re-opens the channel to a replacement of a set-up peer: the peer's areas of the region
+(inbound channel, staging ring, credit word) are zeroed and reused, the two ranks exchange records under the
+new key prefix as at set-up, and the old process's messages are dropped. A rank that was not a peer at
+set-up has no area in the region (registered once), so connecting to it is a usage error.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class MooncakeCommunicator(RingCommunicator):
     """M2N over the Mooncake Transfer Engine (see the module docstring for the protocol)."""
 
     backend = "mooncake"
+    resumable_wait = True  # a wait only polls words of the region and the peer's process
+    connects_late = True
 
     def __init__(self, *, rank: int, peers: Sequence[int], store: Any, slot_bytes: int, slots: int = 2,
                  timeout_s: float, key_prefix: str = "m2n", roles: dict[int, str] | None = None,
@@ -88,29 +96,35 @@ class MooncakeCommunicator(RingCommunicator):
         if self._engine.register_memory(self._base, total) != 0:
             raise RuntimeError(f"the Mooncake Transfer Engine could not register {total} bytes")
         self._registered = True
-        segment = f"{self._host}:{self._engine.get_rpc_port()}"
+        self._segment = f"{self._host}:{self._engine.get_rpc_port()}"
+        self._meet(store, key_prefix, self.peers)
+
+    def _meet(self, store: Any, key_prefix: str, peers: Sequence[int]) -> None:
+        """Publish where `peers`' channels and credit words are in this region, fetch theirs, wait for them all."""
         rdv = Rendezvous(store, f"{key_prefix}/mooncake", self.rank, self.timeout_s, self.roles)
-        rdv.publish({"pid": os.getpid(), "host": this_host(), "segment": segment, "base": self._base,
-                     "slot_bytes": slot_bytes, "slots": slots, "stride": self._stride,
-                     "channels": {str(p): self._base + i * self._channel_bytes for i, p in enumerate(self.peers)},
-                     "credits": {str(p): self._base + self._credit_at + i * _WORD_BYTES
-                                 for i, p in enumerate(self.peers)}})
-        for peer, rec in rdv.fetch(self.peers).items():
-            if rec["slots"] != slots or rec["stride"] != self._stride:
+        rdv.publish({"pid": os.getpid(), "host": this_host(), "segment": self._segment, "base": self._base,
+                     "slot_bytes": self.slot_bytes, "slots": self.slots, "stride": self._stride,
+                     "channels": {str(p): self._base + self._inbound(p) for p in peers},
+                     "credits": {str(p): self._base + self._credit(p) for p in peers}})
+        for peer, rec in rdv.fetch(peers).items():
+            if rec["slots"] != self.slots or rec["stride"] != self._stride:
                 raise PeerError(peer, f"was created with slots={rec['slots']}, slot_bytes={rec['slot_bytes']}; "
-                                      f"this rank has slots={slots}, slot_bytes={slot_bytes}: create every "
+                                      f"this rank has slots={self.slots}, slot_bytes={self.slot_bytes}: create every "
                                       "communicator of a job with the same settings", self.roles.get(peer))
             if str(self.rank) not in rec["channels"]:
                 raise PeerError(peer, f"does not list rank {self.rank} among its peers", self.roles.get(peer))
             self._peers[peer] = _Peer(peer, rec["segment"], PeerWatch(int(rec["pid"]), rec["host"]),
                                       int(rec["channels"][str(self.rank)]), int(rec["credits"][str(self.rank)]),
                                       int(rec["slot_bytes"]))
-        rdv.barrier(self.peers, "attached")
+        rdv.barrier(peers, "attached")
 
     # --- layout ------------------------------------------------------------------------------------
 
     def _inbound(self, peer: int) -> int:
         return self._index[peer] * self._channel_bytes
+
+    def _credit(self, peer: int) -> int:
+        return self._credit_at + self._index[peer] * _WORD_BYTES
 
     def _staging(self, peer: int, slot: int) -> int:
         return len(self.peers) * self._channel_bytes + (self._index[peer] * self.slots + slot) * self._stride
@@ -119,6 +133,30 @@ class MooncakeCommunicator(RingCommunicator):
         return self._bytes[offset:offset + self._stride], self._region[offset:offset + self._stride]
 
     # --- the interface ------------------------------------------------------------------------------
+
+    def connect(self, peer: int, store: Any, key_prefix: str) -> None:
+        from mbridge_epoverlap.errors import UsageError
+
+        if self._closed:
+            raise RuntimeError(f"M2N communicator of rank {self.rank} is closed")
+        if peer not in self._index:
+            raise UsageError(f"the mooncake M2N backend connects late only to a replacement of a set-up peer; rank "
+                             f"{peer} was not a peer of rank {self.rank} at set-up (peers: {list(self.peers)})")
+        old = self._peers.pop(peer, None)
+        if old is not None:  # the lost process: its pending messages are dropped, its credit writes not waited for
+            old.watch.close()
+        # The old process's counts and messages must not be taken for the newcomer's.
+        for start, size in ((self._inbound(peer), self._channel_bytes),
+                            (self._staging(peer, 0), self.slots * self._stride), (self._credit(peer), _WORD_BYTES),
+                            (self._scratch_at + 2 * self._index[peer] * _WORD_BYTES, 2 * _WORD_BYTES)):
+            self._region[start:start + size].zero_()
+        self._meet(store, key_prefix, [peer])
+
+    def _peer(self, peer: int) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:  # a `connect` to it failed: its old channel is gone and no new one was opened
+            raise self._peer_error(peer, "has no open channel (connecting to its replacement failed)")
+        return p
 
     def close(self) -> None:
         if self._closed:
@@ -175,7 +213,7 @@ class MooncakeCommunicator(RingCommunicator):
         p.credit_writes = [b for b in p.credit_writes if self._engine.transfer_check_status(b) == 0]
 
     def _progress_sends(self, p: _Peer) -> None:
-        credit_word = (self._credit_at + self._index[p.rank] * _WORD_BYTES) // 8
+        credit_word = self._credit(p.rank) // 8
         while p.sends and p.sent - self._words[credit_word] < self.slots:
             item = p.sends[0]
             slot = p.sent % self.slots
@@ -221,7 +259,7 @@ class MooncakeCommunicator(RingCommunicator):
     def _block(self, p: _Peer, item: Pending, deadline: float) -> bool:
         spin_end = time.monotonic() + _SPIN_S
         sleep_s = 10e-6
-        checked = time.monotonic()
+        checked = -float("inf")  # once spinning is over, then every 0.1 s: short (sliced) waits notice a death too
         while not self._poll(p, item):
             now = time.monotonic()
             if now > deadline:
@@ -229,7 +267,7 @@ class MooncakeCommunicator(RingCommunicator):
             if now > spin_end:
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
-            if now - checked > 0.1:
+            if now > spin_end and now - checked > 0.1:
                 checked = now
                 if not p.watch.alive() and not self._poll(p, item):
                     raise self._peer_error(p.rank, f"process {p.watch.pid} exited")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mbridge_epoverlap.comm.m2n import wire
-from mbridge_epoverlap.comm.m2n.base import M2NCommunicator, Work
+from mbridge_epoverlap.comm.m2n.base import M2NCommunicator, PeerError, Work
 
 
 @dataclass
@@ -44,7 +44,15 @@ class RingCommunicator(M2NCommunicator):
         wire.check_message(tensors, min(self.slot_bytes, p.capacity))
         item = Pending(tag, tuple(tensors))
         p.sends.append(item)
-        self._progress_sends(p)
+        try:
+            self._progress_sends(p)
+        except PeerError as exc:  # a dead peer is the wait's error, as on every backend (`isend` only starts)
+            error = exc
+
+            def failed(*_: Any) -> bool:
+                raise error
+
+            return self._work(peer, f"send (tag {tag}) to rank {peer}", failed, failed, lambda: None)
         return self._work(peer, f"send (tag {tag}) to rank {peer}", lambda: self._poll(p, item),
                           lambda deadline: self._block(p, item, deadline), lambda: None)
 

@@ -22,7 +22,9 @@ ALIGN = 64
 _FIXED = 4  # seq, tag, tensor count, payload bytes
 _PER_TENSOR = 4 + MAX_DIMS  # dtype code, ndim, offset, nbytes, dims
 HEADER_BYTES = 2048
-assert (_FIXED + MAX_TENSORS * _PER_TENSOR) * 8 <= HEADER_BYTES
+# The header's last word is never written by `write_message`: a backend may put an arrival mark there.
+MARK_OFFSET = HEADER_BYTES - 8
+assert (_FIXED + MAX_TENSORS * _PER_TENSOR) * 8 <= MARK_OFFSET
 
 DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.arg_types import count, positive
+from mbridge_epoverlap.arg_types import count, positive, positive_float
 
 
 def number_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
@@ -92,3 +92,19 @@ def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
                         help=f"{when}start a replacement for a lost expert worker and admit it N decode "
                              "steps after the loss, waiting then up to half of --timeout if it is still starting "
                              "(default 0: never)")
+
+
+def host_args(parser: argparse.ArgumentParser) -> None:
+    """`--emulate-hosts` and `--emulate-link-gbps`, for serve, serve-bench and elastic-bench (`engine.hosts`)."""
+    parser.add_argument("--emulate-hosts", type=count, default=0, metavar="H",
+                        help="2: attention workers and expert workers on two emulated hosts (network namespaces "
+                             "joined by a shaped link; root only), so M2N crosses a link (default 0: this host)")
+    parser.add_argument("--emulate-link-gbps", type=positive_float, default=None, metavar="G",
+                        help="with --emulate-hosts: the link's rate in Gbit/s (tc tbf)")
+
+
+def on_hosts(plan: Any, args: argparse.Namespace) -> Any:
+    """`plan` on the emulated hosts the flags ask for (`engine.hosts.emulate_hosts`)."""
+    from mbridge_epoverlap.serving.engine.hosts import emulate_hosts
+
+    return emulate_hosts(plan, args.emulate_hosts, args.emulate_link_gbps)

@@ -20,7 +20,14 @@ from typing import Any
 
 from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.cli.args import epoch_args, model_args, progress_printer, source_of
+from mbridge_epoverlap.serving.cli.args import (
+    epoch_args,
+    host_args,
+    model_args,
+    on_hosts,
+    progress_printer,
+    source_of,
+)
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
 from mbridge_epoverlap.serving.cli.serve import run_reporting_failure
 
@@ -52,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-expert-restore", action="store_true",
                        help="no weight copy: losing every replica of an expert ends the run naming it")
     epoch_args(bench)
+    host_args(bench)
     bench.set_defaults(handler=handle_elastic_bench)
 
 
@@ -72,6 +80,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     plain = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                       micro_batches=args.micro_batches, max_new_tokens=args.steps, max_batch=args.batch,
                       backend=args.backend, timeout_s=args.timeout, dtype=args.dtype)
+    plain = on_hosts(plain, args)  # every arm on the same (emulated) hosts
     elastic = make_elastic(plain, redundant=args.redundant_experts)
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
                            restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,

@@ -16,9 +16,11 @@ from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
 from mbridge_epoverlap.serving.cli.args import (
     epoch_args,
+    host_args,
     layout_args,
     model_args,
     non_negative_seconds,
+    on_hosts,
     progress_printer,
     source_of,
 )
@@ -73,6 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--no-expert-restore", action="store_true",
                        help="with --elastic: no weight copy; losing every replica of an expert ends the run")
     epoch_args(serve, "with --elastic: ")
+    host_args(serve)
     serve.set_defaults(handler=handle_serve)
 
     bench = subparsers.add_parser(
@@ -86,6 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--batch", type=positive, default=None, metavar="B",
                        help="sequences decoding at once (default: sized so attention and expert stages balance)")
     bench.add_argument("--steps", type=positive, default=16, metavar="S", help="tokens generated per sequence")
+    host_args(bench)
     bench.set_defaults(handler=handle_bench)
 
 
@@ -125,6 +129,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     elif args.redundant_experts or args.no_expert_restore or args.rebalance_every or args.rejoin_after_steps:
         raise UsageError("--redundant-experts, --no-expert-restore, --rebalance-every and --rejoin-after-steps apply "
                          "to --elastic serving; add --elastic")
+    plan = on_hosts(plan, args)
     result, code = run_reporting_failure(plan, progress_printer(args))
     finish_bench_result(result, spec)
     print_result(result, args.json, _serve_table)
@@ -170,6 +175,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     plan = make_plan(spec, requests, attn_workers=attn, expert_workers=experts, micro_batches=args.micro_batches,
                      colocated=colocated, order=args.order, max_new_tokens=args.steps, max_batch=batch,
                      backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype)
+    plan = on_hosts(plan, args)
     result, code = run_reporting_failure(plan, progress_printer(args))
     result["batch"] = batch
     result["balance_probes"] = probes

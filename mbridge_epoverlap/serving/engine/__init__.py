@@ -6,6 +6,8 @@ it knows processes, the workers below it do not.
 - `plan`: `EnginePlan`, what every worker process is told (layout, requests, model settings); derived
   values are methods (`mode`, `load_spec`, `role_of`, `arrival_order`), and `deal_requests`.
 - `elastic_plan`: `make_elastic`, an engine plan in elastic mode (redundant slots, kills, epochs).
+- `hosts`: `emulate_hosts`, a plan on two emulated hosts (attention and expert workers in network
+  namespaces joined by a shaped link), and the host of each rank.
 - `run`: `make_plan` and `run_engine`: start the workers, gather their reports, merge one result.
 - `replay`: the measured stage times fed to the simulator with the order the engine ran.
 - `worker_main`: the entry point of one worker process.

@@ -54,6 +54,9 @@ class EnginePlan:
             endpoint its requests come from; empty: the batch run of `requests`.
         online_events: online serving: the front end's endpoint every attention worker sends its tokens to.
         max_model_len: online serving: the longest sequence (prompt and generated tokens) a request may reach.
+        emulate_hosts: emulated hosts (`engine.hosts`): attention workers on host 0, expert workers on host 1,
+            each host a network namespace joined by a link shaped to `emulate_link_gbps` (0: one real host).
+        emulate_link_gbps: the emulated link's rate in Gbit/s.
     """
 
     source: str
@@ -82,6 +85,8 @@ class EnginePlan:
     online_requests: tuple[str, ...] = ()
     online_events: str = ""
     max_model_len: int = 0
+    emulate_hosts: int = 0
+    emulate_link_gbps: float = 0.0
 
     @property
     def online(self) -> bool:

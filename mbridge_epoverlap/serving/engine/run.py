@@ -114,13 +114,16 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     def replacement(rank: int, generation: int) -> list[str] | None:  # one replacement per lost expert worker
         return command + ["--rejoin", str(generation)] if generation == 1 and rank in plan.expert_ranks else None
 
+    from mbridge_epoverlap.serving.engine.hosts import host_of_ranks
+
     try:
         ranks = launch_processes(plan.world, lambda rank: command, files={"plan.json": plan.to_json()},
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
                                  rank_names=plan.rank_names(), collect=collect_reports,
                                  expendable=plan.expendable_ranks,
                                  respawn=replacement if plan.elastic and plan.rejoin_after_steps else None,
-                                 activity="serving")
+                                 activity="serving", emulate_link_gbps=plan.emulate_link_gbps or None,
+                                 emulate_hosts=host_of_ranks(plan))
     except RunFailedError as exc:
         partial = getattr(exc, "partial", {"ranks": []})
         raise EngineFailed(str(exc), merge(plan, partial["ranks"], failed=True)) from None

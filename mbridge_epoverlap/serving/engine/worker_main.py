@@ -274,7 +274,7 @@ def _m2n(plan: EnginePlan, store: Any, *, rank: int, peers: Sequence[int], key_p
                              slot_bytes=plan.slot_bytes if slot_bytes is None else slot_bytes,
                              slots=plan.micro_batches + 1 if slots is None else slots, timeout_s=plan.timeout_s,
                              roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
-                             single_host=plan.backend != "torch")
+                             single_host=plan.backend != "torch" and not plan.emulate_hosts)
 
 
 def _report(worker: Worker | None, queue: Any, *, failed: bool = False) -> dict[str, Any]:

@@ -101,8 +101,10 @@ def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path
     assert _shm_names([p.pid for p in procs]) == []
 
 
-@pytest.mark.parametrize("backend", ["shm", "torch"])
+@pytest.mark.parametrize("backend", ["shm", "mooncake", "torch", "gloo"])
 def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path: Path) -> None:
+    _need(backend)
+    late = backend != "gloo"
     procs = _start("host", backend, 1, 1, tmp_path)  # rank 0 only; rank 1's processes are started below
     port = procs[0].args[7]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -118,14 +120,14 @@ def test_a_replacement_process_connects_to_a_running_rank(backend: str, tmp_path
         _wait_for_file(tmp_path / "ready", victim, "the victim did not set up")
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
-        if backend == "shm":
+        if late:
             newcomer = start("newcomer")
     finally:
         logs = _finish([procs[0]] + ([newcomer] if newcomer else []))
     assert procs[0].returncode == 0, logs[0][-3000:]
     host = json.loads((tmp_path / "rank0.json").read_text())
     assert "peer rank 1" in host["lost"]
-    if backend == "shm":
+    if late:
         assert host["reply"] == [0, 10, 20, 30, 40]
         assert json.loads((tmp_path / "rank1.json").read_text())["got"] == [0, 1, 2, 3, 4]
     else:
@@ -165,3 +167,23 @@ def test_bench_bad_input_exits_2_naming_the_flag(args: list[str], named: str) ->
     result = run_cli("m2n-bench", *argv)
     assert result.returncode == 2
     assert named in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_across_two_emulated_hosts() -> None:
+    import shutil as _shutil
+
+    from mbridge_epoverlap.launch.netns import existing_namespaces
+
+    refused = run_cli("m2n-bench", "--senders", "1", "--receivers", "1", "--sizes", "2K", "--backend", "shm",
+                      "--emulate-hosts", "2", "--emulate-link-gbps", "10")
+    assert refused.returncode == 2 and "cannot cross hosts" in refused.stderr and "(host 1)" in refused.stderr
+    if os.geteuid() != 0 or _shutil.which("ip") is None or _shutil.which("tc") is None:
+        require_or_skip("netns", "link emulation needs root and iproute2 (ip, tc)")
+    before = set(existing_namespaces())
+    result = run_cli("m2n-bench", "--senders", "1", "--receivers", "1", "--sizes", "64K", "--iters", "3",
+                     "--backend", "torch", "--emulate-hosts", "2", "--emulate-link-gbps", "10", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["emulate_link_gbps"] == 10 and doc["backend"] == "torch"
+    assert doc["results"][0]["link_us"] == round(65536 * 8 / 10e3, 2)
+    assert set(existing_namespaces()) == before

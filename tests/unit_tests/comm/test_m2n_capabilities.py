@@ -19,8 +19,8 @@ from mbridge_epoverlap.comm.m2n.torch_p2p import GlooBatchCommunicator, TorchCom
 def test_capabilities_are_class_attributes_of_each_backend() -> None:
     resumable = {name: communicator_class(name).resumable_wait for name in BACKENDS}
     late = {name: communicator_class(name).connects_late for name in BACKENDS}
-    assert resumable == {"shm": True, "mooncake": False, "torch": False, "gloo": False, "m2n": True}
-    assert late == {"shm": True, "mooncake": False, "torch": False, "gloo": False, "m2n": True}
+    assert resumable == {"shm": True, "mooncake": True, "torch": True, "gloo": False, "m2n": True}
+    assert late == {"shm": True, "mooncake": True, "torch": True, "gloo": False, "m2n": True}
     assert communicator_class("torch") is TorchCommunicator and communicator_class("gloo") is GlooBatchCommunicator
     # `m2n` is whatever it resolves to, on one host and across hosts.
     assert communicator_class("m2n", single_host=False).__name__.lower().startswith(
@@ -56,9 +56,11 @@ class _Handle:
 
 
 class _NoGroupTorch(TorchCommunicator):
-    """The torch backend without a process group: every operation gets a handle failing with `error`."""
+    """The torch backend without a process group: every operation gets a handle failing with `error`, and its
+    waits are gloo's own (as `gloo`'s: a polled wait would see no arrival mark and no process to watch)."""
 
     error = RuntimeError("")
+    resumable_wait = False
 
     def _make_group(self, store: object, key_prefix: str) -> None:
         return None
@@ -97,6 +99,38 @@ def test_shm_wait_resumes_after_a_timeout() -> None:
         comms[1].isend(0, [torch.arange(4)], tag=5).wait()
         (got,) = work.wait(10.0)  # the same wait, resumed
         assert got.tolist() == [0, 1, 2, 3]
+    finally:
+        for comm in comms.values():
+            comm.close()
+
+
+def test_torch_wait_resumes_after_a_timeout() -> None:
+    # gloo closes a connection whose own wait timed out: the torch backend's short waits must not let it.
+    store = dist.HashStore()
+    comms: dict[int, TorchCommunicator] = {}
+
+    def make(rank: int) -> None:
+        comms[rank] = TorchCommunicator(rank=rank, peers=[1 - rank], store=store, slot_bytes=1024, timeout_s=10.0,
+                                        key_prefix="capabilities")
+
+    other = threading.Thread(target=make, args=(1,))
+    other.start()
+    make(0)
+    other.join()
+    try:
+        work = comms[0].irecv(1, tag=5)
+        assert not work.done()
+        with pytest.raises(PeerTimeout, match="did not complete within"):
+            work.wait(0.01)  # nothing sent yet; the peer is alive
+        # One thread plays both ranks: a gloo send completes once the receiver took it, so wait for it after.
+        sent = comms[1].isend(0, [torch.arange(4)], tag=5)
+        (got,) = work.wait(10.0)  # the same wait, resumed
+        sent.wait(10.0)
+        assert got.tolist() == [0, 1, 2, 3]
+        later = comms[0].irecv(1, tag=6)  # and the channel still carries the next message
+        sent = comms[1].isend(0, [torch.arange(3) * 2], tag=6)
+        assert later.wait(10.0)[0].tolist() == [0, 2, 4]
+        sent.wait(10.0)
     finally:
         for comm in comms.values():
             comm.close()

@@ -92,8 +92,8 @@ def test_bad_elastic_layouts_fail_before_start(workers, redundant, kill, message
 
 
 def test_elastic_needs_a_backend_whose_waits_resume(tiny_mixtral_dir, prompts):
-    plan = make_plan(load_spec(tiny_mixtral_dir), _requests(prompts), expert_workers=2, backend="torch")
-    with pytest.raises(UsageError, match="--backend torch cannot serve --elastic"):
+    plan = make_plan(load_spec(tiny_mixtral_dir), _requests(prompts), expert_workers=2, backend="gloo")
+    with pytest.raises(UsageError, match="--backend gloo cannot serve --elastic"):
         make_elastic(plan, redundant=2)
 
 

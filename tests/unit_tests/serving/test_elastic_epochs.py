@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mbridge_epoverlap.comm.m2n import mooncake_available
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
 from mbridge_epoverlap.serving.elastic.moves import transfers
@@ -17,6 +18,7 @@ from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.workers.requests import Request
+from tests.unit_tests.requirements import require_or_skip
 from tests.unit_tests.serving.engine_runs import leftovers as _leftovers
 from tests.unit_tests.serving.engine_runs import requests_of as _requests
 
@@ -70,11 +72,16 @@ def test_rebalancing_while_decoding_moves_experts_and_keeps_tokens(tiny_mixtral_
     assert _leftovers(pids) == ([], [])
 
 
-def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtral_dir, prompts, hf_greedy):
-    # Two attention workers: they agree on the admission and on the rebalances through the store.
+@pytest.mark.parametrize("backend", ["m2n", "mooncake", "torch"])
+def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtral_dir, prompts, hf_greedy, backend):
+    # Two attention workers: they agree on the admission and on the rebalances through the store. On mooncake
+    # the replacement's channels are re-opened in the running workers' registered regions, on torch as new pair
+    # process groups (`connect`).
+    if backend == "mooncake" and not mooncake_available():
+        require_or_skip("mooncake", "mooncake.engine does not import (install mooncake-transfer-engine-non-cuda)")
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), attn_workers=2, expert_workers=4, micro_batches=2,
-                     max_new_tokens=MAX_NEW, timeout_s=20)
+                     max_new_tokens=MAX_NEW, timeout_s=20, backend=backend)
     plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2, rebalance_every=3)
     pids: list[int] = []
     result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
