@@ -39,6 +39,8 @@ def layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False
                             help="the colocated baseline on N processes instead (1: single process)")
     parser.add_argument("--order", choices=("two_batch_overlap", "sequential"), default="two_batch_overlap",
                         help="colocated order (default two_batch_overlap)")
+    parser.add_argument("--threads", type=count, default=0, metavar="T",
+                        help="torch threads per worker process (default 0: the cores shared evenly by the processes)")
     parser.add_argument("--max-batch", type=positive, default=64, metavar="B",
                         help="sequences decoding at once per attention worker; more wait (default 64)")
 

@@ -77,7 +77,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
-                     timeout_s=args.timeout, dtype=args.dtype)
+                     timeout_s=args.timeout, dtype=args.dtype, threads=args.threads)
     if args.elastic:
         from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 
@@ -111,7 +111,8 @@ def handle_bench(args: argparse.Namespace) -> int:
     colocated = attn + experts if args.colocated else 0
     plan = make_plan(spec, requests, attn_workers=attn, expert_workers=experts, micro_batches=args.micro_batches,
                      colocated=colocated, order=args.order, max_new_tokens=args.steps, max_batch=batch,
-                     backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype)
+                     backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype,
+                     threads=args.threads)
     result, code = run_reporting_failure(plan, progress_printer(args))
     result["batch"] = batch
     result["balance_probes"] = probes
@@ -126,6 +127,7 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("mode", f"{result['mode']} ({result['order']}, m={result['micro_batches']})"),
             ("workers", f"{result['attn_workers']} attention, {result['expert_workers']} expert"
              if result["mode"] != "colocated" else f"{result['attn_workers']} colocated"),
+            ("threads per process", str(result.get("threads_per_process", 1))),
             ("generated tokens", str(result["generated_tokens"])),
             ("tokens/s", fmt(result["tokens_per_s"], "{:,.1f}")),
             ("TBT p50 / p99 (ms)", f"{fmt(result['tbt_ms_p50'])} / {fmt(result['tbt_ms_p99'])}"),

@@ -50,6 +50,8 @@ class EnginePlan:
         rejoin_after_steps: elastic mode starts a replacement for a lost expert worker and admits it this many
             decode steps after the loss (0: never).
         weight_slot_bytes: M2N slot size of the channels between expert workers that carry moved weights.
+        threads: torch intra-op threads of every worker process (`default_threads`: the cores over the
+            processes); 0 in a plan written before the field existed means one.
     """
 
     source: str
@@ -75,6 +77,7 @@ class EnginePlan:
     rebalance_every: int = 0
     rejoin_after_steps: int = 0
     weight_slot_bytes: int = 0
+    threads: int = 0
 
     @property
     def mode(self) -> str:
@@ -105,6 +108,11 @@ class EnginePlan:
     def layout_epochs(self) -> bool:
         """Whether the elastic layout can change at step boundaries (rebalancing or rejoining)."""
         return self.elastic and bool(self.rebalance_every or self.rejoin_after_steps)
+
+    @property
+    def threads_per_process(self) -> int:
+        """The torch threads each worker process runs with (at least one)."""
+        return max(1, self.threads)
 
     @property
     def world(self) -> int:
@@ -150,6 +158,22 @@ class EnginePlan:
         raw["slots"] = tuple(raw.get("slots", ()))
         raw["kill"] = tuple(tuple(k) for k in raw.get("kill", ()))
         return cls(**raw)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the CPU count where affinity is unknown)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(processes: int, cores: int | None = None) -> int:
+    """Torch threads per worker process when the layout does not say: the cores shared evenly by the
+    processes, at least one each (one process on two cores gets both; two get one each, as before)."""
+    return max(1, (available_cores() if cores is None else cores) // max(1, processes))
 
 
 def deal_requests(requests: Sequence[Request], readers: int) -> tuple[tuple[dict[str, Any], ...], ...]:
