@@ -14,7 +14,16 @@ from typing import Any
 
 from mbridge_epoverlap.arg_types import positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
-from mbridge_epoverlap.serving.cli.args import epoch_args, layout_args, model_args, progress_printer, source_of
+from mbridge_epoverlap.serving.cli.args import (
+    apply_layout,
+    epoch_args,
+    fill_layout_defaults,
+    layout_args,
+    layout_forced,
+    model_args,
+    progress_printer,
+    source_of,
+)
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
 
 
@@ -74,6 +83,11 @@ def handle_serve(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(spec)
     requests = load_prompts(args.prompts, vocab_size=spec.vocab_size,
                             tokenizer=tokenizer.encode if tokenizer is not None else None)
+    choice = None
+    if not args.elastic and not layout_forced(args):
+        choice = _choose(spec, requests, args.max_new_tokens, args.max_batch)
+        apply_layout(args, choice["layout"])
+    fill_layout_defaults(args)
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
@@ -88,6 +102,8 @@ def handle_serve(args: argparse.Namespace) -> int:
                          "to --elastic serving; add --elastic")
     result, code = run_reporting_failure(plan, progress_printer(args))
     finish_bench_result(result, spec)
+    if choice is not None:
+        result["layout_choice"] = _choice_field(choice)
     print_result(result, args.json, _serve_table)
     return code
 
@@ -100,6 +116,8 @@ def handle_bench(args: argparse.Namespace) -> int:
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
     spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
+    chosen = not layout_forced(args)
+    fill_layout_defaults(args)
     attn, experts = args.attn_workers, args.expert_workers
     probes: list[dict[str, float]] = []
     if args.batch is None:
@@ -108,12 +126,19 @@ def handle_bench(args: argparse.Namespace) -> int:
     else:
         batch = args.batch
     requests = synthetic_requests(batch, spec.vocab_size)
+    choice = None
+    if chosen:
+        choice = _choose(spec, requests, args.steps, batch)
+        apply_layout(args, choice["layout"], colocated_as_flag=True)
+        attn, experts = args.attn_workers, args.expert_workers
     colocated = attn + experts if args.colocated else 0
     plan = make_plan(spec, requests, attn_workers=attn, expert_workers=experts, micro_batches=args.micro_batches,
                      colocated=colocated, order=args.order, max_new_tokens=args.steps, max_batch=batch,
                      backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype,
                      threads=args.threads)
     result, code = run_reporting_failure(plan, progress_printer(args))
+    if choice is not None:
+        result["layout_choice"] = _choice_field(choice)
     result["batch"] = batch
     result["balance_probes"] = probes
     finish_bench_result(result, spec, requests=requests, max_new_tokens=args.steps, succeeded=code == 0)
@@ -121,6 +146,20 @@ def handle_bench(args: argparse.Namespace) -> int:
         result.pop("completions")
     print_result(result, args.json, _bench_table)
     return code
+
+
+def _choose(spec: Any, requests: Any, max_new_tokens: int, max_batch: int) -> dict[str, Any]:
+    """No layout flag: the layout a short measurement predicts fastest, said on stderr."""
+    from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+
+    choice = choose_layout(spec, requests, max_new_tokens=max_new_tokens, max_batch=max_batch)
+    print(f"  layout (no layout flag given; force one with --attn-workers/--expert-workers/--micro-batches/"
+          f"--colocated/--threads): {choice['summary']}", file=sys.stderr, flush=True)
+    return choice
+
+
+def _choice_field(choice: dict[str, Any]) -> dict[str, Any]:
+    return {key: choice[key] for key in ("chosen", "layout", "summary", "cores", "batch", "candidates", "probes")}
 
 
 def _common(result: dict[str, Any]) -> list[tuple[str, str]]:

@@ -37,3 +37,49 @@ def test_workers_run_with_the_plans_threads_and_the_tokens_stay_the_same(tiny_mi
     result = run_engine(make_plan(spec, requests, colocated=1, threads=2, max_new_tokens=4, timeout_s=20))
     assert result["worker_threads"] == [2] and result["threads_per_process"] == 2
     assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, 4)
+
+
+def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir, prompts, monkeypatch):
+    from mbridge_epoverlap.serving.engine import bench
+    from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+
+    spec = load_spec(tiny_mixtral_dir)
+    requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+
+    def probe(times):  # (threads -> (attention ms, experts ms)) instead of a measurement
+        def fake(spec, micro_batch, *, context, threads):
+            attn, experts = times[threads]
+            return {"micro_batch": micro_batch, "attn_ms": attn, "experts_ms": experts}
+        return fake
+
+    # Two threads barely help (a busy machine): two one-thread workers overlapping their stages win.
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (4.0, 8.0), 1: (2.5, 5.0)}))
+    choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
+    assert choice["chosen"] == "disaggregated_1+1_m2"
+    assert choice["layout"] == dict(attn_workers=1, expert_workers=1, micro_batches=2, threads=1)
+    assert "disaggregated_1+1_m2" in choice["summary"] and "colocated_1" in choice["summary"]
+    # Two threads halve each stage: one process with both cores wins (no bubble, one weight pass).
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.0), 1: (3.0, 7.0)}))
+    choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
+    assert choice["layout"] == dict(colocated=1, micro_batches=1, order="sequential", threads=2)
+    # One core: nothing to split.
+    assert choose_layout(spec, requests, max_new_tokens=4, cores=1)["chosen"] == "colocated_1"
+
+
+def test_serve_without_layout_flags_chooses_and_reports_the_layout(tiny_mixtral_dir, prompts, hf_greedy, tmp_path,
+                                                                  capsys):
+    import json
+
+    from mbridge_epoverlap.cli import main
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    assert main(["serve", "--checkpoint", str(tiny_mixtral_dir), "--prompts", str(path), "--max-new-tokens", "3",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    choice = result["layout_choice"]
+    assert choice["chosen"] in choice["candidates"] and "layout (no layout flag given" in captured.err
+    assert result["threads_per_process"] == choice["layout"]["threads"]
+    assert result["mode"] == ("colocated" if "colocated" in choice["layout"] else "disaggregated")
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, 3)
