@@ -18,9 +18,8 @@ import heapq
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from mbridge_epoverlap.serving.model.batch import Segment, TokenBatch
+from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 _INITIAL_CAPACITY = 64
@@ -153,45 +152,11 @@ class KVCache:
             keys, values, lengths = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts, k[rows],
                                                        v[rows])
             heads[rows] = decode_attention(q[rows], keys, values, lengths, sliding_window=sliding_window)
-        prompts = [seg for seg in groups.alone if seg.length > 1]
-        if len(prompts) < 2:
-            prompts = []
         for seg in groups.alone:
-            if prompts and seg.length > 1:
-                continue
             keys, values = self.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
             heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
                                                sliding_window=sliding_window)
-        if prompts:
-            self._attend_prompts(layer, q, k, v, prompts, heads, sliding_window)
         return heads
-
-    def _attend_prompts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        prompts: Sequence[Segment], heads: torch.Tensor, sliding_window: int | None) -> None:
-        """Several prompts (or prompt chunks) at once: their keys and values stored, then one padded
-        `prefill_attention` over all of them instead of one `cached_attention` per prompt."""
-        for seg in prompts:
-            self._check(layer, seg.seq_id, seg.start)
-        rows = [self._row[seg.seq_id] for seg in prompts]
-        longest = max(seg.start + seg.length for seg in prompts)
-        self._fit(layer, longest)
-        k_buf, v_buf = self._keys[layer], self._values[layer]
-        for seg, row in zip(prompts, rows, strict=True):
-            end = seg.start + seg.length
-            k_buf[row, :, seg.start:end] = k[seg.rows].transpose(0, 1)
-            v_buf[row, :, seg.start:end] = v[seg.rows].transpose(0, 1)
-            self._lengths[seg.seq_id][layer] = end
-        row_index = torch.tensor(rows, dtype=torch.int64)
-        keys = k_buf[:, :, :longest].index_select(0, row_index)
-        values = v_buf[:, :, :longest].index_select(0, row_index)
-        token_rows, slot, offset = _padded_index(prompts)
-        q_len = max(seg.length for seg in prompts)
-        padded = q.new_zeros(len(prompts), q_len, q.shape[1], q.shape[2])
-        padded[slot, offset] = q[token_rows]
-        starts = torch.tensor([seg.start for seg in prompts], dtype=torch.int64)
-        lengths = torch.tensor([seg.start + seg.length for seg in prompts], dtype=torch.int64)
-        out = prefill_attention(padded, keys, values, starts, lengths, sliding_window=sliding_window)
-        heads[token_rows] = out[slot, offset].reshape(len(token_rows), -1)
 
     def _check(self, layer: int, seq_id: int, start: int) -> int:
         if seq_id not in self._row:
@@ -253,8 +218,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
                      sliding_window: int | None = None) -> torch.Tensor:
     """Attention of one new query per sequence to its cached keys, for a batch of sequences at once.
 
-    The same arithmetic as `cached_attention` per sequence (scores = q k^T * scale, masked keys excluded,
-    fp32 softmax, weights @ v), on histories padded to the longest: a padded key gets weight exactly 0.
+    Bitwise the result `cached_attention` (and `transformers`' eager attention) gives each sequence alone:
+
+    - scores: q k^T of the sequences with the same number of keys n as one [heads, 1, d] @ [heads, d, n]
+      product each, the shapes of the single-sequence product: the CPU GEMM computes a score differently
+      when the row of keys is padded (its last columns take another code path), so padding to the longest
+      here changed the tokens of some sequences;
+    - softmax over the scores padded with -inf to the longest (masked entries add exact zeros);
+    - weights @ v as single-row products of the padded weights (one per query head of a key group, every
+      sequence at once): a padded weight is 0 and adds nothing, and the values are read once per group
+      instead of being copied for every head.
 
     Args:
         q: [B, heads, head_dim] the queries (rotated), sequence b's at position `lengths[b] - 1`.
@@ -269,57 +242,32 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     b, heads, d = q.shape
     groups, longest = k.shape[1], k.shape[2]
     rep = heads // groups
-    # The rep query heads of a key group as rows of one GEMM against that group's keys (head h reads group
-    # h // rep, as repeat_kv): no copy of the keys per head. Expanding the keys to every head, then one
-    # single-row product per (sequence, head), was 20x slower at 64 sequences (the copies and the tiny GEMMs).
-    scores = torch.matmul(q.view(b, groups, rep, d), k.transpose(2, 3)) * (d ** -0.5)  # [B, groups, rep, longest]
-    k_positions = torch.arange(longest, device=q.device)
-    hidden = k_positions[None, :] >= lengths[:, None]
+    scores = q.new_full((b, heads, 1, longest), float("-inf"))
+    by_length: dict[int, list[int]] = {}
+    for index, n in enumerate(lengths.tolist()):
+        by_length.setdefault(n, []).append(index)
+    scale = d ** -0.5
+    for n, members in by_length.items():
+        if len(members) == 1:  # the common case (prompts of different lengths): views, no index tensors
+            i = members[0]
+            keys = k[i, :, None, :n].expand(groups, rep, n, d).reshape(heads, n, d)
+            scores[i, :, :, :n] = torch.matmul(q[i, :, None, :], keys.transpose(1, 2)) * scale
+            continue
+        sel = torch.tensor(members, dtype=torch.int64)
+        keys = k.index_select(0, sel)[:, :, None, :n].expand(len(members), groups, rep, n, d)
+        keys = keys.reshape(len(members), heads, n, d)
+        part = torch.matmul(q.index_select(0, sel)[:, :, None, :], keys.transpose(2, 3)) * scale
+        scores[sel, :, :, :n] = part  # [b_n, heads, 1, n]
     if sliding_window is not None:
-        hidden |= (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v).reshape(b, heads * d)
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                      lengths: torch.Tensor, *, sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of several sequences' new tokens at once, padded to the longest.
-
-    The attention `cached_attention` computes per sequence (scores = q k^T * scale, masked keys excluded,
-    softmax, weights @ v), fused; a padded key gets weight 0 and a padded query row is dropped by the caller.
-
-    Args:
-        q: [S, n, heads, head_dim] queries (rotated), sequence s's token i at position `starts[s] + i`.
-        k, v: [S, groups, longest, head_dim] keys (rotated) and values, sequence s's in its first
-            `lengths[s]` positions.
-        starts: [S] int64 position of each sequence's first new token; lengths: [S] keys per sequence.
-        sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
-
-    Returns:
-        [S, n, heads, head_dim].
-    """
-    s, n, heads, d = q.shape
-    longest = k.shape[2]
-    q_positions = starts[:, None] + torch.arange(n, device=q.device)[None, :]  # [S, n]
-    k_positions = torch.arange(longest, device=q.device)
-    visible = (k_positions[None, None, :] <= q_positions[:, :, None]) & (k_positions[None, None, :] <
-                                                                       lengths[:, None, None])
-    if sliding_window is not None:
-        visible &= q_positions[:, :, None] - k_positions[None, None, :] < sliding_window
-    visible[:, :, 0] |= q_positions >= lengths[:, None]  # a padded query row sees key 0: no all-masked row
-    # torch's fused CPU attention (one pass, fp32 softmax, key groups shared without copies): 3.5x faster
-    # than the eager ops on 64 prompts; its results differ from eager in the last bits, not in the tokens.
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=visible[:, None], enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def _padded_index(prompts: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(batch rows, padded slot, offset in the slot) of every token of `prompts`."""
-    rows = torch.cat([torch.arange(seg.rows.start, seg.rows.stop) for seg in prompts])
-    slot = torch.cat([torch.full((seg.length,), i, dtype=torch.int64) for i, seg in enumerate(prompts)])
-    offset = torch.cat([torch.arange(seg.length) for seg in prompts])
-    return rows, slot, offset
+        k_positions = torch.arange(longest, device=q.device)
+        hidden = (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
+        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(b * groups, rep, longest)
+    values = v.reshape(b * groups, longest, d)
+    out = torch.empty(b * groups, rep, d, dtype=q.dtype, device=q.device)
+    for r in range(rep):
+        out[:, r:r + 1] = torch.bmm(weights[:, r:r + 1], values)
+    return out.view(b, heads * d)
 
 
 def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:

@@ -83,3 +83,25 @@ def test_serve_without_layout_flags_chooses_and_reports_the_layout(tiny_mixtral_
     assert result["threads_per_process"] == choice["layout"]["threads"]
     assert result["mode"] == ("colocated" if "colocated" in choice["layout"] else "disaggregated")
     assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, 3)
+
+
+def test_batched_decode_attention_is_bitwise_each_sequence_alone():
+    """Histories of different lengths padded to the longest give every sequence exactly its single-sequence
+    attention (padding the keys of the score product changed some scores' last bits, and greedy tokens)."""
+    import torch
+
+    from mbridge_epoverlap.serving.model.kv_cache import cached_attention, decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, groups, dim, longest = 24, 8, 2, 64, 150
+    q = torch.randn(batch, heads, dim, generator=generator)
+    k = torch.randn(batch, groups, longest, dim, generator=generator)
+    v = torch.randn(batch, groups, longest, dim, generator=generator)
+    lengths = torch.randint(90, longest + 1, (batch,), generator=generator)
+    lengths[1] = lengths[0]  # two sequences of one length share a product
+    out = decode_attention(q, k, v, lengths)
+    for b in range(batch):
+        n = int(lengths[b])
+        alone = cached_attention(q[b:b + 1], k[b, :, :n].transpose(0, 1), v[b, :, :n].transpose(0, 1),
+                                 torch.tensor([n - 1]))
+        assert torch.equal(out[b], alone[0]), f"sequence {b} (length {n})"
