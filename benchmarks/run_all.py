@@ -88,6 +88,18 @@ def _serving(doc: dict[str, Any]) -> str:
             f"{r['disaggregated_m2_over_colocated']:.2f}x; matches reference {match}")
 
 
+def _peers(doc: dict[str, Any]) -> str:
+    cells = []
+    for name, model in doc["models"].items():
+        engines, ratios = model["engines"], model["ratios"]
+        default = engines["engine_default"]
+        vllm = f", vs vLLM {ratios['default_over_vllm']:.2f}x" if "default_over_vllm" in ratios else ""
+        cells.append(f"{name}: default {default['tokens_per_s']:.0f} tok/s, vs transformers "
+                     f"{ratios['default_over_transformers']:.2f}x{vllm}, equal "
+                     f"{default['sequences_equal_transformers']}/{default['sequences']}")
+    return "; ".join(cells)
+
+
 def _fuzz(doc: dict[str, Any]) -> str:
     return ", ".join(f"{release}: missed {t['missed']} / false {t['false']}" for release, t in doc["releases"].items())
 
@@ -111,6 +123,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("elastic", "elastic_bench.py", False, _elastic),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
     Benchmark("serving", "serving_bench.py", True, _serving),
+    Benchmark("serving_peers", "serving_peers_bench.py", True, _peers),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),
 )

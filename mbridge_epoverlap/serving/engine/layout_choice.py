@@ -69,7 +69,7 @@ def _choose(spec: Any, requests: Sequence[Request], max_new_tokens: int, max_bat
     others = ", ".join(f"{name} {c['predicted_decode_tokens_per_s']:,.0f}" for name, c in candidates.items()
                        if name != best)
     layout = candidates[best]["layout"]
-    summary = (f"{best} ({layout['threads']} threads per process, m={layout['micro_batches']}): predicted "
+    summary = (f"{best} (threads per process {layout['threads']}, m={layout['micro_batches']}): predicted "
                f"{candidates[best]['predicted_decode_tokens_per_s']:,.0f} decode tokens/s at batch {batch}, "
                f"context {context}, {cores} cores" + (f"; {others}" if others else ""))
     return {"layout": layout, "chosen": best, "summary": summary, "cores": cores, "batch": batch,
