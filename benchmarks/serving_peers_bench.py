@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
             from mbridge_epoverlap.serving.engine.breakdown import step_breakdown
             from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
-            result["breakdown"] = step_breakdown(load_spec(checkpoint, dtype=args.dtype), prompts)
+            # With the threads each process of the default layout ran with (comparable with its stage times).
+            threads = result["engines"]["engine_default"]["threads_per_process"]
+            result["breakdown"] = step_breakdown(load_spec(checkpoint, dtype=args.dtype), prompts, threads=threads)
         doc["models"][name] = result
         print(f"\n{name}:")
         print("| engine | tokens/s | TTFT P50 / P99 (ms) | = transformers | decode tokens/s: measured / replay |")
