@@ -81,13 +81,6 @@ def _m2n(doc: dict[str, Any]) -> str:
             + ", ".join(cells))
 
 
-def _serving(doc: dict[str, Any]) -> str:
-    r = doc["ratios"]
-    match = all(case.get("matches_reference", True) for case in doc["cases"].values())
-    return (f"ping-pong m=2/m=1 {r['m2_over_m1']:.2f}x, m=3/m=2 {r['m3_over_m2']:.2f}x, disaggregated/colocated "
-            f"{r['disaggregated_m2_over_colocated']:.2f}x; matches reference {match}")
-
-
 def _peers(doc: dict[str, Any]) -> str:
     cells = []
     for name, model in doc["models"].items():
@@ -98,6 +91,13 @@ def _peers(doc: dict[str, Any]) -> str:
                      f"{ratios['default_over_transformers']:.2f}x{vllm}, equal "
                      f"{default['sequences_equal_transformers']}/{default['sequences']}")
     return "; ".join(cells)
+
+
+def _serving(doc: dict[str, Any]) -> str:
+    r = doc["ratios"]
+    match = all(case.get("matches_reference", True) for case in doc["cases"].values())
+    return (f"ping-pong m=2/m=1 {r['m2_over_m1']:.2f}x, m=3/m=2 {r['m3_over_m2']:.2f}x, disaggregated/colocated "
+            f"{r['disaggregated_m2_over_colocated']:.2f}x; matches reference {match}")
 
 
 def _fuzz(doc: dict[str, Any]) -> str:
