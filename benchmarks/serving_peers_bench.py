@@ -15,7 +15,8 @@ takes others (`--checkpoint DIR`, repeatable), then runs the same prompts (64 of
 tokens/s is generated tokens over the time from the first request's admission to the last token,
 start-up and model load excluded (vLLM's offline definition); the median over the repeats is reported,
 with time to first token P50/P99 (ms) of each engine (`transformers`: the batch's prefill, the same for
-every sequence), ratios to vLLM and to `transformers`, and how many sequences equal `transformers`'.
+every sequence), ratios to vLLM and to `transformers`, and how many sequences equal `transformers`'
+`generate` of each prompt alone (the tests' ground truth, run once, not timed) and of the batch.
 With `--breakdown` also one prefill and one decode step split by part (`serving.engine.breakdown`).
 
     python benchmarks/serving_peers_bench.py --vllm-python /work/vllm-venv/bin/python
@@ -156,6 +157,20 @@ class Transformers:
         return {"wall_s": wall, "outputs": out[:, longest:].tolist(),
                 "ttft_ms": [ttft] * len(prompts) if ttft else []}
 
+    def one_at_a_time(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """`generate` of each prompt alone (not timed): the tests' ground truth; in bf16 a left-padded batch
+        rounds differently from it."""
+        import torch
+
+        torch.set_num_threads(self.threads)
+        out = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = self.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new,
+                                          min_new_tokens=max_new, pad_token_id=0)
+                out.append(ids[0, len(prompt):].tolist())
+        return out
+
     def close(self) -> None:
         pass
 
@@ -250,17 +265,20 @@ def compare(name: str, checkpoint: Path, args: argparse.Namespace, prompts: list
             runs[engine_name].append(r)
             print(f"  {name} repeat {repeat}: {engine_name}: {r['tokens'] / r['wall_s']:.1f} tokens/s",
                   file=sys.stderr, flush=True)
+    batched = runs["transformers"][0]["outputs"]
+    reference = engines["transformers"].one_at_a_time(prompts, args.max_new_tokens)
     for engine in engines.values():
         engine.close()
-    reference = runs["transformers"][0]["outputs"]
     rows: dict[str, Any] = {}
     for engine_name, rs in runs.items():
         rates = [r["tokens"] / r["wall_s"] for r in rs]
         ttft = [t for r in rs for t in r["ttft_ms"]]
         same = sum(a == b for a, b in zip(rs[0]["outputs"], reference, strict=True))
+        same_batched = sum(a == b for a, b in zip(rs[0]["outputs"], batched, strict=True))
         row = {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
                "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p99": _percentile(ttft, 99),
-               "sequences_equal_transformers": same, "sequences": len(reference)}
+               "sequences_equal_transformers": same, "sequences_equal_transformers_batched": same_batched,
+               "sequences": len(reference)}
         if "predicted_tokens_per_s" in rs[0]:
             row["predicted_tokens_per_s"] = statistics.median(r["predicted_tokens_per_s"] for r in rs)
             # The replay predicts steady decode (the steps after the prefill step): compare it with that.
@@ -320,14 +338,15 @@ def main(argv: list[str] | None = None) -> int:
             result["breakdown"] = step_breakdown(load_spec(checkpoint, dtype=args.dtype), prompts, threads=threads)
         doc["models"][name] = result
         print(f"\n{name}:")
-        print("| engine | tokens/s | TTFT P50 / P99 (ms) | = transformers | decode tokens/s: measured / replay |")
+        print("| engine | tokens/s | TTFT P50 / P99 (ms) | = transformers (alone / batched) | "
+              "decode tokens/s: measured / replay |")
         print("|---|---|---|---|---|")
         for engine_name, row in result["engines"].items():
             ttft = f"{row['ttft_ms_p50'] or 0:.0f} / {row['ttft_ms_p99'] or 0:.0f}"
             pred = (f"{row['decode_tokens_per_s']:.1f} / {row['predicted_tokens_per_s']:.1f}"
                     if "predicted_tokens_per_s" in row else "-")
-            print(f"| {engine_name} | {row['tokens_per_s']:.1f} | {ttft} | {row['sequences_equal_transformers']}/"
-                  f"{row['sequences']} | {pred} |")
+            print(f"| {engine_name} | {row['tokens_per_s']:.1f} | {ttft} | {row['sequences_equal_transformers']} / "
+                  f"{row['sequences_equal_transformers_batched']} of {row['sequences']} | {pred} |")
         choice = result["engines"]["engine_default"].get("layout_choice")
         if choice:
             print(f"default layout: {choice['summary']}")

@@ -9,7 +9,9 @@ Two layouts are candidates on one machine of `cores` cores:
 
 `choose_layout` times both stages of one decode layer in this process (`bench.stage_probe`, a fraction
 of a second on the shrunk models) at the batch and context the requests will have, predicts the decode
-tokens/s of each candidate and takes the faster. What it measured and why it chose travel with the result
+tokens/s of each candidate and takes the faster; one colocated process with several threads must be
+predicted `THREADS_MARGIN` faster than the one-thread workers (OpenMP threads stall each other on a shared
+machine, which a short probe misses). What it measured and why it chose travel with the result
 (`layout_choice`). Transfers between the workers and prefill are left out of the prediction: the measured
 run says how far that is from the truth.
 """
@@ -22,6 +24,8 @@ from typing import Any
 
 from mbridge_epoverlap.serving.engine.plan import available_cores
 from mbridge_epoverlap.serving.workers.requests import Request
+
+THREADS_MARGIN = 1.3  # how much faster a layout with more threads per process must be predicted
 
 
 def choose_layout(spec: Any, requests: Sequence[Request], *, max_new_tokens: int, max_batch: int = 64,
@@ -66,12 +70,22 @@ def _choose(spec: Any, requests: Sequence[Request], max_new_tokens: int, max_bat
     for c in candidates.values():
         c["predicted_decode_tokens_per_s"] = batch / (layers * c["layer_ms"] / 1e3)
     best = min(candidates, key=lambda name: candidates[name]["layer_ms"])
+    margin = False
+    single = "disaggregated_1+1_m2"
+    if best != single and single in candidates and cores // 2 == 1 and (
+            candidates[best]["layer_ms"] * THREADS_MARGIN > candidates[single]["layer_ms"]):
+        # Several OpenMP threads in one process stall each other whenever the machine is shared (every op
+        # waits for its slowest thread): measured here, 5-10x slower runs than the probe predicted. A layout
+        # with more threads per process must win the probe by a margin.
+        best, margin = single, True
+
     others = ", ".join(f"{name} {c['predicted_decode_tokens_per_s']:,.0f}" for name, c in candidates.items()
                        if name != best)
     layout = candidates[best]["layout"]
     summary = (f"{best} (threads per process {layout['threads']}, m={layout['micro_batches']}): predicted "
                f"{candidates[best]['predicted_decode_tokens_per_s']:,.0f} decode tokens/s at batch {batch}, "
-               f"context {context}, {cores} cores" + (f"; {others}" if others else ""))
+               f"context {context}, {cores} cores" + (f"; {others}" if others else "")
+               + (f" (not {THREADS_MARGIN:g}x faster: one thread per process)" if margin else ""))
     return {"layout": layout, "chosen": best, "summary": summary, "cores": cores, "batch": batch,
             "candidates": candidates, "probes": probes}
 

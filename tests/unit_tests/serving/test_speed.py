@@ -62,6 +62,9 @@ def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir
     monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.0), 1: (3.0, 7.0)}))
     choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
     assert choice["layout"] == dict(colocated=1, micro_batches=1, order="sequential", threads=2)
+    # Two threads only a little faster: not enough (they stall each other on a shared machine).
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.4), 1: (1.6, 3.5)}))
+    assert choose_layout(spec, requests, max_new_tokens=4, cores=2)["chosen"] == "disaggregated_1+1_m2"
     # One core: nothing to split.
     assert choose_layout(spec, requests, max_new_tokens=4, cores=1)["chosen"] == "colocated_1"
 
