@@ -89,6 +89,18 @@ def _m2n(doc: dict[str, Any]) -> str:
             + ", ".join(cells))
 
 
+def _peers(doc: dict[str, Any]) -> str:
+    cells = []
+    for name, model in doc["models"].items():
+        engines, ratios = model["engines"], model["ratios"]
+        default = engines["engine_default"]
+        vllm = f", vs vLLM {ratios['default_over_vllm']:.2f}x" if "default_over_vllm" in ratios else ""
+        cells.append(f"{name}: default {default['tokens_per_s']:.0f} tok/s, vs transformers "
+                     f"{ratios['default_over_transformers']:.2f}x{vllm}, equal "
+                     f"{default['sequences_equal_transformers']}/{default['sequences']}")
+    return "; ".join(cells)
+
+
 def _serving(doc: dict[str, Any]) -> str:
     r = doc["ratios"]
     match = all(case.get("matches_reference", True) for case in doc["cases"].values())
@@ -125,6 +137,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("serving_online", "serving_online_bench.py", False, _serving_online),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
     Benchmark("serving", "serving_bench.py", True, _serving),
+    Benchmark("serving_peers", "serving_peers_bench.py", True, _peers),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),
     Benchmark("bridge_fuzz", "bridge_fuzz.py", False, _bridge_fuzz,

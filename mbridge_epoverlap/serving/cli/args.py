@@ -48,11 +48,19 @@ def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--json", action="store_true", help="JSON on stdout instead of a table")
 
 
+LAYOUT_DEFAULTS = {"attn_workers": 1, "expert_workers": 1, "micro_batches": 2}
+
+
 def layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False) -> None:
-    parser.add_argument("--attn-workers", type=positive, default=1, metavar="A", help="attention workers (default 1)")
-    parser.add_argument("--expert-workers", type=positive, default=1, metavar="E", help="expert workers (default 1)")
-    parser.add_argument("--micro-batches", type=positive, default=2, metavar="M",
-                        help="micro-batches in flight (default 2)")
+    """The layout flags. Without any of them (and without `--colocated`, `--threads`) the command chooses the
+    layout from a short measurement (`serving.engine.layout_choice`); any one given forces the layout, the
+    others then taking their defaults (1 attention worker, 1 expert worker, m=2)."""
+    parser.add_argument("--attn-workers", type=positive, default=None, metavar="A",
+                        help="attention workers (default 1 when a layout flag is given, else chosen)")
+    parser.add_argument("--expert-workers", type=positive, default=None, metavar="E",
+                        help="expert workers (default 1 when a layout flag is given, else chosen)")
+    parser.add_argument("--micro-batches", type=positive, default=None, metavar="M",
+                        help="micro-batches in flight (default 2 when a layout flag is given, else chosen)")
     if colocated_flag:
         parser.add_argument("--colocated", action="store_true",
                             help="the colocated baseline on A+E processes instead")
@@ -61,8 +69,34 @@ def layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False
                             help="the colocated baseline on N processes instead (1: single process)")
     parser.add_argument("--order", choices=("two_batch_overlap", "sequential"), default="two_batch_overlap",
                         help="colocated order (default two_batch_overlap)")
+    parser.add_argument("--threads", type=count, default=0, metavar="T",
+                        help="torch threads per worker process (default 0: the cores shared evenly by the processes)")
     parser.add_argument("--max-batch", type=positive, default=64, metavar="B",
                         help="sequences decoding at once per attention worker; more wait (default 64)")
+
+
+def layout_forced(args: argparse.Namespace) -> bool:
+    """Whether a layout flag was given (then the flags decide; else the layout is chosen)."""
+    return bool(any(getattr(args, name) is not None for name in LAYOUT_DEFAULTS) or args.colocated or args.threads)
+
+
+def fill_layout_defaults(args: argparse.Namespace) -> None:
+    """The layout flags not given take their defaults."""
+    for name, value in LAYOUT_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def apply_layout(args: argparse.Namespace, layout: dict[str, Any], *, colocated_as_flag: bool = False) -> None:
+    """Set the layout flags from a chosen layout (`layout_choice.choose_layout`'s "layout")."""
+    processes = layout.get("colocated", 0)
+    if processes:
+        args.attn_workers, args.expert_workers = (processes, 0) if colocated_as_flag else (1, 1)
+        args.colocated = True if colocated_as_flag else processes
+        args.order = layout.get("order", args.order)
+    else:
+        args.attn_workers, args.expert_workers = layout["attn_workers"], layout["expert_workers"]
+    args.micro_batches, args.threads = layout["micro_batches"], layout["threads"]
 
 
 def source_of(args: argparse.Namespace, default: str | None = None) -> str:

@@ -15,9 +15,12 @@ from typing import Any
 from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
 from mbridge_epoverlap.serving.cli.args import (
+    apply_layout,
     epoch_args,
+    fill_layout_defaults,
     host_args,
     layout_args,
+    layout_forced,
     model_args,
     non_negative_seconds,
     on_hosts,
@@ -107,6 +110,7 @@ def handle_serve(args: argparse.Namespace) -> int:
                              "apply to --elastic serving; add --elastic")
         from mbridge_epoverlap.serving.frontend.server import serve_http
 
+        fill_layout_defaults(args)  # the server runs the flags' layout (no short measurement before serving)
         return serve_http(args)
     if args.prompts is None:
         raise UsageError("give --prompts FILE (a batch of requests) or --http HOST:PORT (a server)")
@@ -117,10 +121,16 @@ def handle_serve(args: argparse.Namespace) -> int:
     requests = load_prompts(args.prompts, vocab_size=spec.vocab_size,
                             tokenizer=tokenizer.encode if tokenizer is not None else None)
     check_context(requests, args.max_new_tokens, args.max_model_len or context_length(spec))
+    choice = None
+    # The choice compares layouts on this host; emulated hosts place the workers themselves.
+    if not args.elastic and not args.emulate_hosts and not layout_forced(args):
+        choice = _choose(spec, requests, args.max_new_tokens, args.max_batch)
+        apply_layout(args, choice["layout"])
+    fill_layout_defaults(args)
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
-                     timeout_s=args.timeout, dtype=args.dtype)
+                     timeout_s=args.timeout, dtype=args.dtype, threads=args.threads)
     if args.elastic:
         from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 
@@ -132,6 +142,8 @@ def handle_serve(args: argparse.Namespace) -> int:
     plan = on_hosts(plan, args)
     result, code = run_reporting_failure(plan, progress_printer(args))
     finish_bench_result(result, spec)
+    if choice is not None:
+        result["layout_choice"] = _choice_field(choice)
     print_result(result, args.json, _serve_table)
     return code
 
@@ -163,6 +175,8 @@ def handle_bench(args: argparse.Namespace) -> int:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
     check_backend(args.backend)
     spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
+    chosen = not layout_forced(args) and not args.emulate_hosts
+    fill_layout_defaults(args)
     attn, experts = args.attn_workers, args.expert_workers
     probes: list[dict[str, float]] = []
     if args.batch is None:
@@ -171,12 +185,20 @@ def handle_bench(args: argparse.Namespace) -> int:
     else:
         batch = args.batch
     requests = synthetic_requests(batch, spec.vocab_size)
+    choice = None
+    if chosen:
+        choice = _choose(spec, requests, args.steps, batch)
+        apply_layout(args, choice["layout"], colocated_as_flag=True)
+        attn, experts = args.attn_workers, args.expert_workers
     colocated = attn + experts if args.colocated else 0
     plan = make_plan(spec, requests, attn_workers=attn, expert_workers=experts, micro_batches=args.micro_batches,
                      colocated=colocated, order=args.order, max_new_tokens=args.steps, max_batch=batch,
-                     backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype)
+                     backend=args.backend, timeout_s=args.timeout, num_layers=args.layers, dtype=args.dtype,
+                     threads=args.threads)
     plan = on_hosts(plan, args)
     result, code = run_reporting_failure(plan, progress_printer(args))
+    if choice is not None:
+        result["layout_choice"] = _choice_field(choice)
     result["batch"] = batch
     result["balance_probes"] = probes
     finish_bench_result(result, spec, requests=requests, max_new_tokens=args.steps, succeeded=code == 0)
@@ -186,10 +208,25 @@ def handle_bench(args: argparse.Namespace) -> int:
     return code
 
 
+def _choose(spec: Any, requests: Any, max_new_tokens: int, max_batch: int) -> dict[str, Any]:
+    """No layout flag: the layout a short measurement predicts fastest, said on stderr."""
+    from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+
+    choice = choose_layout(spec, requests, max_new_tokens=max_new_tokens, max_batch=max_batch)
+    print(f"  layout (no layout flag given; force one with --attn-workers/--expert-workers/--micro-batches/"
+          f"--colocated/--threads): {choice['summary']}", file=sys.stderr, flush=True)
+    return choice
+
+
+def _choice_field(choice: dict[str, Any]) -> dict[str, Any]:
+    return {key: choice[key] for key in ("chosen", "layout", "summary", "cores", "batch", "candidates", "probes")}
+
+
 def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("mode", f"{result['mode']} ({result['order']}, m={result['micro_batches']})"),
             ("workers", f"{result['attn_workers']} attention, {result['expert_workers']} expert"
              if result["mode"] != "colocated" else f"{result['attn_workers']} colocated"),
+            ("threads per process", str(result.get("threads_per_process", 1))),
             ("generated tokens", str(result["generated_tokens"])),
             ("tokens/s", fmt(result["tokens_per_s"], "{:,.1f}")),
             ("TBT p50 / p99 (ms)", f"{fmt(result['tbt_ms_p50'])} / {fmt(result['tbt_ms_p99'])}"),

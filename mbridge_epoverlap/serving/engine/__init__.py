@@ -13,6 +13,9 @@ it knows processes, the workers below it do not.
 - `worker_main`: the entry point of one worker process.
 - `bench`: `serve-bench` pieces (synthetic requests, balanced sizing, the reference check) and
   `finish_bench_result`, the one place a bench result is finished.
+- `breakdown`: `step_breakdown`, where a prefill and a decode step's time goes (attention, router, dispatch,
+  experts, combine, sampling, overhead), timed in one process.
+- `layout_choice`: `choose_layout`, the layout `serve` runs without layout flags (a short measurement).
 - `collect`: merges a cluster job's worker reports into the `serve-bench` result.
 
 Nothing is imported here, so importing the package stays cheap.

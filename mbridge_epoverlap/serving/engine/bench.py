@@ -72,9 +72,10 @@ def _timed(fn: Any, repeats: int = 5) -> float:
 
 
 def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_workers: int = 1,
-                context: int = PROMPT_LEN + 8) -> dict[str, float]:
+                context: int = PROMPT_LEN + 8, threads: int = 1) -> dict[str, float]:
     """Time one decode layer's attention-side work for `micro_batch` sequences (attention, router, and the
-    gate-weighted sum after the experts) and the matching expert layer (ms).
+    gate-weighted sum after the experts) and the matching expert layer (ms), with `threads` torch threads
+    (this process keeps them after the probe).
 
     The expert side gets the tokens of all attention workers, spread over the expert workers.
     """
@@ -83,7 +84,7 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
     from mbridge_epoverlap.serving.model.parts import KVCache, TokenBatch, load_attention_part, load_expert_part
     from mbridge_epoverlap.serving.workers.placement import Placement
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     layer = spec.moe_layer_ids[0]
     attention = load_attention_part(spec)
     placement = Placement.balanced(spec.num_experts, expert_workers)

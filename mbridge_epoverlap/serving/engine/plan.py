@@ -57,6 +57,8 @@ class EnginePlan:
         emulate_hosts: emulated hosts (`engine.hosts`): attention workers on host 0, expert workers on host 1,
             each host a network namespace joined by a link shaped to `emulate_link_gbps` (0: one real host).
         emulate_link_gbps: the emulated link's rate in Gbit/s.
+        threads: torch intra-op threads of every worker process (`default_threads`: the cores over the
+            processes); 0 in a plan written before the field existed means one.
     """
 
     source: str
@@ -87,6 +89,7 @@ class EnginePlan:
     max_model_len: int = 0
     emulate_hosts: int = 0
     emulate_link_gbps: float = 0.0
+    threads: int = 0
 
     @property
     def online(self) -> bool:
@@ -130,6 +133,11 @@ class EnginePlan:
         if not self.elastic:
             return []
         return self.expert_ranks + (self.attention_ranks[1:] if self.online else [])
+
+    @property
+    def threads_per_process(self) -> int:
+        """The torch threads each worker process runs with (at least one)."""
+        return max(1, self.threads)
 
     @property
     def world(self) -> int:
@@ -176,6 +184,22 @@ class EnginePlan:
         raw["kill"] = tuple(tuple(k) for k in raw.get("kill", ()))
         raw["online_requests"] = tuple(raw.get("online_requests", ()))
         return cls(**raw)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the CPU count where affinity is unknown)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(processes: int, cores: int | None = None) -> int:
+    """Torch threads per worker process when the layout does not say: the cores shared evenly by the
+    processes, at least one each (one process on two cores gets both; two get one each, as before)."""
+    return max(1, (available_cores() if cores is None else cores) // max(1, processes))
 
 
 def deal_requests(requests: Sequence[Request], readers: int) -> tuple[tuple[dict[str, Any], ...], ...]:

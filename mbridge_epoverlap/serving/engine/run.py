@@ -46,17 +46,18 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
               max_new_tokens: int = 16, max_batch: int = 64, placement: Sequence[int] | None = None,
               backend: str = "m2n", timeout_s: float = 30.0, num_layers: int | None = None, seed: int = 0,
               dtype: str = "float32", online_requests: Sequence[str] = (), online_events: str = "",
-              max_model_len: int = 0) -> EnginePlan:
+              max_model_len: int = 0, threads: int = 0) -> EnginePlan:
     """Check a layout against the model and deal the requests to the attention workers (round robin).
 
     Online serving (`online_requests`, one front-end endpoint per attention worker, and `online_events`) deals
-    none: requests arrive while the workers run, each at most `max_model_len` tokens long.
+    none: requests arrive while the workers run, each at most `max_model_len` tokens long. `threads` is torch's
+    intra-op threads per worker process; 0 shares the cores evenly (`plan.default_threads`).
 
     Raises:
         UsageError: a count below one, more expert workers than experts, a placement that does not fit,
             a model without MoE layers, or a bad generation limit.
     """
-    from mbridge_epoverlap.serving.engine.plan import check_layout
+    from mbridge_epoverlap.serving.engine.plan import check_layout, default_threads
     from mbridge_epoverlap.serving.workers.placement import Placement
 
     check_layout(attn_workers=attn_workers, expert_workers=expert_workers, micro_batches=micro_batches,
@@ -65,6 +66,8 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
         raise UsageError(f"{spec.source}: the model has no MoE layer; the engine serves MoE models")
     if max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens {max_new_tokens}: need at least 1")
+    if threads < 0:
+        raise UsageError(f"--threads {threads}: need at least 1 (or 0 for the cores over the processes)")
     holders = colocated or expert_workers
     table = (Placement.from_list(placement, holders) if placement is not None
              else Placement.balanced(spec.num_experts, holders))
@@ -87,7 +90,8 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
                       placement=table.owner, max_new_tokens=max_new_tokens, max_batch=max_batch, requests=dealt,
                       backend=backend, slot_bytes=slot_bytes, timeout_s=timeout_s, num_layers=num_layers, seed=seed,
                       dtype=dtype, online_requests=tuple(online_requests), online_events=online_events,
-                      max_model_len=max_model_len)
+                      max_model_len=max_model_len,
+                      threads=threads or default_threads(colocated or attn_workers + expert_workers))
 
 
 def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = None,
@@ -117,7 +121,10 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
     from mbridge_epoverlap.serving.engine.hosts import host_of_ranks
 
     try:
+        # Every worker's torch threads (the launcher's default is one; the worker sets torch from this).
+        threads = str(plan.threads_per_process)
         ranks = launch_processes(plan.world, lambda rank: command, files={"plan.json": plan.to_json()},
+                                 env_vars={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads},
                                  timeout_s=run_timeout_s, progress=progress, on_start=started,
                                  rank_names=plan.rank_names(), collect=collect_reports,
                                  expendable=plan.expendable_ranks,
@@ -179,6 +186,8 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
     tbts = [t for c in ordered for t in c["tbt_ms"]]
     result: dict[str, Any] = {
         "mode": plan.mode, "order": plan.order, "micro_batches": plan.micro_batches,
+        "threads_per_process": plan.threads_per_process,
+        "worker_threads": [r.get("torch_threads") for r in sorted(ranks, key=lambda r: r["rank"])],
         "attn_workers": plan.attn_workers if plan.mode != COLOCATED else plan.processes,
         "expert_workers": plan.expert_workers if plan.mode != COLOCATED else plan.processes,
         "completions": ordered, "generated_tokens": tokens, "wall_s": wall,

@@ -66,7 +66,8 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     role, index = plan.role_of(rank)
     placement = Placement.from_list(plan.placement, len(plan.expert_ranks))
     progress = (lambda line: print(line, flush=True)) if rank == 0 and not plan.online else None
-    payload: dict[str, Any] = {"rank": rank, "role": "colocated" if role is None else role.value, "index": index}
+    payload: dict[str, Any] = {"rank": rank, "role": "colocated" if role is None else role.value, "index": index,
+                               "torch_threads": torch.get_num_threads()}
     state["payload"], state["out"] = payload, out / f"rank{rank}.json"
 
     queue = None

@@ -75,7 +75,7 @@ def serve_http(args: argparse.Namespace) -> int:
         plan = make_plan(spec, [], attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                          micro_batches=args.micro_batches, max_batch=args.max_batch, backend=args.backend,
                          timeout_s=args.timeout, dtype=args.dtype, online_requests=endpoints, online_events=events,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, threads=args.threads)
         if args.elastic:
             from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 

@@ -218,8 +218,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
                      sliding_window: int | None = None) -> torch.Tensor:
     """Attention of one new query per sequence to its cached keys, for a batch of sequences at once.
 
-    The same arithmetic as `cached_attention` per sequence (scores = q k^T * scale, masked keys excluded,
-    fp32 softmax, weights @ v), on histories padded to the longest: a padded key gets weight exactly 0.
+    Bitwise the result `cached_attention` (and `transformers`' eager attention) gives each sequence alone:
+
+    - scores: q k^T of the sequences with the same number of keys n as one [heads, 1, d] @ [heads, d, n]
+      product each, the shapes of the single-sequence product: the CPU GEMM computes a score differently
+      when the row of keys is padded (its last columns take another code path), so padding to the longest
+      here changed the tokens of some sequences;
+    - softmax over the scores padded with -inf to the longest (masked entries add exact zeros);
+    - weights @ v as single-row products of the padded weights (one per query head of a key group, every
+      sequence at once): a padded weight is 0 and adds nothing, and the values are read once per group
+      instead of being copied for every head.
 
     Args:
         q: [B, heads, head_dim] the queries (rotated), sequence b's at position `lengths[b] - 1`.
@@ -234,17 +242,32 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     b, heads, d = q.shape
     groups, longest = k.shape[1], k.shape[2]
     rep = heads // groups
-    if rep > 1:
-        k = k[:, :, None].expand(b, groups, rep, longest, d).reshape(b, heads, longest, d)
-        v = v[:, :, None].expand(b, groups, rep, longest, d).reshape(b, heads, longest, d)
-    scores = torch.matmul(q[:, :, None, :], k.transpose(2, 3)) * (d ** -0.5)  # [B, heads, 1, longest]
-    k_positions = torch.arange(longest, device=q.device)
-    hidden = k_positions[None, :] >= lengths[:, None]
+    scores = q.new_full((b, heads, 1, longest), float("-inf"))
+    by_length: dict[int, list[int]] = {}
+    for index, n in enumerate(lengths.tolist()):
+        by_length.setdefault(n, []).append(index)
+    scale = d ** -0.5
+    for n, members in by_length.items():
+        if len(members) == 1:  # the common case (prompts of different lengths): views, no index tensors
+            i = members[0]
+            keys = k[i, :, None, :n].expand(groups, rep, n, d).reshape(heads, n, d)
+            scores[i, :, :, :n] = torch.matmul(q[i, :, None, :], keys.transpose(1, 2)) * scale
+            continue
+        sel = torch.tensor(members, dtype=torch.int64)
+        keys = k.index_select(0, sel)[:, :, None, :n].expand(len(members), groups, rep, n, d)
+        keys = keys.reshape(len(members), heads, n, d)
+        part = torch.matmul(q.index_select(0, sel)[:, :, None, :], keys.transpose(2, 3)) * scale
+        scores[sel, :, :, :n] = part  # [b_n, heads, 1, n]
     if sliding_window is not None:
-        hidden |= (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v).reshape(b, heads * d)
+        k_positions = torch.arange(longest, device=q.device)
+        hidden = (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
+        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(b * groups, rep, longest)
+    values = v.reshape(b * groups, longest, d)
+    out = torch.empty(b * groups, rep, d, dtype=q.dtype, device=q.device)
+    for r in range(rep):
+        out[:, r:r + 1] = torch.bmm(weights[:, r:r + 1], values)
+    return out.view(b, heads * d)
 
 
 def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:

@@ -216,6 +216,10 @@ def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch
         raise ValueError(f"layer {layer} is dense; it has no routed experts")
     t, k = attn.expert_ids.shape
     flat_ids = attn.expert_ids.reshape(-1)
+    if len(parts) == 1 and len(parts[0].expert_ids) == parts[0].spec.num_experts:
+        # One part holds every expert: each token given once, no copies of the rows on the way.
+        index = torch.arange(t).repeat_interleave(k)
+        return parts[0](layer, attn.tokens, flat_ids, token_index=index).view(t, k, -1)
     rows = attn.tokens.repeat_interleave(k, dim=0)
     out = rows.new_empty(rows.shape)
     covered = torch.zeros(t * k, dtype=torch.bool)

@@ -89,6 +89,10 @@ class AllToAllTransport(Transport):
             return
         with side.timer.time(DISPATCH.name, record=not h.empty):
             hidden, ids = side.dispatch_rows(h)
+            if self.group is None:  # one process holds every expert: no exchange, no copies of the rows
+                self._flight[h.index] = {"local": (hidden, ids)}
+                h.issued_at = time.perf_counter()
+                return
             owners = self.owner[ids] if ids.numel() else ids
             h.routes = [(owners == rank).nonzero(as_tuple=True) for rank in range(self.world)]
             send = [int(token.numel()) for token, _ in h.routes]
@@ -114,6 +118,8 @@ class AllToAllTransport(Transport):
             return
         with self.side.timer.time("dispatch_wait"):
             flight = self._flight[h.index]
+            if "local" in flight:
+                return
             result = flight.pop(DISPATCH.name)
             flight["rows"], flight["ids"], flight["recv"] = result.wait() if isinstance(result, _Flight) else result
 
@@ -121,6 +127,14 @@ class AllToAllTransport(Transport):
         if not self.side.spec.is_moe(layer):
             return
         flight = self._flight[h.index]
+        if "local" in flight:
+            # Every (token, slot) pair in row-major order, each token given once (`token_index`).
+            hidden, ids = flight.pop("local")
+            if ids.numel():
+                with self.side.timer.time(EXPERTS.name):
+                    index = torch.arange(ids.shape[0]).repeat_interleave(ids.shape[1])
+                    flight["local_out"] = self.experts(layer, hidden, ids.reshape(-1), token_index=index)
+            return
         rows, ids = flight["rows"], flight["ids"]
         if rows.shape[0]:
             with self.side.timer.time(EXPERTS.name):
@@ -132,6 +146,8 @@ class AllToAllTransport(Transport):
         if not self.side.spec.is_moe(layer):
             return
         flight = self._flight[h.index]
+        if "rows" not in flight:  # one process: nothing travels back
+            return
         out, recv, send, group, ctx = flight["out"].contiguous(), flight["recv"], flight["send"], self.group, self.ctx
 
         def job() -> torch.Tensor:
@@ -144,12 +160,17 @@ class AllToAllTransport(Transport):
         if not side.spec.is_moe(layer):
             return
 
-        def wait() -> tuple[dict[str, Any], torch.Tensor]:
+        def wait() -> tuple[dict[str, Any], torch.Tensor | None]:
             flight = self._flight.pop(h.index)
+            if "back" not in flight:  # one process: the experts' output is here already (or nothing ran)
+                return flight, flight.get("local_out")
             return flight, flight["back"].wait() if isinstance(flight["back"], _Flight) else flight["back"]
 
         flight, back = side.wait_combine(h, wait)
-        if h.empty:
+        if h.empty or back is None:
+            return
+        if "local_out" in flight:  # row-major (token, slot) order already
+            h.expert_out = back.view(*h.attn.expert_ids.shape, side.spec.hidden_size)
             return
         tokens, k = h.attn.expert_ids.shape
         out = torch.zeros(tokens, k, side.spec.hidden_size, dtype=back.dtype)

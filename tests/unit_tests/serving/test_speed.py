@@ -1,0 +1,110 @@
+"""Serving speed settings: torch threads per worker process are part of the layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.serving.engine.plan import EnginePlan, default_threads
+from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.workers.requests import Request
+
+
+def test_default_threads_share_the_cores_evenly_and_give_each_process_one_at_least():
+    assert default_threads(1, cores=2) == 2
+    assert default_threads(2, cores=2) == 1
+    assert default_threads(3, cores=2) == 1
+    assert default_threads(2, cores=16) == 8
+
+
+def test_plan_threads_default_from_the_process_count_and_a_flag_forces_them(tiny_mixtral_dir, prompts):
+    spec = load_spec(tiny_mixtral_dir)
+    requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+    assert make_plan(spec, requests, colocated=1).threads == default_threads(1)
+    assert make_plan(spec, requests, attn_workers=1, expert_workers=1).threads == default_threads(2)
+    assert make_plan(spec, requests, colocated=1, threads=3).threads == 3
+    with pytest.raises(UsageError, match="--threads -1"):
+        make_plan(spec, requests, threads=-1)
+    # A plan written before the field existed runs with one thread per process, as then.
+    old = EnginePlan.from_json(make_plan(spec, requests, threads=1).to_json().replace('"threads": 1', '"threads": 0'))
+    assert old.threads_per_process == 1
+
+
+def test_workers_run_with_the_plans_threads_and_the_tokens_stay_the_same(tiny_mixtral_dir, prompts, hf_greedy):
+    spec = load_spec(tiny_mixtral_dir)
+    requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+    result = run_engine(make_plan(spec, requests, colocated=1, threads=2, max_new_tokens=4, timeout_s=20))
+    assert result["worker_threads"] == [2] and result["threads_per_process"] == 2
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, 4)
+
+
+def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir, prompts, monkeypatch):
+    from mbridge_epoverlap.serving.engine import bench
+    from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+
+    spec = load_spec(tiny_mixtral_dir)
+    requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+
+    def probe(times):  # (threads -> (attention ms, experts ms)) instead of a measurement
+        def fake(spec, micro_batch, *, context, threads):
+            attn, experts = times[threads]
+            return {"micro_batch": micro_batch, "attn_ms": attn, "experts_ms": experts}
+        return fake
+
+    # Two threads barely help (a busy machine): two one-thread workers overlapping their stages win.
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (4.0, 8.0), 1: (2.5, 5.0)}))
+    choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
+    assert choice["chosen"] == "disaggregated_1+1_m2"
+    assert choice["layout"] == dict(attn_workers=1, expert_workers=1, micro_batches=2, threads=1)
+    assert "disaggregated_1+1_m2" in choice["summary"] and "colocated_1" in choice["summary"]
+    # Two threads halve each stage: one process with both cores wins (no bubble, one weight pass).
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.0), 1: (3.0, 7.0)}))
+    choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
+    assert choice["layout"] == dict(colocated=1, micro_batches=1, order="sequential", threads=2)
+    # Two threads only a little faster: not enough (they stall each other on a shared machine).
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.4), 1: (1.6, 3.5)}))
+    assert choose_layout(spec, requests, max_new_tokens=4, cores=2)["chosen"] == "disaggregated_1+1_m2"
+    # One core: nothing to split.
+    assert choose_layout(spec, requests, max_new_tokens=4, cores=1)["chosen"] == "colocated_1"
+
+
+def test_serve_without_layout_flags_chooses_and_reports_the_layout(tiny_mixtral_dir, prompts, hf_greedy, tmp_path,
+                                                                  capsys):
+    import json
+
+    from mbridge_epoverlap.cli import main
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
+    assert main(["serve", "--checkpoint", str(tiny_mixtral_dir), "--prompts", str(path), "--max-new-tokens", "3",
+                 "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    choice = result["layout_choice"]
+    assert choice["chosen"] in choice["candidates"] and "layout (no layout flag given" in captured.err
+    assert result["threads_per_process"] == choice["layout"]["threads"]
+    assert result["mode"] == ("colocated" if "colocated" in choice["layout"] else "disaggregated")
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, 3)
+
+
+def test_batched_decode_attention_is_bitwise_each_sequence_alone():
+    """Histories of different lengths padded to the longest give every sequence exactly its single-sequence
+    attention (padding the keys of the score product changed some scores' last bits, and greedy tokens)."""
+    import torch
+
+    from mbridge_epoverlap.serving.model.kv_cache import cached_attention, decode_attention
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, groups, dim, longest = 24, 8, 2, 64, 150
+    q = torch.randn(batch, heads, dim, generator=generator)
+    k = torch.randn(batch, groups, longest, dim, generator=generator)
+    v = torch.randn(batch, groups, longest, dim, generator=generator)
+    lengths = torch.randint(90, longest + 1, (batch,), generator=generator)
+    lengths[1] = lengths[0]  # two sequences of one length share a product
+    out = decode_attention(q, k, v, lengths)
+    for b in range(batch):
+        n = int(lengths[b])
+        alone = cached_attention(q[b:b + 1], k[b, :, :n].transpose(0, 1), v[b, :, :n].transpose(0, 1),
+                                 torch.tensor([n - 1]))
+        assert torch.equal(out[b], alone[0]), f"sequence {b} (length {n})"
