@@ -18,10 +18,12 @@ Nothing here is imported by the validator; it is for the differential test, its 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.abc
 import importlib.machinery
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -91,7 +93,10 @@ def install_fake_te(version: str = "2.12.0") -> None:
     if not any(isinstance(finder, _FakeTransformerEngine) for finder in sys.meta_path):
         sys.meta_path.insert(0, _FakeTransformerEngine(version))
     os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MEGATRON_CONFIG_LOCK_DIR", tempfile.mkdtemp(prefix="mbridge-lock-"))
+    if "MEGATRON_CONFIG_LOCK_DIR" not in os.environ:  # Bridge's config loader locks here; removed at exit
+        lock_dir = tempfile.mkdtemp(prefix="mbridge-lock-")
+        atexit.register(shutil.rmtree, lock_dir, ignore_errors=True)
+        os.environ["MEGATRON_CONFIG_LOCK_DIR"] = lock_dir
 
 
 def set_te_version(version: str | None) -> None:

@@ -11,6 +11,7 @@ leave no process or network namespace behind. The training runtime (`runtime.lau
 - `netns`: an emulated inter-node link, one network namespace per rank (or per emulated host) behind a
   shaped bridge (root only).
 - `signals`: SIGTERM/SIGHUP turned into an exception so cleanup runs; signals to whole process groups.
+- `orphan`: `exit_when_orphaned`, a started process leaves when its supervisor is gone (even SIGKILLed).
 """
 
 from mbridge_epoverlap.launch.processes import base_env, free_port, launch_processes

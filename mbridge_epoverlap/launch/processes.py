@@ -21,6 +21,7 @@ from typing import Any
 
 from mbridge_epoverlap.errors import RunFailedError
 from mbridge_epoverlap.launch import heartbeat as hb
+from mbridge_epoverlap.launch.orphan import SUPERVISOR_PID_ENV
 from mbridge_epoverlap.launch.ranks import DEFAULT_ACTIVITY, Ranks
 from mbridge_epoverlap.launch.signals import interruptible
 
@@ -135,7 +136,7 @@ def free_port() -> int:
 def base_env(env_vars: Mapping[str, Any], workdir: Path, timeout_s: float) -> dict[str, str]:
     """The environment every process starts with: this one, `env_vars`, one intra-op thread (unless
     `env_vars` says otherwise), a collective timeout of a quarter of `timeout_s` (5..120 s) unless set,
-    the heartbeat directory `workdir`, and this package on `PYTHONPATH`."""
+    the heartbeat directory `workdir`, this package on `PYTHONPATH`, and this process's pid as the supervisor's."""
     env = dict(os.environ)
     env.update({k: str(v) for k, v in env_vars.items()})
     for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -146,4 +147,5 @@ def base_env(env_vars: Mapping[str, Any], workdir: Path, timeout_s: float) -> di
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # who each process watches (`orphan.exit_when_orphaned`)
     return env

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mbridge_epoverlap.comm.errors import EXIT_COMM
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from mbridge_epoverlap.launch.orphan import exit_when_orphaned
 from mbridge_epoverlap.runtime.options import PREFIX
 
 
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    exit_when_orphaned()
     try:
         return run(args)
     except UsageError as exc:

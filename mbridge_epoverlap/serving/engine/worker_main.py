@@ -28,6 +28,7 @@ from typing import Any
 
 from mbridge_epoverlap.comm.errors import EXIT_COMM, CommError
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from mbridge_epoverlap.launch.orphan import exit_when_orphaned
 from mbridge_epoverlap.runtime.options import PREFIX
 from mbridge_epoverlap.runtime.worker import rank_and_world
 from mbridge_epoverlap.schedule.program import Role
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="start as replacement G of a lost expert worker (elastic mode; set by the launcher)")
     args = parser.parse_args(argv)
     state: dict[str, Any] = {}
+    exit_when_orphaned(lambda: _release(state))
     try:
         plan = EnginePlan.from_json(args.plan.read_text())
         if args.rejoin:
@@ -315,14 +317,19 @@ def main(argv: list[str] | None = None) -> int:
             payload = dict(state["payload"], error=f"{type(exc).__name__}: {exc}")
             payload.update(_report(state.get("worker"), state.get("queue"), failed=True))
             _write(state["out"], payload)
-        if state.get("worker") is not None:
-            state["worker"].close()
-        for comm in state.get("comms", []):
-            comm.close()
+        _release(state)
     sys.stdout.flush()
     sys.stderr.flush()
     # After a lost peer, tearing down the process group can block on it: leave now.
     os._exit(code)
+
+
+def _release(state: dict[str, Any]) -> None:
+    """Close the worker and the channels it had opened (their shared memory goes with them)."""
+    if state.get("worker") is not None:
+        state["worker"].close()
+    for comm in state.get("comms", []):
+        comm.close()
 
 
 if __name__ == "__main__":
