@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.launch.signals import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ def sweep_stale() -> list[str]:
             pid = int(record["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if _alive(pid):
+        if pid_alive(pid):
             continue
         _remove_resources(list(record.get("namespaces", [])), list(record.get("links", [])))
         path.unlink(missing_ok=True)
@@ -193,14 +194,6 @@ def _no_ipv6(link: str) -> None:
         Path(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6").write_text("1")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _ip(*args: str) -> str:

@@ -37,3 +37,14 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
     """Send `sig` to the process group led by `pid`; a group that is gone (or not ours) is ignored."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one owned by another user counts: signalling it is merely refused)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -124,7 +124,7 @@ def render_online_script(plan_path: Path, world: int, shape: JobShape, opts: Scr
 
 def run_serve(args: argparse.Namespace) -> int:
     """The harness's serve task: the online server as one Slurm job (`--dryrun` prints the script)."""
-    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, job_shape, job_status, require_tool
+    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, job_status, require_tool
     from mbridge_epoverlap.harness.flags import given
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
@@ -134,13 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          "`mbridge-epoverlap serve -mr RECIPE --http HOST:PORT` instead")
     if args.gpu not in (None, "cpu"):
         raise UsageError(f"--task serve runs the CPU serving engine; drop -g {args.gpu} (or use -g cpu)")
-    world = args.num_gpus if given(args, "num_gpus") else 2
-    attn = args.attn_workers
-    if attn >= world:
-        raise UsageError(f"--attn_workers {attn} leaves no expert worker among -ng {world} workers; "
-                         f"use --attn_workers at most {world - 1}")
-    per_node = args.gpus_per_node if given(args, "gpus_per_node") else world
-    shape = job_shape(world, per_node, gpus=False)
+    world, attn, shape = _serving_layout(args)
     recipe = args.model_recipe_name or DEFAULT_RECIPE
     load_spec(recipe)  # a bad recipe is a usage error here, not in the job
     batch = args.global_batch_size if given(args, "global_batch_size") else 64
@@ -192,7 +186,7 @@ def _wait_ready(job_id: str, log: Path, status: Any, *, limit_s: float) -> str |
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     """The harness's serve_bench task (local processes or one Slurm job)."""
-    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, job_shape, require_tool
+    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, require_tool
     from mbridge_epoverlap.harness.flags import given
     from mbridge_epoverlap.serving.engine.bench import synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan
@@ -201,13 +195,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     executor = args.executor or "local"
     if args.gpu not in (None, "cpu"):
         raise UsageError(f"--task serve_bench runs the CPU serving engine; drop -g {args.gpu} (or use -g cpu)")
-    world = args.num_gpus if given(args, "num_gpus") else 2
-    attn = args.attn_workers
-    if attn >= world:
-        raise UsageError(f"--attn_workers {attn} leaves no expert worker among -ng {world} workers; "
-                         f"use --attn_workers at most {world - 1}")
-    per_node = args.gpus_per_node if given(args, "gpus_per_node") else world
-    shape = job_shape(world, per_node, gpus=False)
+    world, attn, shape = _serving_layout(args)
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
 
     recipe = args.model_recipe_name or DEFAULT_RECIPE
@@ -265,3 +253,18 @@ def _report(result: dict[str, Any], path: Path) -> int:
     print(f"serve-bench: {result['tokens_per_s']:.1f} tokens/s, TBT p50 {result['tbt_ms_p50']} ms, matches "
           f"reference {result['matches_reference']}\nresults: {path}")
     return EXIT_OK if result["matches_reference"] else 1
+
+
+def _serving_layout(args: Any) -> tuple[int, int, Any]:
+    """(workers, attention workers, job shape) of a serving task: -ng workers (default 2), the first
+    --attn_workers of them attention workers, -gn of them per node."""
+    from mbridge_epoverlap.harness.executors.slurm import job_shape
+    from mbridge_epoverlap.harness.flags import given
+
+    world = args.num_gpus if given(args, "num_gpus") else 2
+    attn = args.attn_workers
+    if attn >= world:
+        raise UsageError(f"--attn_workers {attn} leaves no expert worker among -ng {world} workers; "
+                         f"use --attn_workers at most {world - 1}")
+    per_node = args.gpus_per_node if given(args, "gpus_per_node") else world
+    return world, attn, job_shape(world, per_node, gpus=False)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mbridge_epoverlap.launch.signals import pid_alive
 from mbridge_epoverlap.serving.workers import online
 
 STARTING, READY, DRAINING, STOPPED, FAILED = "starting", "ready", "draining", "stopped", "failed"
@@ -263,7 +264,7 @@ class EngineClient:
             if self.state not in (READY, DRAINING) or len(self.pids) < self.attn_workers:
                 continue
             for worker in self._live_workers()[1:]:  # the first holds the rendezvous: its loss ends the engine
-                if not _alive(self.pids[worker]):
+                if not pid_alive(self.pids[worker]):
                     self._move_off(worker)
 
     async def _watch_silence(self) -> None:
@@ -343,7 +344,7 @@ class EngineClient:
         out = []
         for rank, pid in enumerate(self.pids[:self.plan.world]):
             role, index = self.plan.role_of(rank)
-            alive = _alive(pid)
+            alive = pid_alive(pid)
             if not alive and rank not in self.lost_seen and self.state in (READY, DRAINING):
                 self.lost_seen.add(rank)
                 self.metrics.worker_lost()
@@ -352,11 +353,3 @@ class EngineClient:
         return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
