@@ -28,6 +28,7 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),
+    ("MBRIDGE_EPOVERLAP_SUPERVISOR_PID", "set by the launcher: its pid; a rank exits when that process is gone"),
 )
 
 
