@@ -124,7 +124,7 @@ def render_online_script(plan_path: Path, world: int, shape: JobShape, opts: Scr
 
 def run_serve(args: argparse.Namespace) -> int:
     """The harness's serve task: the online server as one Slurm job (`--dryrun` prints the script)."""
-    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, job_status, require_tool
+    from mbridge_epoverlap.harness.executors.slurm import job_status, require_tool
     from mbridge_epoverlap.harness.flags import given
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
@@ -149,14 +149,10 @@ def run_serve(args: argparse.Namespace) -> int:
     text = render_online_script(plan_path, world, shape, opts, recipe=recipe, attn_workers=attn,
                                 micro_batches=args.micro_batches, max_batch=batch,
                                 backend="m2n" if shape.nodes == 1 else "torch")
-    script = job_dir / "job.sbatch"
-    script.write_text(text)
-    if args.dryrun:
-        print(text, end="")
-        print(f"dry run: sbatch script written to {script} (not submitted)", file=sys.stderr)
+    submitted = _submit(text, job_dir, plan_path, opts, shape, dryrun=args.dryrun)
+    if submitted is None:
         return EXIT_OK
-    slurm = SlurmExecutor(opts, shape, poll_s=2.0, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    job_id = slurm.submit(JobFiles(job_dir, script, plan_path, text))
+    slurm, job_id = submitted
     log = job_dir / f"slurm-{job_id}.out"
     print(f"[slurm] submitted job {job_id}; log {log}", file=sys.stderr, flush=True)
     url = _wait_ready(job_id, log, job_status, limit_s=600.0)
@@ -186,7 +182,7 @@ def _wait_ready(job_id: str, log: Path, status: Any, *, limit_s: float) -> str |
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     """The harness's serve_bench task (local processes or one Slurm job)."""
-    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor, require_tool
+    from mbridge_epoverlap.harness.executors.slurm import require_tool
     from mbridge_epoverlap.harness.flags import given
     from mbridge_epoverlap.serving.engine.bench import synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan
@@ -218,15 +214,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     plan_path = job_dir / "plan.json"
     plan_path.write_text(plan.to_json())
     text = render_serve_script(plan_path, world, shape, opts, attn_workers=attn, results=results_path)
-    script = job_dir / "job.sbatch"
-    script.write_text(text)
-    if args.dryrun:
-        print(text, end="")
-        print(f"dry run: sbatch script written to {script} (not submitted)", file=sys.stderr)
+    submitted = _submit(text, job_dir, plan_path, opts, shape, dryrun=args.dryrun)
+    if submitted is None:
         return EXIT_OK
-    slurm = SlurmExecutor(opts, shape, poll_s=2.0, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    files = JobFiles(job_dir, script, plan_path, text)
-    job_id = slurm.submit(files)
+    slurm, job_id = submitted
     log = job_dir / f"slurm-{job_id}.out"
     print(f"[slurm] submitted job {job_id}; log {log}", file=sys.stderr, flush=True)
     status = slurm.follow(job_id, log)
@@ -268,3 +259,19 @@ def _serving_layout(args: Any) -> tuple[int, int, Any]:
                          f"use --attn_workers at most {world - 1}")
     per_node = args.gpus_per_node if given(args, "gpus_per_node") else world
     return world, attn, job_shape(world, per_node, gpus=False)
+
+
+def _submit(text: str, job_dir: Path, plan_path: Path, opts: Any, shape: Any, *,
+            dryrun: bool) -> tuple[Any, str] | None:
+    """Write the job's sbatch script and submit it: (executor, job id). With --dryrun, print the script and
+    say where it is instead (None: nothing submitted)."""
+    from mbridge_epoverlap.harness.executors.slurm import JobFiles, SlurmExecutor
+
+    script = job_dir / "job.sbatch"
+    script.write_text(text)
+    if dryrun:
+        print(text, end="")
+        print(f"dry run: sbatch script written to {script} (not submitted)", file=sys.stderr)
+        return None
+    slurm = SlurmExecutor(opts, shape, poll_s=2.0, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    return slurm, slurm.submit(JobFiles(job_dir, script, plan_path, text))
