@@ -11,6 +11,10 @@ not collide; a registry under /run lets a later run remove what a killed run lef
 With `hosts` (the emulated host of each rank), a namespace stands for a host instead: its ranks share it
 (and its address; they talk to each other over its loopback), and only traffic between hosts crosses the
 shaped links (`mbe-<id>-h<h>`, address .(h+1)).
+
+With `gateway`, the bridge itself gets the address .254 in the root namespace: a process outside every
+namespace (the online server's front end) binds there and the ranks reach it, across their shaped links,
+as if it were one more host.
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ class EmulatedLink:
         world: number of ranks (one namespace each, unless `hosts`).
         gbps: link rate in Gbit/s (each namespace's sending and receiving are each limited to it).
         hosts: the emulated host (0, 1, ...) of each rank: one namespace per host (None: one per rank).
+        gateway: give the bridge the address `gateway_address` in the root namespace.
     """
 
-    def __init__(self, world: int, gbps: float, hosts: list[int] | None = None) -> None:
+    def __init__(self, world: int, gbps: float, hosts: list[int] | None = None, *, gateway: bool = False) -> None:
         if gbps <= 0:
             raise UsageError(f"--emulate-link-gbps {gbps}: the rate must be positive")
         if not 1 <= world <= _MAX_RANKS:
@@ -73,7 +78,16 @@ class EmulatedLink:
         self.bridge = f"mbe{self.run_id}br"
         self.namespaces = [f"mbe-{self.run_id}-{kind}{n}" for n in range(nodes)]
         self.host_links = [f"mbe{self.run_id}h{n}" for n in range(nodes)]
+        self.gateway = gateway
         self._created = False
+
+    @property
+    def gateway_address(self) -> str:
+        """The bridge's address in the root namespace (with `gateway`): where a process outside the namespaces
+        listens for the ranks."""
+        if not self.gateway:
+            raise ValueError("this link has no gateway address (create it with gateway=True)")
+        return f"{self._prefix}.254"
 
     def address(self, rank: int) -> str:
         """Rank `rank`'s IPv4 address (on interface `IFNAME` inside its namespace)."""
@@ -103,6 +117,8 @@ class EmulatedLink:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _no_ipv6(self.bridge)
+            if self.gateway:
+                _ip("addr", "add", f"{self.gateway_address}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             rate, burst = _tbf_params(self.gbps)
             for node, (ns, host) in enumerate(zip(self.namespaces, self.host_links, strict=True)):

@@ -38,7 +38,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                      collect: Callable[[Path], dict[str, Any]] | None = None,
                      expendable: Collection[int] = (),
                      respawn: Callable[[int, int], list[str] | None] | None = None,
-                     activity: str = DEFAULT_ACTIVITY, emulate_hosts: list[int] | None = None) -> dict[str, Any]:
+                     activity: str = DEFAULT_ACTIVITY, emulate_hosts: list[int] | None = None,
+                     link: Any = None) -> dict[str, Any]:
     """Start `world` local processes, supervise them, and return the JSON rank 0 wrote to `results_name`.
 
     Args:
@@ -66,6 +67,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
             traffic between hosts crosses the shaped link (None: one namespace per rank). Each rank gets its
             namespace's address in `MBRIDGE_EPOVERLAP_M2N_HOST` (where its M2N endpoints listen), and a
             replacement starts in its rank's namespace.
+        link: an `netns.EmulatedLink` the caller created (and removes), used instead of creating one from
+            `emulate_link_gbps` and `emulate_hosts`: the caller needed its addresses before the start.
         activity: what the processes do, as failure messages name it: "training" says a rank that failed
             after its last heartbeat failed "(after training)", "serving" "(after serving)".
 
@@ -75,9 +78,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
     workdir = Path(tempfile.mkdtemp(prefix="mbe-run-"))
     try:
         with interruptible(), contextlib.ExitStack() as stack:
-            link = None
-            if emulate_link_gbps is not None:
-                from mbridge_epoverlap.launch.netns import IFNAME, EmulatedLink
+            if link is None and emulate_link_gbps is not None:
+                from mbridge_epoverlap.launch.netns import EmulatedLink
 
                 link = stack.enter_context(EmulatedLink(world, emulate_link_gbps, emulate_hosts))
             results = workdir / results_name
@@ -85,6 +87,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                 (workdir / name).write_text(text)
             env = base_env(env_vars or {}, workdir, timeout_s)
             if link is not None:
+                from mbridge_epoverlap.launch.netns import IFNAME
+
                 env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
             else:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")

@@ -95,8 +95,10 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
 
 
 def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = None,
-               on_start: Callable[[list[int]], None] | None = None, run_timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run `plan` on local worker processes and return the merged result.
+               on_start: Callable[[list[int]], None] | None = None, run_timeout_s: float = 900.0,
+               link: Any = None) -> dict[str, Any]:
+    """Run `plan` on local worker processes and return the merged result; `link`: the emulated hosts'
+    `launch.netns.EmulatedLink` when the caller created it (the online front end binds on its gateway).
 
     Raises:
         EngineFailed: a worker failed or timed out; the message names it, `result` holds every request.
@@ -130,7 +132,7 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
                                  expendable=plan.expendable_ranks,
                                  respawn=replacement if plan.elastic and plan.rejoin_after_steps else None,
                                  activity="serving", emulate_link_gbps=plan.emulate_link_gbps or None,
-                                 emulate_hosts=host_of_ranks(plan))
+                                 emulate_hosts=host_of_ranks(plan), link=link)
     except RunFailedError as exc:
         partial = getattr(exc, "partial", {"ranks": []})
         raise EngineFailed(str(exc), merge(plan, partial["ranks"], failed=True)) from None

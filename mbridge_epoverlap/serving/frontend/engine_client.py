@@ -80,11 +80,13 @@ class EngineClient:
             nodes (never the HTTP address).
         external: the workers are started by someone else (srun, from the plan file `serve --workers-plan`
             writes); the engine has ended once every attention worker said it is done.
+        link: with emulated hosts, the `launch.netns.EmulatedLink` the workers start in (`host` is then its
+            gateway address, where the namespaces reach this process).
     """
 
     def __init__(self, make_plan: Callable[[list[str], str], Any], *, attn_workers: int, max_batch: int,
                  max_waiting: int, metrics: Any, on_end: Callable[[str | None], None] | None = None,
-                 host: str = "127.0.0.1", external: bool = False) -> None:
+                 host: str = "127.0.0.1", external: bool = False, link: Any = None) -> None:
         import zmq
         import zmq.asyncio
 
@@ -112,7 +114,7 @@ class EngineClient:
         self.lost_seen: set[int] = set()
         self.lost_attention: set[int] = set()  # attention workers whose requests moved to the others
         self.on_ready: list[Callable[[], None]] = []
-        self.external = external
+        self.external, self.link = external, link
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
         self.done_workers: set[int] = set()
         self.last_heard: dict[int, float] = {}  # attention worker -> when its last message came
@@ -141,7 +143,7 @@ class EngineClient:
 
         reason: str | None = None
         try:
-            run_engine(self.plan, on_start=self.pids.extend, run_timeout_s=float("inf"))
+            run_engine(self.plan, on_start=self.pids.extend, run_timeout_s=float("inf"), link=self.link)
         except EngineFailed as exc:
             reason = str(exc).splitlines()[0] if str(exc) else "the engine failed"
         except Exception as exc:  # a bug or a start-up error: the server must still answer and exit

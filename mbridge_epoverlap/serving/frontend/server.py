@@ -11,6 +11,9 @@ The order of a server's life:
 5. if the engine fails (a worker died, without `--elastic`), the requests in flight fail naming the worker,
    `/health` answers 503 and the process exits 1, for a supervisor to restart it.
 
+With `--emulate-hosts 2 --emulate-link-gbps G` the workers run on two emulated hosts (`serving.engine.hosts`)
+and the front end's sockets bind on the link's gateway address, the one address the namespaces reach.
+
 With `--workers-plan FILE` the server starts no worker: it writes the engine plan there, and whoever runs
 it (`run_script.py --task serve`: srun, roles by rank) starts the workers, which connect to the front end's
 sockets at `--worker-host` (the first node's cluster address).
@@ -48,13 +51,10 @@ def parse_address(text: str) -> tuple[str, int]:
 
 def serve_http(args: argparse.Namespace) -> int:
     """Run the server the flags describe; the exit code (0 after a drain, 1 after an engine failure)."""
-    from mbridge_epoverlap.serving.cli.args import source_of
+    from mbridge_epoverlap.serving.cli.args import on_hosts, source_of
     from mbridge_epoverlap.serving.engine.run import make_plan
-    from mbridge_epoverlap.serving.frontend.app import Settings, build_app
-    from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED, EngineClient
+    from mbridge_epoverlap.serving.frontend.engine_client import EngineClient
     from mbridge_epoverlap.serving.frontend.metrics import ServerMetrics
-    from mbridge_epoverlap.serving.frontend.openai_api import ModelInfo
-    from mbridge_epoverlap.serving.frontend.text import TextCodec
     from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
 
     host, port = parse_address(args.http)
@@ -72,6 +72,9 @@ def serve_http(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
 
     def plan_for(endpoints: list[str], events: str) -> Any:
+        return on_hosts(base_plan(endpoints, events), args)
+
+    def base_plan(endpoints: list[str], events: str) -> Any:
         plan = make_plan(spec, [], attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                          micro_batches=args.micro_batches, max_batch=args.max_batch, backend=args.backend,
                          timeout_s=args.timeout, dtype=args.dtype, online_requests=endpoints, online_events=events,
@@ -84,20 +87,47 @@ def serve_http(args: argparse.Namespace) -> int:
         return plan
 
     metrics = ServerMetrics()
-    outcome = {"code": EXIT_OK}
-    server: Any = None
+    outcome: dict[str, Any] = {"code": EXIT_OK, "server": None}  # the exit code; uvicorn's server once it exists
 
     def engine_ended(reason: str | None) -> None:
         if reason is not None:
             print(f"error: {reason}", file=sys.stderr, flush=True)
             outcome["code"] = EXIT_FAILED
-        if server is not None:
-            server.should_exit = True
+        if outcome["server"] is not None:
+            outcome["server"].should_exit = True
 
     external = args.workers_plan is not None
-    engine = EngineClient(plan_for, attn_workers=args.attn_workers, max_batch=args.max_batch,
-                          max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended,
-                          host=args.worker_host, external=external)
+    with contextlib.ExitStack() as hosts:
+        link, worker_host = None, args.worker_host
+        if args.emulate_hosts:
+            link = hosts.enter_context(_emulated_link(plan_for, args))
+            worker_host = link.gateway_address
+        engine = EngineClient(plan_for, attn_workers=args.attn_workers, max_batch=args.max_batch,
+                              max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended,
+                              host=worker_host, external=external, link=link)
+        return _serve(args, engine, spec, name, max_model_len, api_key, metrics, outcome, host, port)
+
+
+def _emulated_link(plan_for: Any, args: argparse.Namespace) -> Any:
+    """The emulated hosts' link for `--emulate-hosts`, with a gateway in this namespace for the front end's
+    sockets (the flags are checked on a plan first: a usage error before anything is created)."""
+    from mbridge_epoverlap.launch.netns import EmulatedLink
+    from mbridge_epoverlap.serving.engine.hosts import host_of_ranks
+
+    if args.workers_plan is not None:
+        raise UsageError("--emulate-hosts starts the workers on this machine; drop it with --workers-plan")
+    probe = plan_for([f"tcp://127.0.0.1:{1 + i}" for i in range(args.attn_workers)], "tcp://127.0.0.1:1")
+    return EmulatedLink(probe.world, probe.emulate_link_gbps, host_of_ranks(probe), gateway=True)
+
+
+def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_model_len: int, api_key: str | None,
+           metrics: Any, outcome: dict[str, Any], host: str, port: int) -> int:
+    from mbridge_epoverlap.serving.frontend.app import Settings, build_app
+    from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED
+    from mbridge_epoverlap.serving.frontend.openai_api import ModelInfo
+    from mbridge_epoverlap.serving.frontend.text import TextCodec
+
+    external = args.workers_plan is not None
     if external:  # srun starts the workers from this plan (they read their rank and rendezvous from Slurm)
         tmp = args.workers_plan.with_suffix(".tmp")
         tmp.write_text(engine.plan.to_json())
@@ -105,7 +135,7 @@ def serve_http(args: argparse.Namespace) -> int:
     codec = TextCodec(spec.source if spec.is_checkpoint else None)
     app = build_app(Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key), engine, metrics)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
-    server = _DrainingServer(config, engine, args.drain_timeout)
+    server = outcome["server"] = _DrainingServer(config, engine, args.drain_timeout)
 
     async def announce() -> None:
         while not (server.started and engine.state == READY):

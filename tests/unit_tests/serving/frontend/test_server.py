@@ -7,6 +7,7 @@ client that goes away frees its KV rows.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -195,6 +196,17 @@ def test_malformed_json_and_oversized_bodies(server):
                      b"Content-Length: 2097152\r\n\r\n")
         answer = conn.makefile("rb").readline()
     assert answer.split()[1] == b"413"
+    # A streamed body (chunked, no length given) is refused once what arrived passes the limit.
+    chunk = b"x" * 65536
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        with contextlib.suppress(OSError):  # the server may answer and close before every chunk is sent
+            for _ in range(40):  # 2.5 MiB, over the 1 MiB limit
+                conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            conn.sendall(b"0\r\n\r\n")
+        status_line = conn.makefile("rb").readline()
+    assert status_line.split()[1] == b"413", status_line
     code, error = _post(server, "/v1/chat/completions", json.dumps({"model": MODEL_NAME, "messages": "hi"}).encode())
     assert code == 400 and error["error"]["param"] == "messages"
 

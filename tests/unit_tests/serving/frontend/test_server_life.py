@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -173,3 +174,33 @@ def test_a_killed_attention_worker_s_streams_go_on_from_a_survivor(start_server,
     server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
                           "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30")
     _streams_survive_a_kill(server, "attention", 1, streams=16)
+
+
+def test_a_server_on_two_emulated_hosts_answers_as_on_one(start_server, chat_mixtral_dir):
+    """`--emulate-hosts 2`: the workers in two network namespaces behind a shaped link, the front end reaching
+    them on the link's gateway; the same greedy tokens as a server on one host; nothing left afterwards."""
+    from mbridge_epoverlap.launch.netns import existing_namespaces
+    from tests.unit_tests.requirements import require_or_skip
+
+    if os.geteuid() != 0 or not all(map(shutil.which, ("ip", "tc"))):
+        require_or_skip("netns", "link emulation needs root and iproute2 (ip, tc)")
+    before = set(existing_namespaces())
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    local = start_server(chat_mixtral_dir, "--expert-workers", "2", "--backend", "torch")
+    expected = [c.model_extra["token_ids"] for c in _client(local).completions.create(
+        model=MODEL_NAME, prompt=prompts, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}).choices]
+    local.stop()
+    server = start_server(chat_mixtral_dir, "--expert-workers", "2", "--backend", "torch", "--emulate-hosts", "2",
+                          "--emulate-link-gbps", "10")
+    created = set(existing_namespaces()) - before
+    assert len(created) == 2, created  # the attention host and the expert host
+    answer = _client(server).completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=12, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    assert [c.model_extra["token_ids"] for c in answer.choices] == expected
+    streamed = "".join(c.text for e in _stream(_client(server), prompts[0], 12) for c in e.choices)
+    assert streamed == answer.choices[0].text
+    pids = [p for group in _worker_pids(server).values() for p in group]
+    server.signal(signal.SIGTERM)
+    assert server.wait(WAIT_S) == 0
+    assert leftovers(pids) == ([], [])
+    assert set(existing_namespaces()) - before == set()
