@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         code = EXIT_COMM if isinstance(exc, CommError) else EXIT_FAILED
         print(f"worker failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        state["error"] = f"{type(exc).__name__}: {exc}"
         if "payload" in state:  # report what finished; requests in flight are failed
             payload = dict(state["payload"], error=f"{type(exc).__name__}: {exc}")
             payload.update(_report(state.get("worker"), state.get("queue"), failed=True))
@@ -325,9 +326,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _release(state: dict[str, Any]) -> None:
-    """Close the worker and the channels it had opened (their shared memory goes with them)."""
-    if state.get("worker") is not None:
-        state["worker"].close()
+    """Close the worker and the channels it had opened (their shared memory goes with them); an online attention
+    worker that failed tells the front end why as it leaves."""
+    from mbridge_epoverlap.serving.workers.decode import AttentionWorker
+
+    worker = state.get("worker")
+    if isinstance(worker, AttentionWorker) and worker.side.source is not None and state.get("error"):
+        worker.side.source.error = state["error"]
+    if worker is not None:
+        worker.close()
     for comm in state.get("comms", []):
         comm.close()
 

@@ -115,6 +115,7 @@ class EngineClient:
         self.lost_attention: set[int] = set()  # attention workers whose requests moved to the others
         self.on_ready: list[Callable[[], None]] = []
         self.external, self.link = external, link
+        self._shutdown_sent = False
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
         self.done_workers: set[int] = set()
         self.last_heard: dict[int, float] = {}  # attention worker -> when its last message came
@@ -153,6 +154,10 @@ class EngineClient:
                 self._loop.call_soon_threadsafe(self._engine_ended, reason)
 
     def _engine_ended(self, reason: str | None) -> None:
+        if self._ended.is_set():  # said already (a worker's own word, then its launcher's)
+            return
+        if reason is None and self.streams:  # the workers left before these finished: not a clean stop
+            reason = f"the workers left with {len(self.streams)} requests in flight"
         if reason is not None:
             self.state, self.reason = FAILED, reason
             for stream in list(self.streams.values()):
@@ -176,6 +181,7 @@ class EngineClient:
             stream.queue.put_nowait(Failure("the server shut down before the request finished"))
         for index in range(self.attn_workers):
             self._send(index, online.Shutdown())
+        self._shutdown_sent = True
         await self.wait_ended(timeout_s=10.0 if self.external else max(10.0, self.plan.timeout_s))
 
     async def wait_ended(self, *, timeout_s: float) -> None:
@@ -314,8 +320,12 @@ class EngineClient:
                 self.metrics.worker_stats(message, self.stats.values())
             elif isinstance(message, online.Done):
                 self.done_workers.add(message.worker)
-                if self.external and len(self.done_workers) == self.attn_workers:
-                    self._engine_ended(None)
+                if message.error is not None and self.external:  # srun's workers: their word is all there is
+                    self._engine_ended(f"attention worker {message.worker} failed: {message.error}")
+                elif self.external and len(self.done_workers) == self.attn_workers:
+                    # Unasked (no drain sent `Shutdown`), the workers left because their srun step ended.
+                    self._engine_ended(None if self._shutdown_sent else "every attention worker left unasked (the "
+                                       "workers' srun step ended: a worker was lost)")
             elif isinstance(message, online.Ready):
                 self.ready_workers.add(message.worker)
                 self.ready_pids[message.worker] = message.pid

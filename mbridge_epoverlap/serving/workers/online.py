@@ -77,10 +77,12 @@ class Ready:
 
 @dataclass(frozen=True)
 class Done:
-    """An attention worker finished serving (after `Shutdown`) and leaves."""
+    """An attention worker leaves: after `Shutdown` (`error` None), or because it failed (`error` says why, e.g.
+    the expert worker it lost): a front end that did not start the workers learns their end from this."""
 
     kind: ClassVar[str] = "done"
     worker: int
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ class OnlineSource:
         self.outbox.setsockopt(zmq.LINGER, 2000)  # the last tokens still leave when the worker exits
         self.outbox.connect(events_addr)
         self.serving = True
+        self.error: str | None = None  # why this worker fails, when it does (sent with `Done`)
         self.aborts: set[str] = set()
         self.events = events
         self._events_sent = 0
@@ -190,7 +193,7 @@ class OnlineSource:
 
     def close(self) -> None:
         """After the last step: say so (a front end that did not start the workers learns their end) and close."""
-        self._send(Done(self.worker))
+        self._send(Done(self.worker, self.error))
         self.inbox.close(linger=0)
         self.outbox.close()
         self.context.term()

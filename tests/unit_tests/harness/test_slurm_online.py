@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +70,57 @@ def _until_closed(port: int, timeout_s: float = 60.0) -> None:
                 return
         assert time.monotonic() < deadline, f"the server still listens on port {port} after scancel"
         time.sleep(0.5)
+
+
+def _worker_pid(rank: int) -> int | None:
+    """The pid of the srun-started serving worker of `rank` (its environment's SLURM_PROCID), if it runs."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"mbridge_epoverlap.serving.engine.worker_main" in argv and f"SLURM_PROCID={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slurm
+def test_a_lost_srun_worker_ends_the_server_non_zero_and_the_job(slurm_cluster, tmp_path):
+    """An srun-started expert worker SIGKILLed (no --elastic): the attention worker tells the front end which
+    peer it lost as it leaves, the front end says so, exits non-zero and the job ends, so that whoever watches
+    it can start it again."""
+    openai = pytest.importorskip("openai")
+    done = run_harness(*SERVE, "--results_json", str(tmp_path / "serve.json"), env=slurm_cluster.env, timeout=600)
+    assert done.returncode == 0, done.stderr + slurm_cluster.log_tail()
+    job_id, port = re.search(r"serving: job (\d+), http://<first node>:(\d+)", done.stdout).groups()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+        answer = client.completions.create(model="qwen3_30b_a3b", prompt=[1, 2, 3], max_tokens=4, temperature=0)
+        assert answer.choices[0].finish_reason == "length"  # serving
+        expert = _worker_pid(1)
+        assert expert is not None, "the expert worker (rank 1) is not running"
+        os.kill(expert, signal.SIGKILL)
+        _until_job_ends(slurm_cluster, job_id)
+        log = next((tmp_path / "serve.slurm").glob("slurm-*.out")).read_text()
+        exited = re.search(r"serve: the server exited with (\d+)", log)
+        assert exited and exited.group(1) == "1", log
+        # The attention worker saw its peer go and said so as it left (else: every one left unasked).
+        error = re.search(r"^error: (.*)$", log, re.MULTILINE)
+        assert error and ("expert worker 0" in error.group(1) or "left unasked" in error.group(1)), log
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm_cluster.env, check=False, timeout=30)
+    _until_closed(int(port))
+
+
+def _until_job_ends(cluster, job_id: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], env=cluster.env, capture_output=True,
+                               text=True, timeout=30).stdout.strip()
+        if not state:
+            return
+        assert time.monotonic() < deadline, f"job {job_id} still {state} {timeout_s:.0f} s after its worker died"
+        time.sleep(1.0)
