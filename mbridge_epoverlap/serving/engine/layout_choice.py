@@ -1,14 +1,18 @@
 """The layout `serve` and `serve-bench` run when no layout flag is given, chosen from a short measurement.
 
-Two layouts are candidates on one machine of `cores` cores:
+Three layouts are candidates on one machine of `cores` cores:
 
 - one colocated process with every core (`--colocated 1`, m=1): a decode layer takes A_c(B) + E_c(B), the
   attention-side and expert times of the whole batch B with c threads;
+- one colocated process with one thread (`--colocated 1 --threads 1`): A_1(B) + E_1(B); it leaves cores idle
+  but streams each expert's weights once per step, where the split below streams them once per micro-batch
+  (with many small experts a decode step is bound by that stream, and halving the batch barely halves E);
 - one attention and one expert worker with half the cores each, ping-pong over m=2 micro-batches: a layer
   takes 2 * max(A_c/2(B/2), E_c/2(B/2)) (the two stages overlap, each micro-batch passes both).
 
 `choose_layout` times both stages of one decode layer in this process (`bench.stage_probe`, a fraction
-of a second on the shrunk models) at the batch and context the requests will have, predicts the decode
+of a second on the shrunk models) at the batch and context the requests will have (and at half the batch
+for the split), predicts the decode
 tokens/s of each candidate and takes the faster; one colocated process with several threads must be
 predicted `THREADS_MARGIN` faster than the one-thread workers (OpenMP threads stall each other on a shared
 machine, which a short probe misses). What it measured and why it chose travel with the result
@@ -50,17 +54,25 @@ def _choose(spec: Any, requests: Sequence[Request], max_new_tokens: int, max_bat
     layers = max(1, len(spec.moe_layer_ids))
     split = cores >= 2 and batch >= 2
     # A B A B, the lower of each's medians: a shared machine's stalls only ever make a probe slower.
-    wholes, halves = [], []
+    wholes, halves, singles = [], [], []
     for _ in range(rounds):
         wholes.append(stage_probe(spec, batch, context=context, threads=cores))
         if split:
             halves.append(stage_probe(spec, max(1, batch // 2), context=context, threads=cores // 2))
+        if cores > 1:
+            singles.append(stage_probe(spec, batch, context=context, threads=1))
     whole = _fastest(wholes)
     candidates: dict[str, dict[str, Any]] = {
         "colocated_1": {"layout": dict(colocated=1, micro_batches=1, order="sequential", threads=cores),
                         "layer_ms": whole["attn_ms"] + whole["experts_ms"]},
     }
     probes = [dict(whole, threads=cores)]
+    if cores > 1:
+        single = _fastest(singles)
+        probes.append(dict(single, threads=1))
+        candidates["colocated_1_thread_1"] = {
+            "layout": dict(colocated=1, micro_batches=1, order="sequential", threads=1),
+            "layer_ms": single["attn_ms"] + single["experts_ms"]}
     if split:
         half = _fastest(halves)
         probes.append(dict(half, threads=cores // 2))
@@ -71,13 +83,14 @@ def _choose(spec: Any, requests: Sequence[Request], max_new_tokens: int, max_bat
         c["predicted_decode_tokens_per_s"] = batch / (layers * c["layer_ms"] / 1e3)
     best = min(candidates, key=lambda name: candidates[name]["layer_ms"])
     margin = False
-    single = "disaggregated_1+1_m2"
-    if best != single and single in candidates and cores // 2 == 1 and (
-            candidates[best]["layer_ms"] * THREADS_MARGIN > candidates[single]["layer_ms"]):
-        # Several OpenMP threads in one process stall each other whenever the machine is shared (every op
-        # waits for its slowest thread): measured here, 5-10x slower runs than the probe predicted. A layout
-        # with more threads per process must win the probe by a margin.
-        best, margin = single, True
+    one_thread = [name for name, c in candidates.items() if c["layout"]["threads"] == 1]
+    if candidates[best]["layout"]["threads"] > 1 and one_thread:
+        fastest_single = min(one_thread, key=lambda name: candidates[name]["layer_ms"])
+        if candidates[best]["layer_ms"] * THREADS_MARGIN > candidates[fastest_single]["layer_ms"]:
+            # Several OpenMP threads in one process stall each other whenever the machine is shared (every op
+            # waits for its slowest thread): measured here, 5-10x slower runs than the probe predicted. A
+            # layout with more threads per process must win the probe by a margin.
+            best, margin = fastest_single, True
 
     others = ", ".join(f"{name} {c['predicted_decode_tokens_per_s']:,.0f}" for name, c in candidates.items()
                        if name != best)

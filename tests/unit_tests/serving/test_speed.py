@@ -46,25 +46,37 @@ def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir
     spec = load_spec(tiny_mixtral_dir)
     requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
 
-    def probe(times):  # (threads -> (attention ms, experts ms)) instead of a measurement
+    def probe(times, expert_share_at_half=0.5):
+        """(threads -> (attention ms, experts ms) at the whole batch) instead of a measurement: attention
+        halves with half the batch, the experts by `expert_share_at_half` (1.0: bound by their weights)."""
         def fake(spec, micro_batch, *, context, threads):
             attn, experts = times[threads]
+            if micro_batch < len(requests):
+                attn, experts = attn / 2, experts * expert_share_at_half
             return {"micro_batch": micro_batch, "attn_ms": attn, "experts_ms": experts}
         return fake
 
-    # Two threads barely help (a busy machine): two one-thread workers overlapping their stages win.
-    monkeypatch.setattr(bench, "stage_probe", probe({2: (4.0, 8.0), 1: (2.5, 5.0)}))
+    # Stages that halve with the batch, two threads barely helping (a busy machine): two one-thread workers
+    # overlapping their stages win.
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (7.0, 8.0), 1: (8.0, 9.0)}))
     choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
     assert choice["chosen"] == "disaggregated_1+1_m2"
     assert choice["layout"] == dict(attn_workers=1, expert_workers=1, micro_batches=2, threads=1)
-    assert "disaggregated_1+1_m2" in choice["summary"] and "colocated_1" in choice["summary"]
+    assert all(name in choice["summary"] for name in ("disaggregated_1+1_m2", "colocated_1", "colocated_1_thread_1"))
+    # Experts bound by their weights: each micro-batch streams them again, one process with one thread wins.
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (9.0, 10.0), 1: (8.0, 9.0)}, expert_share_at_half=1.0))
+    choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
+    assert choice["chosen"] == "colocated_1_thread_1"
+    assert choice["layout"] == dict(colocated=1, micro_batches=1, order="sequential", threads=1)
     # Two threads halve each stage: one process with both cores wins (no bubble, one weight pass).
-    monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.0), 1: (3.0, 7.0)}))
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.0), 1: (6.0, 14.0)}))
     choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
     assert choice["layout"] == dict(colocated=1, micro_batches=1, order="sequential", threads=2)
-    # Two threads only a little faster: not enough (they stall each other on a shared machine).
-    monkeypatch.setattr(bench, "stage_probe", probe({2: (2.0, 4.4), 1: (1.6, 3.5)}))
-    assert choose_layout(spec, requests, max_new_tokens=4, cores=2)["chosen"] == "disaggregated_1+1_m2"
+    # Two threads only a little faster than the best one-thread layout: not enough (they stall each other on a
+    # shared machine).
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (4.0, 8.4), 1: (8.0, 16.0)}))
+    choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
+    assert choice["chosen"] == "disaggregated_1+1_m2" and "not 1.3x faster" in choice["summary"]
     # One core: nothing to split.
     assert choose_layout(spec, requests, max_new_tokens=4, cores=1)["chosen"] == "colocated_1"
 
