@@ -39,7 +39,7 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                      expendable: Collection[int] = (),
                      respawn: Callable[[int, int], list[str] | None] | None = None,
                      activity: str = DEFAULT_ACTIVITY, emulate_hosts: list[int] | None = None,
-                     link: Any = None) -> dict[str, Any]:
+                     link: Any = None, rendezvous: tuple[str, int] | None = None) -> dict[str, Any]:
     """Start `world` local processes, supervise them, and return the JSON rank 0 wrote to `results_name`.
 
     Args:
@@ -69,6 +69,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
             replacement starts in its rank's namespace.
         link: an `netns.EmulatedLink` the caller created (and removes), used instead of creating one from
             `emulate_link_gbps` and `emulate_hosts`: the caller needed its addresses before the start.
+        rendezvous: (address, port) of a store the caller holds: the processes' `MASTER_ADDR`/`MASTER_PORT`
+            (None: rank 0 holds it, at loopback or its namespace's address).
         activity: what the processes do, as failure messages name it: "training" says a rank that failed
             after its last heartbeat failed "(after training)", "serving" "(after serving)".
 
@@ -92,6 +94,8 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                 env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
             else:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
+            if rendezvous is not None:
+                env.update(MASTER_ADDR=rendezvous[0], MASTER_PORT=str(rendezvous[1]))
             def in_workdir(command: list[str]) -> list[str]:
                 return [arg.replace("{workdir}", str(workdir)) for arg in command]
 

@@ -204,10 +204,10 @@ def _rank_main() -> int:
     from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
 
     from mbridge_epoverlap.comm.m2n import make_communicator
     from mbridge_epoverlap.comm.m2n.base import PeerError
+    from mbridge_epoverlap.comm.store import open_store
 
     env = os.environ
     rank, world, senders = int(env["RANK"]), int(env[_PREFIX + "WORLD"]), int(env[_PREFIX + "SENDERS"])
@@ -215,8 +215,8 @@ def _rank_main() -> int:
     iters, timeout_s = int(env[_PREFIX + "ITERS"]), float(env[_PREFIX + "TIMEOUT_S"])
     workdir = Path(env[_PREFIX + "DIR"])
     torch.set_num_threads(1)
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, rank == 0,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = open_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world=None, is_server=rank == 0,
+                       timeout_s=timeout_s, wait_for_workers=False)
     is_sender = rank < senders
     peers = list(range(senders, world)) if is_sender else list(range(senders))
     roles = {p: ("receiver" if p >= senders else "sender") for p in peers}

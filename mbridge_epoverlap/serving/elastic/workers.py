@@ -28,10 +28,11 @@ Two more hooks make the layout change while requests flow, at step boundaries (l
   makes it install them and drop the ones it no longer holds. Every worker switches at the same step
   boundary, so no token is routed by an old table.
 
-Online serving with several attention workers (`drop_lost_attention`): an expert worker whose dispatch wait
-or combine send fails because an attention worker other than the first (which holds the rendezvous store)
-died drops it and goes on serving the others; the front end moves that worker's requests to a survivor, which
-re-prefills each prompt with the tokens generated so far.
+Online serving with several attention workers (`droppable_attention`): an expert worker whose dispatch wait
+or combine send fails because an attention worker died (any of them when the front end holds the rendezvous
+store, `EnginePlan.store_hosted`; else one after the first, which holds it) drops it and goes on serving the
+others; the front end moves that worker's requests to a survivor, which re-prefills each prompt with the
+tokens generated so far.
 
 Each worker records what happened (`events`: detected, re-placed, restored, resumed, with
 `time.monotonic()` stamps, comparable across processes on one host); attention worker 0 prints it as it
@@ -44,7 +45,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -387,9 +388,9 @@ class ElasticExpertWorker(ExpertWorker):
 
     def __init__(self, *args: Any, layout: ElasticLayout, index: int, restore: bool,
                  kill_at_step: int | None = None, kill_file: str | None = None, mover: Any = None, epoch: int = 0,
-                 drop_lost_attention: bool = False, **kwargs: Any) -> None:
+                 droppable_attention: Collection[int] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.drop_lost_attention = drop_lost_attention
+        self.droppable_attention = frozenset(droppable_attention)  # attention ranks whose loss is survived
         self.layout, self.index, self.restore = layout, index, restore
         self.kill_at_step, self.kill_file = kill_at_step, kill_file
         self.mover, self.epoch = mover, epoch
@@ -446,7 +447,7 @@ class ElasticExpertWorker(ExpertWorker):
     def _combine_issue(self, mb: int, layer: int) -> None:
         issued = len(self._sends)
         super()._combine_issue(mb, layer)
-        if self.drop_lost_attention:
+        if self.droppable_attention:
             ranks = self.attention_ranks if self.spec.is_moe(layer) else []
             self._sends[issued:] = [_SendToAttention(work, self, rank)
                                     for work, rank in zip(self._sends[issued:], ranks, strict=True)]
@@ -515,8 +516,9 @@ class ElasticExpertWorker(ExpertWorker):
         return received
 
     def _droppable(self, rank: int) -> bool:
-        """Whether the loss of attention worker `rank` can be survived (online, not the first, one left)."""
-        return self.drop_lost_attention and rank in self.attention_ranks[1:]
+        """Whether the loss of attention worker `rank` can be survived (online: one the plan lets go, while
+        another is left)."""
+        return rank in self.droppable_attention and len(self.attention_ranks) > 1
 
     def _drop_attention(self, rank: int) -> None:
         """Serve the other attention workers only (online serving moved the lost one's requests)."""

@@ -59,6 +59,8 @@ class EnginePlan:
         emulate_link_gbps: the emulated link's rate in Gbit/s.
         threads: torch intra-op threads of every worker process (`default_threads`: the cores over the
             processes); 0 in a plan written before the field existed means one.
+        store_hosted: the rendezvous store is held by the process that starts the workers (the online front
+            end), not by rank 0, so that any attention worker may be lost (`EnginePlan.hostable_store`).
     """
 
     source: str
@@ -90,6 +92,7 @@ class EnginePlan:
     emulate_hosts: int = 0
     emulate_link_gbps: float = 0.0
     threads: int = 0
+    store_hosted: bool = False
 
     @property
     def online(self) -> bool:
@@ -127,12 +130,21 @@ class EnginePlan:
         return self.elastic and bool(self.rebalance_every or self.rejoin_after_steps)
 
     @property
+    def hostable_store(self) -> bool:
+        """Whether the starter of the workers should hold the rendezvous (`store_hosted`): online elastic
+        serving with several attention workers, where each may be lost. With layout epochs the attention
+        workers agree at step boundaries through attention worker 0 (`elastic.sync`), so it stays the first."""
+        return self.online and self.elastic and self.attn_workers > 1 and not self.layout_epochs
+
+    @property
     def expendable_ranks(self) -> list[int]:
         """Ranks whose loss the run survives: elastic mode's expert workers, and online the attention workers
-        after the first (which holds the rendezvous store)."""
+        (after the first, which then holds the rendezvous store, unless `store_hosted`)."""
         if not self.elastic:
             return []
-        return self.expert_ranks + (self.attention_ranks[1:] if self.online else [])
+        if not self.online:
+            return self.expert_ranks
+        return self.expert_ranks + (self.attention_ranks if self.store_hosted else self.attention_ranks[1:])
 
     @property
     def threads_per_process(self) -> int:

@@ -122,6 +122,13 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
 
     from mbridge_epoverlap.serving.engine.hosts import host_of_ranks
 
+    rendezvous, store = None, None
+    if plan.store_hosted:  # this process holds the rendezvous: any worker may be lost
+        from mbridge_epoverlap.comm.store import hosted_store
+
+        address = link.gateway_address if link is not None else "127.0.0.1"
+        store, port = hosted_store(address, timeout_s=plan.timeout_s)
+        rendezvous = (address, port)
     try:
         # Every worker's torch threads (the launcher's default is one; the worker sets torch from this).
         threads = str(plan.threads_per_process)
@@ -132,12 +139,13 @@ def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = Non
                                  expendable=plan.expendable_ranks,
                                  respawn=replacement if plan.elastic and plan.rejoin_after_steps else None,
                                  activity="serving", emulate_link_gbps=plan.emulate_link_gbps or None,
-                                 emulate_hosts=host_of_ranks(plan), link=link)
+                                 emulate_hosts=host_of_ranks(plan), link=link, rendezvous=rendezvous)
     except RunFailedError as exc:
         partial = getattr(exc, "partial", {"ranks": []})
         raise EngineFailed(str(exc), merge(plan, partial["ranks"], failed=True)) from None
     finally:
         _remove_shared_memory(pids)
+        del store  # the rendezvous ends with the run
     result = merge(plan, ranks["ranks"])
     if plan.elastic and not plan.online:  # online: the front end reported each loss as it happened
         from mbridge_epoverlap.serving.elastic.report import elastic_summary

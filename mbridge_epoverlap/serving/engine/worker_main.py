@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.comm.errors import EXIT_COMM, CommError
+from mbridge_epoverlap.comm.store import open_store
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from mbridge_epoverlap.launch.orphan import exit_when_orphaned
 from mbridge_epoverlap.runtime.options import PREFIX
@@ -57,8 +58,8 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
         raise UsageError(f"the plan is for {plan.world} processes but WORLD_SIZE is {world}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     timeout = timedelta(seconds=plan.timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
-                          timeout=timeout)
+    store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world=world,
+                       is_server=rank == 0 and not plan.store_hosted, timeout_s=plan.timeout_s)
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=timeout)
     beat_dir = os.environ.get(PREFIX + "HEARTBEAT_DIR")
@@ -194,7 +195,7 @@ def _expert_worker(plan: EnginePlan, spec: Any, comm: Any, beat: Any, layout: An
 
     return ElasticExpertWorker(spec, experts, comm, plan.attention_ranks, plan.micro_batches, plan.timeout_s, beat,
                                layout=layout, index=index, restore=plan.expert_restore, mover=mover,
-                               drop_lost_attention=plan.online and plan.attn_workers > 1, **kwargs)
+                               droppable_attention=set(plan.expendable_ranks) & set(plan.attention_ranks), **kwargs)
 
 
 def _weight_mover(plan: EnginePlan, index: int, store: Any, *, peers: list[int], key_prefix: str = "m2n") -> Any:
@@ -229,8 +230,8 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
         raise UsageError(f"--rejoin applies to the expert ranks of a plan with rejoin_after_steps (rank {rank} is "
                          f"{plan.role_name(rank)})")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
-                          timeout=timedelta(seconds=plan.timeout_s))
+    store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world=world, is_server=False,
+                       timeout_s=plan.timeout_s)
     beat_dir = os.environ.get(PREFIX + "HEARTBEAT_DIR")
     beat = hb.Heartbeat(hb.heartbeat_path(beat_dir, rank) if beat_dir else None)
     spec = plan.load_spec()

@@ -13,8 +13,9 @@ workers' side), starts the engine (`serving.engine.run.run_engine`) on a thread,
   and tells the workers to leave; the engine thread then returns;
 - when the engine fails (a worker died, without elastic mode), every request in flight ends with the
   engine's reason, which names the worker;
-- in elastic mode, when an attention worker other than the first dies, its requests move to the survivors
-  (`_move_off`): each is sent again as its prompt and the tokens generated so far, and its stream goes on.
+- in elastic mode, when an attention worker dies, its requests move to the survivors (`_move_off`); any of
+  them when this process holds the workers' rendezvous (`EnginePlan.store_hosted`), else one after the
+  first: each is sent again as its prompt and the tokens generated so far, and its stream goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_epoverlap.launch.signals import pid_alive
@@ -104,7 +105,9 @@ class EngineClient:
         self._inbox.setsockopt(zmq.LINGER, 0)
         self._inbox.bind(f"tcp://{host}:*")
         endpoints = [s.getsockopt(zmq.LAST_ENDPOINT).decode() for s in self._outboxes]
-        self.plan = make_plan(endpoints, self._inbox.getsockopt(zmq.LAST_ENDPOINT).decode())
+        plan = make_plan(endpoints, self._inbox.getsockopt(zmq.LAST_ENDPOINT).decode())
+        # Workers started here: this process holds their rendezvous where that lets any of them be lost.
+        self.plan = replace(plan, store_hosted=True) if plan.hostable_store and not external else plan
         self.state, self.reason = STARTING, "the workers are starting"
         self.streams: dict[str, RequestStream] = {}
         self.outstanding = [0] * attn_workers
@@ -271,8 +274,14 @@ class EngineClient:
             await asyncio.sleep(0.1)
             if self.state not in (READY, DRAINING) or len(self.pids) < self.attn_workers:
                 continue
-            for worker in self._live_workers()[1:]:  # the first holds the rendezvous: its loss ends the engine
+            # Without a hosted store the first worker holds the rendezvous: its loss ends the engine.
+            watched = self._live_workers() if self.plan.store_hosted else self._live_workers()[1:]
+            for worker in watched:
                 if not pid_alive(self.pids[worker]):
+                    if len(self._live_workers()) == 1:
+                        self._engine_ended(f"every attention worker was lost (the last, {worker}, pid "
+                                           f"{self.pids[worker]})")
+                        return
                     self._move_off(worker)
 
     async def _watch_silence(self) -> None:

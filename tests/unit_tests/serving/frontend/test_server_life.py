@@ -204,3 +204,10 @@ def test_a_server_on_two_emulated_hosts_answers_as_on_one(start_server, chat_mix
     assert server.wait(WAIT_S) == 0
     assert leftovers(pids) == ([], [])
     assert set(existing_namespaces()) - before == set()
+
+
+def test_the_first_attention_worker_may_die_too_when_the_front_end_holds_the_rendezvous(start_server,
+                                                                                         chat_mixtral_dir):
+    server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
+                          "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30")
+    _streams_survive_a_kill(server, "attention", 0, streams=16)
