@@ -9,6 +9,7 @@ survivor, which re-prefills each prompt with the tokens generated so far).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -118,11 +120,14 @@ def test_a_killed_expert_worker_fails_the_streams_naming_it_and_ends_the_server(
 
 
 def _streams_survive_a_kill(server, role: str, index: int, streams: int) -> None:
-    """`streams` live greedy streams; SIGKILL worker `index` of `role` once each has its first tokens; every
-    stream finishes with the text of the same request before the fault, and the answers after it too."""
+    """`streams` live greedy streams; SIGKILL worker `index` of `role` once each is at a worker (its answer
+    started; a stream's first text may be held back until its characters complete); every stream finishes
+    with the text of the same request before the fault, and the answers after it too."""
     client = _client(server)
+    TOKENS = 160  # noqa: N806 - one length for every request below
     prompts = [[1 + i, 2 + (i * 7) % 300, 3 + (i * 13) % 300] for i in range(streams)]
-    baseline = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=48, temperature=0,
+    # Long enough that no stream can finish before the kill.
+    baseline = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=TOKENS, temperature=0,
                                          extra_body={"ignore_eos": True})
     expected = [c.model_extra["token_ids"] for c in baseline.choices]
     pids = _worker_pids(server)
@@ -132,8 +137,7 @@ def _streams_survive_a_kill(server, role: str, index: int, streams: int) -> None
 
     def follow(i: int) -> None:
         try:
-            stream = iter(_stream(client, prompts[i], 48))
-            texts[i] += "".join(c.text for c in next(stream).choices)
+            stream = _stream(client, prompts[i], TOKENS)  # returns once the request is at a worker
             started.wait()
             for event in stream:
                 texts[i] += "".join(c.text for c in event.choices)
@@ -150,7 +154,7 @@ def _streams_survive_a_kill(server, role: str, index: int, streams: int) -> None
         t.join(WAIT_S)
     assert not errors, errors
     assert texts == [c.text for c in baseline.choices]
-    again = client.completions.create(model=MODEL_NAME, prompt=prompts[:4], max_tokens=48, temperature=0,
+    again = client.completions.create(model=MODEL_NAME, prompt=prompts[:4], max_tokens=TOKENS, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert [c.model_extra["token_ids"] for c in again.choices] == expected[:4]
     code, health = _get(server, "/health")
@@ -206,8 +210,42 @@ def test_a_server_on_two_emulated_hosts_answers_as_on_one(start_server, chat_mix
     assert set(existing_namespaces()) - before == set()
 
 
+def _listening(pid: int) -> list[str]:
+    """The TCP addresses process `pid` listens on ("127.0.0.1:41234", "0.0.0.0:80", "[::]:5000")."""
+    import ipaddress
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 4), ("tcp6", 16)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            host, port = fields[1].split(":")
+            raw = bytes.fromhex(host)
+            # /proc prints the address as 32-bit words in host order (little-endian here)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, width, 4))
+            address = ipaddress.ip_address(raw)
+            found.append(f"{address}:{int(port, 16)}" if width == 4 else f"[{address}]:{int(port, 16)}")
+    return found
+
+
 def test_the_first_attention_worker_may_die_too_when_the_front_end_holds_the_rendezvous(start_server,
                                                                                          chat_mixtral_dir):
+    """With `--elastic` and two attention workers the front end holds the workers' rendezvous: attention worker
+    0's streams go on from the survivor too. No worker and no socket of the front end but the HTTP one listens
+    anywhere but on loopback."""
     server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
                           "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30")
+    workers = [p for group in _worker_pids(server).values() for p in group]
+    for pid in workers:
+        assert all(a.startswith("127.0.0.1:") for a in _listening(pid)), (pid, _listening(pid))
+    front = _listening(server.proc.pid)
+    assert f"127.0.0.1:{server.port}" in front and all(a.startswith("127.0.0.1:") for a in front), front
+    assert len(front) >= 4  # HTTP, the rendezvous, the events inbox and a request socket per attention worker
     _streams_survive_a_kill(server, "attention", 0, streams=16)
