@@ -278,16 +278,13 @@ class MooncakeCommunicator(RingCommunicator):
     def _block(self, p: _Peer, item: Pending, deadline: float) -> bool:
         spin_end = time.monotonic() + _SPIN_S
         sleep_s = 10e-6
-        checked = -float("inf")  # once spinning is over, then every 0.1 s: short (sliced) waits notice a death too
         while not self._poll(p, item):
             now = time.monotonic()
             if now > deadline:
                 return False
             if now > spin_end:
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
-            if now > spin_end and now - checked > 0.1:
-                checked = now
-                if not p.watch.alive() and not self._poll(p, item):
+                # Sleeping on the peer's pidfd: a death wakes the wait at once, short (sliced) waits included.
+                if not p.watch.sleep(sleep_s) and not self._poll(p, item):
                     raise self._peer_error(p.rank, f"process {p.watch.pid} exited")
+                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
         return True
