@@ -13,8 +13,11 @@ write the consumed count into the sender's credit word, without waiting for that
 supersedes an earlier one). Writes are submitted asynchronously and their completion polled, spinning
 briefly and then sleeping in short steps: the engine's transfer threads need the same few cores (the
 engine's synchronous write spins until done). A write that fails (the peer is gone) is a `PeerError`; a
-wait polls its word the same way until its deadline. A wait that runs out leaves its message queued, so
-waiting on it again resumes it (`resumable_wait`).
+wait polls its word the same way until its deadline. A peer's death is known before the engine is asked: a
+write first looks at the peer's process (a pidfd poll, on this host) and a peer whose write failed once is
+dead for good, because the engine retries a refused connection with a backoff of about a second per write
+(a dead peer would otherwise cost that second again at every send still queued to it). A wait that runs out
+leaves its message queued, so waiting on it again resumes it (`resumable_wait`).
 
 `connect(peer, ...)` re-opens the channel to a replacement of a set-up peer: the peer's areas of the region
 (inbound channel, staging ring, credit word) are zeroed and reused, the two ranks exchange records under the
@@ -59,6 +62,7 @@ class _Peer:
     recvs: list[Pending] = field(default_factory=list)
     stash: dict[int, collections.deque[list[torch.Tensor]]] = field(default_factory=dict)
     credit_writes: list[int] = field(default_factory=list)
+    gone: PeerError | None = None  # set by the first write that failed: the peer is dead for good
 
 
 class MooncakeCommunicator(RingCommunicator):
@@ -179,6 +183,7 @@ class MooncakeCommunicator(RingCommunicator):
 
     def _write(self, p: _Peer, local_offset: int, remote_addr: int, nbytes: int) -> None:
         """Write and wait for completion, yielding the CPU while waiting (the engine's own threads need it)."""
+        self._check_alive(p)
         batch = self._submit(p, local_offset, remote_addr, nbytes)
         spin_end = time.monotonic() + _SPIN_S
         sleep_s = 5e-6
@@ -188,7 +193,9 @@ class MooncakeCommunicator(RingCommunicator):
             if status == 1:
                 return
             if status < 0:
-                raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} failed (the peer is gone)")
+                p.gone = self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} failed (the peer is "
+                                                  "gone)")
+                raise p.gone
             now = time.monotonic()
             if now > deadline:
                 raise self._peer_timeout(p.rank, f"a write of {nbytes} bytes to {p.segment} did not complete within "
@@ -197,14 +204,26 @@ class MooncakeCommunicator(RingCommunicator):
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
 
+    def _check_alive(self, p: _Peer) -> None:
+        """PeerError when `p` is known dead: a write failed before, or its process (on this host) exited."""
+        if p.gone is None and not p.watch.alive():
+            p.gone = self._peer_error(p.rank, f"process {p.watch.pid} exited")
+        if p.gone is not None:
+            raise p.gone
+
     def _submit(self, p: _Peer, local_offset: int, remote_addr: int, nbytes: int) -> int:
         batch = self._engine.transfer_submit_write(p.segment, self._base + local_offset, remote_addr, nbytes)
         if batch < 0:
-            raise self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} was refused (the peer is gone)")
+            p.gone = self._peer_error(p.rank, f"a write of {nbytes} bytes to {p.segment} was refused (the peer is "
+                                              "gone)")
+            raise p.gone
         return batch
 
     def _submit_credit(self, p: _Peer, scratch: int) -> int:
-        # A sender that already left (it sent its last message) cannot take the slot back; that is fine.
+        # A sender that already left (it sent its last message) cannot take the slot back; that is fine. One
+        # known gone is not written to at all (the engine would spend its reconnect backoff on it).
+        if p.gone is not None or not p.watch.alive():
+            return -1
         return self._engine.transfer_submit_write(p.segment, self._base + scratch, p.remote_credit, 8)
 
     def _reap_credits(self, p: _Peer) -> None:
@@ -259,16 +278,13 @@ class MooncakeCommunicator(RingCommunicator):
     def _block(self, p: _Peer, item: Pending, deadline: float) -> bool:
         spin_end = time.monotonic() + _SPIN_S
         sleep_s = 10e-6
-        checked = -float("inf")  # once spinning is over, then every 0.1 s: short (sliced) waits notice a death too
         while not self._poll(p, item):
             now = time.monotonic()
             if now > deadline:
                 return False
             if now > spin_end:
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
-            if now > spin_end and now - checked > 0.1:
-                checked = now
-                if not p.watch.alive() and not self._poll(p, item):
+                # Sleeping on the peer's pidfd: a death wakes the wait at once, short (sliced) waits included.
+                if not p.watch.sleep(sleep_s) and not self._poll(p, item):
                     raise self._peer_error(p.rank, f"process {p.watch.pid} exited")
+                sleep_s = min(2 * sleep_s, _SLEEP_MAX_S)
         return True

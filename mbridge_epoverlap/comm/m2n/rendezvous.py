@@ -86,6 +86,14 @@ class PeerWatch:
         except OSError:
             return False
 
+    def sleep(self, seconds: float) -> bool:
+        """Sleep up to `seconds`, waking at once if the peer exits (on its pidfd); whether it is still alive."""
+        if self.fd is None:
+            time.sleep(seconds)
+            return self.alive()
+        ready, _, _ = select.select([self.fd], [], [], seconds)
+        return not ready
+
     def close(self) -> None:
         if self.fd is not None:
             with contextlib.suppress(OSError):

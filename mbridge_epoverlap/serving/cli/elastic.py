@@ -3,11 +3,17 @@
 One run kills `--kill` expert workers mid-decode (SIGKILL, fault injection) and reports the interruption
 (from the kill to the next token of every request in flight), when the loss was detected, throughput before
 and after (with the survivors' share of expert workers), lost requests, and whether every token equals a
-failure-free run of the same weights. With `--rejoin-after-steps N` a replacement process joins back N steps
-after the loss (when it joined, throughput after it); with `--rebalance-every K` the placement is re-solved
-for the measured load every K decode steps (each rebalance: experts moved, max/mean load before and after).
-Then the no-failure cost of elastic mode: the plain engine and the elastic engine on the same requests,
-alternated (A B B A ...), medians of decode tokens/s.
+failure-free run of the same weights. With `--kill-every S` the K workers die one after another, one every S
+decode steps. Each failure is a row of a table shaped like SGLang's Elastic EP one (failed workers,
+interruption split into detection, switch and recovery, survivors' tokens/s over the rate before, lost
+requests, outputs equal), beside the baseline it must beat: a full restart of the same serve, measured from
+the workers' start to the first token in the no-failure runs.
+
+With `--rejoin-after-steps N` a replacement process joins back N steps after the loss (when it joined,
+throughput after it); with `--rebalance-every K` the placement is re-solved for the measured load every K
+decode steps (each rebalance: experts moved, max/mean load before and after). Then the no-failure cost of
+elastic mode: the plain engine and the elastic engine on the same requests, alternated (A B B A ...),
+medians of decode tokens/s.
 
 `register` only touches argparse; the engine is imported by the handler.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import Any
 
 from mbridge_epoverlap.arg_types import count, positive
@@ -51,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--kill", type=count, default=1, metavar="K", help="expert workers killed (default 1)")
     bench.add_argument("--kill-step", type=positive, default=8, metavar="S",
                        help="decode step of the kill (default 8)")
+    bench.add_argument("--kill-every", type=count, default=None, metavar="S",
+                       help="kill the --kill K workers one after another, one every S decode steps from --kill-step "
+                            "(default: all K at once)")
     bench.add_argument("--micro-batches", type=positive, default=2, metavar="M", help="default 2")
     bench.add_argument("--batch", type=positive, default=16, metavar="B", help="requests (default 16)")
     bench.add_argument("--steps", type=positive, default=32, metavar="S", help="tokens per request (default 32)")
@@ -66,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle_elastic_bench(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.elastic.layout import check_elastic
     from mbridge_epoverlap.serving.engine.bench import finish_bench_result, synthetic_requests
-    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
+    from mbridge_epoverlap.serving.engine.elastic_plan import check_kills, kill_schedule, make_elastic
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
@@ -76,6 +86,10 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     if args.rejoin_after_steps and not args.kill:
         raise UsageError(f"--rejoin-after-steps {args.rejoin_after_steps} replaces a killed expert worker; add "
                          "--kill 1 (or more)")
+    kill_every = _kill_every(args)
+    check_kills(spec.num_experts, args.expert_workers, args.redundant_experts,
+                kill_schedule(args.kill, args.kill_step, kill_every), restore=not args.no_expert_restore,
+                steps=args.steps)
     requests = synthetic_requests(args.batch, spec.vocab_size)
     plain = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                       micro_batches=args.micro_batches, max_new_tokens=args.steps, max_batch=args.batch,
@@ -84,7 +98,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     elastic = make_elastic(plain, redundant=args.redundant_experts)
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
                            restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,
-                           rejoin_after_steps=args.rejoin_after_steps)
+                           rejoin_after_steps=args.rejoin_after_steps, kill_every=kill_every)
     say = progress_printer(args)
     # The no-failure arms: plain, elastic, and with --rebalance-every elastic with rebalancing.
     arms: dict[str, Any] = {"plain": plain, "elastic": elastic}
@@ -92,16 +106,23 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         arms["rebalancing"] = make_elastic(plain, redundant=args.redundant_experts,
                                            rebalance_every=args.rebalance_every)
     rates: dict[str, list[float]] = {name: [] for name in arms}
+    restarts: list[float] = []  # the baseline: a fresh start of the same elastic serve, to its first token
     reference = None
     for i in range(args.repeats):
         # A B, then B A: neither side always runs first (warm caches, a neighbour's load).
         say(f"no-failure round {i + 1}/{args.repeats}: {', '.join(arms)}")
         for name in (list(arms) if i % 2 == 0 else list(reversed(arms))):
-            run = run_engine(arms[name])
+            started: list[float] = []
+            run = run_engine(arms[name], on_start=lambda _pids, at=started: at.append(time.monotonic()))
             rates[name].append(run["decode_tokens_per_s"])
             if name == "plain" and reference is None:
                 reference = {c["id"]: c["output_ids"] for c in run["completions"]}
-    say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers at decode step {args.kill_step}")
+            first = run.get("elastic", {}).get("first_token_at")
+            if name == "elastic" and started and first is not None:
+                restarts.append(first - started[0])
+    when = (f"one every {kill_every} decode steps from step {args.kill_step}" if kill_every
+            else f"at decode step {args.kill_step}")
+    say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers {when}")
     result, code = run_reporting_failure(killing, say)
     summary = result.get("elastic", {})
     got = {c["id"]: c["output_ids"] for c in result["completions"]}
@@ -118,6 +139,9 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         "rejoin_wait_s": summary.get("rejoin_wait_s"),
         "throughput_after_rejoin": summary.get("throughput_after_rejoin"),
         "rebalances": summary.get("rebalances", []),
+        "failures": failure_table(summary.get("failures", []), args.expert_workers, outputs_equal=code == 0
+                                  and got == reference, lost=result["failed_requests"], restarts=restarts),
+        "restart_s": restarts, "restart_s_median": statistics.median(restarts) if restarts else None,
         "no_failure": {"plain_tokens_per_s": plain_rates, "elastic_tokens_per_s": elastic_rates,
                        "elastic_over_plain": medians["elastic"] / medians["plain"] if medians["plain"] else None,
                        "rebalancing_tokens_per_s": rates.get("rebalancing"),
@@ -125,6 +149,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
                        if "rebalancing" in medians and medians["elastic"] else None},
         "layout": {"attn_workers": args.attn_workers, "expert_workers": args.expert_workers,
                    "redundant_experts": args.redundant_experts, "kill": args.kill, "kill_step": args.kill_step,
+                   "kill_every": kill_every,
                    "rebalance_every": args.rebalance_every, "rejoin_after_steps": args.rejoin_after_steps,
                    "slots": list(killing.slots), "requests": args.batch, "tokens_per_request": args.steps},
     }
@@ -132,6 +157,50 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     report["source"] = source_of(args, ELASTIC_DEFAULT_RECIPE)
     print_result(report, args.json, _table)
     return code
+
+
+def _kill_every(args: argparse.Namespace) -> int:
+    """`--kill-every` checked against `--kill` (0: every kill at once)."""
+    if args.kill_every is None:
+        return 0
+    if args.kill_every < 1:
+        raise UsageError(f"--kill-every {args.kill_every} must be >= 1 (decode steps between one kill and the next); "
+                         "drop it to kill every --kill worker at once")
+    if args.kill < 2:
+        raise UsageError(f"--kill-every {args.kill_every} spaces several kills; add --kill 2 (or more)")
+    return args.kill_every
+
+
+def failure_table(failures: list[dict[str, Any]], expert_workers: int, *, outputs_equal: bool, lost: list[str],
+                  restarts: list[float]) -> list[dict[str, Any]]:
+    """The rows of SGLang's Elastic EP table: each failure (the workers killed at one step, K at once or one of
+    a series) with the failed workers so far, interruption and its phases, detection, the survivors' tokens/s
+    over the rate before the first failure, lost requests and token equality (of the whole run), and the
+    interruption over a full restart of the same serve (start-up to first token, median)."""
+    restart = statistics.median(restarts) if restarts else None
+    return [{"failed_workers": f["failed_workers"], "of": expert_workers, "workers": f["workers"], "step": f["step"],
+             "interruption_s": f["interruption_s"], "detection_s": f["detection_s"], "switch_s": f["switch_s"],
+             "recovery_s": f["recovery_s"], "weight_load_s": f["weight_load_s"],
+             "throughput_after": f["throughput_after"], "throughput_over_before": f["after_over_before"],
+             "lost_requests": len(lost), "outputs_equal": outputs_equal,
+             "interruption_over_restart": f["interruption_s"] / restart
+             if restart and f["interruption_s"] is not None else None}
+            for f in failures]
+
+
+def _print_failure_table(r: dict[str, Any]) -> None:
+    header = ("failed workers", "at step", "interruption (s)", "detection (s)", "switch (s)", "recovery (s)",
+              "tokens/s after / before", "lost requests", "outputs equal", "interruption / restart")
+    rows = [(f"{f['failed_workers']} of {f['of']} ({f['workers']})", str(f["step"]), fmt3(f["interruption_s"]),
+             fmt3(f["detection_s"]), fmt3(f["switch_s"]), fmt3(f["recovery_s"]),
+             fmt3(f["throughput_over_before"], "{:.2f}"), str(f["lost_requests"]), str(f["outputs_equal"]),
+             fmt3(f["interruption_over_restart"], "{:.4f}")) for f in r["failures"]]
+    rows.append(("full restart (none)", "-", fmt3(r["restart_s_median"]), "-", "-", "-", "-", "-", "-",
+                 f"1 (start-up to first token, median of {len(r['restart_s'])})"))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print(" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    print()
 
 
 def _epoch_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
@@ -154,9 +223,12 @@ def _table(r: dict[str, Any]) -> None:
     share = r["survivors_share"]
     ratio = after / r["throughput_before"] if after and r["throughput_before"] else None
     m = r["machine"]
+    if r["failures"]:
+        _print_failure_table(r)
     print_rows([
         ("layout", f"{r['layout']['attn_workers']} attention, {r['layout']['expert_workers']} expert workers, "
-                   f"{r['layout']['redundant_experts']} redundant slots, {r['layout']['kill']} killed"),
+                   f"{r['layout']['redundant_experts']} redundant slots, {r['layout']['kill']} killed"
+                   + (f" one every {r['layout']['kill_every']} steps" if r["layout"]["kill_every"] else " at once")),
         ("detected after (s)", fmt3(r["detected_after_s"])),
         ("interruption (s)", fmt3(r["interruption_s"])),
         ("tokens/s before / after", f"{fmt3(r['throughput_before'], '{:,.1f}')} / {fmt3(after, '{:,.1f}')} "

@@ -20,7 +20,9 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
     (tokens/s before the kill and after that moment, up to a rejoin), `survivors_share` (live expert workers
     over all); `rebalances` (each layout epoch attention worker 0 started or considered: decode step, expert
     copies moved, max/mean load of the measured window before and after); with a replacement,
-    `rejoined_workers`, `rejoined_after_s` (from the kill to its admission) and `throughput_after_rejoin`.
+    `rejoined_workers`, `rejoined_after_s` (from the kill to its admission) and `throughput_after_rejoin`;
+    `failures` (`failure_rows`: one row per step that killed workers, for several failures one after another);
+    `first_token_at` (the first token's `time.monotonic()` stamp, for start-up to first token).
     """
     ranks = collected.get("ranks", [])
     first = min(plan.expert_ranks)
@@ -45,7 +47,7 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
                        | {"kept": e["event"] == "rebalance-kept"}
                        for e in lead if e["event"] in ("rebalanced", "rebalance-kept")],
         "rejoined_workers": sorted({w for e in rejoins for w in e.get("joined", [])}),
-        "rejoined_after_s": None, "rejoin_wait_s": None, "throughput_after_rejoin": None,
+        "rejoined_after_s": None, "rejoin_wait_s": None, "throughput_after_rejoin": None, "failures": [],
     }
     if kill is not None:
         detected = [e["t"] for e in events if e["event"] == "detected"]
@@ -63,6 +65,8 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
         if resumed is not None:
             summary["interruption_s"] = resumed - kill
             summary.update(throughput_around(times, kill, resumed, due, rejoined))
+        summary["failures"] = failure_rows(plan.kill, killed, events, times, due)
+    summary["first_token_at"] = min((ts[0] for ts in times if ts), default=None)
     origin = kill if kill is not None else (events[0]["t"] if events else 0.0)
     summary["events"] = [{**{k: v for k, v in e.items() if k != "t"}, "at_s": round(e["t"] - origin, 6)}
                          for e in events]
@@ -92,3 +96,55 @@ def throughput_around(token_times: Sequence[Sequence[float]], kill: float, resum
     else:
         out["throughput_after"] = rate(resumed, end)
     return out
+
+
+def failure_rows(victims: Sequence[Sequence[int]], killed: dict[int, float], events: Sequence[dict[str, Any]],
+                 token_times: Sequence[Sequence[float]], due: float | None = None) -> list[dict[str, Any]]:
+    """One row per decode step that killed expert workers (`victims`: `(worker, step)` pairs), in kill order.
+
+    Keys: `step`, `workers` (killed then), `failed_workers` (killed so far), `interruption_s` (that kill to the
+    next token of every request in flight) and its phases, which add up to it: `detection_s` (kill to the first
+    attention worker's `detected` naming one of them), `switch_s` (to that worker's re-placement: the new table
+    in use) and `recovery_s` (to the end of the interruption: the resends served, weights loaded by their new
+    holders, the step finished); `weight_load_s` (the longest expert-worker load of experts it now holds in that
+    time, part of the recovery); `throughput_after` (tokens/s from the end of the interruption to the next kill,
+    a replacement's admission `due`, or the last token) and `after_over_before` (over the rate before the first
+    kill). A phase that did not happen is None.
+    """
+    flat = sorted(t for times in token_times for t in times)
+    kills = []
+    for step in sorted({int(s) for _, s in victims}):
+        workers = sorted(int(w) for w, s in victims if s == step and int(w) in killed)
+        if workers:
+            kills.append((step, workers, min(killed[w] for w in workers)))
+    if not kills or not flat:
+        return []
+
+    def rate(lo: float, hi: float) -> float | None:
+        return sum(1 for t in flat if lo < t <= hi) / (hi - lo) if hi > lo else None
+
+    before = rate(flat[0], kills[0][2])
+    rows, failed = [], 0
+    for i, (step, workers, kill) in enumerate(kills):
+        failed += len(workers)
+        resumed = interruption_end(token_times, kill)
+        detected = next((e for e in events if e["event"] == "detected" and e["t"] >= kill
+                         and set(e.get("workers", ())) & set(workers)), None)
+        switched = next((e for e in events if detected is not None and e["event"] == "re-placed"
+                         and e["worker"] == detected["worker"] and e["t"] >= detected["t"]), None)
+        loads = [e.get("load_s", 0.0) for e in events if e["event"] == "re-placed" and "load_s" in e
+                 and resumed is not None and kill <= e["t"] <= resumed]
+        end = kills[i + 1][2] if i + 1 < len(kills) else (due if due is not None and resumed is not None
+                                                           and due > resumed else flat[-1])
+        after = rate(resumed, end) if resumed is not None else None
+        rows.append({
+            "step": step, "workers": workers, "failed_workers": failed,
+            "interruption_s": resumed - kill if resumed is not None else None,
+            "detection_s": detected["t"] - kill if detected is not None else None,
+            "switch_s": switched["t"] - detected["t"] if switched is not None else None,
+            "recovery_s": resumed - switched["t"] if switched is not None and resumed is not None else None,
+            "weight_load_s": max(loads) if loads else None,
+            "throughput_after": after,
+            "after_over_before": after / before if after is not None and before else None,
+        })
+    return rows

@@ -15,19 +15,20 @@ from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 
 
 def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
-                 rebalance_every: int = 0, rejoin_after_steps: int = 0) -> EnginePlan:
+                 rebalance_every: int = 0, rejoin_after_steps: int = 0, kill_every: int = 0) -> EnginePlan:
     """`plan` (disaggregated, from `run.make_plan`) in elastic mode with `redundant` extra expert slots.
 
     Args:
         plan: the engine plan.
         redundant: redundant expert slots over all expert workers.
         kill: fault injection: this many expert workers (the first ones) SIGKILL themselves mid-decode.
-        kill_step: the decode step they die in.
+        kill_step: the decode step they die in (the first of them, with `kill_every`).
         restore: whether experts whose every replica died may be restored from the checkpoint.
         rebalance_every: re-solve the placement for the measured expert load every this many decode steps,
             moving the weights that change owner between expert workers (0: never).
         rejoin_after_steps: start a replacement for each lost expert worker and admit it at the first step
             boundary this many decode steps after the loss (0: never).
+        kill_every: one victim every this many decode steps, one after another (0: all at `kill_step`).
 
     Raises:
         UsageError: a colocated plan, a backend whose class lacks what elastic serving needs (`resumable_wait`;
@@ -44,6 +45,8 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
                          f"--backend {' or '.join(resumable)}")
     if kill_step < 1:
         raise UsageError(f"kill step {kill_step} must be >= 1 (mid-decode, after the prefill step)")
+    if kill_every < 0:
+        raise UsageError(f"--kill-every {kill_every} must be >= 1 (decode steps between kills), or 0 to kill at once")
     if rebalance_every < 0:
         raise UsageError(f"--rebalance-every {rebalance_every} must be >= 1 (decode steps between rebalances), "
                          "or 0 to keep the start placement")
@@ -57,8 +60,38 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
     spec = plan.load_spec()
     check_elastic(spec.num_experts, plan.expert_workers, redundant, kill)
     layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant)
-    victims = tuple((worker, kill_step) for worker in range(kill))
+    victims = kill_schedule(kill, kill_step, kill_every)
     moving = rebalance_every or rejoin_after_steps
     return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
                    rebalance_every=rebalance_every, rejoin_after_steps=rejoin_after_steps,
                    weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)
+
+
+def kill_schedule(kill: int, kill_step: int, kill_every: int = 0) -> tuple[tuple[int, int], ...]:
+    """Fault injection's `(expert worker, decode step)` pairs: the first `kill` workers, all at `kill_step`, or
+    one every `kill_every` steps from it."""
+    return tuple((worker, kill_step + worker * kill_every) for worker in range(kill))
+
+
+def check_kills(num_experts: int, expert_workers: int, redundant: int, victims: tuple[tuple[int, int], ...], *,
+                restore: bool, steps: int) -> None:
+    """Raise UsageError (before start) for kills that cannot happen or cannot be survived.
+
+    Each kill must fall inside decoding (before the last of `steps` tokens); without `restore` no kill may take
+    every replica of an expert, followed through the re-placements the workers make (one loss after another,
+    or those of one step at once).
+    """
+    last = max((step for _, step in victims), default=0)
+    if last >= steps - 1:
+        raise UsageError(f"a kill at decode step {last} falls after decoding ends (--steps {steps} tokens: decode "
+                         f"steps 1..{steps - 2} are mid-decode); lower --kill-step or --kill-every, or raise --steps")
+    if restore:
+        return
+    layout = ElasticLayout.initial(num_experts, expert_workers, redundant)
+    for step in sorted({step for _, step in victims}):
+        dead = {worker for worker, at in victims if at == step}
+        layout, orphans = layout.without(dead)
+        if orphans:
+            raise UsageError(f"--no-expert-restore: the kill of expert workers {sorted(dead)} at decode step {step} "
+                             f"takes every replica of experts {orphans}, and no copy may restore them; raise "
+                             "--redundant-experts, kill fewer (--kill) or drop --no-expert-restore")

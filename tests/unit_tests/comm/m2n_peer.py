@@ -5,7 +5,8 @@ Scenarios:
   of order), receivers check them bit for bit and answer each sender; senders also check that an oversize
   message is refused and receivers that a receive nobody answers times out naming the peer.
 - victim / survivor: rank 0 (victim) sets up and blocks until killed; rank 1 (survivor) posts a receive
-  from it, says so (OUT/receiving), waits on it and reports the error it gets.
+  from it, says so (OUT/receiving), waits on it and reports the error it gets, then the errors of three
+  sends to it.
 - host / victim1 / newcomer: rank 0 (host) and rank 1 (victim1) set up; the test kills rank 1; the host
   notices, `connect`s the channel again, and exchanges a message each way with a new rank-1 process
   (newcomer) that created its communicator later, in the namespace "rejoin/1".
@@ -125,6 +126,13 @@ def main() -> int:
             result["error"] = "none"
         except PeerError as exc:
             result.update(error=str(exc), peer=exc.peer, seconds=time.monotonic() - start)
+        result["sends"] = []  # sends to the dead peer afterwards (several, as a pipeline has queued)
+        for tag in range(3):
+            try:
+                comm.isend(0, [torch.arange(4)], tag=tag).wait()
+                result["sends"].append("none")
+            except PeerError as exc:
+                result["sends"].append(str(exc))
         comm.close()
     elif scenario in ("host", "victim1"):
         comm = make_communicator(backend, rank=rank, peers=[1 - rank], store=store, slot_bytes=1024, timeout_s=20,

@@ -98,6 +98,11 @@ def test_killed_peer_is_named_and_leaves_no_segment(backend: str, tmp_path: Path
     assert survivor["peer"] == 0
     assert "victim rank 0" in survivor["error"]
     assert "exited" in survivor["error"] or "failed" in survivor["error"]  # noticed the death, not the timeout
+    # shm's sends fill the dead peer's free slots (two) before one must wait for it, and that one fails.
+    assert "victim rank 0" in survivor["sends"][-1], survivor["sends"]
+    if backend == "mooncake":
+        # Known dead from its process: no write reaches the engine, whose reconnect backoff costs ~1 s a write.
+        assert all("exited" in e for e in survivor["sends"]), survivor["sends"]
     assert _shm_names([p.pid for p in procs]) == []
 
 
