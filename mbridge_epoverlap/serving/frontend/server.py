@@ -83,7 +83,7 @@ def serve_http(args: argparse.Namespace) -> int:
                                 rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps)
         return plan
 
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(spec.moe_layer_ids)
     outcome = {"code": EXIT_OK}
     server: Any = None
 
