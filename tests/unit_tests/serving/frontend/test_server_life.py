@@ -149,6 +149,13 @@ def _streams_survive_a_kill(server, role: str, index: int, streams: int) -> None
         t.join(WAIT_S)
     assert not errors, errors
     assert texts == [c.text for c in baseline.choices]
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        metrics = answer.read().decode()
+    # The loss, seen by the attention workers and by the front end alike, is one lost process; the load gauges
+    # cover every MoE layer.
+    assert "mbe_elastic_workers_lost_total 1.0" in metrics
+    assert 'mbe_expert_layer_load_imbalance{layer="0"}' in metrics
+    assert 'mbe_expert_layer_load_imbalance{layer="1"}' in metrics
     again = client.completions.create(model=MODEL_NAME, prompt=prompts[:4], max_tokens=48, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert [c.model_extra["token_ids"] for c in again.choices] == expected[:4]
@@ -173,3 +180,36 @@ def test_a_killed_attention_worker_s_streams_go_on_from_a_survivor(start_server,
     server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
                           "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30")
     _streams_survive_a_kill(server, "attention", 1, streams=16)
+
+
+def _metric(server, name: str) -> float:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"/metrics has no {name}")
+
+
+def test_elastic_metrics_count_a_loss_the_rejoin_and_the_moved_copies(start_server, chat_mixtral_dir):
+    # The replacement of a killed expert worker joins two steps after the loss (the idle engine keeps stepping),
+    # with the experts of its share moved to it from the survivors; the attention worker reports each event.
+    server = start_server(chat_mixtral_dir, "--expert-workers", "4", "--elastic", "--redundant-experts", "4",
+                          "--rejoin-after-steps", "2", "--max-batch", "8", "--timeout", "60")
+    client = _client(server)
+    prompts = [[1 + i, 2 + (i * 7) % 300, 3 + (i * 13) % 300] for i in range(8)]
+    baseline = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=32, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    pids = _worker_pids(server)
+    stream = iter(_stream(client, prompts[0], 96))
+    next(stream)
+    os.kill(pids["expert"][0], signal.SIGKILL)
+    for _ in stream:
+        pass
+    _until(lambda: _metric(server, "mbe_elastic_workers_rejoined_total") >= 1, "the replacement's admission")
+    again = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=32, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in baseline.choices]
+    assert _metric(server, "mbe_elastic_workers_rejoined_total") == 1
+    assert _metric(server, "mbe_elastic_workers_lost_total") == 1
+    assert _metric(server, "mbe_elastic_expert_copies_moved_total") >= 2  # the newcomer's two slots at least
+    assert _metric(server, "mbe_elastic_rebalances_total") == 0  # no --rebalance-every
