@@ -172,8 +172,8 @@ class WeightMover:
         """Enter the new layout: `assemble` if that has not happened yet, then hold exactly the new share.
 
         Returns:
-            What happened: experts received (and from whom), sent, restored from the checkpoint, dropped, and the
-            seconds spent starting, assembling and at the switch itself.
+            What happened: experts received (and from whom), sent, restored from the checkpoint, the fallbacks
+            (sources that died mid-move), dropped, and the seconds spent starting, assembling and at the switch.
         """
         started = time.monotonic()
         if pending.part is None:
@@ -181,8 +181,8 @@ class WeightMover:
         dropped = experts.adopt(pending.part)
         return {"epoch": pending.epoch, "received": pending.received, "sent": pending.sent,
                 "restored": sorted(pending.restored), "fallbacks": pending.fallbacks, "dropped": dropped,
-                "prefetch_s": pending.start_s,
-                "assemble_s": pending.assemble_s, "switch_s": time.monotonic() - started}
+                "prefetch_s": pending.start_s, "assemble_s": pending.assemble_s,
+                "switch_s": time.monotonic() - started}
 
 
 @dataclass
