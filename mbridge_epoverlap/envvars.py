@@ -25,6 +25,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_PAIRED_EDGES", "1 (default) or 0: with EP overlap, interleave the first two forwards and "
      "the last two backwards of an iteration (1) or run them alone as Megatron-Core does (0)"),
     ("MBRIDGE_EPOVERLAP_FAULT", "RANK:MODE:ITERATION, a test hook that makes one rank exit, raise or hang"),
+    ("MBRIDGE_EPOVERLAP_MOVE_FAULT", "EPOCH:MESSAGES, a test hook: in the expert-weight moves of elastic layout "
+     "epoch EPOCH, the lowest-index expert worker that sends weights SIGKILLs itself after MESSAGES of its messages"),
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),

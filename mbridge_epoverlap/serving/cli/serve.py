@@ -241,6 +241,12 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
                      f"{pred['utilization']['attention']:.0%}, expert {pred['utilization']['expert']:.0%}"))
     if result.get("failed_requests"):
         rows.append(("failed requests", ", ".join(result["failed_requests"])))
+    load = result.get("expert_load")
+    if load:
+        per_layer = ", ".join(f"layer {layer} {fmt(value, '{:.3f}')}"
+                              for layer, value in zip(load["layers"], load["max_over_mean"], strict=True))
+        overall = fmt(load["max_over_mean_all_layers"], "{:.3f}")
+        rows.append(("expert load max/mean", f"{per_layer}; all layers {overall}"))
     if "elastic" in result:
         lost = result["elastic"]["lost_workers"]
         rows.append(("elastic", f"lost expert workers {lost}, restored experts {result['elastic']['restored_experts']}"
@@ -252,6 +258,9 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
                                                  for b in moved)))
         if result["elastic"].get("rejoined_workers"):
             rows.append(("rejoined", str(result["elastic"]["rejoined_workers"])))
+        for f in result["elastic"].get("move_fallbacks", []):
+            rows.append(("move fallback", f"{f['worker']} read experts {f['experts']} of epoch {f['epoch']} from the "
+                         f"checkpoint (expert worker {f['from']} died during the move)"))
     m = result["machine"]
     rows.append(("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, "
                  f"amx_bf16={m['amx_bf16']})"))

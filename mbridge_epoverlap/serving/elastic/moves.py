@@ -17,11 +17,18 @@ completes at once and nothing waits for it) and posts its receives (`WeightMover
 still runs on the old weights; once its own last expert work of that step is done it builds its new share
 as one part beside the old one (`WeightMover.assemble`), and at the switch it only swaps them
 (`WeightMover.finish`). So the copies overlap a decode step instead of stalling one.
+
+A source that dies before its message arrives (a failure in the middle of a move): the destination reads those
+experts from the checkpoint instead (when restoring is allowed) and names the fallback in its report
+(`fallbacks`: the source, the experts); the attention workers see the loss in the same step's combine and drop
+the source from the epoch they enter. The test hook `MOVE_FAULT_ENV` kills a source at a chosen point of a move.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +36,31 @@ from typing import Any
 import torch
 
 from mbridge_epoverlap.comm.m2n.base import PeerError
+from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.elastic import eplb
 from mbridge_epoverlap.serving.elastic.layout import ElasticLayout, ExpertsLostError
+
+# Test hook, `EPOCH:MESSAGES`: in the moves of layout epoch EPOCH, the expert worker of lowest index among those
+# that send weights SIGKILLs itself once it has sent MESSAGES of its weight messages (0: before the first).
+MOVE_FAULT_ENV = "MBRIDGE_EPOVERLAP_MOVE_FAULT"
+
+
+def move_fault(epoch: int, plan: dict[tuple[int | None, int], list[int]], index: int) -> int | None:
+    """The weight messages worker `index` sends in `epoch` before the test hook kills it; None: it is not killed.
+
+    Raises:
+        UsageError: `MOVE_FAULT_ENV` is set but is not `EPOCH:MESSAGES`.
+    """
+    text = os.environ.get(MOVE_FAULT_ENV, "")
+    if not text:
+        return None
+    try:
+        at, sent = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise UsageError(f"{MOVE_FAULT_ENV}={text!r}: expected EPOCH:MESSAGES (two integers, e.g. 1:0), or unset it"
+                         ) from None
+    sources = sorted({source for source, _ in plan if source is not None})
+    return sent if epoch == at and sources and sources[0] == index else None
 
 
 def transfers(old: ElasticLayout, new: ElasticLayout) -> dict[tuple[int | None, int], list[int]]:
@@ -84,13 +114,18 @@ class WeightMover:
         started = time.monotonic()
         plan = transfers(old, new)
         pending = Prefetch(epoch, new)
+        die_after = move_fault(epoch, plan, self.index)
         for (source, destination), ids in plan.items():
             if source == self.index:
+                if die_after is not None and len(pending.sent) >= die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)  # the test hook: a source lost in the middle of a move
                 w1, w2 = experts.export(ids)
                 tensors = [torch.tensor(ids, dtype=torch.int64), w1.contiguous(), w2.contiguous()]
                 with contextlib.suppress(PeerError):  # a destination without a channel (its connect failed)
                     pending.sends.append(self.comm.isend(self.ranks[destination], tensors, epoch))
                     pending.sent.append({"to": destination, "experts": ids})
+        if die_after is not None:  # it had fewer messages to send than the hook lets through
+            os.kill(os.getpid(), signal.SIGKILL)
         for (source, destination), ids in plan.items():
             if destination == self.index:
                 work = None
@@ -105,7 +140,7 @@ class WeightMover:
         """Wait for what this worker gains and build its whole share of the new layout as one part, beside the
         weights in use (called once this worker's last expert work of the announcing step is done, so the copies
         overlap the attention workers' end of step; `finish` then only swaps). A source that died is replaced
-        by the checkpoint copy."""
+        by the checkpoint copy (a fallback, in `Prefetch.fallbacks`)."""
         started = time.monotonic()
         incoming: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for source, ids, work in pending.receives:
@@ -117,6 +152,8 @@ class WeightMover:
                 if not self.restore:
                     raise ExpertsLostError(ids, [] if source is None else [source])
                 pending.restored += experts.ensure(ids)
+                if source is not None:
+                    pending.fallbacks.append({"from": source, "experts": ids, "read": "checkpoint"})
                 continue
             got = message[0].tolist()
             if got != ids:
@@ -135,16 +172,17 @@ class WeightMover:
         """Enter the new layout: `assemble` if that has not happened yet, then hold exactly the new share.
 
         Returns:
-            What happened: experts received (and from whom), sent, restored from the checkpoint, dropped, and the
-            seconds spent starting, assembling and at the switch itself.
+            What happened: experts received (and from whom), sent, restored from the checkpoint, the fallbacks
+            (sources that died mid-move), dropped, and the seconds spent starting, assembling and at the switch.
         """
         started = time.monotonic()
         if pending.part is None:
             self.assemble(pending, experts)
         dropped = experts.adopt(pending.part)
         return {"epoch": pending.epoch, "received": pending.received, "sent": pending.sent,
-                "restored": sorted(pending.restored), "dropped": dropped, "prefetch_s": pending.start_s,
-                "assemble_s": pending.assemble_s, "switch_s": time.monotonic() - started}
+                "restored": sorted(pending.restored), "fallbacks": pending.fallbacks, "dropped": dropped,
+                "prefetch_s": pending.start_s, "assemble_s": pending.assemble_s,
+                "switch_s": time.monotonic() - started}
 
 
 @dataclass
@@ -158,6 +196,7 @@ class Prefetch:
     receives: list[tuple[int | None, list[int], Any]] = field(default_factory=list)  # (source, experts, Work)
     received: list[dict[str, Any]] = field(default_factory=list)
     restored: list[int] = field(default_factory=list)
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)  # sources that died: read from the checkpoint
     part: Any = None  # this worker's whole share of the new layout, once assembled
     start_s: float = 0.0
     assemble_s: float = 0.0

@@ -23,6 +23,10 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
     `rejoined_workers`, `rejoined_after_s` (from the kill to its admission) and `throughput_after_rejoin`;
     `failures` (`failure_rows`: one row per step that killed workers, for several failures one after another);
     `first_token_at` (the first token's `time.monotonic()` stamp, for start-up to first token).
+    `move_fallbacks` (each weight message whose source died during a move: the expert worker that read those
+    experts from the checkpoint instead, the epoch, the source, the experts); `event_counts` (`workers_lost`,
+    `rejoined`, `rebalances`: layout epochs entered for the load, `moved_copies`: expert copies that changed owner
+    at those epochs and at rejoins, `move_fallbacks`).
     """
     ranks = collected.get("ranks", [])
     first = min(plan.expert_ranks)
@@ -67,6 +71,14 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
             summary.update(throughput_around(times, kill, resumed, due, rejoined))
         summary["failures"] = failure_rows(plan.kill, killed, events, times, due)
     summary["first_token_at"] = min((ts[0] for ts in times if ts), default=None)
+    summary["move_fallbacks"] = [{"worker": e["worker"], "epoch": e.get("epoch"), **f} for e in events
+                                 if e["event"] == "moved" for f in e.get("fallbacks", [])]
+    epochs = [e for e in lead if e["event"] in ("rebalanced", "rejoined")]
+    summary["event_counts"] = {
+        "workers_lost": len(lost), "rejoined": len(summary["rejoined_workers"]),
+        "rebalances": sum(e["event"] == "rebalanced" for e in epochs),
+        "moved_copies": sum(e.get("moved", 0) for e in epochs), "move_fallbacks": len(summary["move_fallbacks"]),
+    }
     origin = kill if kill is not None else (events[0]["t"] if events else 0.0)
     summary["events"] = [{**{k: v for k, v in e.items() if k != "t"}, "at_s": round(e["t"] - origin, 6)}
                          for e in events]

@@ -495,6 +495,7 @@ class ElasticExpertWorker(ExpertWorker):
             self._follow(control.mask)
             tokens = message.tokens
             out = self.part(control.layer, tokens, message.expert_ids) if tokens.shape[0] else tokens
+            self.count(control.layer, message.expert_ids)
             self.comm.isend(rank, Combine(False, out.contiguous()).encode(), RESEND_TAG)
             self._resends[rank] = self.comm.irecv(rank, RESEND_TAG)
 

@@ -207,6 +207,7 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
         "ttft_ms_p50": _percentile([c["ttft_ms"] for c in ordered if c["ttft_ms"] is not None], 50),
         "decode_steps": max((r.get("decode_steps", 0) for r in readers), default=0),
         "failed_requests": [c["id"] for c in ordered if c["status"] != "ok"],
+        "expert_load": expert_load(ranks),
     }
     if failed or not readers or plan.online:  # online: the front end measured each request itself
         return result
@@ -218,6 +219,33 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
     }
     result["predicted"] = replay(plan, stages, tokens_per_step=decode_tokens_per_step(readers))
     return result
+
+
+def expert_load(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The expert load the workers counted: `routed` (`[MoE layers][experts]` (token, choice) pairs the attention
+    workers' routers chose, summed over them), `served` (the pairs the expert workers computed, summed over those
+    that reported, resends included; absent when none did, e.g. colocated), `layers` (the MoE layer ids of the
+    rows), `max_over_mean` (of `routed`, per layer) and `max_over_mean_all_layers` (of `routed` summed over layers:
+    what the elastic re-solve balances); empty when no worker reported."""
+    def total(reports: list[dict[str, Any]]) -> list[list[int]] | None:
+        loads = [r["expert_load"]["counts"] for r in reports if r.get("expert_load")]
+        if not loads:
+            return None
+        return [[sum(column) for column in zip(*rows, strict=True)] for rows in zip(*loads, strict=True)]
+
+    def ratio(row: list[int]) -> float | None:
+        return max(row) / (sum(row) / len(row)) if row and sum(row) else None
+
+    routed = total([r for r in ranks if r["role"] != "expert"])
+    if routed is None:
+        return {}
+    layers = next(r["expert_load"]["layers"] for r in ranks if r.get("expert_load"))
+    out: dict[str, Any] = {"layers": layers, "routed": routed, "max_over_mean": [ratio(row) for row in routed],
+                           "max_over_mean_all_layers": ratio([sum(column) for column in zip(*routed, strict=True)])}
+    served = total([r for r in ranks if r["role"] == "expert"])
+    if served is not None:
+        out["served"] = served
+    return out
 
 
 def decode_rate(readers: Sequence[dict[str, Any]]) -> float:

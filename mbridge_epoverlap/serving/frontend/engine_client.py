@@ -366,11 +366,11 @@ class EngineClient:
         for rank, pid in enumerate(self.pids[:self.plan.world]):
             role, index = self.plan.role_of(rank)
             alive = pid_alive(pid)
+            name = "colocated" if role is None else role.value
             if not alive and rank not in self.lost_seen and self.state in (READY, DRAINING):
                 self.lost_seen.add(rank)
-                self.metrics.worker_lost()
-            out.append({"role": "colocated" if role is None else role.value, "index": index, "rank": rank,
-                        "pid": pid, "alive": alive})
+                self.metrics.worker_lost(name, index)
+            out.append({"role": name, "index": index, "rank": rank, "pid": pid, "alive": alive})
         return out
 
 

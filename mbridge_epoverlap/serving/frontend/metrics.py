@@ -10,29 +10,54 @@ Names (all prefixed `mbe_`):
   submission to the last token).
 - `mbe_requests_running`, `mbe_requests_waiting`: gauges, summed over the attention workers' last reports.
 - `mbe_kv_cache_tokens`: tokens held in the attention workers' KV caches (freed rows leave it).
-- `mbe_expert_load_imbalance`: max/mean of the tokens routed to each expert over the last reported window.
-- `mbe_elastic_workers_lost_total`, `mbe_elastic_workers_rejoined_total`, `mbe_elastic_rebalances_total`:
-  counters of elastic events (a worker process seen dead; a replacement admitted; a re-placement that moved
-  expert weights).
+- `mbe_expert_load_imbalance`: max/mean of the (token, choice) pairs routed to each expert, summed over the MoE
+  layers (what the elastic re-solve balances: every expert worker holds the same experts in every layer), over the
+  last `LOAD_WINDOW_S` seconds of reports that carried load.
+- `mbe_expert_layer_load_imbalance{layer}`: the same max/mean for each MoE layer (`layer`: the model's layer id).
+- `mbe_expert_tokens_total{layer,expert}`: (token, choice) pairs routed to each expert of each MoE layer since the
+  server started.
+- `mbe_elastic_workers_lost_total`: worker processes lost, each counted once: an expert worker (or one of its
+  replacements) when an attention worker reports it detected the loss, any worker when the front end sees its
+  process gone (whichever comes first).
+- `mbe_elastic_workers_rejoined_total`: replacement expert workers admitted; `mbe_elastic_rebalances_total`: layout
+  epochs entered to balance the load; `mbe_elastic_expert_copies_moved_total`: expert copies that changed owner at
+  those epochs and at rejoins. Layout epochs are counted from attention worker 0's reports (every attention worker
+  enters the same ones).
 - `mbe_requests_moved_total`: requests moved off a lost attention worker to a survivor (elastic mode).
+
+The load and the elastic events come from the attention workers' `online.Stats` (what their routers chose and
+what they saw); nothing here is estimated by the front end.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections import Counter as Tally
+from collections import deque
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = ("finished", "aborted", "failed", "rejected")
+LOAD_WINDOW_S = 10.0  # the expert-load imbalance gauges cover the reports of the last this many seconds
+
+
+def max_over_mean(counts: Sequence[int]) -> float | None:
+    """max/mean of per-expert counts (1.0: every expert got as much); None when nothing was counted."""
+    total = sum(counts)
+    return max(counts) / (total / len(counts)) if counts and total else None
 
 
 class ServerMetrics:
     """The server's Prometheus metrics (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, moe_layers: Sequence[int] = ()) -> None:
+        """Args:
+            moe_layers: the model's MoE layer ids, ascending (the rows of every report's expert load).
+        """
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        self.moe_layers = list(moe_layers)
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("mbe_requests", "Requests by outcome", ["outcome"], registry=registry)
         for outcome in OUTCOMES:
@@ -46,15 +71,24 @@ class ServerMetrics:
         self.running = Gauge("mbe_requests_running", "Requests decoding", registry=registry)
         self.waiting = Gauge("mbe_requests_waiting", "Requests waiting for a slot", registry=registry)
         self.kv_tokens = Gauge("mbe_kv_cache_tokens", "Tokens held in the KV caches", registry=registry)
-        self.imbalance = Gauge("mbe_expert_load_imbalance", "Max/mean tokens per expert, last window",
-                               registry=registry)
+        self.imbalance = Gauge("mbe_expert_load_imbalance",
+                               "Max/mean tokens per expert over all MoE layers, last window", registry=registry)
+        self.layer_imbalance = Gauge("mbe_expert_layer_load_imbalance", "Max/mean tokens per expert, last window",
+                                     ["layer"], registry=registry)
+        self.expert_tokens = Counter("mbe_expert_tokens", "(token, choice) pairs routed to each expert",
+                                     ["layer", "expert"], registry=registry)
         self.lost = Counter("mbe_elastic_workers_lost", "Worker processes lost", registry=registry)
         self.rejoined = Counter("mbe_elastic_workers_rejoined", "Replacement expert workers admitted",
                                 registry=registry)
         self.moved_requests = Counter("mbe_requests_moved", "Requests moved off a lost attention worker",
                                       registry=registry)
-        self.rebalances = Counter("mbe_elastic_rebalances", "Re-placements that moved expert weights",
+        self.rebalances = Counter("mbe_elastic_rebalances", "Layout epochs entered to balance the expert load",
                                   registry=registry)
+        self.moved_copies = Counter("mbe_elastic_expert_copies_moved", "Expert copies that changed owner",
+                                    registry=registry)
+        self._window: deque[tuple[float, list[list[int]]]] = deque()  # (arrival, load) of the last window
+        self._lost: set[tuple[str, int, int]] = set()  # (role, index, replacement generation) counted lost
+        self._generation: Tally[tuple[int, int]] = Tally()  # (attention worker, expert worker) -> rejoins seen
 
     def rejected(self) -> None:
         self.requests.labels("rejected").inc()
@@ -76,20 +110,58 @@ class ServerMetrics:
         self.running.set(sum(s.running for s in every))
         self.waiting.set(sum(s.waiting for s in every))
         self.kv_tokens.set(sum(s.kv_tokens for s in every))
-        load = latest.expert_load
-        if load and sum(load):
-            self.imbalance.set(max(load) / (sum(load) / len(load)))
+        self._load(latest.expert_load)
         for event in latest.events:
-            if event == "rejoined":
-                self.rejoined.inc()
-            elif event == "moved":
+            self._event(latest.worker, event)
+
+    def _load(self, load: list[list[int]]) -> None:
+        """Count a report's per-layer expert load and recompute the imbalance over the window."""
+        if not any(any(row) for row in load):
+            return
+        for layer, row in zip(self.moe_layers, load, strict=False):
+            for expert, count in enumerate(row):
+                if count:
+                    self.expert_tokens.labels(str(layer), str(expert)).inc(count)
+        now = time.monotonic()
+        self._window.append((now, load))
+        while self._window and self._window[0][0] < now - LOAD_WINDOW_S:
+            self._window.popleft()
+        summed = [[sum(col) for col in zip(*rows, strict=True)]
+                  for rows in zip(*(entry for _, entry in self._window), strict=True)]
+        for layer, row in zip(self.moe_layers, summed, strict=False):
+            value = max_over_mean(row)
+            if value is not None:
+                self.layer_imbalance.labels(str(layer)).set(value)
+        value = max_over_mean([sum(col) for col in zip(*summed, strict=True)])
+        if value is not None:
+            self.imbalance.set(value)
+
+    def _event(self, attention: int, event: dict[str, Any]) -> None:
+        """One elastic event an attention worker reported (`online.EVENT_FIELDS`)."""
+        name = event.get("event")
+        if name == "detected":  # every attention worker detects each loss (some twice): count each process once
+            for worker in event.get("workers", []):
+                self.worker_lost("expert", worker, self._generation[(attention, worker)])
+        elif name in ("rebalanced", "rejoined"):
+            for worker in event.get("joined", []):
+                self._generation[(attention, worker)] += 1
+            if attention != 0:  # every attention worker enters the same epochs: count the lead's
+                return
+            self.moved_copies.inc(event.get("moved", 0))
+            if name == "rejoined":
+                self.rejoined.inc(len(event.get("joined", [])))
+            else:
                 self.rebalances.inc()
 
     def moved(self) -> None:
         self.moved_requests.inc()
 
-    def worker_lost(self) -> None:
-        self.lost.inc()
+    def worker_lost(self, role: str, index: int, generation: int = 0) -> None:
+        """A worker process is gone (generation: its replacements before it); counted once however it was seen."""
+        key = (role, index, generation)
+        if key not in self._lost:
+            self._lost.add(key)
+            self.lost.inc()
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of `/metrics`."""

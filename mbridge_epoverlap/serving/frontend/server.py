@@ -86,7 +86,7 @@ def serve_http(args: argparse.Namespace) -> int:
                                 rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps)
         return plan
 
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(spec.moe_layer_ids)
     outcome: dict[str, Any] = {"code": EXIT_OK, "server": None}  # the exit code; uvicorn's server once it exists
 
     def engine_ended(reason: str | None) -> None:

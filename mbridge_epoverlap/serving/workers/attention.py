@@ -95,7 +95,10 @@ class AttentionSide:
         # Online serving (`workers.online.OnlineSource`): polled at every step boundary for new requests and
         # aborts; while it serves, this worker counts as active, so the experts never answer stop.
         self.source: Any = None
-        self.expert_load: torch.Tensor | None = None  # online: tokens routed to each expert since last read
+        # (token, choice) pairs routed to each expert, `[MoE layers, experts]`, since the start: the report's
+        # and the online server's expert-load figures (what the router chose, counted where it chose it).
+        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
+        self.expert_load = torch.zeros(len(self.moe_index), spec.num_experts, dtype=torch.int64)
 
     # --- step boundaries ----------------------------------------------------------------------------
     def boundary(self) -> None:
@@ -178,8 +181,9 @@ class AttentionSide:
             return
         with self.timer.time(POST.name):
             expert_out = h.expert_out if self.spec.is_moe(layer) else None
-            if self.expert_load is not None and expert_out is not None:
-                self.expert_load += torch.bincount(h.attn.expert_ids.flatten(), minlength=self.expert_load.numel())
+            if expert_out is not None:
+                self.expert_load[self.moe_index[layer]] += torch.bincount(h.attn.expert_ids.flatten(),
+                                                                          minlength=self.spec.num_experts)
             h.x = self.part.post_step(layer, h.attn, expert_out)
             h.attn, h.expert_out = None, None
             if layer == self.spec.num_layers - 1:

@@ -90,6 +90,7 @@ class AttentionWorker:
         report["stages"] = self.side.timer.summary()
         report["completions"] = queue.completions(failed=failed)
         report["step_log"] = self.side.step_log
+        report["expert_load"] = {"layers": self.side.spec.moe_layer_ids, "counts": self.side.expert_load.tolist()}
         return report
 
     def close(self) -> None:

@@ -52,6 +52,9 @@ class ExpertWorker:
         self._outputs: dict[int, list[torch.Tensor]] = {}
         self._sends: list[Any] = []
         self.tokens_served = 0
+        # (token, choice) pairs this worker computed for each expert, `[MoE layers, experts]` (resends included).
+        self._moe_index = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
+        self.expert_load = torch.zeros(len(self._moe_index), spec.num_experts, dtype=torch.int64)
 
     def run(self) -> None:
         if self.streams:
@@ -71,7 +74,13 @@ class ExpertWorker:
         if self.events is not None:
             report["events"] = self.events
         report["stages"] = self.timer.summary()
+        report["expert_load"] = {"layers": self.spec.moe_layer_ids, "counts": self.expert_load.tolist()}
         return report
+
+    def count(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Note the pairs of `layer` this worker computed (one expert id each)."""
+        self.expert_load[self._moe_index[layer]] += torch.bincount(expert_ids.reshape(-1),
+                                                                   minlength=self.spec.num_experts)
 
     def close(self) -> None:
         self.comm.close()
@@ -134,6 +143,7 @@ class ExpertWorker:
             else:
                 out = self.part(layer, tokens, ids)
         self.tokens_served += total
+        self.count(layer, ids)
         self._outputs[mb] = list(out.split(counts))
 
     def _combine_issue(self, mb: int, layer: int) -> None:

@@ -94,18 +94,23 @@ class Tokens:
     items: list[tuple[str, int, str | None]]
 
 
+# The fields of an elastic event (`ElasticRouter.events`) that travel to the front end: what its counters need.
+EVENT_FIELDS = ("event", "workers", "worker", "joined", "moved", "epoch", "step")
+
+
 @dataclass(frozen=True)
 class Stats:
-    """An attention worker's queue, KV cache use and the tokens routed to each expert since its last report,
-    and the elastic events it saw since then (their names)."""
+    """An attention worker's queue, KV cache use, the (token, choice) pairs routed to each expert since its last
+    report (`[MoE layers][experts]`, ascending layers), and the elastic events it saw since then (each a dict of
+    `EVENT_FIELDS`)."""
 
     kind: ClassVar[str] = "stats"
     worker: int
     running: int
     waiting: int
     kv_tokens: int
-    expert_load: list[int] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
+    expert_load: list[list[int]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready, Done, Tokens, Stats)}
@@ -144,7 +149,6 @@ class OnlineSource:
 
     def __init__(self, worker: int, requests_addr: str, events_addr: str, side: Any, *, prefill_budget: int,
                  events: list[dict[str, Any]] | None = None) -> None:
-        import torch
         import zmq
 
         self.worker, self.side, self.queue = worker, side, side.queue
@@ -164,7 +168,7 @@ class OnlineSource:
         self._stats_at = 0.0
         self.queue.prefill_budget = prefill_budget
         side.source = self
-        side.expert_load = torch.zeros(side.spec.num_experts, dtype=torch.int64)
+        self._load_sent = side.expert_load.clone()  # the side counts from the start; the front end gets the rest
         side.on_sampled.append(self.sampled)
 
     def at_boundary(self, side: Any, seqs: Sequence[Any], *, first: bool) -> None:
@@ -234,14 +238,14 @@ class OnlineSource:
         queue, side = self.queue, self.side
         now = time.monotonic()
         counts = (len(queue.running), len(queue.waiting), sum(s.length for s in queue.running))
-        load = side.expert_load
+        load = side.expert_load - self._load_sent
         new_events = self.events[self._events_sent:] if self.events is not None else []
         busy = bool(load.any()) and now - self._stats_at >= STATS_EVERY_S
         if counts == self._last_stats and not busy and not new_events:
             return
         self._send(Stats(self.worker, *counts, expert_load=load.tolist(),
-                         events=[str(e.get("event")) for e in new_events]))
-        load.zero_()
+                         events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events]))
+        self._load_sent += load
         self._events_sent += len(new_events)
         self._last_stats, self._stats_at = counts, now
 

@@ -74,7 +74,53 @@ def test_online_messages_round_trip():
     for message in (online.Submit("r1", [1, 2], 5, True, 0.5, 0.9, 3, 7), online.Abort("r1"), online.Shutdown(),
                     online.Done(1),
                     online.Ready(0, 123), online.Tokens(1, [("r1", 4, None), ("r2", 2, "stop")]),
-                    online.Stats(0, 1, 2, 30, [1, 0], ["moved"])):
+                    online.Stats(0, 1, 2, 30, [[1, 0], [0, 1]], [{"event": "rebalanced", "moved": 2}])):
         assert online.decode(online.encode(message)) == message
     with pytest.raises(ValueError, match="unknown online message"):
         online.decode({"kind": "nonsense"})
+
+
+def _samples(metrics) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body, _ = metrics.render()
+    return {s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items())): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def test_metrics_count_each_lost_process_once_and_each_epoch_from_the_lead():
+    from mbridge_epoverlap.serving.frontend.metrics import ServerMetrics
+
+    metrics = ServerMetrics([1, 3])
+    lost_0 = {"event": "detected", "workers": [0]}
+    # Both attention workers detect expert worker 0; the lead sees it again when an epoch announced with it
+    # alive is entered; the front end also sees its process gone: one loss.
+    metrics.worker_stats(online.Stats(0, 1, 0, 5, [], [lost_0, {"event": "rebalanced", "moved": 3}, lost_0]), [])
+    metrics.worker_stats(online.Stats(1, 1, 0, 5, [], [lost_0, {"event": "rebalanced", "moved": 3}]), [])
+    metrics.worker_lost("expert", 0)
+    # Its replacement joins (4 copies move to it), then dies too: a second loss; attention worker 1 dies: a third.
+    for attention in (0, 1):
+        metrics.worker_stats(online.Stats(attention, 1, 0, 5, [], [
+            {"event": "rejoined", "joined": [0], "moved": 4}, {"event": "detected", "workers": [0]}]), [])
+    metrics.worker_lost("attention", 1)
+    metrics.worker_lost("attention", 1)
+    got = _samples(metrics)
+    assert got["mbe_elastic_workers_lost_total"] == 3
+    assert got["mbe_elastic_rebalances_total"] == 1
+    assert got["mbe_elastic_workers_rejoined_total"] == 1
+    assert got["mbe_elastic_expert_copies_moved_total"] == 3 + 4
+
+
+def test_metrics_sum_the_reported_expert_load_per_layer_and_expert():
+    from mbridge_epoverlap.serving.frontend.metrics import ServerMetrics
+
+    metrics = ServerMetrics([1, 3])
+    metrics.worker_stats(online.Stats(0, 1, 0, 5, [[6, 2, 0, 0], [1, 1, 1, 1]]), [])
+    metrics.worker_stats(online.Stats(1, 1, 0, 5, [[2, 2, 0, 4], [0, 0, 0, 0]]), [])
+    got = _samples(metrics)
+    assert got["mbe_expert_tokens_total|expert=0|layer=1"] == 8
+    assert got["mbe_expert_tokens_total|expert=3|layer=1"] == 4
+    assert got["mbe_expert_tokens_total|expert=2|layer=3"] == 1
+    assert got["mbe_expert_layer_load_imbalance|layer=1"] == 8 / (16 / 4)  # both reports are in the window
+    assert got["mbe_expert_layer_load_imbalance|layer=3"] == 1.0
+    assert got["mbe_expert_load_imbalance"] == 9 / (20 / 4)  # expert 0 over both layers: 8 + 1

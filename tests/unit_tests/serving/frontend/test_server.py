@@ -167,6 +167,47 @@ def test_models_health_and_metrics(client, server):
     assert metrics["mbe_expert_load_imbalance"] >= 1.0
 
 
+def _per_layer(metrics: dict[str, float], name: str) -> dict[str, float]:
+    """`{layer: sum of name's samples of that layer}` (`name{layer="L",...} value` lines)."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if key.startswith(name + "{"):
+            layer = key.split('layer="', 1)[1].split('"', 1)[0]
+            out[layer] = out.get(layer, 0.0) + value
+    return out
+
+
+def _idle_metrics(server) -> dict[str, float]:
+    """`/metrics` once no request runs or waits (the workers' last report, with its expert load, has arrived)."""
+    deadline = time.monotonic() + 60
+    while True:
+        metrics = _metrics(server)
+        if metrics["mbe_requests_running"] == 0 and metrics["mbe_requests_waiting"] == 0:
+            return metrics
+        assert time.monotonic() < deadline, "the server did not report itself idle"
+        time.sleep(0.05)
+
+
+def test_metrics_count_every_routed_token_per_layer(client, server, chat_mixtral_dir):
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    spec = load_spec(chat_mixtral_dir)
+    layers = [str(layer) for layer in spec.moe_layer_ids]
+    before = _per_layer(_idle_metrics(server), "mbe_expert_tokens_total")
+    answer = client.completions.create(model=MODEL_NAME, prompt=[40, 41, 42, 43, 44], max_tokens=12, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    after_metrics = _idle_metrics(server)
+    after = _per_layer(after_metrics, "mbe_expert_tokens_total")
+    # The worker's router sent each token the model ran (the prompt, then each new token but the last) to top_k
+    # experts in every MoE layer.
+    fed = answer.usage.prompt_tokens + answer.usage.completion_tokens - 1
+    assert {layer: after[layer] - before.get(layer, 0.0) for layer in layers} == \
+        {layer: float(fed * spec.top_k) for layer in layers}
+    imbalance = _per_layer(after_metrics, "mbe_expert_layer_load_imbalance")
+    assert sorted(imbalance) == sorted(layers)
+    assert all(1.0 <= value <= spec.num_experts for value in imbalance.values())
+
+
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
     ({"model": "other", "prompt": "x"}, 404, "model", "`other` does not exist"),
     ({"prompt": "x"}, 400, "model", "'model' is required"),

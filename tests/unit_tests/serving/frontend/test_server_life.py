@@ -157,6 +157,16 @@ def _streams_survive_a_kill(server, role: str, index: int, streams: int) -> None
     again = client.completions.create(model=MODEL_NAME, prompt=prompts[:4], max_tokens=TOKENS, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert [c.model_extra["token_ids"] for c in again.choices] == expected[:4]
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        metrics = answer.read().decode()
+    if role == "expert":
+        # Counted once before anyone asked /health: the first step after the kill detected the loss, and the
+        # attention worker's report of it came before the later tokens of `again` (the front end may have seen
+        # the process gone as well).
+        lost = [line for line in metrics.splitlines() if line.startswith("mbe_elastic_workers_lost_total")]
+        assert lost == ["mbe_elastic_workers_lost_total 1.0"]
+    assert 'mbe_expert_layer_load_imbalance{layer="0"}' in metrics
+    assert 'mbe_expert_layer_load_imbalance{layer="1"}' in metrics
     code, health = _get(server, "/health")
     assert code == 200 and health["status"] == "degraded"
     assert [w["pid"] for w in health["workers"] if not w["alive"]] == [pids[role][index]]
@@ -249,3 +259,36 @@ def test_the_first_attention_worker_may_die_too_when_the_front_end_holds_the_ren
     assert f"127.0.0.1:{server.port}" in front and all(a.startswith("127.0.0.1:") for a in front), front
     assert len(front) >= 4  # HTTP, the rendezvous, the events inbox and a request socket per attention worker
     _streams_survive_a_kill(server, "attention", 0, streams=16)
+
+
+def _metric(server, name: str) -> float:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        for line in answer.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"/metrics has no {name}")
+
+
+def test_elastic_metrics_count_a_loss_the_rejoin_and_the_moved_copies(start_server, chat_mixtral_dir):
+    # The replacement of a killed expert worker joins two steps after the loss (the idle engine keeps stepping),
+    # with the experts of its share moved to it from the survivors; the attention worker reports each event.
+    server = start_server(chat_mixtral_dir, "--expert-workers", "4", "--elastic", "--redundant-experts", "4",
+                          "--rejoin-after-steps", "2", "--max-batch", "8", "--timeout", "60")
+    client = _client(server)
+    prompts = [[1 + i, 2 + (i * 7) % 300, 3 + (i * 13) % 300] for i in range(8)]
+    baseline = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=32, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    pids = _worker_pids(server)
+    stream = iter(_stream(client, prompts[0], 96))
+    next(stream)
+    os.kill(pids["expert"][0], signal.SIGKILL)
+    for _ in stream:
+        pass
+    _until(lambda: _metric(server, "mbe_elastic_workers_rejoined_total") >= 1, "the replacement's admission")
+    again = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=32, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in baseline.choices]
+    assert _metric(server, "mbe_elastic_workers_rejoined_total") == 1
+    assert _metric(server, "mbe_elastic_workers_lost_total") == 1
+    assert _metric(server, "mbe_elastic_expert_copies_moved_total") >= 2  # the newcomer's two slots at least
+    assert _metric(server, "mbe_elastic_rebalances_total") == 0  # no --rebalance-every
