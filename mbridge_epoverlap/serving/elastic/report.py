@@ -18,8 +18,11 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
     `detected_after_s` (first detection after the kill), `interruption_s` (from the kill to the moment
     every request in flight had produced its next token), `throughput_before` / `throughput_after`
     (tokens/s before the kill and after that moment, up to a rejoin), `survivors_share` (live expert workers
-    over all); `rebalances` (each layout epoch attention worker 0 started or considered: decode step, expert
-    copies moved, max/mean load of the measured window before and after); with a replacement,
+    over all); `streamed` (every attention worker ran its decode steps without draining the pipeline between
+    them); `rebalances` (each layout epoch attention worker 0 started or considered: decode step, expert
+    copies moved and those a solve from scratch would have moved, which solve was adopted, max/mean load of
+    the measured window before and after; `kept` when nothing moved, `skipped` when the load was within the
+    threshold and nothing was solved); with a replacement,
     `rejoined_workers`, `rejoined_after_s` (from the kill to its admission) and `throughput_after_rejoin`.
     """
     ranks = collected.get("ranks", [])
@@ -41,9 +44,11 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
         "lost_workers": lost, "restored_experts": restored,
         "survivors_share": (plan.expert_workers - len(lost)) / plan.expert_workers,
         "interruption_s": None, "detected_after_s": None, "throughput_before": None, "throughput_after": None,
-        "rebalances": [{k: e.get(k) for k in ("step", "epoch", "moved", "imbalance_before", "imbalance_after")}
-                       | {"kept": e["event"] == "rebalance-kept"}
-                       for e in lead if e["event"] in ("rebalanced", "rebalance-kept")],
+        "rebalances": [{k: e.get(k) for k in ("step", "epoch", "moved", "moved_from_scratch", "solve",
+                                              "imbalance_before", "imbalance_after")}
+                       | {"kept": e["event"] != "rebalanced", "skipped": e["event"] == "rebalance-skipped"}
+                       for e in lead if e["event"] in ("rebalanced", "rebalance-kept", "rebalance-skipped")],
+        "streamed": all(r.get("streamed", False) for r in ranks if r["role"] == "attention"),
         "rejoined_workers": sorted({w for e in rejoins for w in e.get("joined", [])}),
         "rejoined_after_s": None, "rejoin_wait_s": None, "throughput_after_rejoin": None,
     }
