@@ -104,3 +104,33 @@ def test_a_rebalance_within_the_threshold_moves_nothing(tiny_mixtral_dir, prompt
 def test_rebalance_threshold_below_one_is_refused(tiny_mixtral_dir, prompts, threshold):
     with pytest.raises(UsageError, match="--rebalance-threshold .* must be >= 1"):
         _plan(tiny_mixtral_dir, prompts, rebalance_every=2, rebalance_threshold=threshold)
+
+
+def test_elastic_bench_reports_the_rebalance_cost(tiny_mixtral_dir, capsys):
+    import json
+
+    from mbridge_epoverlap.cli import main
+
+    code = main(["elastic-bench", "--checkpoint", str(tiny_mixtral_dir), "--expert-workers", "4",
+                 "--redundant-experts", "4", "--kill", "0", "--batch", "4", "--steps", "8", "--repeats", "1",
+                 "--rebalance-every", "2", "--rebalance-threshold", "1.0", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    nf = report["no_failure"]
+    assert report["rebalance_cost_ratio"] == nf["rebalancing_tokens_per_s"][0] / nf["elastic_tokens_per_s"][0]
+    assert report["rebalance_cost_ratio_paired"] == report["rebalance_cost_ratio"]  # one round
+    rebalancing = nf["rebalancing"]
+    assert rebalancing["done"] >= 1 and rebalancing["outputs_match_reference"] is True
+    assert rebalancing["done"] + rebalancing["skipped"] + rebalancing["kept"] == rebalancing["considered"]
+    assert 0 < rebalancing["moved_copies"] <= rebalancing["moved_copies_from_scratch"]
+    assert len(rebalancing["imbalance_before"]) == len(rebalancing["imbalance_after"]) == rebalancing["done"]
+    assert len(report["load_average"]["start"]) == 3 and report["layout"]["rebalance_threshold"] == 1.0
+
+
+def test_elastic_bench_rebalance_threshold_below_one_exits_2(tiny_mixtral_dir, capsys):
+    from mbridge_epoverlap.cli import main
+
+    assert main(["elastic-bench", "--checkpoint", str(tiny_mixtral_dir), "--expert-workers", "2",
+                 "--redundant-experts", "2", "--kill", "0", "--rebalance-every", "2", "--rebalance-threshold",
+                 "0.5"]) == 2
+    assert "--rebalance-threshold 0.5 must be >= 1" in capsys.readouterr().err
