@@ -14,12 +14,15 @@ run that kills `--kill` expert workers) and reports medians over the runs:
   kill), how long decoding waited for it, and tokens/s after it joined;
 * with `--rebalance-every K`: the placement is re-solved for the measured load every K steps: rebalances
   that moved experts, max/mean load before and after, and a third no-failure arm (elastic with
-  rebalancing over elastic without, alternated with the other two).
+  rebalancing over elastic without, alternated with the other two): `rebalance_cost_ratio` (target >= 0.97),
+  rebalances done / skipped (within `--rebalance-threshold`) / kept, copies moved against a solve from
+  scratch; the machine's load average beside it.
 
     python benchmarks/elastic_bench.py            # ~5 minutes on 2 cores
     python benchmarks/elastic_bench.py --quick    # ~1 minute (benchmarks/run_all.py)
     python benchmarks/elastic_bench.py --json
     python benchmarks/elastic_bench.py --rejoin-after-steps 16 --rebalance-every 8
+    python benchmarks/elastic_bench.py --rebalance-every 8 --rebalance-threshold 1.0   # every rebalance that helps
 
 `--failure-table` measures the table shaped like SGLang's Elastic EP one instead: 1, 2 and 3 of
 `--expert-workers` (default 8 here) killed at once and 3 killed one every `--kill-every` steps, the
@@ -52,7 +55,7 @@ def _run(args: argparse.Namespace, steps: int, repeats: int, kill: int | None = 
                "--expert-workers", str(args.expert_workers), "--redundant-experts", str(args.redundant_experts),
                "--kill", str(args.kill if kill is None else kill), "--steps", str(steps), "--repeats", str(repeats),
                "--rebalance-every", str(args.rebalance_every), "--rejoin-after-steps", str(args.rejoin_after_steps),
-               "--backend", args.backend]
+               "--backend", args.backend, "--rebalance-threshold", str(args.rebalance_threshold)]
     if kill_every:
         command += ["--kill-every", str(kill_every)]
     if args.emulate_hosts:
@@ -73,6 +76,7 @@ def main() -> int:
     parser.add_argument("--kill", type=int, default=1)
     parser.add_argument("--rebalance-every", type=int, default=0, metavar="K")
     parser.add_argument("--rejoin-after-steps", type=int, default=0, metavar="N")
+    parser.add_argument("--rebalance-threshold", type=float, default=1.1, metavar="T")
     parser.add_argument("--backend", default="m2n")
     parser.add_argument("--emulate-hosts", type=int, default=0, metavar="H")
     parser.add_argument("--emulate-link-gbps", type=float, default=10.0, metavar="G")
@@ -111,6 +115,11 @@ def main() -> int:
         "rejoined_every_run": all(r["rejoined_workers"] for r in results),
         "rebalances_moved": [[b for b in r["rebalances"] if not b["kept"]] for r in results],
         "rebalancing_over_elastic": statistics.median(reb) / statistics.median(elastic) if reb else None,
+        "rebalance_cost_ratio": statistics.median(reb) / statistics.median(elastic) if reb else None,
+        "rebalance_cost_ratio_runs": [r["rebalance_cost_ratio"] for r in results],
+        "rebalance_cost_ratio_paired_runs": [r["rebalance_cost_ratio_paired"] for r in results],
+        "rebalancing": [r["no_failure"]["rebalancing"] for r in results],
+        "load_average": [r["load_average"] for r in results],
     }
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
@@ -132,8 +141,17 @@ def main() -> int:
               f"kill (decoding waited {fmt3(doc['rejoin_wait_s'])} s for the replacement); tokens/s after rejoin "
               f"{fmt3(doc['throughput_after_rejoin'], '{:.1f}')}")
     if args.rebalance_every:
-        print(f"no failure, rebalancing every {args.rebalance_every} steps / elastic decode tokens/s: "
-              f"{fmt3(doc['rebalancing_over_elastic'])} (medians of {len(reb)} runs, alternated)")
+        print(f"no failure, rebalancing every {args.rebalance_every} steps / elastic decode tokens/s "
+              f"(rebalance_cost_ratio): {fmt3(doc['rebalance_cost_ratio'])} (medians of {len(reb)} runs, alternated; "
+              "target >= 0.97; per invocation " + ", ".join(fmt3(x) for x in doc["rebalance_cost_ratio_runs"])
+              + "; median of the rounds' ratios per invocation "
+              + ", ".join(fmt3(x) for x in doc["rebalance_cost_ratio_paired_runs"]) + ")")
+        for i, b in enumerate(doc["rebalancing"]):
+            print(f"run {i + 1} rebalancing arm: {b['done']} done, {b['skipped']} skipped (max/mean <= "
+                  f"{args.rebalance_threshold}), {b['kept']} kept; {b['moved_copies']} copies moved "
+                  f"({b['moved_copies_from_scratch']} from scratch); outputs match {b['outputs_match_reference']}")
+        print("load average (start, end of each run): " + "; ".join(
+            f"{a['start'][0]:.2f} -> {a['end'][0]:.2f}" for a in doc["load_average"]))
         for i, moved in enumerate(doc["rebalances_moved"]):
             print(f"run {i + 1} rebalances: " + ("; ".join(
                 f"step {b['step']}: {b['moved']} moved, max/mean {b['imbalance_before']:.3f} -> "

@@ -118,7 +118,8 @@ def progress_printer(args: argparse.Namespace) -> Any:
 
 
 def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
-    """`--rebalance-every` and `--rejoin-after-steps`, for serve (`when`: "with --elastic: ") and elastic-bench."""
+    """`--rebalance-every`, `--rejoin-after-steps` and `--rebalance-threshold`, for serve (`when`: "with
+    --elastic: ") and elastic-bench."""
     parser.add_argument("--rebalance-every", type=count, default=0, metavar="K",
                         help=f"{when}re-solve the expert placement for the measured load every K decode "
                              "steps, moving weights between expert workers (default 0: never)")
@@ -126,6 +127,9 @@ def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
                         help=f"{when}start a replacement for a lost expert worker and admit it N decode "
                              "steps after the loss, waiting then up to half of --timeout if it is still starting "
                              "(default 0: never)")
+    parser.add_argument("--rebalance-threshold", type=float, default=1.1, metavar="T",
+                        help=f"{when}skip a rebalance (no solve, no weight moved) while max/mean expert load "
+                             "over the expert workers is at most T (default 1.1; 1 rebalances whenever it helps)")
 
 
 def host_args(parser: argparse.ArgumentParser) -> None:

@@ -13,7 +13,10 @@ With `--rejoin-after-steps N` a replacement process joins back N steps after the
 throughput after it); with `--rebalance-every K` the placement is re-solved for the measured load every K
 decode steps (each rebalance: experts moved, max/mean load before and after). Then the no-failure cost of
 elastic mode: the plain engine and the elastic engine on the same requests, alternated (A B B A ...),
-medians of decode tokens/s.
+medians of decode tokens/s; with `--rebalance-every K` a third arm, elastic with
+rebalancing, beside the elastic one: `rebalance_cost_ratio` (its median over elastic's), and what its
+rebalances did (done, skipped within `--rebalance-threshold`, kept; copies moved against a solve from scratch;
+max/mean load before and after). The load average of the machine is reported beside the ratios.
 
 `register` only touches argparse; the engine is imported by the handler.
 """
@@ -21,6 +24,7 @@ medians of decode tokens/s.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -98,16 +102,20 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     elastic = make_elastic(plain, redundant=args.redundant_experts)
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
                            restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,
-                           rejoin_after_steps=args.rejoin_after_steps, kill_every=kill_every)
+                           rejoin_after_steps=args.rejoin_after_steps, kill_every=kill_every,
+                           rebalance_threshold=args.rebalance_threshold)
     say = progress_printer(args)
     # The no-failure arms: plain, elastic, and with --rebalance-every elastic with rebalancing.
     arms: dict[str, Any] = {"plain": plain, "elastic": elastic}
     if args.rebalance_every:
         arms["rebalancing"] = make_elastic(plain, redundant=args.redundant_experts,
-                                           rebalance_every=args.rebalance_every)
+                                           rebalance_every=args.rebalance_every,
+                                           rebalance_threshold=args.rebalance_threshold)
     rates: dict[str, list[float]] = {name: [] for name in arms}
     restarts: list[float] = []  # the baseline: a fresh start of the same elastic serve, to its first token
     reference = None
+    rebalancing_runs: list[dict[str, Any]] = []
+    load_start = os.getloadavg()
     for i in range(args.repeats):
         # A B, then B A: neither side always runs first (warm caches, a neighbour's load).
         say(f"no-failure round {i + 1}/{args.repeats}: {', '.join(arms)}")
@@ -120,6 +128,9 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
             first = run.get("elastic", {}).get("first_token_at")
             if name == "elastic" and started and first is not None:
                 restarts.append(first - started[0])
+            if name == "rebalancing":
+                rebalancing_runs.append(run)
+    load_end = os.getloadavg()
     when = (f"one every {kill_every} decode steps from step {args.kill_step}" if kill_every
             else f"at decode step {args.kill_step}")
     say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers {when}")
@@ -128,6 +139,11 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     got = {c["id"]: c["output_ids"] for c in result["completions"]}
     medians = {name: statistics.median(values) for name, values in rates.items()}
     plain_rates, elastic_rates = rates["plain"], rates["elastic"]
+    cost = medians["rebalancing"] / medians["elastic"] if "rebalancing" in medians and medians["elastic"] else None
+    # The two arms run next to each other in every round (plain, elastic, rebalancing, then reversed): the median
+    # of the rounds' ratios is less exposed to a neighbour's load drifting over the rounds than that of medians.
+    paired = statistics.median(r / e for e, r in zip(rates["elastic"], rates["rebalancing"], strict=True)) \
+        if "rebalancing" in rates and all(rates["elastic"]) else None
     report: dict[str, Any] = {
         "interruption_s": summary.get("interruption_s"), "detected_after_s": summary.get("detected_after_s"),
         "throughput_before": summary.get("throughput_before"), "throughput_after": summary.get("throughput_after"),
@@ -145,18 +161,43 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         "no_failure": {"plain_tokens_per_s": plain_rates, "elastic_tokens_per_s": elastic_rates,
                        "elastic_over_plain": medians["elastic"] / medians["plain"] if medians["plain"] else None,
                        "rebalancing_tokens_per_s": rates.get("rebalancing"),
-                       "rebalancing_over_elastic": medians["rebalancing"] / medians["elastic"]
-                       if "rebalancing" in medians and medians["elastic"] else None},
+                       "rebalancing_over_elastic": cost,
+                       "rebalancing": rebalance_summary(rebalancing_runs, reference)
+                       if args.rebalance_every else None},
+        "rebalance_cost_ratio": cost, "rebalance_cost_ratio_paired": paired,
+        "load_average": {"start": list(load_start), "end": list(load_end)},
         "layout": {"attn_workers": args.attn_workers, "expert_workers": args.expert_workers,
                    "redundant_experts": args.redundant_experts, "kill": args.kill, "kill_step": args.kill_step,
                    "kill_every": kill_every,
                    "rebalance_every": args.rebalance_every, "rejoin_after_steps": args.rejoin_after_steps,
+                   "rebalance_threshold": args.rebalance_threshold,
                    "slots": list(killing.slots), "requests": args.batch, "tokens_per_request": args.steps},
     }
     finish_bench_result(report, spec)  # the tokens were checked against the failure-free run above
     report["source"] = source_of(args, ELASTIC_DEFAULT_RECIPE)
     print_result(report, args.json, _table)
     return code
+
+
+def rebalance_summary(runs: list[dict[str, Any]], reference: dict[str, Any] | None) -> dict[str, Any]:
+    """What the rebalances of the no-failure rebalancing arm's runs did, over all of them: how many were done
+    (weights moved), skipped (max/mean within the threshold: nothing solved), kept (no solve lowered the load
+    enough); copies moved against those a solve from scratch would have moved; max/mean load of each done one
+    before and after; and whether every run's tokens equal the plain engine's."""
+    records = [b for run in runs for b in run.get("elastic", {}).get("rebalances", [])]
+    done = [b for b in records if not b["kept"]]
+    return {
+        "runs": len(runs), "considered": len(records), "done": len(done),
+        "skipped": sum(1 for b in records if b["skipped"]),
+        "kept": sum(1 for b in records if b["kept"] and not b["skipped"]),
+        "moved_copies": sum(b["moved"] or 0 for b in done),
+        "moved_copies_from_scratch": sum(b["moved_from_scratch"] or 0 for b in done),
+        "incremental": sum(1 for b in done if b.get("solve") == "incremental"),
+        "imbalance_before": [b["imbalance_before"] for b in done],
+        "imbalance_after": [b["imbalance_after"] for b in done],
+        "outputs_match_reference": reference is not None and all(
+            {c["id"]: c["output_ids"] for c in run["completions"]} == reference for run in runs),
+    }
 
 
 def _kill_every(args: argparse.Namespace) -> int:
@@ -240,10 +281,29 @@ def _table(r: dict[str, Any]) -> None:
         *_epoch_rows(r),
         ("no failure: elastic/plain", f"{fmt3(nf['elastic_over_plain'])} (medians of "
                                       f"{len(nf['plain_tokens_per_s'])} A/B pairs, decode tokens/s)"),
-        *([("rebalancing/elastic", f"{fmt3(nf['rebalancing_over_elastic'])} (no failure, medians, decode tokens/s)")]
-          if nf["rebalancing_over_elastic"] is not None else []),
+        *_rebalancing_rows(r),
         ("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, amx_bf16={m['amx_bf16']})"),
+        ("load average", "start " + " ".join(f"{x:.2f}" for x in r["load_average"]["start"]) + ", end "
+                         + " ".join(f"{x:.2f}" for x in r["load_average"]["end"])),
     ])
+
+
+def _rebalancing_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    nf = r["no_failure"]
+    b = nf["rebalancing"]
+    if b is None:
+        return []
+    before, after = b["imbalance_before"], b["imbalance_after"]
+    balance = (f", max/mean median {statistics.median(before):.3f} -> {statistics.median(after):.3f}"
+               if before else "")
+    return [("rebalance_cost_ratio", f"{fmt3(r['rebalance_cost_ratio'])} (rebalancing every "
+                                     f"{r['layout']['rebalance_every']} steps / elastic, no failure, medians of "
+                                     f"{len(nf['elastic_tokens_per_s'])} alternated runs, decode tokens/s; "
+                                     f"median of the rounds' ratios {fmt3(r['rebalance_cost_ratio_paired'])})"),
+            ("rebalancing arm", f"{b['done']} done, {b['skipped']} skipped (max/mean <= "
+                                f"{r['layout']['rebalance_threshold']}), {b['kept']} kept; {b['moved_copies']} "
+                                f"copies moved ({b['moved_copies_from_scratch']} from scratch){balance}; outputs "
+                                f"match reference {b['outputs_match_reference']}")]
 
 
 def fmt3(value: Any, spec: str = "{:.3f}") -> str:

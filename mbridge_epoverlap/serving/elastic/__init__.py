@@ -16,6 +16,8 @@ Modules:
   migration plans, which replica a token uses, load recording).
 - `layout`: `ElasticLayout`, one placement and the alive set, re-solved after a loss or for a load,
   `Router`, and `check_elastic`.
+- `incremental`: the re-solve that starts from the placement in force and changes only the slots the
+  balance needs (fewer weight moves than a solve from scratch).
 - `moves`: expert weights that change owner at a new layout epoch, moved over M2N.
 - `sync`: attention workers agreeing at a step boundary on the next epoch (rebalanced, rejoined).
 - `workers`: the attention and expert workers that keep decoding through a loss.

@@ -14,8 +14,9 @@ checkpoint on disk (a recipe model redraws them from its seed): with `restore=Fa
 the loss ends the run naming those experts.
 
 A placement can also change while requests flow, at a step boundary, as a new layout *epoch*: periodic
-rebalancing (`ElasticLayout.resolved` with the load the attention workers measured) and a replacement expert
-worker joining back (`sync` decides when; `moves` moves the weights). The
+rebalancing (`ElasticLayout.rebalanced`, the placement in force changed slot by slot for the load the attention
+workers measured, or `ElasticLayout.resolved` from scratch when that balances clearly better) and a replacement
+expert worker joining back (`sync` decides when; `moves` moves the weights). The
 epoch's table travels in the control tensor beside the alive mask; within an epoch, losses still follow the
 mask rule above.
 
@@ -32,6 +33,7 @@ import torch
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.serving.elastic import eplb
+from mbridge_epoverlap.serving.elastic.incremental import incremental_slots
 
 
 class ExpertsLostError(RunFailedError):
@@ -135,6 +137,13 @@ class ElasticLayout:
         solved = eplb.rebalance_over_survivors(weight, len(self.slots), self.workers, sorted(alive))
         slots = spread_replicas(solved.phy2log[0].tolist(), self.workers)
         return ElasticLayout(self.num_experts, self.workers, slots, alive)
+
+    def rebalanced(self, load: torch.Tensor, goal: float) -> ElasticLayout:
+        """This placement changed only where the balance needs it, for `load` (`[experts]` token counts), until
+        max/mean load reaches `goal` (`incremental.incremental_slots`; same live workers). Deterministic, as
+        `resolved`."""
+        slots = incremental_slots(self.slots, self.workers, self.alive, load.reshape(-1).tolist(), goal)
+        return ElasticLayout(self.num_experts, self.workers, slots, self.alive)
 
     def imbalance(self, load: torch.Tensor) -> float:
         """max/mean load over the live workers for `load` (`[experts]` token counts), replicas sharing evenly."""

@@ -12,11 +12,12 @@ independent of the storage. The disk copy remains the fallback when the source d
 
 The protocol needs no agreement round: every expert worker derives the same transfers from the same two
 layouts. The attention workers announce an epoch one step before they switch to it; in the announcing step
-each expert worker sends what it must (one message per destination, which fits a free slot, so the send
-completes at once and nothing waits for it) and posts its receives (`WeightMover.start`), while that step
-still runs on the old weights; once its own last expert work of that step is done it builds its new share
-as one part beside the old one (`WeightMover.assemble`), and at the switch it only swaps them
-(`WeightMover.finish`). So the copies overlap a decode step instead of stalling one.
+each expert worker, when it is next idle (waiting for a dispatch), sends what it must (one message per
+destination, which fits a free slot, so the send completes at once and nothing waits for it) and posts its
+receives (`WeightMover.start`), while that step still runs on the old weights; once they arrived (`ready`),
+again while idle, it builds its new share as one part beside the old one (`WeightMover.assemble`), and at the
+switch it only swaps them (`WeightMover.finish`, which does what was left). So the copies run beside the
+decode steps instead of stalling one.
 
 A source that dies before its message arrives (a failure in the middle of a move): the destination reads those
 experts from the checkpoint instead (when restoring is allowed) and names the fallback in its report
@@ -136,6 +137,20 @@ class WeightMover:
         pending.start_s = time.monotonic() - started
         return pending
 
+    def ready(self, pending: Prefetch) -> bool:
+        """Whether every receive of `pending` has arrived and every send was taken (or failed), so `assemble`
+        would not wait (a send may complete only once its destination posted the receive, as on gloo: waiting
+        for it while idle would hold this worker until the destination starts its own moves)."""
+        for work in [work for _, _, work in pending.receives] + pending.sends:
+            if work is None:
+                continue
+            try:
+                if not work.done():
+                    return False
+            except PeerError:  # the source died: `assemble` falls back to the checkpoint at once
+                continue
+        return True
+
     def assemble(self, pending: Prefetch, experts: Any) -> None:
         """Wait for what this worker gains and build its whole share of the new layout as one part, beside the
         weights in use (called once this worker's last expert work of the announcing step is done, so the copies
@@ -166,6 +181,7 @@ class WeightMover:
             with contextlib.suppress(PeerError):  # a destination that died gets its share re-placed later
                 work.wait(self.timeout_s)
         pending.part = experts.build(pending.layout.experts_of(self.index), incoming)
+        pending.assembled = True
         pending.assemble_s = time.monotonic() - started
 
     def finish(self, pending: Prefetch, experts: Any) -> dict[str, Any]:
@@ -176,7 +192,7 @@ class WeightMover:
             (sources that died mid-move), dropped, and the seconds spent starting, assembling and at the switch.
         """
         started = time.monotonic()
-        if pending.part is None:
+        if not pending.assembled:
             self.assemble(pending, experts)
         dropped = experts.adopt(pending.part)
         return {"epoch": pending.epoch, "received": pending.received, "sent": pending.sent,
@@ -197,7 +213,8 @@ class Prefetch:
     received: list[dict[str, Any]] = field(default_factory=list)
     restored: list[int] = field(default_factory=list)
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # sources that died: read from the checkpoint
-    part: Any = None  # this worker's whole share of the new layout, once assembled
+    part: Any = None  # this worker's whole share of the new layout, once assembled (None: an empty share)
+    assembled: bool = False
     start_s: float = 0.0
     assemble_s: float = 0.0
 

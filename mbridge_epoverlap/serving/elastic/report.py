@@ -18,15 +18,18 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
     `detected_after_s` (first detection after the kill), `interruption_s` (from the kill to the moment
     every request in flight had produced its next token), `throughput_before` / `throughput_after`
     (tokens/s before the kill and after that moment, up to a rejoin), `survivors_share` (live expert workers
-    over all); `rebalances` (each layout epoch attention worker 0 started or considered: decode step, expert
-    copies moved, max/mean load of the measured window before and after); with a replacement,
-    `rejoined_workers`, `rejoined_after_s` (from the kill to its admission) and `throughput_after_rejoin`;
-    `failures` (`failure_rows`: one row per step that killed workers, for several failures one after another);
-    `first_token_at` (the first token's `time.monotonic()` stamp, for start-up to first token).
-    `move_fallbacks` (each weight message whose source died during a move: the expert worker that read those
-    experts from the checkpoint instead, the epoch, the source, the experts); `event_counts` (`workers_lost`,
-    `rejoined`, `rebalances`: layout epochs entered for the load, `moved_copies`: expert copies that changed owner
-    at those epochs and at rejoins, `move_fallbacks`).
+    over all); `streamed` (every attention worker ran its decode steps without draining the pipeline between
+    them); `rebalances` (each layout epoch attention worker 0 started or considered: decode step, expert
+    copies moved and those a solve from scratch would have moved, which solve was adopted, max/mean load of
+    the measured window before and after; `kept` when nothing moved, `skipped` when the load was within the
+    threshold and nothing was solved); with a replacement, `rejoined_workers`, `rejoined_after_s` (from the
+    kill to its admission) and `throughput_after_rejoin`; `failures` (`failure_rows`: one row per step that
+    killed workers, for several failures one after another); `first_token_at` (the first token's
+    `time.monotonic()` stamp, for start-up to first token); `move_fallbacks` (each weight message whose source
+    died during a move: the expert worker that read those experts from the checkpoint instead, the epoch, the
+    source, the experts); `event_counts` (`workers_lost`, `rejoined`, `rebalances`: layout epochs entered for
+    the load, `moved_copies`: expert copies that changed owner at those epochs and at rejoins,
+    `move_fallbacks`).
     """
     ranks = collected.get("ranks", [])
     first = min(plan.expert_ranks)
@@ -47,9 +50,11 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
         "lost_workers": lost, "restored_experts": restored,
         "survivors_share": (plan.expert_workers - len(lost)) / plan.expert_workers,
         "interruption_s": None, "detected_after_s": None, "throughput_before": None, "throughput_after": None,
-        "rebalances": [{k: e.get(k) for k in ("step", "epoch", "moved", "imbalance_before", "imbalance_after")}
-                       | {"kept": e["event"] == "rebalance-kept"}
-                       for e in lead if e["event"] in ("rebalanced", "rebalance-kept")],
+        "rebalances": [{k: e.get(k) for k in ("step", "epoch", "moved", "moved_from_scratch", "solve",
+                                              "imbalance_before", "imbalance_after")}
+                       | {"kept": e["event"] != "rebalanced", "skipped": e["event"] == "rebalance-skipped"}
+                       for e in lead if e["event"] in ("rebalanced", "rebalance-kept", "rebalance-skipped")],
+        "streamed": all(r.get("streamed", False) for r in ranks if r["role"] == "attention"),
         "rejoined_workers": sorted({w for e in rejoins for w in e.get("joined", [])}),
         "rejoined_after_s": None, "rejoin_wait_s": None, "throughput_after_rejoin": None, "failures": [],
     }

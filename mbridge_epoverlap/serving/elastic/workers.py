@@ -13,20 +13,30 @@ The attention side is the engine's (`serving.workers.attention`) with the elasti
   mask drops a worker makes the expert worker re-solve the same placement and load the experts it now
   holds (restoring those whose every replica died from the checkpoint).
 
-Two more hooks make the layout change while requests flow, at step boundaries (layout epochs):
+Two more hooks make the layout change while requests flow, at step boundaries (layout epochs), without
+draining the pipeline (decode steps stream: the next step's first round follows the last round of the one
+before):
 
-- attention, at the start of a decode step (`ElasticRouter.begin_step`): at a sync step (`elastic.sync`) the
-  attention workers merge what they know, rebalance the placement for the load they recorded
-  (`eplb.ExpertLoadRecorder`, fed by every dispatch) every `rebalance_every` steps when that lowers max/mean
-  load by `MIN_REBALANCE_GAIN` or more, and admit a replacement expert worker `rejoin_after_steps` after a
-  loss; a new layout becomes a new epoch, announced in that step and entered at the next boundary; the
-  control carries the current epoch and its table and the announced one (`ElasticControl.epoch`, `slots`,
-  `announced`, `announced_slots`);
+- attention, at the start of a decode step (`ElasticRouter.begin_step`, the round boundary where layer 0 of
+  step s follows the last layer of step s - 1): at a sync step (`elastic.sync`) the attention workers merge
+  what they know, every `rebalance_every` steps consider a rebalance for the load they recorded
+  (`eplb.ExpertLoadRecorder`, fed by every dispatch), and admit a replacement expert worker
+  `rejoin_after_steps` after a loss. A rebalance is skipped while max/mean load is at most
+  `rebalance_threshold`; otherwise the placement in force is changed slot by slot
+  (`ElasticLayout.rebalanced`, aiming at the balance a solve from scratch gets), or solved from scratch when
+  that balances clearly better, and adopted when it lowers max/mean load by `MIN_REBALANCE_GAIN` or more. A
+  new layout becomes a new epoch, announced in that step and entered at the next step boundary; the control
+  carries the current epoch and its table and the announced one (`ElasticControl.epoch`, `slots`,
+  `announced`, `announced_slots`). Every dispatch of a round carries the same epoch, so the switch falls
+  between two rounds: the micro-batches still in flight (the last layer of the step before) finish on the old
+  placement, the next round runs on the new one.
 - expert `_dispatch_wait` (and resends): the first message of a step that announces an epoch makes the expert
-  worker connect a replacement's channel and start moving the weights that change owner
-  (`elastic.moves`) while the step still runs on the old ones; the first message of the epoch itself
-  makes it install them and drop the ones it no longer holds. Every worker switches at the same step
-  boundary, so no token is routed by an old table.
+  worker plan the moves; it connects a replacement's channel, sends the weights that change owner and posts
+  its receives (`elastic.moves`) when it is next idle, waiting for a dispatch, and builds its new share there
+  too once they arrived, while decoding goes on with the old weights. The first message of the epoch itself
+  makes it install the new share (at the latest then it does what was left); the old weights stay behind it
+  (`ExpertStore.adopt`) until the last micro-batch's messages of the first round of the new epoch arrived:
+  nothing routed by the old table can come after them (`ExpertStore.retire`).
 
 Online serving with several attention workers (`droppable_attention`): an expert worker whose dispatch wait
 or combine send fails because an attention worker died (any of them when the front end holds the rendezvous
@@ -115,6 +125,7 @@ class ElasticRouter(Transport):
         m2n_store: the M2N rendezvous store (to connect a replacement's channel).
         rebalance_every: re-solve the placement for the measured load every this many decode steps (0: never).
         rejoin_after_steps: admit a replacement this many steps after a loss (0: never).
+        rebalance_threshold: skip a rebalance while max/mean load over the live expert workers is at most this.
         progress: called with a line for what happens (rank 0 only).
     """
 
@@ -122,7 +133,8 @@ class ElasticRouter(Transport):
 
     def __init__(self, side: AttentionSide, comm: Any, expert_ranks: list[int], *, layout: ElasticLayout,
                  restore: bool, sync: Any = None, m2n_store: Any = None, rebalance_every: int = 0,
-                 rejoin_after_steps: int = 0, progress: Callable[[str], None] | None = None) -> None:
+                 rejoin_after_steps: int = 0, rebalance_threshold: float = 1.1,
+                 progress: Callable[[str], None] | None = None) -> None:
         self.side, self.comm, self.expert_ranks, self.progress = side, comm, expert_ranks, progress
         self.spec, self.m, self.timeout_s = side.spec, side.m, side.timeout_s
         self.layout, self.restore = layout, restore
@@ -131,10 +143,8 @@ class ElasticRouter(Transport):
         self._resume_pending = False
         side.on_sampled.append(self._sampled)
         self.sync, self.m2n_store = sync, m2n_store
-        # A layout epoch starts at one boundary for every micro-batch: steps drain the pipeline (the expert
-        # workers do the same: they have a `mover` exactly when the attention workers have a `sync`).
-        self.streams = sync is None
         self.rebalance_every, self.rejoin_after_steps = rebalance_every, rejoin_after_steps
+        self.rebalance_threshold = rebalance_threshold
         self.recorder = None
         if rebalance_every:
             from mbridge_epoverlap.serving.elastic.eplb import ExpertLoadRecorder
@@ -144,6 +154,7 @@ class ElasticRouter(Transport):
         self._announced: tuple[ElasticLayout, dict[str, Any]] | None = None  # entered at the next step
         # The epochs the control carries: (epoch, its table as announced) now, and the announced next one.
         self._tables = ((0, tuple(layout.slots)), (0, tuple(layout.slots)))
+        self._joining = 0  # mask bits of the replacements the announced epoch admits (see `_control`)
         self.lost_at: dict[int, int] = {}  # expert worker -> decode step its loss was seen
         self.generations: dict[int, int] = {}  # expert worker -> replacements admitted
         self._rejoin_tried: set[tuple[int, int]] = set()
@@ -186,7 +197,11 @@ class ElasticRouter(Transport):
         """The layer tells a resend's receiver which experts to run; the epochs and their tables tell an expert
         worker the layout it must hold and the one to move weights for."""
         (epoch, slots), (announced, announced_slots) = self._tables
-        return ElasticControl(active=self.side.active, mask=self.layout.mask, layer=layer, epoch=epoch, slots=slots,
+        # The mask also carries the replacements the announced epoch admits: an expert worker connects to a
+        # worker the announced table adds only when its bit is set (a table decided before a loss was seen may
+        # still hold the lost worker; it leaves again at the switch). Merging masks by AND ignores extra bits.
+        mask = self.layout.mask | self._joining
+        return ElasticControl(active=self.side.active, mask=mask, layer=layer, epoch=epoch, slots=slots,
                               announced=announced, announced_slots=announced_slots)
 
     # --- layout epochs ------------------------------------------------------------------------------
@@ -229,15 +244,33 @@ class ElasticRouter(Transport):
             load = None  # nothing was routed: no measurement to balance for
         if not joined and load is None:
             return
-        candidate = self.layout.resolved(self.layout.alive | joined, load)
         if joined:
+            candidate = self.layout.resolved(self.layout.alive | joined, load)
             self._announce(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined))
-        elif load is not None and candidate.imbalance(load) < self.layout.imbalance(load) * (1 - MIN_REBALANCE_GAIN):
-            self._announce(candidate, step, load, "rebalanced")
-        elif load is not None:
-            kept = self.layout.imbalance(load)
-            self.events.append({"event": "rebalance-kept", "t": time.monotonic(), "step": step,
-                                "imbalance_before": kept, "imbalance_after": kept})
+            return
+        self._rebalance(step, load)
+
+    def _rebalance(self, step: int, load: torch.Tensor) -> None:
+        """Skip (within the threshold), keep (no solve helps enough), or announce a rebalanced placement: the
+        incremental one when it moves no more copies than the one solved from scratch and balances within
+        `MIN_REBALANCE_GAIN` of it, else that one (so a rebalance never moves more than a solve from scratch)."""
+        before = self.layout.imbalance(load)
+        record = {"t": time.monotonic(), "step": step, "imbalance_before": before, "imbalance_after": before}
+        if before <= self.rebalance_threshold:
+            self.events.append({"event": "rebalance-skipped", **record, "threshold": self.rebalance_threshold})
+            return
+        scratch = self.layout.resolved(self.layout.alive, load)
+        goal = scratch.imbalance(load)
+        incremental = self.layout.rebalanced(load, goal)
+        from_scratch = sum(len(ids) for ids in transfers(self.layout, scratch).values())
+        use_scratch = incremental.imbalance(load) > goal * (1 + MIN_REBALANCE_GAIN) or \
+            sum(len(ids) for ids in transfers(self.layout, incremental).values()) > from_scratch
+        candidate = scratch if use_scratch else incremental
+        if candidate.imbalance(load) < before * (1 - MIN_REBALANCE_GAIN):
+            self._announce(candidate, step, load, "rebalanced", moved_from_scratch=from_scratch,
+                           solve="from scratch" if use_scratch else "incremental")
+        else:
+            self.events.append({"event": "rebalance-kept", **record, "moved_from_scratch": from_scratch})
 
     def _admissions(self, step: int) -> list[list[int]]:
         """(Attention worker 0) the replacements to admit at `step`: lost at least `rejoin_after_steps` ago and
@@ -275,6 +308,7 @@ class ElasticRouter(Transport):
                                     "imbalance_before": before, "imbalance_after": after,
                                     "decide_s": time.monotonic() - self._boundary_started, **fields})
         self._tables = (self._tables[0], (self.epoch + 1, tuple(layout.slots)))
+        self._joining = sum(1 << w for w in fields.get("joined", []))
 
     def _switch(self, step: int) -> None:
         """Enter the announced epoch; expert workers lost while it was announced are dropped from it again."""
@@ -284,14 +318,16 @@ class ElasticRouter(Transport):
         lost_meanwhile = {w for w in layout.alive if w not in self.layout.alive and w not in joined}
         self.epoch += 1
         self._tables = ((self.epoch, tuple(layout.slots)), (self.epoch, tuple(layout.slots)))
+        self._joining = 0
         self.layout, self.route = layout, layout.router()
         why = fields.pop("why")
         before, after = fields["imbalance_before"], fields["imbalance_after"]
         balance = f", max/mean load {before:.3f} -> {after:.3f}" if before is not None else ""
+        scratch = f" ({fields['solve']}; from scratch: {fields['moved_from_scratch']})" if "solve" in fields else ""
         self._say("rebalanced" if not joined else "rejoined",
                   f"{why} at decode step {step}: layout epoch {self.epoch} over expert workers "
                   f"{sorted(layout.alive)}, {fields['moved']} expert copies moved during step {fields['announced_at']}"
-                  f"{balance}", step=step, epoch=self.epoch, slots=list(layout.slots), **fields)
+                  f"{scratch}{balance}", step=step, epoch=self.epoch, slots=list(layout.slots), **fields)
         if lost_meanwhile:
             self.lose(lost_meanwhile, "while the epoch was announced")
 
@@ -394,9 +430,10 @@ class ElasticExpertWorker(ExpertWorker):
         self.layout, self.index, self.restore = layout, index, restore
         self.kill_at_step, self.kill_file = kill_at_step, kill_file
         self.mover, self.epoch = mover, epoch
-        if mover is not None:
-            self.streams = False  # as the attention workers with layout epochs (one boundary per step)
-        self._prefetch: Any = None  # the moves of an announced epoch (`expert_moves.Prefetch`)
+        # An announced epoch whose moves have not started: (epoch, slots, the workers it admits as a mask).
+        self._announced: tuple[int, list[int], int] | None = None
+        self._prefetch: Any = None  # the moves of an announced epoch in flight (`moves.Prefetch`)
+        self._retire_pending = False  # the previous epoch's weights are still held (`ExpertStore.retire`)
         self.generations: dict[int, int] = {}  # expert worker -> replacements seen joining
         self.events: list[dict[str, Any]] = []
         self._last_moe = self.spec.moe_layer_ids[-1]
@@ -436,13 +473,41 @@ class ElasticExpertWorker(ExpertWorker):
         control = controls[0]
         epoch, upcoming = control.epoch, control.announced
         if epoch > self.epoch:
+            if self._announced is not None and self._announced[0] == epoch:  # announced, not yet started
+                self._start_announced()
             if self._prefetch is None or self._prefetch.epoch != epoch:  # not announced to this worker (a newcomer)
-                self._prefetch = self._start(epoch, list(control.slots))
+                self._prefetch = self._start(epoch, list(control.slots), control.mask)
+            if self._retire_pending:  # two switches within one round (never with an epoch per announcing step)
+                self.part.retire()
             report = self.mover.finish(self._prefetch, self.part)
             self.layout, self.epoch, self._prefetch = self._prefetch.layout, epoch, None
+            self._retire_pending = True
             self.events.append({"event": "moved", "t": time.monotonic(), "step": self.decode_steps, **report})
-        if upcoming > self.epoch and (self._prefetch is None or self._prefetch.epoch != upcoming):
-            self._prefetch = self._start(upcoming, list(control.announced_slots))
+        if upcoming > self.epoch and (self._prefetch is None or self._prefetch.epoch != upcoming) and \
+                (self._announced is None or self._announced[0] != upcoming):
+            mask = control.mask
+            for other in controls:
+                mask &= other.mask
+            self._announced = (upcoming, list(control.announced_slots), mask)  # moved when this worker is idle
+
+    def _moves_pending(self) -> bool:
+        return self._announced is not None or (self._prefetch is not None and not self._prefetch.assembled)
+
+    def _idle(self) -> bool:
+        """One piece of the announced epoch's moves, done while waiting for a dispatch: start them, or build the
+        new share once what it gains arrived. Whether there was something to do."""
+        if self._announced is not None:
+            self._start_announced()
+            return True
+        if self._prefetch is not None and not self._prefetch.assembled and self.mover.ready(self._prefetch):
+            self.mover.assemble(self._prefetch, self.part)
+            return True
+        return False
+
+    def _start_announced(self) -> None:
+        epoch, slots, mask = self._announced
+        self._announced = None
+        self._prefetch = self._start(epoch, slots, mask)
 
     def _combine_issue(self, mb: int, layer: int) -> None:
         issued = len(self._sends)
@@ -451,16 +516,16 @@ class ElasticExpertWorker(ExpertWorker):
             ranks = self.attention_ranks if self.spec.is_moe(layer) else []
             self._sends[issued:] = [_SendToAttention(work, self, rank)
                                     for work, rank in zip(self._sends[issued:], ranks, strict=True)]
-        # This worker's last expert work of the step is out: build the announced layout's share now, while the
-        # attention workers finish the step.
-        if layer == self._last_moe and mb == self.m - 1 and self._prefetch is not None and self._prefetch.part is None:
-            self.mover.assemble(self._prefetch, self.part)
 
-    def _start(self, epoch: int, slots: list[int]) -> Any:
-        """Connect the newcomers of epoch `epoch` and start its moves (`WeightMover.start`)."""
+    def _start(self, epoch: int, slots: list[int], mask: int) -> Any:
+        """Connect the newcomers of epoch `epoch` (the workers its table adds whose bit `mask`, the announcing
+        controls' mask, sets: a table decided before a loss was seen may still hold the lost worker, which the
+        switch drops again) and start its moves (`WeightMover.start`)."""
         new = ElasticLayout.from_slots(self.layout.num_experts, self.layout.workers, slots)
         self._follow(new.mask)  # losses the new epoch already accounts for, as within an epoch
         for worker in sorted(new.alive - self.layout.alive):
+            if not mask >> worker & 1:
+                continue
             self.generations[worker] = self.generations.get(worker, 0) + 1
             if worker != self.index:
                 try:
@@ -472,12 +537,21 @@ class ElasticExpertWorker(ExpertWorker):
     def _wait_serving(self, work: Any) -> list[torch.Tensor]:
         deadline = time.monotonic() + self.timeout_s
         while True:
+            if self._moves_pending() and not self._arrived(work) and self._idle():
+                continue  # the moves advanced while the dispatch was on its way: look again
             try:
                 return work.wait(max(1e-3, min(_SLICE_S, deadline - time.monotonic())))
             except PeerTimeout:  # the slice ran out, the peer is alive: serve resends, wait on
                 if time.monotonic() >= deadline:
                     raise
             self._serve_resends()
+
+    @staticmethod
+    def _arrived(work: Any) -> bool:
+        try:
+            return work.done()
+        except PeerError:  # the wait below raises it
+            return True
 
     def _serve_resends(self) -> None:
         for rank, work in list(self._resends.items()):
@@ -531,11 +605,18 @@ class ElasticExpertWorker(ExpertWorker):
         if not self.spec.is_moe(layer):
             return
         super()._dispatch_wait(mb, layer)
-        self._enter_epoch([msg.control for msg in self._received[mb]])
+        controls = [msg.control for msg in self._received[mb]]
+        self._enter_epoch(controls)
         mask = self.layout.mask
-        for msg in self._received[mb]:
-            mask &= msg.control.mask
+        for control in controls:
+            mask &= control.mask
         self._follow(mask)
+        if self._retire_pending and mb == self.m - 1 and all(c.epoch == self.epoch for c in controls):
+            # The last micro-batch of a round of the new epoch is here: every attention worker has waited for
+            # (and re-sent) all it routed by the old table, so the old weights can go.
+            self._retire_pending = False
+            self.events.append({"event": "retired", "t": time.monotonic(), "step": self.decode_steps,
+                                "dropped": self.part.retire()})
 
     def _die(self) -> None:
         """Fault injection: SIGKILL this process mid-decode (after noting when, for the bench)."""

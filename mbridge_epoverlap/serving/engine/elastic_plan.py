@@ -15,7 +15,8 @@ from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 
 
 def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
-                 rebalance_every: int = 0, rejoin_after_steps: int = 0, kill_every: int = 0) -> EnginePlan:
+                 rebalance_every: int = 0, rejoin_after_steps: int = 0, kill_every: int = 0,
+                 rebalance_threshold: float = 1.1) -> EnginePlan:
     """`plan` (disaggregated, from `run.make_plan`) in elastic mode with `redundant` extra expert slots.
 
     Args:
@@ -29,6 +30,7 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
         rejoin_after_steps: start a replacement for each lost expert worker and admit it at the first step
             boundary this many decode steps after the loss (0: never).
         kill_every: one victim every this many decode steps, one after another (0: all at `kill_step`).
+        rebalance_threshold: skip a periodic rebalance while max/mean load is at most this (>= 1).
 
     Raises:
         UsageError: a colocated plan, a backend whose class lacks what elastic serving needs (`resumable_wait`;
@@ -50,6 +52,9 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
     if rebalance_every < 0:
         raise UsageError(f"--rebalance-every {rebalance_every} must be >= 1 (decode steps between rebalances), "
                          "or 0 to keep the start placement")
+    if not rebalance_threshold >= 1.0:  # also NaN
+        raise UsageError(f"--rebalance-threshold {rebalance_threshold} must be >= 1 (max/mean expert load at or "
+                         "below which a rebalance is skipped; 1 rebalances whenever that helps)")
     if rejoin_after_steps < 0:
         raise UsageError(f"--rejoin-after-steps {rejoin_after_steps} must be >= 1 (decode steps between a loss and "
                          "the replacement's admission), or 0 to go on without replacements")
@@ -64,6 +69,7 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
     moving = rebalance_every or rejoin_after_steps
     return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
                    rebalance_every=rebalance_every, rejoin_after_steps=rejoin_after_steps,
+                   rebalance_threshold=rebalance_threshold,
                    weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)
 
 

@@ -49,6 +49,8 @@ class EnginePlan:
             steps, moving weights between expert workers (0: never).
         rejoin_after_steps: elastic mode starts a replacement for a lost expert worker and admits it this many
             decode steps after the loss (0: never).
+        rebalance_threshold: a periodic rebalance is skipped (no solve, nothing moved) while max/mean expert
+            load over the live expert workers is at most this.
         weight_slot_bytes: M2N slot size of the channels between expert workers that carry moved weights.
         online_requests: online serving (`serving.workers.online`): per attention worker, the front end's
             endpoint its requests come from; empty: the batch run of `requests`.
@@ -85,6 +87,7 @@ class EnginePlan:
     kill: tuple[tuple[int, int], ...] = ()
     rebalance_every: int = 0
     rejoin_after_steps: int = 0
+    rebalance_threshold: float = 1.1
     weight_slot_bytes: int = 0
     online_requests: tuple[str, ...] = ()
     online_events: str = ""

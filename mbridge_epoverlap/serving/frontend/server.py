@@ -83,7 +83,8 @@ def serve_http(args: argparse.Namespace) -> int:
             from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 
             plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore,
-                                rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps)
+                                rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps,
+                                rebalance_threshold=args.rebalance_threshold)
         return plan
 
     metrics = ServerMetrics(spec.moe_layer_ids)

@@ -11,9 +11,10 @@ worker numbers its rounds across steps (round `s * L + l` is layer `l` of decode
 `serving_orders.ping_pong_round`), so a micro-batch's next token enters layer 0 while the other micro-batches
 are still in the last layer of the previous step, exactly as layer l + 1 follows layer l. Each micro-batch has
 its own step boundary, just before its layer-0 attention: it retires its finished sequences and admits waiting
-ones (continuous batching), up to its share of the batch limit. Otherwise every step drains: one order per
-step, one boundary for all micro-batches (for changes that need every micro-batch at one boundary, and for
-the colocated baseline).
+ones (continuous batching), up to its share of the batch limit. The transport's step boundary
+(`Transport.begin_step`, `end_step`) falls between rounds: before the first round of each step, whose
+dispatches all belong to that step. Otherwise every step drains: one order per step, one boundary for all
+micro-batches (the colocated baseline, and a transport that does not stream).
 
 Every dispatch says whether its attention worker had work when micro-batch 0 started the step; when none had,
 the expert workers answer micro-batch 0's first MoE combine of that step with "stop", and everybody finishes
@@ -83,7 +84,7 @@ class AttentionWorker:
 
     def report(self, *, failed: bool = False) -> dict[str, Any]:
         queue = self.side.queue
-        report: dict[str, Any] = {"decode_steps": self.side.decode_steps}
+        report: dict[str, Any] = {"decode_steps": self.side.decode_steps, "streamed": self.streams}
         if self.transport.events is not None:
             report["events"] = self.transport.events
             report["token_times"] = {s.request.id: list(s.token_times) for s in queue.running + queue.done}
@@ -161,6 +162,11 @@ class AttentionWorker:
                 if side.decode_steps == 1:
                     side.timer.mark_steady()
                 self._report_progress()
+                self.transport.end_step()
+            if round_ % layers == 0 and (end is None or round_ < end):
+                # The step boundary of the transport (a layout epoch starts here): every dispatch of this round
+                # and the later ones belongs to the new step, the combines still awaited to the one before.
+                self.transport.begin_step(side.decode_steps)
             for index, step in enumerate(first if round_ == 0 else steady):
                 virtual = round_ - 1 + step.layer if round_ else step.layer
                 if end is not None and virtual >= end:

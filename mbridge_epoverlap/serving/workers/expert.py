@@ -91,7 +91,7 @@ class ExpertWorker:
         steps = role_steps(ping_pong_round(self.m, 0), Role.EXPERT)  # an expert round touches only its layer
         end: int | None = None
         sent: list[Any] = []
-        round_ = 0
+        round_ = self.decode_steps * layers  # a replacement joins at a later step
         while end is None or round_ < end:
             self.decode_steps = round_ // layers
             if round_ == layers:

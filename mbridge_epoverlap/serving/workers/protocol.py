@@ -191,10 +191,11 @@ class Transport:
         return True
 
     def begin_step(self, step: int) -> None:
-        """Before decode step `step`'s first step (drained steps)."""
+        """Before decode step `step`'s first step (streamed steps: before the round of its first layer, whose
+        dispatches are the step's first; the combines of the step before may still be awaited)."""
 
     def end_step(self) -> None:
-        """After the decode step's last step (drained steps)."""
+        """After the decode step's last step (streamed steps: at the next step's round boundary)."""
 
     def finish(self) -> None:
         """The worker is done (or failed)."""
