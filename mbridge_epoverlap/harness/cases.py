@@ -197,7 +197,8 @@ def build_cases(resolved: Resolved, specs: list[CaseSpec]) -> tuple[list[Case], 
         with _quiet("mbridge_epoverlap.config.comm_overlap"):
             case.cfg.comm_overlap.finalize(case.cfg.model, case.cfg.ddp, resolved.target.env)
         env, env_warnings = launch_environment(case.cfg, resolved.target.gpu, recipe=_recipe_launch(resolved),
-                                               reconnect=_reconnects(resolved, spec))
+                                               reconnect=_reconnects(resolved, spec),
+                                               overlap_set=_overlap_set(resolved, spec))
         case.cfg.env_vars = dict(env)
         case.launch_env = dict(env)
         for text in env_warnings:
@@ -245,6 +246,11 @@ def _reconnects(resolved: Resolved, spec: CaseSpec) -> bool:
     switching EP overlap itself (what --moe_a2a_overlap true/false does for one run upstream)."""
     case_keys = {parse_override(item)[0] for item in spec.overrides}
     return bool(RECONNECT_KEYS & resolved.flag_keys) or OVERLAP_KEY in case_keys
+
+
+def _overlap_set(resolved: Resolved, spec: CaseSpec) -> bool:
+    """Whether --moe_a2a_overlap or the case itself set the EP overlap switch (else the recipe's counts)."""
+    return OVERLAP_KEY in resolved.flag_keys or OVERLAP_KEY in {parse_override(item)[0] for item in spec.overrides}
 
 
 def _with_cases(text: str, names: list[str], total: int) -> str:

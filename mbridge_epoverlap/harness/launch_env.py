@@ -103,18 +103,23 @@ def hybrid_ep_ranks_per_nvlink_domain(cfg: RunConfig, gpu: str) -> int | None:
     return int(value) if value is not None else None
 
 
-def launch_environment(cfg: RunConfig, gpu: str, *, recipe: RecipeLaunch | None = None,
-                       reconnect: bool = False) -> tuple[dict[str, str], list[str]]:
+def launch_environment(cfg: RunConfig, gpu: str, *, recipe: RecipeLaunch | None = None, reconnect: bool = False,
+                       overlap_set: bool = True) -> tuple[dict[str, str], list[str]]:
     """The variables to export for this run, and warnings.
 
     Without `recipe` (`-g cpu`), `CUDA_DEVICE_MAX_CONNECTIONS` is computed. With the GPU job's recipe, the
     recipe's `env_vars` come first and its connection count stays unless `reconnect` (-tp, -cp or
     --moe_a2a_overlap given, or the case switching EP overlap), which recomputes it from the recipe's flex
-    backend and the config's EP overlap. The HybridEP topology is computed for a hybridep run. The
-    config's own `env_vars` (the user's `env_vars.*` overrides) win over all of these, with a warning when
-    `CUDA_DEVICE_MAX_CONNECTIONS=1` would serialize EP overlap.
+    backend and EP overlap: the config's where `overlap_set` (--moe_a2a_overlap or the case set it), else the
+    recipe's, even when a dotted override changed it (upstream reads the flag, then the recipe). The HybridEP
+    topology is computed for a hybridep run. The config's own `env_vars` (the user's `env_vars.*` overrides)
+    win over all of these, with a warning when `CUDA_DEVICE_MAX_CONNECTIONS=1` would serialize EP overlap.
     """
-    computed = cuda_device_max_connections(cfg, gpu, base_backend=None if recipe is None else recipe.backend or "")
+    if recipe is None:
+        computed = cuda_device_max_connections(cfg, gpu)
+    else:
+        computed = cuda_device_max_connections(cfg, gpu, base_backend=recipe.backend or "",
+                                               base_overlap=None if overlap_set else recipe.overlap)
     if recipe is None:
         env = {MAX_CONNECTIONS: str(computed)}
     else:
