@@ -1,6 +1,8 @@
 """From command-line flags to one run config: recipe -> dotted overrides -> flags -> (-g cpu) shrink.
 
-Validation and the A/B cases come after this (see `cases.py`); nothing here launches anything.
+For a GPU target the recipe is the project's recipe with the values of the Megatron-Bridge recipe the job
+builds on top (`upstream_recipe`), so what is validated is the job that will run; `-g cpu` runs the
+project's recipe itself. Validation and the A/B cases come after this (see `cases.py`); nothing here launches anything.
 A flag and a dotted override that set the same setting to different values are a usage error, so
 the order between them never decides silently.
 """
