@@ -147,8 +147,9 @@ OTHER_FAILURES: tuple[OtherFailure, ...] = (
         "`CUDA_DEVICE_MAX_CONNECTIONS=1` in the launch environment (or set from Python after start-up, which "
         "has no effect), so the comm stream queues behind the compute stream",
         "the launch environment the harness prints or writes into the sbatch script; `run_script.py` warns when "
-        "`env_vars.CUDA_DEVICE_MAX_CONNECTIONS=1` meets EP overlap",
-        "drop the override; the harness exports 8 (32 for DeepEP/HybridEP or Blackwell) before the processes start"),
+        "`CUDA_DEVICE_MAX_CONNECTIONS=1` (an `env_vars.` override, or the recipe's own value) meets EP overlap",
+        "drop the override, or give --moe_a2a_overlap true: after it (or -tp, -cp) the harness recomputes the "
+        "value as Megatron-Bridge does (8; 32 after a DeepEP/HybridEP recipe or on Blackwell)"),
     OtherFailure(
         "no_gain_small_comm",
         "overlap on, matched A/B shows no gain",

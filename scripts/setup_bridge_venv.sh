@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the Python 3.12 environment in which Megatron-Bridge 0.6.2's own config code runs on a CPU, for the
 # differential test against Megatron-Bridge (tests/unit_tests/training/test_bridge_differential.py), the
-# bridge_fuzz benchmark and --check_with_bridge. About 5 GB (the index has only the CUDA build of torch for
+# bridge_fuzz benchmark, --check_with_bridge and scripts/extract_bridge_recipe_facts.py (the recipe-facts
+# fixture). About 5 GB (the index has only the CUDA build of torch for
 # 3.12; it imports and runs on a CPU). Usage: scripts/setup_bridge_venv.sh [VENV_DIR] (default .bridge-venv);
 # then export MBRIDGE_EPOVERLAP_BRIDGE_PYTHON=VENV_DIR/bin/python.
 set -euo pipefail

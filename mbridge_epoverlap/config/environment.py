@@ -159,4 +159,5 @@ def version_at_least(version: str | None, minimum: str) -> bool:
     """True when `version` is known and >= `minimum` (pre-release and local tags count as the release)."""
     if version is None:
         return False
-    return Version(version).release >= Version(minimum).release
+    # Versions compare as releases (2.12 == 2.12.0; release tuples of different lengths do not).
+    return Version(Version(version).base_version) >= Version(Version(minimum).base_version)

@@ -19,7 +19,7 @@ from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply
 from mbridge_epoverlap.config.violations import Violation
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.fields import get_path
-from mbridge_epoverlap.harness.launch_env import launch_environment
+from mbridge_epoverlap.harness.launch_env import RecipeLaunch, launch_environment
 from mbridge_epoverlap.harness.resolve import Resolved, Target
 
 EP_OVERLAP = "ep_overlap"
@@ -48,7 +48,9 @@ class Case:
     """A resolved case: finalized config (its `env_vars` hold the launch environment).
 
     `changes` are the settings a GPU job changes on the recipe Megatron-Bridge builds: the dotted keys the
-    user's flags and overrides set and the ones the case itself sets, with their values in `cfg`.
+    user's flags and overrides set and the ones the case itself sets, and every other recipe value the
+    harness's handling of the flags changed (the graph settings `--cuda_graph_impl` implies, say), with their
+    values in `cfg`; `recipe_values` holds the recipe's value of each (GPU targets whose recipe is known).
     """
 
     name: str
@@ -56,6 +58,7 @@ class Case:
     cfg: RunConfig
     launch_env: dict[str, str] = field(default_factory=dict)
     changes: dict[str, Any] = field(default_factory=dict)
+    recipe_values: dict[str, Any] = field(default_factory=dict)
 
 
 class ValidationFailed(Exception):
@@ -162,6 +165,14 @@ def _quiet(name: str) -> Iterator[None]:
         log.disabled = previous
 
 
+def case_of(resolved: Resolved, spec: CaseSpec) -> Case:
+    """One case's config and the changes its job makes on the recipe (neither validated nor finalized)."""
+    cfg = apply_overrides(resolved.cfg.copy(), spec.overrides)
+    keys = set(resolved.explicit) | {parse_override(item)[0] for item in spec.overrides}
+    changes, was = _changes(cfg, keys, resolved)
+    return Case(spec.name, list(spec.overrides), cfg, changes=changes, recipe_values=was)
+
+
 def build_cases(resolved: Resolved, specs: list[CaseSpec]) -> tuple[list[Case], list[str]]:
     """Apply, validate and finalize every case; return the cases and warnings (each once).
 
@@ -172,27 +183,74 @@ def build_cases(resolved: Resolved, specs: list[CaseSpec]) -> tuple[list[Case], 
     warnings: dict[str, list[str]] = {}
     cases = []
     for spec in specs:
-        cfg = apply_overrides(resolved.cfg.copy(), spec.overrides)
-        for violation in cfg.validate(resolved.target.env):
+        case = case_of(resolved, spec)
+        for violation in case.cfg.validate(resolved.target.env):
             if violation.severity == "error":
                 errors.setdefault(violation, []).append(spec.name)
             else:
                 text = f"[{violation.rule}] {violation.message} (fix: {violation.fix})"
                 warnings.setdefault(text, []).append(spec.name)
-        keys = set(resolved.explicit) | {parse_override(item)[0] for item in spec.overrides}
-        changes = {key: get_path(cfg, key) for key in sorted(keys)}
-        cases.append(Case(spec.name, list(spec.overrides), cfg, changes=changes))
+        cases.append(case)
     if errors:
         raise ValidationFailed(resolved.target, list(errors.items()))
-    for case in cases:
+    for spec, case in zip(specs, cases, strict=True):
         with _quiet("mbridge_epoverlap.config.comm_overlap"):
             case.cfg.comm_overlap.finalize(case.cfg.model, case.cfg.ddp, resolved.target.env)
-        env, env_warnings = launch_environment(case.cfg, resolved.target.gpu)
+        env, env_warnings = launch_environment(case.cfg, resolved.target.gpu, recipe=_recipe_launch(resolved),
+                                               reconnect=_reconnects(resolved, spec),
+                                               overlap_set=_overlap_set(resolved, spec))
         case.cfg.env_vars = dict(env)
         case.launch_env = dict(env)
         for text in env_warnings:
             warnings.setdefault(text, []).append(case.name)
     return cases, [_with_cases(text, names, len(specs)) for text, names in warnings.items()]
+
+
+def _changes(cfg: RunConfig, keys: set[str], resolved: Resolved) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings the job writes on its recipe, and the recipe's value of each (GPU targets with a recipe)."""
+    from mbridge_epoverlap.harness.recipe_facts import fact_keys
+
+    recipe = resolved.recipe
+    if recipe is not None:
+        keys = keys | {key for key in fact_keys() if get_path(cfg, key) != get_path(recipe, key)}
+    changes = {key: get_path(cfg, key) for key in sorted(keys)}
+    was = {key: get_path(recipe, key) for key in changes if recipe is not None and _has_path(recipe, key)}
+    return changes, was
+
+
+def _has_path(cfg: RunConfig, key: str) -> bool:
+    try:
+        get_path(cfg, key)
+    except (AttributeError, KeyError):
+        return False
+    return True
+
+
+def _recipe_launch(resolved: Resolved) -> RecipeLaunch | None:
+    """What the recipe brings to the launch environment (GPU targets), as `run_script.py` reads it before any
+    override: its env_vars, its flex backend and its comm_overlap EP switch."""
+    if resolved.recipe is None:
+        return None
+    env = resolved.upstream.env_vars if resolved.upstream is not None else {}
+    return RecipeLaunch(env, resolved.recipe.model.moe_flex_dispatcher_backend,
+                        bool(resolved.recipe.comm_overlap.overlap_moe_expert_parallel_comm))
+
+
+# Flags after which Megatron-Bridge's run_script.py recomputes CUDA_DEVICE_MAX_CONNECTIONS (-tp, -cp,
+# --moe_a2a_overlap), by the key each sets.
+RECONNECT_KEYS = frozenset({"model.tensor_model_parallel_size", "model.context_parallel_size", OVERLAP_KEY})
+
+
+def _reconnects(resolved: Resolved, spec: CaseSpec) -> bool:
+    """Whether the case's connection count is recomputed: -tp, -cp or --moe_a2a_overlap given, or the case
+    switching EP overlap itself (what --moe_a2a_overlap true/false does for one run upstream)."""
+    case_keys = {parse_override(item)[0] for item in spec.overrides}
+    return bool(RECONNECT_KEYS & resolved.flag_keys) or OVERLAP_KEY in case_keys
+
+
+def _overlap_set(resolved: Resolved, spec: CaseSpec) -> bool:
+    """Whether --moe_a2a_overlap or the case itself set the EP overlap switch (else the recipe's counts)."""
+    return OVERLAP_KEY in resolved.flag_keys or OVERLAP_KEY in {parse_override(item)[0] for item in spec.overrides}
 
 
 def _with_cases(text: str, names: list[str], total: int) -> str:

@@ -9,6 +9,7 @@ import json
 import shlex
 from typing import Any
 
+from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.bridge_recipes import (
     BridgeRecipe,
     choose_perf_recipe,
@@ -31,7 +32,8 @@ def bridge_lookup(args: Any, cfg: Any) -> dict[str, Any]:
 
 
 def recipe_note(args: Any, recipe: str, task: str, num_gpus: int) -> str:
-    """Which Megatron-Bridge recipe the job builds (exactly when Megatron-Bridge is installed here)."""
+    """Which Megatron-Bridge recipe the job builds (from the installed Megatron-Bridge's names, else from those of
+    the released wheel's facts; a guess of the exact name for a model neither has)."""
     from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
     from mbridge_epoverlap.recipes.loader import family_of
 
@@ -40,11 +42,16 @@ def recipe_note(args: Any, recipe: str, task: str, num_gpus: int) -> str:
         return f"Megatron-Bridge recipe: none known for {recipe!r} (a recipe file); the job stops with an error"
     if args.use_recipes:
         return f"Megatron-Bridge recipe: {library_recipe(family, recipe, task).describe()}"
-    names = installed_perf_recipe_names()
-    if names:
-        chosen: BridgeRecipe = choose_perf_recipe(names, family=family, model=recipe, task=task, gpu=args.gpu,
-                                                  compute_dtype=_compute_dtype(args), num_gpus=num_gpus,
-                                                  config_variant=args.config_variant)
+    from mbridge_epoverlap.harness.recipe_facts import perf_recipe_names
+
+    names = installed_perf_recipe_names() or perf_recipe_names()  # else the released wheel's, from its facts
+    if any(name.startswith(f"{recipe}_") for name in names):
+        try:
+            chosen: BridgeRecipe = choose_perf_recipe(names, family=family, model=recipe, task=task, gpu=args.gpu,
+                                                      compute_dtype=_compute_dtype(args), num_gpus=num_gpus,
+                                                      config_variant=args.config_variant)
+        except UsageError as exc:
+            return f"Megatron-Bridge recipe: none ({exc}); the job stops with an error"
         return f"Megatron-Bridge recipe: {chosen.describe()}"
     exact = perf_recipe_function(recipe, task, num_gpus, args.gpu, _compute_dtype(args), args.config_variant)
     return (f"Megatron-Bridge recipe: megatron.bridge.perf_recipes.{family}.{exact} (performance recipe; where that "

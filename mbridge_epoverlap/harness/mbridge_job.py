@@ -134,19 +134,28 @@ def _set_graph_scope(model: Any, scope: Any) -> None:
     set_cuda_graph_modules(model, scope)
 
 
+def _comm_overlap_config() -> Any:
+    """Megatron-Bridge's CommOverlapConfig with every setting left to the model and DDP (no TP overlap)."""
+    comm_overlap = importlib.import_module("megatron.bridge.training.comm_overlap")
+    return comm_overlap.CommOverlapConfig(tp_comm_overlap=False)
+
+
 def apply_changes(bridge_cfg: Any, changes: dict[str, Any], *, max_steps: int) -> list[str]:
     """Write the user's and the A/B case's settings onto the recipe's ConfigContainer; return the keys it lacks.
 
     `changes` holds only what the user's flags and dotted overrides set and what the case itself sets
     (`Case.changes`), by run-config dotted key: everything else keeps the recipe's value, as upstream's
     run_script.py keeps it. The flex backend goes through Megatron-Bridge's `apply_flex_dispatcher_backend`
-    (it also sets the dispatcher and turns shared-expert overlap off).
+    (it also sets the dispatcher and turns shared-expert overlap off). A `comm_overlap.*` change on a recipe
+    without a comm-overlap config creates one with every other setting unset, as the harness models it.
     """
     missing: list[str] = []
     for key, value in changes.items():
         if key in LAUNCH_KEYS or key.startswith("env_vars."):
             continue
         places = [tuple(key.split(".", 1))] + ([ALSO_WRITES[key]] if key in ALSO_WRITES else [])
+        if key.startswith("comm_overlap.") and getattr(bridge_cfg, "comm_overlap", False) is None:
+            bridge_cfg.comm_overlap = _comm_overlap_config()  # a recipe without one: as the harness's, all unset
         written = False
         for section, name in places:
             target = getattr(bridge_cfg, section, None)

@@ -1,6 +1,8 @@
 """From command-line flags to one run config: recipe -> dotted overrides -> flags -> (-g cpu) shrink.
 
-Validation and the A/B cases come after this (see `cases.py`); nothing here launches anything.
+For a GPU target the recipe is the project's recipe with the values of the Megatron-Bridge recipe the job
+builds on top (`upstream_recipe`), so what is validated is the job that will run; `-g cpu` runs the
+project's recipe itself. Validation and the A/B cases come after this (see `cases.py`); nothing here launches anything.
 A flag and a dotted override that set the same setting to different values are a usage error, so
 the order between them never decides silently.
 """
@@ -18,6 +20,7 @@ from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.fields import get_path
 from mbridge_epoverlap.gpus import GPU_FACTS
 from mbridge_epoverlap.harness.flags import DEFAULT_CPU_PROCS, DEFAULT_MAX_STEPS, MODEL_FLAGS, given
+from mbridge_epoverlap.harness.upstream_recipe import UpstreamRecipe, upstream_recipe
 
 # Megatron-Bridge mixed-precision recipe names per -c value (GPU jobs).
 MIXED_PRECISION = {
@@ -77,6 +80,10 @@ class Resolved:
         explicit: dotted keys the user set (overrides and flags).
         notes: things the user should know (printed on stderr).
         cpu_precision: -g cpu: the dtype the runtime computes in and why (None for GPU targets).
+        flag_keys: dotted keys set by flags (not by dotted overrides); the launch environment reads them.
+        recipe: GPU targets: the recipe the job builds, as the run config sees it before any override or
+            flag (the Megatron-Bridge recipe's values where they are known, see `upstream`); None for cpu.
+        upstream: GPU targets: what the job builds (`harness.upstream_recipe.UpstreamRecipe`); None for cpu.
     """
 
     cfg: RunConfig
@@ -87,6 +94,9 @@ class Resolved:
     explicit: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     cpu_precision: CpuPrecision | None = None
+    flag_keys: set[str] = field(default_factory=set)
+    recipe: RunConfig | None = None
+    upstream: UpstreamRecipe | None = None
 
 
 def pick_recipe(family: str | None, recipe: str | None) -> str:
@@ -123,14 +133,26 @@ def resolve(args: argparse.Namespace) -> Resolved:
     from mbridge_epoverlap.recipes.loader import load_recipe
 
     target = target_environment(args)
-    cfg = load_recipe(pick_recipe(args.model_family_name, args.model_recipe_name), args.task)
+    name = pick_recipe(args.model_family_name, args.model_recipe_name)
+    cfg = load_recipe(name, args.task)
+    notes: list[str] = []
+    upstream = None
+    if not target.is_cpu:
+        # The job builds Megatron-Bridge's recipe for the final GPU count and precision: find it from a probe
+        # with every override and flag applied, then start this config from that recipe's values.
+        probe = apply_overrides(cfg.copy(), args.overrides)
+        _apply_flags(probe, args, target, {parse_override(item)[0] for item in args.overrides})
+        upstream = upstream_recipe(args, probe)
+        upstream.apply(cfg)
+        notes += upstream.notes
+    recipe = cfg.copy() if upstream is not None else None
     apply_overrides(cfg, args.overrides)
     override_keys = [parse_override(item)[0] for item in args.overrides]
     before = {key: get_path(cfg, key) for key in override_keys}
     explicit = set(override_keys)
-    notes: list[str] = []
 
-    explicit |= _apply_flags(cfg, args, target, explicit)
+    flag_keys = _apply_flags(cfg, args, target, explicit)
+    explicit |= flag_keys
     conflicts = [f"{key}: the override says {before[key]!r}, {_flag_of(key)} says {get_path(cfg, key)!r}"
                  for key in override_keys if get_path(cfg, key) != before[key]]
     if conflicts:
@@ -146,7 +168,8 @@ def resolve(args: argparse.Namespace) -> Resolved:
         precision = _cpu_precision(cfg, args, explicit)
         notes.append(f"-g cpu computes in {precision.reason}")
     mixed = _mixed_precision(cfg, args)
-    return Resolved(cfg, target, max_steps, mixed, args.tokenizer_type, explicit, notes, precision)
+    return Resolved(cfg, target, max_steps, mixed, args.tokenizer_type, explicit, notes, precision, flag_keys,
+                    recipe, upstream)
 
 
 def _cpu_precision(cfg: RunConfig, args: argparse.Namespace, explicit: set[str]) -> CpuPrecision:

@@ -16,7 +16,7 @@ def test_exit_statuses_are_distinct() -> None:
 
 
 def test_slurm_script_exits_with_the_missing_bridge_status(tmp_path, capsys) -> None:
-    rc = main(["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-gn", "8", "--te_version", "2.9",
+    rc = main(["-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "-gn", "8", "--te_version", "2.12",
                "--ab", "ep_overlap", "--dryrun", "--results_json", str(tmp_path / "ab.json")])
     assert rc == 0, capsys.readouterr().err
     script = (tmp_path / "ab.slurm" / "job.sbatch").read_text()

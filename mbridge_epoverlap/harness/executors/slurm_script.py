@@ -15,6 +15,7 @@ import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mbridge_epoverlap.errors import EXIT_NO_BRIDGE
 from mbridge_epoverlap.harness.cases import Case
@@ -127,10 +128,17 @@ def job_change_lines(cases: list[Case], max_steps: int) -> list[str]:
     lines = ["# the job builds that recipe and changes on it only these settings (every other one is the recipe's):",
              f"#   every case: {', '.join(fixed)}"]
     for case in cases:
-        written = [f"{key}={value!r}" for key, value in case.changes.items()
+        written = [f"{key}={value!r}" + _was(case, key, value) for key, value in case.changes.items()
                    if key not in LAUNCH_KEYS and not key.startswith("env_vars.")]
         lines.append(f"#   case {case.name}: {', '.join(written) or 'nothing else'}")
     return lines
+
+
+def _was(case: Case, key: str, value: Any) -> str:
+    """` (recipe: X)` where the recipe's value is known and differs."""
+    if key in case.recipe_values and case.recipe_values[key] != value:
+        return f" (recipe: {case.recipe_values[key]!r})"
+    return ""
 
 
 def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: ScriptOptions) -> str:

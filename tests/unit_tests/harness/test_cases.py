@@ -14,7 +14,7 @@ from mbridge_epoverlap.harness.cases import (
 from mbridge_epoverlap.harness.flags import build_parser
 from mbridge_epoverlap.harness.resolve import resolve
 
-GPU = ("-g", "h100", "-ng", "16", "--te_version", "2.9")
+GPU = ("-g", "h100", "-ng", "16", "--te_version", "2.12")  # the TE the recipe's graphs with delayed wgrad need
 
 
 def resolved(*argv: str):
@@ -47,11 +47,14 @@ def test_ep_overlap_refuses_a_user_set_switch():
 
 
 def test_flag_ab_flips_each_key_from_its_value():
+    """Megatron-Bridge's 16-GPU H100 recipe has permute fusion and EP overlap on: each case turns one off."""
     cases, _ = cases_for("model.moe_permute_fusion,comm_overlap.overlap_moe_expert_parallel_comm", *GPU)
-    assert [c.name for c in cases] == ["baseline", "moe_permute_fusion_on", "overlap_moe_expert_parallel_comm_on"]
-    assert cases[1].cfg.model.moe_permute_fusion is True and cases[0].cfg.model.moe_permute_fusion is False
-    assert cases[2].cfg.model.overlap_moe_expert_parallel_comm is True
+    assert [c.name for c in cases] == ["baseline", "moe_permute_fusion_off", "overlap_moe_expert_parallel_comm_off"]
+    assert cases[1].cfg.model.moe_permute_fusion is False and cases[0].cfg.model.moe_permute_fusion is True
+    assert cases[2].cfg.model.overlap_moe_expert_parallel_comm is False
     assert same_except_switches(cases) == []
+    cpu, _ = cases_for("model.moe_permute_fusion", "-g", "cpu")  # the project's recipe: off, so the case turns it on
+    assert [c.name for c in cpu] == ["baseline", "moe_permute_fusion_on"]
 
 
 def test_flag_ab_flips_true_to_off():
@@ -79,13 +82,18 @@ def test_every_error_of_every_case_is_reported_before_launch():
 
 
 def test_cases_carry_their_launch_environment():
+    """-tp recomputes the connection count from the recipe's backend (hybridep: 32), 1 where TP runs without EP
+    overlap; the recipe's other variables (its HybridEP topology among them) come along."""
     cases, _ = cases_for("ep_overlap", *GPU, "-tp", "2")
     envs = [c.launch_env["CUDA_DEVICE_MAX_CONNECTIONS"] for c in cases]
-    assert envs == ["1", "8", "8"]  # TP>1 without EP overlap wants 1; overlap needs more
+    assert envs == ["1", "32", "32"]  # TP>1 without EP overlap wants 1; overlap needs more
     assert all(c.cfg.env_vars == c.launch_env for c in cases)
-    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" not in cases[0].launch_env  # exported with hybridep only
-    hybrid, _ = cases_for("ep_overlap", *GPU, "--moe_flex_dispatcher_backend", "hybridep")
-    assert hybrid[0].launch_env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
+    assert cases[0].launch_env["NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"] == "8"
+    assert cases[0].launch_env["NVTE_FWD_LAYERNORM_SM_MARGIN"] == "20"  # the recipe's own environment
+    alltoall, _ = cases_for("ep_overlap", *GPU, "-tp", "2", "--moe_flex_dispatcher_backend", "None")
+    assert [c.launch_env["CUDA_DEVICE_MAX_CONNECTIONS"] for c in alltoall] == ["1", "32", "32"]  # the recipe's backend
+    cpu, _ = cases_for("ep_overlap", "-g", "cpu", "-ng", "2")
+    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" not in cpu[0].launch_env  # exported with hybridep only
 
 
 def test_cpu_ab_validates_on_this_machine():

@@ -6,6 +6,7 @@ import pytest
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.flags import build_parser
+from mbridge_epoverlap.harness.recipe_facts import facts_for
 from mbridge_epoverlap.harness.resolve import pick_recipe, resolve
 from mbridge_epoverlap.recipes.loader import load_recipe
 
@@ -23,11 +24,20 @@ def overlap_switches(cfg):
 GPU = ("-g", "h100", "-ng", "16", "--te_version", "2.9")
 
 
+def upstream_values(function: str = "qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config") -> dict:
+    """The released Megatron-Bridge recipe's values (the recipe a GPU job builds)."""
+    return facts_for("megatron.bridge.perf_recipes.qwen", function)["values"]
+
+
 def test_absent_switches_keep_the_recipe():
-    recipe = load_recipe("qwen3_30b_a3b")
+    """A GPU job builds Megatron-Bridge's recipe: flags that are absent keep its values (EP overlap on, flex)."""
+    recipe = upstream_values()
     r = resolved(*GPU)
-    assert overlap_switches(r.cfg) == overlap_switches(recipe)
-    assert r.cfg.model.moe_token_dispatcher_type == recipe.model.moe_token_dispatcher_type
+    assert overlap_switches(r.cfg) == (recipe["comm_overlap.overlap_moe_expert_parallel_comm"],
+                                       recipe["comm_overlap.delay_wgrad_compute"]) == (True, False)
+    assert r.cfg.model.moe_token_dispatcher_type == recipe["model.moe_token_dispatcher_type"] == "flex"
+    cpu = resolved("-g", "cpu")  # the reference runtime runs the project's own recipe
+    assert overlap_switches(cpu.cfg) == overlap_switches(load_recipe("qwen3_30b_a3b"))
 
 
 def test_overlap_false_turns_overlap_off_even_when_the_recipe_has_it_on(tmp_path):
@@ -36,6 +46,7 @@ def test_overlap_false_turns_overlap_off_even_when_the_recipe_has_it_on(tmp_path
         "from mbridge_epoverlap.recipes.loader import load_recipe\n"
         "def recipe(task):\n"
         "    cfg = load_recipe('qwen3_30b_a3b', task)\n"
+        "    cfg.recipe = 'qwen3_on'\n"  # a name Megatron-Bridge has no recipe for: the file's values are validated
         "    cfg.comm_overlap.overlap_moe_expert_parallel_comm = True\n"
         "    cfg.comm_overlap.delay_wgrad_compute = True\n"
         "    return cfg\n")
@@ -50,6 +61,8 @@ def test_overlap_true_does_not_add_delayed_wgrad():
 
 def test_delay_flag_is_its_own_switch():
     r = resolved(*GPU, "--delay_wgrad_compute", "true")
+    assert overlap_switches(r.cfg) == (upstream_values()["comm_overlap.overlap_moe_expert_parallel_comm"], True)
+    r = resolved(*GPU, "--moe_a2a_overlap", "false", "--delay_wgrad_compute", "true")
     assert overlap_switches(r.cfg) == (False, True)
 
 
@@ -163,7 +176,8 @@ def test_cuda_graph_impl_switches_the_te_rng_tracker_as_run_script_does():
     assert "model.use_te_rng_tracker" in graphs.explicit
     none = resolved(*GPU, "--cuda_graph_impl", "none", "model.use_te_rng_tracker=true")
     assert none.cfg.model.use_te_rng_tracker is True  # a dotted override is kept
-    assert resolved(*GPU).cfg.model.use_te_rng_tracker is False
+    assert resolved(*GPU).cfg.model.use_te_rng_tracker is upstream_values()["model.use_te_rng_tracker"] is True
+    assert resolved(*GPU, "--cuda_graph_impl", "none").cfg.model.use_te_rng_tracker is False
 
 
 def test_use_megatron_fsdp_reaches_the_validated_config():

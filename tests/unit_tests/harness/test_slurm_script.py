@@ -45,8 +45,11 @@ def test_upstream_passthrough_flags_reach_the_script(tmp_path, capsys):
     assert srun in script
     for line in ("export NCCL_DEBUG=INFO", "export A=1", "export B=2", "module load cuda",
                  "export NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8", "export NVLINK_DOMAIN_SIZE=72",
-                 "export USE_MNNVL=1", "export CUDA_DEVICE_MAX_CONNECTIONS=32"):
+                 "export USE_MNNVL=1"):
         assert line in script.splitlines(), line
+    # The library recipe has no launch environment, and no -tp/-cp/--moe_a2a_overlap asks for a connection count:
+    # CUDA's default stays, as with Megatron-Bridge's run_script.py.
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in script
     assert "--use-recipes --job-settings '{\"lr\": 0.0001}'" in script
     assert "megatron.bridge.recipes.qwen.qwen3_30b_a3b_pretrain_config (library recipe)" in script
     assert "--kubeflow_namespace='ns' -> kubeflow: recorded only" in script
@@ -55,15 +58,17 @@ def test_upstream_passthrough_flags_reach_the_script(tmp_path, capsys):
 
 def test_h100_two_nodes(tmp_path, capsys):
     rc, script, err = dry_run(tmp_path, capsys, "-m", "qwen", "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16",
-                              "-gn", "8", "--te_version", "2.9", "--ab", "ep_overlap", "-a", "myacct", "-p", "batch",
+                              "-gn", "8", "--te_version", "2.12", "--ab", "ep_overlap", "-a", "myacct", "-p", "batch",
                               "-t", "01:00:00", "--tokenizer_type", "NullTokenizer")
     assert rc == 0, err
     d = directives(script)
     assert (d["nodes"], d["ntasks"], d["ntasks-per-node"], d["gpus-per-node"]) == ("2", "16", "8", "8")
     assert (d["time"], d["account"], d["partition"]) == ("01:00:00", "myacct", "batch")
     assert d["output"].endswith("ab.slurm/slurm-%j.out")
-    assert "export CUDA_DEVICE_MAX_CONNECTIONS=8" in script
-    assert "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN" not in script  # exported with the hybridep backend only
+    # Megatron-Bridge's recipe runs HybridEP: the cases switch EP overlap (as --moe_a2a_overlap would), which
+    # recomputes the connection count from the recipe's backend; its HybridEP topology is exported too.
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=32" in script and "export CUDA_DEVICE_MAX_CONNECTIONS=8" not in script
+    assert "export NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN=8" in script
     assert "perf_recipes.qwen.qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config" in script  # upstream's default recipe
     assert "--gpu h100 --compute-dtype bf16 --num-gpus 16" in script
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in script
@@ -80,15 +85,15 @@ def test_h100_two_nodes(tmp_path, capsys):
     for name in ("ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"):
         cfg = RunConfig.from_dict(yaml.safe_load((job / "configs" / f"{name}.yaml").read_text()))
         assert cfg.model.expert_model_parallel_size == 16 and cfg.num_gpus == 16
-        assert cfg.env_vars["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+        assert cfg.env_vars["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
     plan = json.loads((job / "plan.json").read_text())
     assert [c["name"] for c in plan["cases"]] == ["ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"]
     assert not (tmp_path / "ab.json").exists()
 
 
 def test_gb200_hybridep_uses_nvl72_domain(tmp_path, capsys):
-    rc, script, err = dry_run(tmp_path, capsys, "-g", "gb200", "-ng", "16", "--moe_flex_dispatcher_backend",
-                              "hybridep", "--moe_a2a_overlap", "true")
+    rc, script, err = dry_run(tmp_path, capsys, "-g", "gb200", "-ng", "16", "-ep", "16",
+                              "--moe_flex_dispatcher_backend", "hybridep", "--moe_a2a_overlap", "true")
     assert rc == 0, err
     d = directives(script)
     assert (d["nodes"], d["ntasks-per-node"], d["gpus-per-node"]) == ("4", "4", "4")
@@ -125,7 +130,7 @@ def test_last_error_line(tmp_path):
 def test_enable_nsys_profiles_every_case_over_the_profiling_steps(tmp_path, capsys):
     """-en (Megatron-Bridge's flag): each case gets a run under nsys, over --profiling_start_step..stop_step."""
     rc, script, err = dry_run(tmp_path, capsys, "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "--te_version",
-                              "2.9", "--ab", "ep_overlap", "-en", "--profiling_start_step", "3",
+                              "2.12", "--ab", "ep_overlap", "-en", "--profiling_start_step", "3",
                               "--profiling_stop_step", "5")
     assert rc == 0, err
     profiled = [line for line in script.splitlines() if line.startswith("run_case") and " profile " in line]

@@ -234,6 +234,16 @@ def test_environment_versions_and_catalog():
     assert detected.torch_version is not None and detected.te_version is None  # CPU machine without TE
 
 
+@pytest.mark.parametrize(("version", "minimum", "expected"), [
+    ("2.12", "2.12.0", True), ("2.12.0", "2.12", True), ("2.12.0rc1", "2.12.0", True), ("2.12.0+cu12", "2.12.0", True),
+    ("2.11.9", "2.12.0", False), ("2.9", "2.10.0", False), ("3", "2.12.0", True), (None, "2.7.0", False)])
+def test_versions_compare_as_releases(version, minimum, expected):
+    """`--te_version 2.12` is TE 2.12.0: a release written with fewer parts is the same release."""
+    from mbridge_epoverlap.config.environment import version_at_least
+
+    assert version_at_least(version, minimum) is expected
+
+
 @pytest.mark.parametrize("name", ["a100", "h100", "h200", "h20", "l40s", "b200", "b300", "gb200", "gb300", "vr200",
                                   "r100", "H100"])
 def test_every_catalog_gpu_is_a_gpu(name):

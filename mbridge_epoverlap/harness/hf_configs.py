@@ -1,0 +1,108 @@
+"""Hugging Face `config.json` of each model the harness maps to a Megatron-Bridge recipe, in an offline cache.
+
+Megatron-Bridge's recipes build their model with `AutoBridge.from_hf_pretrained(MODEL_ID)`, which reads the
+model's `config.json` from the Hugging Face hub. `--check_with_bridge`, its tests and the recipe-facts
+generator (`scripts/extract_bridge_recipe_facts.py`) run without the network: they write that file into a
+private hub cache (`write_hf_cache`) from the project's recipe, which carries the model's public dimensions.
+The few public constants a project recipe does not carry (DeepSeek-V3's latent-attention ranks and rope
+scaling, Qwen3's rope base) are written as the released `config.json` has them.
+
+`HF_MODELS` maps each project recipe with an upstream recipe to its model id and writer; the families
+without one (Mixtral, DBRX: Megatron-Bridge 0.6.2 has no recipe for them) are not in it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def qwen3_moe_hf_config(model: Any) -> dict[str, Any]:
+    """A `qwen3_moe` config.json from a project recipe's model (the public dimensions it carries)."""
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+            "head_dim": model.kv_channels, "hidden_act": "silu", "hidden_size": model.hidden_size,
+            "initializer_range": 0.02, "intermediate_size": model.ffn_hidden_size, "max_position_embeddings": 40960,
+            "max_window_layers": model.num_layers, "mlp_only_layers": [], "moe_intermediate_size":
+            model.moe_ffn_hidden_size, "norm_topk_prob": True, "num_attention_heads": model.num_attention_heads,
+            "num_experts": model.num_moe_experts, "num_experts_per_tok": model.moe_router_topk,
+            "num_hidden_layers": model.num_layers, "num_key_value_heads": model.num_query_groups,
+            "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+            "vocab_size": model.vocab_size}
+
+
+def deepseek_v3_hf_config(model: Any) -> dict[str, Any]:
+    """A `deepseek_v3` config.json from a project recipe's model.
+
+    Layers, widths, heads, experts, the shared expert (its width over the expert width), the leading dense
+    layers (`moe_layer_freq`) and the MTP depth come from the recipe; the latent-attention ranks, rope
+    dimensions and scaling and the router's grouping are DeepSeek-V3's released values.
+    """
+    freq = model.moe_layer_freq
+    dense = next((i for i, moe in enumerate(freq) if moe), len(freq)) if isinstance(freq, list) else 0
+    shared = model.moe_shared_expert_intermediate_size or 0
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+            "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": dense,
+            "hidden_act": "silu", "hidden_size": model.hidden_size, "initializer_range": 0.02,
+            "intermediate_size": model.ffn_hidden_size, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+            "moe_intermediate_size": model.moe_ffn_hidden_size, "moe_layer_freq": 1, "n_group": 8,
+            "n_routed_experts": model.num_moe_experts, "n_shared_experts": shared // model.moe_ffn_hidden_size,
+            "norm_topk_prob": True, "num_attention_heads": model.num_attention_heads,
+            "num_experts_per_tok": model.moe_router_topk, "num_hidden_layers": model.num_layers,
+            "num_key_value_heads": model.num_attention_heads, "num_nextn_predict_layers": model.mtp_num_layers or 0,
+            "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+            "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 4096, "type": "yarn"},
+            "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": model.moe_router_score_function,
+            "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+            "use_cache": True, "v_head_dim": model.kv_channels, "vocab_size": model.vocab_size}
+
+
+# Project recipe -> (Hugging Face model id its Megatron-Bridge recipes load, config.json writer).
+HF_MODELS: dict[str, tuple[str, Callable[[Any], dict[str, Any]]]] = {
+    "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", qwen3_moe_hf_config),
+    "qwen3_235b_a22b": ("Qwen/Qwen3-235B-A22B", qwen3_moe_hf_config),
+    "deepseek_v3": ("deepseek-ai/DeepSeek-V3", deepseek_v3_hf_config),
+}
+
+
+def hf_model(recipe: str, model: Any) -> tuple[str, dict[str, Any]] | None:
+    """(model id, config.json) of a project recipe's model; None for a recipe without an upstream recipe."""
+    entry = HF_MODELS.get(recipe)
+    if entry is None:
+        return None
+    model_id, writer = entry
+    return model_id, writer(model)
+
+
+def write_hf_cache(home: Path, model_id: str, config: dict[str, Any], revisions: set[str]) -> None:
+    """An offline Hugging Face hub cache under `home` holding only `config.json` of `model_id`, at `main` and at
+    each pinned revision (recipes pin one)."""
+    repo = home / "hub" / f"models--{model_id.replace('/', '--')}"
+    main = "0" * 40
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(main)
+    for revision in {main} | revisions:
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (snapshot / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def pinned_revisions(model_id: str) -> set[str]:
+    """The revisions of `model_id` that the imported Megatron-Bridge recipes pin (`*_MODEL_REVISION` next to
+    a `*_MODEL_ID` naming it)."""
+    found = set()
+    for module in list(sys.modules.values()):
+        if not getattr(module, "__name__", "").startswith("megatron.bridge.recipes"):
+            continue
+        for name, value in list(vars(module).items()):
+            if name.endswith("_MODEL_ID") and value == model_id:
+                revision = getattr(module, name.removesuffix("_MODEL_ID") + "_MODEL_REVISION", None)
+                if isinstance(revision, str):
+                    found.add(revision)
+    return found

@@ -1,0 +1,83 @@
+"""The Megatron-Bridge recipe a GPU job builds, and its values as the start of the run config the harness validates.
+
+`resolve` starts a GPU target's run config from the project's recipe (the model's dimensions), replaces every
+value the Megatron-Bridge recipe sets with that recipe's (`recipe_facts`: from the released wheel), then
+applies the user's overrides and flags, as the job applies them to the recipe it builds. So the pre-launch
+validation and the dry run's list of changed settings are about the job that will run, not about the
+project's own recipe. Where Megatron-Bridge builds no recipe (a recipe file, a family it has no recipe for,
+a GPU or precision without a performance recipe) or its values are not known here, the project's recipe
+stays, and a note says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
+from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe
+from mbridge_epoverlap.harness.recipe_facts import apply_recipe_values, facts_for, load_facts, perf_recipe_names
+
+
+@dataclass
+class UpstreamRecipe:
+    """What the job builds.
+
+    Attributes:
+        recipe: the Megatron-Bridge recipe, or None when it builds none for these flags.
+        facts: its values (`recipe_facts.recipe_values`), or None when they are not known here.
+        notes: what the user should know about the choice (printed on stderr).
+        skipped: recipe keys whose value the run config cannot hold (kept the project's).
+    """
+
+    recipe: BridgeRecipe | None
+    facts: dict[str, Any] | None
+    notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def apply(self, cfg: RunConfig) -> None:
+        """Replace the run config's values with the recipe's (nothing without facts)."""
+        if self.facts is None:
+            return
+        if not self.facts["comm_overlap"]:
+            cfg.comm_overlap = CommOverlapConfig()  # the recipe has no comm-overlap config: every switch unset
+        self.skipped = apply_recipe_values(cfg, self.facts)
+        if self.skipped:
+            self.notes.append(f"the run config cannot hold the recipe's {', '.join(self.skipped)}; validated the "
+                              "project recipe's values for them")
+
+    @property
+    def env_vars(self) -> dict[str, str]:
+        """The recipe's launch environment (Megatron-Bridge exports it before the processes start)."""
+        return {key: str(value) for key, value in ((self.facts or {}).get("env_vars") or {}).items()}
+
+
+def upstream_recipe(args: Any, cfg: RunConfig) -> UpstreamRecipe:
+    """The recipe the job builds for these flags, with its values where they are known.
+
+    `cfg` is the run config with every override and flag applied (the job chooses the recipe from the final
+    GPU count and the flags).
+    """
+    from mbridge_epoverlap.harness.job_options import bridge_lookup
+    from mbridge_epoverlap.harness.mbridge_job import choose_recipe, installed_perf_recipe_names
+    from mbridge_epoverlap.recipes.loader import family_of
+
+    family = family_of(cfg.recipe)
+    if family is None:
+        return UpstreamRecipe(None, None, [f"Megatron-Bridge has no recipe for {cfg.recipe!r}; validated the recipe "
+                                           "as written (the GPU job needs a built-in recipe name)"])
+    names = installed_perf_recipe_names() or perf_recipe_names()
+    try:
+        recipe = choose_recipe(family, cfg.recipe, cfg.task, perf_names=names, **bridge_lookup(args, cfg))
+    except (LookupError, UsageError) as exc:
+        return UpstreamRecipe(None, None, [f"the job will stop: {exc}; validated the project's recipe {cfg.recipe}"])
+    facts = facts_for(recipe.module, recipe.function)
+    version = load_facts()["version"]
+    if facts is None:
+        return UpstreamRecipe(recipe, None, [f"the values of {recipe.describe()} are not known here (the facts of "
+                                             f"Megatron-Bridge {version} lack it); validated the project's recipe "
+                                             f"{cfg.recipe} instead (--check_with_bridge checks the job itself)"])
+    return UpstreamRecipe(recipe, facts, [f"validating the job Megatron-Bridge {version} builds: {recipe.describe()} "
+                                          "with the flags' and overrides' changes"])

@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Build every Megatron-Bridge recipe of the models the harness maps and write the values the harness reads.
+
+Runs in the Python 3.12 environment with the released Megatron-Bridge (`scripts/setup_bridge_venv.sh`), on
+a CPU and offline: Transformer Engine is faked and each target GPU mocked (`config.bridge_cpu`), and each
+model's `config.json` is written from the project's recipe into a private Hugging Face cache
+(`harness.hf_configs`). For each project recipe in `hf_configs.HF_MODELS`, it builds every flat performance
+recipe of that model (under its GPU's mock; without a GPU where the catalog does not know its compute
+capability) and its library recipes, and records `recipe_facts.recipe_values` of each. The output (sorted,
+one recipe a line, no paths or dates: the same wheel gives the same file) is the fixture the harness
+validates GPU jobs against where Megatron-Bridge is not importable:
+
+    MBRIDGE_EPOVERLAP_BRIDGE_PYTHON=.bridge-venv/bin/python
+    PYTHONPATH=. $MBRIDGE_EPOVERLAP_BRIDGE_PYTHON scripts/extract_bridge_recipe_facts.py \\
+        mbridge_epoverlap/harness/data/bridge_recipe_facts.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LIBRARY_TASKS = ("pretrain", "sft", "peft")
+_GPU = re.compile(r"_\d+gpu_([a-z0-9]+)_")
+
+
+def extract() -> dict[str, Any]:
+    from mbridge_epoverlap.config.bridge_cpu import install_fake_te, set_te_version, target_gpu
+
+    install_fake_te()
+    home = Path(tempfile.mkdtemp(prefix="mbridge-facts-"))
+    os.environ.update(HF_HOME=str(home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WORLD_SIZE="1")
+    set_te_version("2.12.0")
+    import megatron.bridge
+    import megatron.core
+
+    from mbridge_epoverlap.gpus import gpu_facts
+    from mbridge_epoverlap.harness.hf_configs import HF_MODELS, hf_model, pinned_revisions, write_hf_cache
+    from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
+    from mbridge_epoverlap.harness.recipe_facts import recipe_values
+    from mbridge_epoverlap.recipes.loader import family_of, load_recipe
+
+    perf_names = installed_perf_recipe_names()
+    recipes: dict[str, Any] = {}
+    failed: list[str] = []
+    for name in sorted(HF_MODELS):
+        family = family_of(name)
+        perf = importlib.import_module(f"megatron.bridge.perf_recipes.{family}")
+        library = importlib.import_module(f"megatron.bridge.recipes.{family}")
+        model_id, config = hf_model(name, load_recipe(name).model)
+        write_hf_cache(home, model_id, config, pinned_revisions(model_id))
+        builds = [(perf, function, _GPU.search(function).group(1)) for function in perf_names
+                  if function.startswith(f"{name}_") and hasattr(perf, function)]
+        builds += [(library, f"{name}_{task}_config", None) for task in LIBRARY_TASKS
+                   if hasattr(library, f"{name}_{task}_config")]
+        for module, function, gpu in builds:
+            # A GPU whose compute capability the catalog does not know is built without one: Megatron-Bridge
+            # then keeps the flex backend the recipe asks for instead of gating it on a made-up architecture.
+            known = gpu is not None and gpu_facts(gpu).compute_capability is not None
+            try:
+                with target_gpu(gpu if known else None):
+                    container = getattr(module, function)()
+            except Exception as exc:  # noqa: BLE001 - a recipe this release cannot build is left out, and said
+                failed.append(f"{module.__name__}.{function}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            recipes[f"{module.__name__}.{function}"] = recipe_values(container)
+    for line in failed:
+        print(f"not built: {line}", file=sys.stderr)
+    return {"version": megatron.bridge.__version__, "core_version": megatron.core.__version__,
+            "recipes": dict(sorted(recipes.items()))}
+
+
+def render(facts: dict[str, Any]) -> str:
+    """The fixture's text: one recipe a line, keys sorted (small diffs when a release changes a recipe)."""
+    head = {key: value for key, value in facts.items() if key != "recipes"}
+    lines = [f" {json.dumps(key)}: {json.dumps(value)}," for key, value in sorted(head.items())]
+    items = [f"  {json.dumps(name)}: {json.dumps(values, sort_keys=True)}"
+             for name, values in sorted(facts["recipes"].items())]
+    lines += [' "recipes": {', ",\n".join(items)]
+    return "{\n" + "\n".join(lines) + "\n }\n}\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with contextlib.redirect_stdout(sys.stderr):  # the libraries log to stdout
+        facts = extract()
+    Path(argv[0]).parent.mkdir(parents=True, exist_ok=True)
+    Path(argv[0]).write_text(render(facts), encoding="utf-8")
+    print(f"{len(facts['recipes'])} recipes of Megatron-Bridge {facts['version']} written to {argv[0]}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
