@@ -118,15 +118,18 @@ def progress_printer(args: argparse.Namespace) -> Any:
 
 
 def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
-    """`--rebalance-every`, `--rejoin-after-steps` and `--rebalance-threshold`, for serve (`when`: "with
-    --elastic: ") and elastic-bench."""
+    """`--rebalance-every`, `--rejoin-after-steps`, `--rejoin-hold` and `--rebalance-threshold`, for serve
+    (`when`: "with --elastic: ") and elastic-bench."""
     parser.add_argument("--rebalance-every", type=count, default=0, metavar="K",
                         help=f"{when}re-solve the expert placement for the measured load every K decode "
                              "steps, moving weights between expert workers (default 0: never)")
     parser.add_argument("--rejoin-after-steps", type=count, default=0, metavar="N",
-                        help=f"{when}start a replacement for a lost expert worker and admit it N decode "
-                             "steps after the loss, waiting then up to half of --timeout if it is still starting "
-                             "(default 0: never)")
+                        help=f"{when}start a replacement for a lost expert worker and admit it at the first "
+                             "step boundary N or more decode steps after the loss where it is ready; decoding goes "
+                             "on while it starts (default 0: never)")
+    parser.add_argument("--rejoin-hold", action="store_true",
+                        help=f"{when}with --rejoin-after-steps: hold decoding N steps after the loss until the "
+                             "replacement is ready (at most half of --timeout), so that the step it joins is fixed")
     parser.add_argument("--rebalance-threshold", type=float, default=1.1, metavar="T",
                         help=f"{when}skip a rebalance (no solve, no weight moved) while max/mean expert load "
                              "over the expert workers is at most T (default 1.1; 1 rebalances whenever it helps)")

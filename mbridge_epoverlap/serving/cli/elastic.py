@@ -103,7 +103,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     killing = make_elastic(plain, redundant=args.redundant_experts, kill=args.kill, kill_step=args.kill_step,
                            restore=not args.no_expert_restore, rebalance_every=args.rebalance_every,
                            rejoin_after_steps=args.rejoin_after_steps, kill_every=kill_every,
-                           rebalance_threshold=args.rebalance_threshold)
+                           rebalance_threshold=args.rebalance_threshold, rejoin_hold=args.rejoin_hold)
     say = progress_printer(args)
     # The no-failure arms: plain, elastic, and with --rebalance-every elastic with rebalancing.
     arms: dict[str, Any] = {"plain": plain, "elastic": elastic}

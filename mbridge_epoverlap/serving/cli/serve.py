@@ -136,7 +136,7 @@ def handle_serve(args: argparse.Namespace) -> int:
 
         plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore,
                             rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps,
-                            rebalance_threshold=args.rebalance_threshold)
+                            rebalance_threshold=args.rebalance_threshold, rejoin_hold=args.rejoin_hold)
     elif args.redundant_experts or args.no_expert_restore or args.rebalance_every or args.rejoin_after_steps:
         raise UsageError("--redundant-experts, --no-expert-restore, --rebalance-every and --rejoin-after-steps apply "
                          "to --elastic serving; add --elastic")

@@ -75,6 +75,10 @@ class StepSync:
             return False
         return True
 
+    def is_ready(self, worker: int, generation: int) -> bool:
+        """Whether replacement `generation` of expert worker `worker` announced itself (no waiting)."""
+        return self.store.check([f"ready/{worker}/{generation}"])
+
     def admit(self, worker: int, generation: int, step: int, epoch: int, slots: Sequence[int]) -> None:
         """Tell the replacement when it joins and the layout (epoch, slots) it joins from."""
         record = {"step": step, "epoch": epoch, "slots": list(slots)}

@@ -124,7 +124,9 @@ class ElasticRouter(Transport):
         sync: the boundary agreement with the other attention workers (None: no layout epochs).
         m2n_store: the M2N rendezvous store (to connect a replacement's channel).
         rebalance_every: re-solve the placement for the measured load every this many decode steps (0: never).
-        rejoin_after_steps: admit a replacement this many steps after a loss (0: never).
+        rejoin_after_steps: admit a replacement this many or more steps after a loss, at the first boundary where
+            it is ready (0: never).
+        rejoin_hold: wait at that boundary for the replacement instead (up to half the timeout).
         rebalance_threshold: skip a rebalance while max/mean load over the live expert workers is at most this.
         progress: called with a line for what happens (rank 0 only).
     """
@@ -133,7 +135,7 @@ class ElasticRouter(Transport):
 
     def __init__(self, side: AttentionSide, comm: Any, expert_ranks: list[int], *, layout: ElasticLayout,
                  restore: bool, sync: Any = None, m2n_store: Any = None, rebalance_every: int = 0,
-                 rejoin_after_steps: int = 0, rebalance_threshold: float = 1.1,
+                 rejoin_after_steps: int = 0, rebalance_threshold: float = 1.1, rejoin_hold: bool = False,
                  progress: Callable[[str], None] | None = None) -> None:
         self.side, self.comm, self.expert_ranks, self.progress = side, comm, expert_ranks, progress
         self.spec, self.m, self.timeout_s = side.spec, side.m, side.timeout_s
@@ -144,7 +146,7 @@ class ElasticRouter(Transport):
         side.on_sampled.append(self._sampled)
         self.sync, self.m2n_store = sync, m2n_store
         self.rebalance_every, self.rejoin_after_steps = rebalance_every, rejoin_after_steps
-        self.rebalance_threshold = rebalance_threshold
+        self.rebalance_threshold, self.rejoin_hold = rebalance_threshold, rejoin_hold
         self.recorder = None
         if rebalance_every:
             from mbridge_epoverlap.serving.elastic.eplb import ExpertLoadRecorder
@@ -158,6 +160,7 @@ class ElasticRouter(Transport):
         self.lost_at: dict[int, int] = {}  # expert worker -> decode step its loss was seen
         self.generations: dict[int, int] = {}  # expert worker -> replacements admitted
         self._rejoin_tried: set[tuple[int, int]] = set()
+        self._rejoin_due: dict[tuple[int, int], float] = {}  # replacement -> when its turn came (monotonic)
 
     def close(self) -> None:
         self.comm.close()
@@ -207,6 +210,9 @@ class ElasticRouter(Transport):
     # --- layout epochs ------------------------------------------------------------------------------
     def finish(self) -> None:
         if self.sync is not None and self.sync.index == 0 and self.rejoin_after_steps:
+            for (worker, _), due in self._rejoin_due.items():  # turns that came, never ready before the end
+                self._rejoin_gave_up(worker, time.monotonic() - due, "by the end of the run")
+            self._rejoin_due.clear()
             self.sync.finish()
 
     def begin_step(self, step: int) -> None:
@@ -274,7 +280,8 @@ class ElasticRouter(Transport):
 
     def _admissions(self, step: int) -> list[list[int]]:
         """(Attention worker 0) the replacements to admit at `step`: lost at least `rejoin_after_steps` ago and
-        ready (waiting up to the timeout for one whose turn has come)."""
+        ready. One whose turn has come but is still starting is looked at again at the next boundary (decoding
+        goes on meanwhile), until half the timeout passed; with `rejoin_hold` this boundary waits for it."""
         admitted: list[list[int]] = []
         if not self.rejoin_after_steps:
             return admitted
@@ -283,19 +290,29 @@ class ElasticRouter(Transport):
             if (worker, generation) in self._rejoin_tried or \
                     step - self.lost_at.get(worker, step) < self.rejoin_after_steps:
                 continue
+            due = self._rejoin_due.setdefault((worker, generation), time.monotonic())
+            if self.rejoin_hold:
+                ready = self.sync.wait_ready(worker, generation)
+            else:
+                ready = self.sync.is_ready(worker, generation)
+                if not ready and time.monotonic() - due < self.timeout_s / 2:
+                    continue  # still starting: decoding goes on, the next boundary looks again
             self._rejoin_tried.add((worker, generation))
+            self._rejoin_due.pop((worker, generation), None)
             started = time.monotonic()
-            if not self.sync.wait_ready(worker, generation):
-                self._say("rejoin-timeout", f"no replacement for expert worker {worker} within "
-                          f"{self.timeout_s / 2:g} s (half of --timeout): "
-                          "decoding goes on without it", worker=worker)
+            if not ready:
+                self._rejoin_gave_up(worker, started - due, f"within {self.timeout_s / 2:g} s (half of --timeout)")
                 continue
             # It joins the epoch entered at the next step; this step moves its weights.
             self.sync.admit(worker, generation, step + 1, self.epoch, self.layout.slots)
             admitted.append([worker, generation])
             self.events.append({"event": "rejoin-ready", "t": time.monotonic(), "worker": worker,
-                                "waited_s": time.monotonic() - started})
+                                "waited_s": time.monotonic() - due})
         return admitted
+
+    def _rejoin_gave_up(self, worker: int, waited_s: float, when: str) -> None:
+        self._say("rejoin-timeout", f"no replacement for expert worker {worker} was ready {when}, {waited_s:.1f} s "
+                  "after its turn came: decoding goes on without it", worker=worker, waited_s=waited_s)
 
     def _announce(self, layout: ElasticLayout, step: int, load: torch.Tensor | None, why: str,
                   **fields: Any) -> None:

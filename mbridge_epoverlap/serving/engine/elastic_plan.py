@@ -16,7 +16,7 @@ from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 
 def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
                  rebalance_every: int = 0, rejoin_after_steps: int = 0, kill_every: int = 0,
-                 rebalance_threshold: float = 1.1) -> EnginePlan:
+                 rebalance_threshold: float = 1.1, rejoin_hold: bool = False) -> EnginePlan:
     """`plan` (disaggregated, from `run.make_plan`) in elastic mode with `redundant` extra expert slots.
 
     Args:
@@ -28,7 +28,9 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
         rebalance_every: re-solve the placement for the measured expert load every this many decode steps,
             moving the weights that change owner between expert workers (0: never).
         rejoin_after_steps: start a replacement for each lost expert worker and admit it at the first step
-            boundary this many decode steps after the loss (0: never).
+            boundary this many or more decode steps after the loss where it is ready (0: never).
+        rejoin_hold: hold decoding at that boundary until the replacement is ready (up to half the timeout),
+            which fixes the step it joins at the cost of a pause.
         kill_every: one victim every this many decode steps, one after another (0: all at `kill_step`).
         rebalance_threshold: skip a periodic rebalance while max/mean load is at most this (>= 1).
 
@@ -69,7 +71,7 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
     moving = rebalance_every or rejoin_after_steps
     return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
                    rebalance_every=rebalance_every, rejoin_after_steps=rejoin_after_steps,
-                   rebalance_threshold=rebalance_threshold,
+                   rebalance_threshold=rebalance_threshold, rejoin_hold=bool(rejoin_hold and rejoin_after_steps),
                    weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)
 
 

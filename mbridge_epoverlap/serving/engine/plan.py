@@ -49,6 +49,8 @@ class EnginePlan:
             steps, moving weights between expert workers (0: never).
         rejoin_after_steps: elastic mode starts a replacement for a lost expert worker and admits it this many
             decode steps after the loss (0: never).
+        rejoin_hold: elastic mode holds decoding at a replacement's admission step until it is ready (else it
+            joins at the first step boundary where it is, while decoding goes on).
         rebalance_threshold: a periodic rebalance is skipped (no solve, nothing moved) while max/mean expert
             load over the live expert workers is at most this.
         weight_slot_bytes: M2N slot size of the channels between expert workers that carry moved weights.
@@ -88,6 +90,7 @@ class EnginePlan:
     rebalance_every: int = 0
     rejoin_after_steps: int = 0
     rebalance_threshold: float = 1.1
+    rejoin_hold: bool = False
     weight_slot_bytes: int = 0
     online_requests: tuple[str, ...] = ()
     online_events: str = ""

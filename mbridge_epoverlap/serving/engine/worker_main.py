@@ -180,7 +180,8 @@ def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: A
         router = ElasticRouter(side, comm, plan.expert_ranks, layout=layout, restore=plan.expert_restore, sync=sync,
                                m2n_store=dist.PrefixStore("m2n", store), rebalance_every=plan.rebalance_every,
                                rejoin_after_steps=plan.rejoin_after_steps,
-                               rebalance_threshold=plan.rebalance_threshold, progress=progress)
+                               rebalance_threshold=plan.rebalance_threshold, rejoin_hold=plan.rejoin_hold,
+                               progress=progress)
         _serve_online(plan, index, side, router)
         return AttentionWorker(side, router, beat=beat, progress=progress)
     kill_at = next((step for worker, step in plan.kill if worker == index), None)

@@ -84,7 +84,7 @@ def serve_http(args: argparse.Namespace) -> int:
 
             plan = make_elastic(plan, redundant=args.redundant_experts, restore=not args.no_expert_restore,
                                 rebalance_every=args.rebalance_every, rejoin_after_steps=args.rejoin_after_steps,
-                                rebalance_threshold=args.rebalance_threshold)
+                                rebalance_threshold=args.rebalance_threshold, rejoin_hold=args.rejoin_hold)
         return plan
 
     metrics = ServerMetrics(spec.moe_layer_ids)

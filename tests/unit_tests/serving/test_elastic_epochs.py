@@ -82,7 +82,9 @@ def test_a_replacement_expert_worker_joins_back_with_the_same_tokens(tiny_mixtra
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), attn_workers=2, expert_workers=4, micro_batches=2,
                      max_new_tokens=MAX_NEW, timeout_s=20, backend=backend)
-    plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2, rebalance_every=3)
+    # Held at the admission step: the replacement joins at a fixed step, before the short run ends.
+    plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2, rebalance_every=3,
+                        rejoin_hold=True)
     pids: list[int] = []
     result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
     assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
@@ -26,8 +28,9 @@ NEVER_READY = (
 )
 
 
+@pytest.mark.parametrize("hold", [False, True], ids=["decoding-goes-on", "held"])
 def test_survivors_go_on_without_a_replacement_that_never_becomes_ready(tiny_mixtral_dir, prompts, hf_greedy,
-                                                                         monkeypatch):
+                                                                         monkeypatch, hold):
     import mbridge_epoverlap.launch as launch
 
     real = launch.launch_processes
@@ -40,7 +43,7 @@ def test_survivors_go_on_without_a_replacement_that_never_becomes_ready(tiny_mix
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
                      timeout_s=6)
-    plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2)
+    plan = make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2, rejoin_hold=hold)
     lines: list[str] = []
     pids: list[int] = []
     result = run_engine(plan, progress=lines.append, on_start=pids.extend, run_timeout_s=120)
@@ -51,6 +54,11 @@ def test_survivors_go_on_without_a_replacement_that_never_becomes_ready(tiny_mix
     timeouts = [e for e in elastic["events"] if e["event"] == "rejoin-timeout"]
     assert [e["worker"] for e in timeouts] == ["attention 0"]  # the worker that waited (the merged events say who)
     assert any("no replacement for expert worker 0" in line and "goes on without it" in line for line in lines)
+    # Held, the boundary waited half the timeout for it; else decoding went on and the short run ended first.
+    if hold:
+        assert timeouts[0]["waited_s"] >= plan.timeout_s / 2 and "within 3 s (half of --timeout)" in "".join(lines)
+    else:
+        assert timeouts[0]["waited_s"] < plan.timeout_s / 2 and "by the end of the run" in "".join(lines)
     assert _leftovers(pids) == ([], [])
 
 

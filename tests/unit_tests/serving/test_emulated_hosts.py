@@ -46,7 +46,8 @@ def test_a_replacement_rejoins_across_emulated_hosts(tiny_mixtral_dir, prompts, 
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), attn_workers=2, expert_workers=4, micro_batches=2,
                      max_new_tokens=MAX_NEW, timeout_s=20, backend=backend)
-    plan = emulate_hosts(make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2), 2, 10.0)
+    plan = emulate_hosts(make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2, rejoin_hold=True),
+                         2, 10.0)
     pids: list[int] = []
     result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
     assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)
