@@ -56,6 +56,10 @@ def flex_backend_problem(backend: str | None, env: Environment) -> str | None:
         return env.gpu_probe_error
     if not env.has_gpu or backend_supports_gpu(backend, env):
         return None
+    if env.compute_capability is None:
+        # A target whose device facts are not public (VR200, R100): Megatron-Bridge ships HybridEP recipes for
+        # VR200 and decides on the device itself; rejecting here would refuse its own recipe.
+        return None
     gpu = env.gpu_name or f"compute capability {env.compute_capability}"
     return f"the {backend} flex dispatcher does not support {gpu} (supported: {SUPPORTED_GPUS[backend]})"
 

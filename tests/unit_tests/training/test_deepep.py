@@ -76,6 +76,17 @@ def test_unknown_gpu_by_capability_only():
     assert model.moe_token_dispatcher_type == "alltoall"
 
 
+@pytest.mark.parametrize("gpu", ["vr200", "r100"])
+def test_a_target_without_public_device_facts_is_not_judged(gpu):
+    # Megatron-Bridge 0.6.2 ships qwen3_30b_a3b_pretrain_8gpu_vr200_bf16_config with HybridEP: the device decides.
+    env = Environment.for_gpu(gpu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = apply_flex_dispatcher_backend(good_model(), "hybridep", env=env)
+    assert model.moe_token_dispatcher_type == "flex"
+    validate_flex_dispatcher_backend(model, env=env)
+
+
 def test_no_gpu_known_sets_flex_without_probing():
     model = apply_flex_dispatcher_backend(good_model(), "deepep", env=Environment(torch_version="2.8"))
     assert model.moe_token_dispatcher_type == "flex"
