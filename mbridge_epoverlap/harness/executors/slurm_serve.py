@@ -35,29 +35,15 @@ def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: Scri
     """The sbatch script: srun the workers (role by rank), then collect."""
     q = shlex.quote
     out_dir = opts.job_dir / "workers"
-
-    class _Exp:  # what the shared header reads
-        recipe = "serve-bench"
-
-    lines = sbatch_header(_Exp(), shape, opts)  # type: ignore[arg-type]
+    lines = _preamble("serve-bench", f"serve-bench: ranks 0..{attn_workers - 1} attention workers, ranks "
+                      f"{attn_workers}..{world - 1} expert workers", shape, opts)
     lines += [
-        "#",
-        f"# mbridge-epoverlap serve-bench: ranks 0..{attn_workers - 1} attention workers, ranks {attn_workers}.."
-        f"{world - 1} expert workers",
-        "set -euo pipefail",
-        f"JOB_DIR={q(str(opts.job_dir))}",
-        f'PYTHON="${{MBRIDGE_EPOVERLAP_PYTHON:-{opts.python}}}"',
-        f'export PYTHONPATH={q(str(opts.repo_root))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "export MASTER_ADDR",
         "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
         f'log() {{ echo "{MARKER} $*"; }}',
         f"mkdir -p {q(str(out_dir))}",
         'log "serve-bench: start (port $MASTER_PORT)"',
-        f"srun --ntasks={world} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 \\",
-        "  bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec \"$@\"' "
-        f'rank "$PYTHON" -m mbridge_epoverlap.serving.engine.worker_main --plan {q(str(plan_path))} '
-        f"--out {q(str(out_dir))}",
+        *_srun_workers(world, shape, q(str(plan_path)), out_dir),
         'log "serve-bench: workers done; collecting"',
         f'"$PYTHON" -m mbridge_epoverlap.serving.engine.collect --plan {q(str(plan_path))} --out {q(str(out_dir))} '
         f"--results {q(str(results))}",
@@ -65,6 +51,30 @@ def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: Scri
         "",
     ]
     return "\n".join(lines)
+
+
+def _preamble(task: str, comment: str, shape: JobShape, opts: ScriptOptions) -> list[str]:
+    """The lines both serving scripts start with: the sbatch header, what the job is, the job directory,
+    Python and its path, and the first node's name."""
+    q = shlex.quote
+
+    class _Exp:  # what the shared header reads
+        recipe = task
+
+    return [*sbatch_header(_Exp(), shape, opts), "#", f"# mbridge-epoverlap {comment}",  # type: ignore[arg-type]
+            "set -euo pipefail",
+            f"JOB_DIR={q(str(opts.job_dir))}",
+            f'PYTHON="${{MBRIDGE_EPOVERLAP_PYTHON:-{opts.python}}}"',
+            f'export PYTHONPATH={q(str(opts.repo_root))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+            'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"']
+
+
+def _srun_workers(world: int, shape: JobShape, plan: str, out_dir: Path, *, background: bool = False) -> list[str]:
+    """srun one serving worker per task from the plan at `plan` (shell-quoted), its rank from Slurm."""
+    return [f"srun --ntasks={world} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 \\",
+            "  bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec \"$@\"' "
+            f'rank "$PYTHON" -m mbridge_epoverlap.serving.engine.worker_main --plan {plan} '
+            f"--out {shlex.quote(str(out_dir))}" + (" &" if background else "")]
 
 
 HTTP_PORT_BASE = 30000  # the server's port is HTTP_PORT_BASE + job id % 20000 (beside MASTER_PORT's range)
@@ -76,24 +86,13 @@ def render_online_script(plan_path: Path, world: int, shape: JobShape, opts: Scr
     """The sbatch script of the online server: the front end on the first node, then srun the workers."""
     q = shlex.quote
     out_dir = opts.job_dir / "workers"
-
-    class _Exp:  # what the shared header reads
-        recipe = "serve"
-
     serve = (f'"$PYTHON" -m mbridge_epoverlap.cli serve -mr {q(recipe)} --http "0.0.0.0:$HTTP_PORT" '
              f'--workers-plan "$PLAN" --worker-host "$MASTER_IP" --attn-workers {attn_workers} '
              f"--expert-workers {world - attn_workers} --micro-batches {micro_batches} --max-batch {max_batch} "
              f"--backend {backend} --max-model-len 512")
-    lines = sbatch_header(_Exp(), shape, opts)  # type: ignore[arg-type]
+    lines = _preamble("serve", f"serve --http on the first node; ranks 0..{attn_workers - 1} attention workers, "
+                      f"ranks {attn_workers}..{world - 1} expert workers", shape, opts)
     lines += [
-        "#",
-        f"# mbridge-epoverlap serve --http on the first node; ranks 0..{attn_workers - 1} attention workers, ranks "
-        f"{attn_workers}..{world - 1} expert workers",
-        "set -euo pipefail",
-        f"JOB_DIR={q(str(opts.job_dir))}",
-        f'PYTHON="${{MBRIDGE_EPOVERLAP_PYTHON:-{opts.python}}}"',
-        f'export PYTHONPATH={q(str(opts.repo_root))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-        'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         """MASTER_IP="$(getent hosts "$MASTER_ADDR" | awk '{print $1; exit}')\"""",
         'MASTER_IP="${MASTER_IP:-127.0.0.1}"',
         "export MASTER_ADDR",
@@ -109,9 +108,7 @@ def render_online_script(plan_path: Path, world: int, shape: JobShape, opts: Scr
         "trap 'kill -TERM $SERVER 2>/dev/null' TERM INT",
         'for _ in $(seq 1200); do [ -f "$PLAN" ] && break; kill -0 "$SERVER" 2>/dev/null || break; sleep 0.5; done',
         '[ -f "$PLAN" ] || { log "serve: the front end wrote no plan"; wait "$SERVER"; exit 1; }',
-        f"srun --ntasks={world} --ntasks-per-node={shape.tasks_per_node} --kill-on-bad-exit=1 \\",
-        "  bash -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec \"$@\"' "
-        f'rank "$PYTHON" -m mbridge_epoverlap.serving.engine.worker_main --plan "$PLAN" --out {q(str(out_dir))} &',
+        *_srun_workers(world, shape, '"$PLAN"', out_dir, background=True),
         "WORKERS=$!",
         'code=0; wait "$SERVER" || code=$?',
         'wait "$WORKERS" || true',
