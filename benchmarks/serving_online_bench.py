@@ -38,6 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mbridge_epoverlap.launch.signals import stop_gracefully  # noqa: E402
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 READY_S = 600.0
@@ -120,13 +121,7 @@ class Server:
             return [w["pid"] for w in json.loads(answer.read())["workers"] if w["role"] == role]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_gracefully(self.proc, 120)
 
 
 def ours(checkpoint: Path, flags: list[str]) -> Server:

@@ -1,11 +1,13 @@
-"""Signals the supervisor handles: SIGTERM/SIGHUP turned into an exception (so cleanup runs), and a
-signal sent to a whole process group (a process and whatever it started)."""
+"""Signals the supervisor handles: SIGTERM/SIGHUP turned into an exception (so cleanup runs), a signal sent
+to a whole process group (a process and whatever it started), and a started server stopped as its user would
+(SIGTERM, then SIGKILL to its group)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -48,3 +50,16 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def stop_gracefully(proc: subprocess.Popen[Any], grace_s: float) -> int | None:
+    """SIGTERM `proc` (a server drains on it), and SIGKILL its process group (started with
+    `start_new_session=True`) if it has not exited within `grace_s`; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            signal_group(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode

@@ -87,16 +87,9 @@ class TourServer:
             raise AssertionError("the tour's server did not get ready:\n" + "".join(self.lines))
 
     def stop(self) -> int:
-        import signal
+        from mbridge_epoverlap.launch.signals import stop_gracefully
 
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_gracefully(self.proc, 120)
 
 
 def quicker(argv: list[str]) -> list[str]:

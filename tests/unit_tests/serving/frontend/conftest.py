@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import threading
 from pathlib import Path
 
 import pytest
+
+from mbridge_epoverlap.launch.signals import stop_gracefully
 
 REPO = Path(__file__).resolve().parents[4]
 VOCAB = 384
@@ -119,13 +120,7 @@ class ServerProcess:
         return code
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60.0)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10.0)
+        stop_gracefully(self.proc, 60.0)
 
 
 @pytest.fixture
