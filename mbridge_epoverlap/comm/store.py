@@ -65,10 +65,5 @@ def _is_address(host: str) -> bool:
 
 def hosted_store(host: str, *, timeout_s: float) -> tuple[Any, int]:
     """A store server at `host` on a free port, for a process that is not one of the ranks: (store, port)."""
-    import torch.distributed as dist
-
-    sock = listening_socket(host, 0)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                          master_listen_fd=sock.detach())
-    return store, port
+    store = open_store(host, 0, world=None, is_server=True, timeout_s=timeout_s, wait_for_workers=False)
+    return store, store.port
