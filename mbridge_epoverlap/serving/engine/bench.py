@@ -88,7 +88,7 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
     layer = spec.moe_layer_ids[0]
     attention = load_attention_part(spec)
     placement = Placement.balanced(spec.num_experts, expert_workers)
-    experts = load_expert_part(spec, placement.experts_of(0))
+    experts = load_expert_part(spec, placement.experts_of(0), packed=True)
     with torch.no_grad():
         cache = KVCache.for_spec(spec)
         chunks = [(seq, [1] * context, 0) for seq in range(micro_batch)]

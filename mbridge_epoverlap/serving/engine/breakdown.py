@@ -68,11 +68,11 @@ def _instrument(model: Any, clock: _Clock) -> list[tuple[Any, str, Any]]:
             clock.wrap(block.router, "softmax_topk", "router")
     # Module functions `LocalModel` and `ExpertPart` look up at call time: the (token, slot) rows' trip to
     # the experts and back (dispatch), and the expert GEMMs inside it.
-    patched = [(parts, "run_experts", parts.run_experts), (parts, "grouped_expert_swiglu",
-                                                            parts.grouped_expert_swiglu),
-               (parts, "greedy", parts.greedy)]
+    patched = [(parts, name, getattr(parts, name))
+               for name in ("run_experts", "grouped_expert_swiglu", "packed_expert_swiglu", "greedy")]
     clock.wrap(parts, "run_experts", "dispatch")
     clock.wrap(parts, "grouped_expert_swiglu", "experts")
+    clock.wrap(parts, "packed_expert_swiglu", "experts")
     clock.wrap(parts, "greedy", "sampling")
     return patched
 
@@ -95,7 +95,7 @@ def step_breakdown(spec: Any, prompts: Sequence[Sequence[int]], *, decode_steps:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts))])
+        model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts), packed=True)])
         cache = KVCache.for_spec(spec)
         clock = _Clock()
         patched = _instrument(model, clock)

@@ -1,6 +1,6 @@
 """The layout `serve` and `serve-bench` run when no layout flag is given, chosen from a short measurement.
 
-Three layouts are candidates on one machine of `cores` cores:
+Four layouts are candidates on one machine of `cores` cores:
 
 - one colocated process with every core (`--colocated 1`, m=1): a decode layer takes A_c(B) + E_c(B), the
   attention-side and expert times of the whole batch B with c threads;
@@ -8,7 +8,10 @@ Three layouts are candidates on one machine of `cores` cores:
   but streams each expert's weights once per step, where the split below streams them once per micro-batch
   (with many small experts a decode step is bound by that stream, and halving the batch barely halves E);
 - one attention and one expert worker with half the cores each, ping-pong over m=2 micro-batches: a layer
-  takes 2 * max(A_c/2(B/2), E_c/2(B/2)) (the two stages overlap, each micro-batch passes both).
+  takes 2 * max(A_c/2(B/2), E_c/2(B/2)) (the two stages overlap, each micro-batch passes both);
+- one colocated process per core, one thread each, EP across them (`--colocated N`): a layer takes
+  A_1(B/N) + E_1(B, experts/N), each process attending to its share of the sequences and running its share
+  of the experts for every token (so each expert's weights are streamed once per step, by one process).
 
 `choose_layout` times both stages of one decode layer in this process (`bench.stage_probe`, a fraction
 of a second on the shrunk models) at the batch and context the requests will have (and at half the batch
@@ -54,13 +57,17 @@ def _choose(spec: Any, requests: Sequence[Request], max_new_tokens: int, max_bat
     layers = max(1, len(spec.moe_layer_ids))
     split = cores >= 2 and batch >= 2
     # A B A B, the lower of each's medians: a shared machine's stalls only ever make a probe slower.
-    wholes, halves, singles = [], [], []
+    ranks = cores if split and spec.num_experts >= cores and batch >= cores else 0
+    wholes, halves, singles, shares = [], [], [], []
     for _ in range(rounds):
         wholes.append(stage_probe(spec, batch, context=context, threads=cores))
         if split:
             halves.append(stage_probe(spec, max(1, batch // 2), context=context, threads=cores // 2))
         if cores > 1:
             singles.append(stage_probe(spec, batch, context=context, threads=1))
+        if ranks:
+            shares.append(stage_probe(spec, batch // ranks, attn_workers=ranks, expert_workers=ranks,
+                                      context=context, threads=1))
     whole = _fastest(wholes)
     candidates: dict[str, dict[str, Any]] = {
         "colocated_1": {"layout": dict(colocated=1, micro_batches=1, order="sequential", threads=cores),
@@ -79,6 +86,12 @@ def _choose(spec: Any, requests: Sequence[Request], max_new_tokens: int, max_bat
         candidates["disaggregated_1+1_m2"] = {
             "layout": dict(attn_workers=1, expert_workers=1, micro_batches=2, threads=cores // 2),
             "layer_ms": 2 * max(half["attn_ms"], half["experts_ms"])}
+    if ranks:
+        share = _fastest(shares)
+        probes.append(dict(share, threads=1, processes=ranks))
+        candidates[f"colocated_{ranks}"] = {
+            "layout": dict(colocated=ranks, micro_batches=1, order="sequential", threads=1),
+            "layer_ms": share["attn_ms"] + share["experts_ms"]}
     for c in candidates.values():
         c["predicted_decode_tokens_per_s"] = batch / (layers * c["layer_ms"] / 1e3)
     best = min(candidates, key=lambda name: candidates[name]["layer_ms"])

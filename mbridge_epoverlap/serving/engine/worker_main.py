@@ -119,11 +119,17 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
         from mbridge_epoverlap.comm.alltoall import CommContext
         from mbridge_epoverlap.serving.workers.colocated import colocated_worker
 
-        ctx = CommContext.for_device(torch.device("cpu"), plan.timeout_s, comm_thread=plan.world > 1)
-        group = dist.group.WORLD if plan.world > 1 else None
-        return colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
-                               parts.load_expert_part(spec, placement.experts_of(index)), placement, plan.order,
-                               plan.micro_batches, group, ctx, beat, progress)
+        ctx = CommContext.for_device(torch.device("cpu"), plan.timeout_s, comm_thread=False)
+        group, comm = None, None
+        if plan.world > 1:
+            # Per layer and micro-batch a rank sends each other rank a dispatch and a reply: slots for every
+            # micro-batch's pair, so a send never waits for a slot while its sender waits on another rank.
+            group = dist.group.WORLD
+            comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(),
+                        peers=[r for r in range(plan.world) if r != dist.get_rank()], slots=2 * plan.micro_batches + 1)
+        experts = parts.load_expert_part(spec, placement.experts_of(index), packed=True)
+        return colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue, experts,
+                                placement, plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
     from mbridge_epoverlap.serving.workers.decode import AttentionWorker
     from mbridge_epoverlap.serving.workers.expert import ExpertWorker
     from mbridge_epoverlap.serving.workers.m2n import M2NTransport
@@ -137,8 +143,8 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
         transport = M2NTransport(side, comm, plan.expert_ranks, placement)
         _serve_online(plan, index, side, transport)
         return AttentionWorker(side, transport, beat=beat, progress=progress)
-    return ExpertWorker(spec, parts.load_expert_part(spec, placement.experts_of(index)), comm, plan.attention_ranks,
-                        plan.micro_batches, plan.timeout_s, beat)
+    experts = parts.load_expert_part(spec, placement.experts_of(index), packed=True)
+    return ExpertWorker(spec, experts, comm, plan.attention_ranks, plan.micro_batches, plan.timeout_s, beat)
 
 
 def _attention_side(plan: EnginePlan, spec: Any, queue: Any) -> Any:

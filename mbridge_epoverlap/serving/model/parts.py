@@ -32,6 +32,7 @@ from mbridge_epoverlap.moe.norm import LayerNorm, RMSNorm
 from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
 from mbridge_epoverlap.moe.router import TopKRouter
 from mbridge_epoverlap.moe.wgrad import Linear
+from mbridge_epoverlap.serving.model import packed as packed_gemm
 from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.kv_cache import KVCache
 from mbridge_epoverlap.serving.model.sampling import StopRule, greedy
@@ -161,9 +162,14 @@ class AttentionPart(torch.nn.Module):
 
 
 class ExpertPart(torch.nn.Module):
-    """The routed experts `expert_ids` (global ids) of every MoE layer; uninitialised until loaded."""
+    """The routed experts `expert_ids` (global ids) of every MoE layer; uninitialised until loaded.
 
-    def __init__(self, spec: ModelSpec, expert_ids: Sequence[int]) -> None:
+    With `packed` (the engine's workers) the expert GEMMs run on oneDNN-packed copies of the weights where this
+    torch has them (`serving.model.packed`): faster, rounded differently in the last bits. Without it (the
+    reference model) they are the GEMMs `transformers` runs, bit for bit.
+    """
+
+    def __init__(self, spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool = False) -> None:
         super().__init__()
         ids = [int(e) for e in expert_ids]
         if not ids or len(set(ids)) != len(ids) or not all(0 <= e < spec.num_experts for e in ids):
@@ -178,6 +184,13 @@ class ExpertPart(torch.nn.Module):
             for layer in spec.moe_layer_ids
         })
         self.requires_grad_(False)
+        self._packed = ({str(layer): packed_gemm.PackedExperts(e.w1, e.w2) for layer, e in self.experts.items()}
+                        if packed and packed_gemm.available(dtype) else {})
+
+    def prepack(self) -> None:
+        """Pack the weights now (loading does), not in the first step that needs them."""
+        for experts in self._packed.values():
+            experts.refresh()
 
     def owns(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """Boolean mask of the ids this part holds."""
@@ -204,10 +217,18 @@ class ExpertPart(torch.nn.Module):
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=len(self.expert_ids)).tolist()
         rows = order if token_index is None else token_index[order]
-        done = grouped_expert_swiglu(tokens[rows], experts.w1, experts.w2, counts)
+        if str(layer) in self._packed:
+            done = packed_expert_swiglu(self._packed[str(layer)], tokens[rows], counts)
+        else:
+            done = grouped_expert_swiglu(tokens[rows], experts.w1, experts.w2, counts)
         out = torch.empty_like(done)
         out[order] = done
         return out
+
+
+def packed_expert_swiglu(experts: packed_gemm.PackedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`grouped_expert_swiglu` on packed weights (a module function, so `engine.breakdown` can time it)."""
+    return experts.swiglu(x, counts)
 
 
 def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch.Tensor:
@@ -250,9 +271,10 @@ def load_attention_part(spec: ModelSpec) -> AttentionPart:
     return part
 
 
-def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int]) -> ExpertPart:
-    """An `ExpertPart` for `expert_ids`, reading only those experts' tensors (or drawing them from the seed)."""
-    part = ExpertPart(spec, expert_ids)
+def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool = False) -> ExpertPart:
+    """An `ExpertPart` for `expert_ids`, reading only those experts' tensors (or drawing them from the seed);
+    `packed`: as `ExpertPart`'s."""
+    part = ExpertPart(spec, expert_ids, packed=packed)
     reader = None
     if spec.is_checkpoint:
         from mbridge_epoverlap.serving.model.checkpoint import CheckpointReader
@@ -274,6 +296,7 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int]) -> ExpertPart:
                     experts.w2[local].copy_(seeded_normal(experts.w2.shape[1:], _std(spec.expert_ffn), f"{key}.w2"))
     if reader is not None:
         reader.close()
+    part.prepack()
     return part
 
 

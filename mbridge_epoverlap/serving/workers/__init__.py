@@ -9,7 +9,7 @@
   drained steps), and the handler and heartbeat helpers the expert worker shares.
 - `m2n`: `M2NTransport`, dispatch to and combine from the expert workers over M2N by a fixed placement.
 - `expert`: `ExpertWorker`, a subset of the experts serving every attention worker over M2N.
-- `colocated`: the colocated baseline, the attention side with `AllToAllTransport` (EP all-to-all over gloo).
+- `colocated`: every process both roles, the attention side with `AllToAllTransport` (EP all-to-all over M2N).
 - `placement`: `Placement`, expert id -> expert worker.
 - `requests`: requests, running sequences and continuous batching (`RequestQueue`).
 - `online`: online serving's request source (`OnlineSource`, polled at step boundaries) and its ZeroMQ

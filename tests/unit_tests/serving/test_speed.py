@@ -46,13 +46,17 @@ def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir
     spec = load_spec(tiny_mixtral_dir)
     requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
 
-    def probe(times, expert_share_at_half=0.5):
+    def probe(times, expert_share_at_half=0.5, half_the_experts=1.0):
         """(threads -> (attention ms, experts ms) at the whole batch) instead of a measurement: attention
-        halves with half the batch, the experts by `expert_share_at_half` (1.0: bound by their weights)."""
-        def fake(spec, micro_batch, *, context, threads):
+        halves with half the batch, the experts by `expert_share_at_half` (1.0: bound by their weights); half
+        the experts for the whole batch (one of two colocated EP ranks) take `half_the_experts` of all of them
+        (1.0: two processes share one memory bus that bounds the experts)."""
+        def fake(spec, micro_batch, *, context, threads, attn_workers=1, expert_workers=1):
             attn, experts = times[threads]
             if micro_batch < len(requests):
                 attn, experts = attn / 2, experts * expert_share_at_half
+            if expert_workers > 1:
+                experts = times[threads][1] * half_the_experts
             return {"micro_batch": micro_batch, "attn_ms": attn, "experts_ms": experts}
         return fake
 
@@ -63,8 +67,10 @@ def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir
     assert choice["chosen"] == "disaggregated_1+1_m2"
     assert choice["layout"] == dict(attn_workers=1, expert_workers=1, micro_batches=2, threads=1)
     assert all(name in choice["summary"] for name in ("disaggregated_1+1_m2", "colocated_1", "colocated_1_thread_1"))
-    # Experts bound by their weights: each micro-batch streams them again, one process with one thread wins.
-    monkeypatch.setattr(bench, "stage_probe", probe({2: (9.0, 10.0), 1: (8.0, 9.0)}, expert_share_at_half=1.0))
+    # Experts bound by their weights: each micro-batch streams them again, and two processes streaming half
+    # each are slower still (one memory bus): one process with one thread wins.
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (9.0, 10.0), 1: (8.0, 9.0)}, expert_share_at_half=1.0,
+                                                    half_the_experts=1.5))
     choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
     assert choice["chosen"] == "colocated_1_thread_1"
     assert choice["layout"] == dict(colocated=1, micro_batches=1, order="sequential", threads=1)
@@ -77,6 +83,12 @@ def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir
     monkeypatch.setattr(bench, "stage_probe", probe({2: (4.0, 8.4), 1: (8.0, 16.0)}))
     choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
     assert choice["chosen"] == "disaggregated_1+1_m2" and "not 1.3x faster" in choice["summary"]
+    # Each of two processes streams half the experts' weights at full speed: EP across two colocated
+    # processes (each attending to half the sequences) wins.
+    monkeypatch.setattr(bench, "stage_probe", probe({2: (7.0, 8.0), 1: (8.0, 9.0)}, half_the_experts=0.5))
+    choice = choose_layout(spec, requests, max_new_tokens=4, cores=2)
+    assert choice["chosen"] == "colocated_2"
+    assert choice["layout"] == dict(colocated=2, micro_batches=1, order="sequential", threads=1)
     # One core: nothing to split.
     assert choose_layout(spec, requests, max_new_tokens=4, cores=1)["chosen"] == "colocated_1"
 
