@@ -27,6 +27,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_FAULT", "RANK:MODE:ITERATION, a test hook that makes one rank exit, raise or hang"),
     ("MBRIDGE_EPOVERLAP_MOVE_FAULT", "EPOCH:MESSAGES, a test hook: in the expert-weight moves of elastic layout "
      "epoch EPOCH, the lowest-index expert worker that sends weights SIGKILLs itself after MESSAGES of its messages"),
+    ("MBRIDGE_EPOVERLAP_PACKED_GEMM", "1 (default) or 0: the serving workers run their expert GEMMs on oneDNN-packed "
+     "weights (1) or as the reference model does, bit for bit transformers' (0)"),
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),

@@ -1,0 +1,64 @@
+"""The engine's expert GEMMs on oneDNN-packed weights: the same experts as the reference's to fp32 rounding, the
+weights repacked when they change in place, and the reference model left bit for bit (no packing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mbridge_epoverlap.moe.experts import grouped_expert_swiglu
+from mbridge_epoverlap.serving.model import packed
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.model.parts import load_expert_part
+
+pytestmark = pytest.mark.skipif(not packed.available(torch.float32), reason="this torch has no oneDNN linear ops")
+
+
+def _weights(experts=6, hidden=64, ffn=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(experts, 2 * ffn, hidden, generator=g) * 0.05,
+            torch.randn(experts, hidden, ffn, generator=g) * 0.05)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 1, 8, 2, 5], [40, 7, 0, 0, 64, 1], [0, 0, 0, 0, 0, 1]])
+def test_packed_experts_equal_the_reference_to_fp32_rounding(counts):
+    w1, w2 = _weights()
+    x = torch.randn(sum(counts), w1.shape[2], generator=torch.Generator().manual_seed(1))
+    got = packed.PackedExperts(w1, w2).swiglu(x, counts)
+    want = grouped_expert_swiglu(x, w1, w2, counts)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_changed_in_place_are_repacked():
+    w1, w2 = _weights()
+    experts = packed.PackedExperts(w1, w2)
+    counts = [2, 2, 2, 2, 2, 2]
+    x = torch.randn(12, w1.shape[2], generator=torch.Generator().manual_seed(2))
+    before = experts.swiglu(x, counts)
+    new1, new2 = _weights(seed=3)
+    with torch.no_grad():
+        w1[4].copy_(new1[4])  # an elastic move writes one expert's rows
+        w2[4].copy_(new2[4])
+    after = experts.swiglu(x, counts)
+    torch.testing.assert_close(after, grouped_expert_swiglu(x, w1, w2, counts), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(after[8:10], before[8:10])  # expert 4's rows: computed with the new weights
+    torch.testing.assert_close(after[:8], before[:8], rtol=0, atol=0)
+
+
+def test_only_the_engine_packs(tiny_qwen3_moe_dir):
+    spec = load_spec(tiny_qwen3_moe_dir)
+    reference = load_expert_part(spec, range(spec.num_experts))
+    engine = load_expert_part(spec, range(spec.num_experts), packed=True)
+    layer = spec.moe_layer_ids[0]
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randn(10, spec.hidden_size, generator=g)
+    ids = torch.randint(0, spec.num_experts, (10,), generator=g)
+    assert not reference._packed and engine._packed
+    torch.testing.assert_close(engine(layer, tokens, ids), reference(layer, tokens, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_the_switch_turns_packing_off(monkeypatch):
+    monkeypatch.setenv("MBRIDGE_EPOVERLAP_PACKED_GEMM", "0")
+    assert not packed.available(torch.float32)
+    assert not packed.available(torch.float16)
