@@ -49,7 +49,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "disagg_1+1_m2": dict(attn_workers=1, expert_workers=1, micro_batches=2),
     "colocated_1": dict(colocated=1, micro_batches=1, order="sequential"),  # threads: every core
     "colocated_1_t1": dict(colocated=1, micro_batches=1, order="sequential", threads=1),
-    "colocated_2": dict(colocated=2, micro_batches=2, order="two_batch_overlap"),
+    "colocated_2": dict(colocated=2, micro_batches=1, order="sequential", threads=1),  # EP over two processes
 }
 
 _VLLM_DRIVER = r'''

@@ -128,8 +128,10 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
             comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(),
                         peers=[r for r in range(plan.world) if r != dist.get_rank()], slots=2 * plan.micro_batches + 1)
         experts = parts.load_expert_part(spec, placement.experts_of(index), packed=True)
-        return colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue, experts,
-                                placement, plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
+        worker = colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
+                                  experts, placement, plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
+        _serve_online(plan, index, worker.side, worker.transport)
+        return worker
     from mbridge_epoverlap.serving.workers.decode import AttentionWorker
     from mbridge_epoverlap.serving.workers.expert import ExpertWorker
     from mbridge_epoverlap.serving.workers.m2n import M2NTransport

@@ -58,8 +58,9 @@ def serve_http(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
 
     host, port = parse_address(args.http)
-    if args.colocated:
-        raise UsageError("--http serves on disaggregated attention and expert workers; drop --colocated")
+    if args.colocated and (args.elastic or args.emulate_hosts):
+        raise UsageError(f"--colocated {args.colocated} serves on one host without elastic EP; drop --colocated for "
+                         "--elastic or --emulate-hosts (disaggregated attention and expert workers)")
     if args.prompts is not None:
         raise UsageError("--prompts is the batch command; with --http requests come over HTTP (drop one)")
     spec = load_spec(source_of(args), dtype=args.dtype)
@@ -76,7 +77,8 @@ def serve_http(args: argparse.Namespace) -> int:
 
     def base_plan(endpoints: list[str], events: str) -> Any:
         plan = make_plan(spec, [], attn_workers=args.attn_workers, expert_workers=args.expert_workers,
-                         micro_batches=args.micro_batches, max_batch=args.max_batch, backend=args.backend,
+                         micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
+                         max_batch=args.max_batch, backend=args.backend,
                          timeout_s=args.timeout, dtype=args.dtype, online_requests=endpoints, online_events=events,
                          max_model_len=max_model_len, threads=args.threads)
         if args.elastic:
@@ -103,7 +105,7 @@ def serve_http(args: argparse.Namespace) -> int:
         if args.emulate_hosts:
             link = hosts.enter_context(_emulated_link(plan_for, args))
             worker_host = link.gateway_address
-        engine = EngineClient(plan_for, attn_workers=args.attn_workers, max_batch=args.max_batch,
+        engine = EngineClient(plan_for, attn_workers=args.colocated or args.attn_workers, max_batch=args.max_batch,
                               max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended,
                               host=worker_host, external=external, link=link)
         return _serve(args, engine, spec, name, max_model_len, api_key, metrics, outcome, host, port)
@@ -143,8 +145,10 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
             if engine.state in (FAILED, STOPPED) or server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {args.attn_workers} "
-              f"attention and {args.expert_workers} expert workers)", file=sys.stderr, flush=True)
+        workers = (f"{args.colocated} colocated workers" if args.colocated else
+                   f"{args.attn_workers} attention and {args.expert_workers} expert workers")
+        print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {workers})", file=sys.stderr,
+              flush=True)
 
     async def main() -> None:
         engine.start()

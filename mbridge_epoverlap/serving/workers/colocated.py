@@ -88,8 +88,9 @@ class AllToAllTransport(Transport):
             self.comm.close()
 
     def another_step(self) -> bool:
-        """Whether any rank has running sequences (every rank leaves together)."""
-        busy = torch.tensor([len(self.side.queue.running)], dtype=torch.int64)
+        """Whether any rank has work: running sequences, or (online) it still serves (every rank leaves
+        together)."""
+        busy = torch.tensor([int(self.side.active)], dtype=torch.int64)
         all_reduce(busy, self.group, self.ctx, what="the colocated step agreement")
         return int(busy[0]) != 0
 

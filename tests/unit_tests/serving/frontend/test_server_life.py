@@ -292,3 +292,29 @@ def test_elastic_metrics_count_a_loss_the_rejoin_and_the_moved_copies(start_serv
     assert _metric(server, "mbe_elastic_workers_lost_total") == 1
     assert _metric(server, "mbe_elastic_expert_copies_moved_total") >= 2  # the newcomer's two slots at least
     assert _metric(server, "mbe_elastic_rebalances_total") == 0  # no --rebalance-every
+
+
+def test_a_server_on_two_colocated_processes_answers_as_transformers(start_server, chat_mixtral_dir, hf_greedy):
+    """`--colocated 2`: each process attends to its own requests and holds half the experts (EP over shared
+    memory); requests spread over both give `generate`'s tokens, and SIGTERM leaves nothing behind."""
+    server = start_server(chat_mixtral_dir, "--colocated", "2", "--max-batch", "4")
+    pids = _worker_pids(server)
+    assert sorted(pids) == ["colocated"] and len(pids["colocated"]) == 2
+    client = _client(server)
+    prompts = [[5, 6, 7], [11, 3], [40, 41, 42, 43], [9]]
+    answers: dict[int, list[int]] = {}  # concurrent, so the two processes both serve
+
+    def ask(i: int) -> None:
+        answer = client.completions.create(model=MODEL_NAME, prompt=prompts[i], max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        answers[i] = answer.choices[0].model_extra["token_ids"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    assert [answers.get(i) for i in range(len(prompts))] == hf_greedy(chat_mixtral_dir, prompts, 8, eos_token_id=None)
+    server.signal(signal.SIGTERM)
+    assert server.wait(WAIT_S) == 0
+    assert leftovers([p for group in pids.values() for p in group]) == ([], [])
