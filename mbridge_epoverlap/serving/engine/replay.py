@@ -19,6 +19,7 @@ from typing import Any
 
 from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST
 from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
+from mbridge_epoverlap.serving.workers.attention import SAMPLE_STAGE
 
 
 def measured_utilization(ranks: Sequence[dict[str, Any]], compute: Sequence[str]) -> float:
@@ -50,7 +51,7 @@ def stage_times_ms(readers: Sequence[dict[str, Any]], holders: Sequence[dict[str
     trips = [t for r in readers for t in r.get("stages", {}).get("round_trip_ms", [])]
     transfer = max(0.0, (statistics.median(trips) - experts) / 2) if trips else 0.0
     return {ATTN.name: attn, EXPERTS.name: experts, POST.name: median(readers, POST.name),
-            DISPATCH.name: transfer, COMBINE.name: transfer}
+            DISPATCH.name: transfer, COMBINE.name: transfer, SAMPLE_STAGE: median(readers, SAMPLE_STAGE)}
 
 
 def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float) -> dict[str, Any]:
@@ -70,6 +71,10 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
         if not spec.is_moe(step.layer % spec.num_layers) and step.stage in (DISPATCH.name, EXPERTS.name,
                                                                              COMBINE.name):
             return 0.0
+        if step.stage == POST.name and step.layer % spec.num_layers == spec.num_layers - 1:
+            # The last layer's post also runs the head and picks the tokens: once per micro-batch and step,
+            # where the median post (over every layer) leaves it out.
+            return stages.get(POST.name, 0.0) + stages.get(SAMPLE_STAGE, 0.0)
         return stages.get(step.stage, 0.0)
 
     def timed(order: Any) -> tuple[float, dict[str, float]]:

@@ -23,6 +23,7 @@ from mbridge_epoverlap.serving.workers.stage_timer import StageTimer
 
 R = TypeVar("R")
 PROGRESS_EVERY = 16  # decode steps between progress lines
+SAMPLE_STAGE = "sample"  # the stage timer's name for the head and token choice inside the last layer's post
 
 
 @dataclass
@@ -187,7 +188,9 @@ class AttentionSide:
             h.x = self.part.post_step(layer, h.attn, expert_out)
             h.attn, h.expert_out = None, None
             if layer == self.spec.num_layers - 1:
-                for seq, token in zip(h.seqs, self._next_tokens(h), strict=True):
+                with self.timer.time(SAMPLE_STAGE):  # the head and the choice of tokens: once per step
+                    tokens = self._next_tokens(h)
+                for seq, token in zip(h.seqs, tokens, strict=True):
                     self.queue.append_token(seq, int(token))
                 self.tokens_generated += len(h.seqs)
                 for listener in self.on_sampled:
