@@ -40,10 +40,11 @@ def test_a_prompt_past_the_context_names_both_numbers(tiny_mixtral_dir, tmp_path
     assert "= 80 is more than the model's context of 64 tokens" in done.stderr
 
 
-def test_http_refuses_a_bad_address_and_the_colocated_baseline(tiny_mixtral_dir):
+def test_http_refuses_a_bad_address_and_colocated_elastic_serving(tiny_mixtral_dir):
     done = run_cli("serve", "--checkpoint", str(tiny_mixtral_dir), "--http", "nowhere")
     assert done.returncode == 2 and "expected HOST:PORT" in done.stderr
-    done = run_cli("serve", "--checkpoint", str(tiny_mixtral_dir), "--http", "127.0.0.1:0", "--colocated", "2")
-    assert done.returncode == 2 and "drop --colocated" in done.stderr
+    done = run_cli("serve", "--checkpoint", str(tiny_mixtral_dir), "--http", "127.0.0.1:0", "--colocated", "2",
+                   "--elastic")
+    assert done.returncode == 2 and "drop --colocated" in done.stderr and "--elastic" in done.stderr
     done = run_cli("serve", "--checkpoint", str(tiny_mixtral_dir))
     assert done.returncode == 2 and "--prompts FILE" in done.stderr and "--http HOST:PORT" in done.stderr
