@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -321,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         code = EXIT_USAGE
     except Exception as exc:
+        # Failing already: a SIGTERM now (srun stopping the step after a lost peer) must not cut the report and
+        # the front end's last word short; the process exits right after them.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         traceback.print_exc()
         code = EXIT_COMM if isinstance(exc, CommError) else EXIT_FAILED
         print(f"worker failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

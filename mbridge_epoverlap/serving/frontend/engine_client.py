@@ -285,17 +285,19 @@ class EngineClient:
                     self._move_off(worker)
 
     async def _watch_silence(self) -> None:
-        """Workers started elsewhere (their processes not seen from here): one that has requests but sent
-        nothing for the plan's timeout is lost, and the engine with it."""
+        """Workers started elsewhere (their processes not seen from here): one that sent nothing for the plan's
+        timeout is lost, and the engine with it (an idle worker still reports every `online.KEEPALIVE_S`, so
+        silence is a loss even without requests: srun may stop the step before a worker's last word leaves)."""
         while not self._ended.is_set():
             await asyncio.sleep(0.5)
             now = time.monotonic()
             for worker in range(self.attn_workers):
                 quiet = now - self.last_heard.get(worker, now)
-                if self.outstanding[worker] and quiet > self.plan.timeout_s and self.state in (READY, DRAINING):
-                    self._engine_ended(f"attention worker {worker} sent nothing for {quiet:.0f} s with "
-                                       f"{self.outstanding[worker]} requests in flight (--timeout "
-                                       f"{self.plan.timeout_s:g}); the workers are lost")
+                if quiet > self.plan.timeout_s and self.state in (READY, DRAINING) and worker not in self.done_workers:
+                    busy = (f"with {self.outstanding[worker]} requests in flight" if self.outstanding[worker]
+                            else "while idle")
+                    self._engine_ended(f"attention worker {worker} sent nothing for {quiet:.0f} s {busy} (--timeout "
+                                       f"{self.plan.timeout_s:g}): it left unasked, the workers are lost")
                     return
 
     def abort(self, stream: RequestStream, *, outcome: str = "aborted") -> None:

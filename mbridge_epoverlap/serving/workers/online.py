@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 IDLE_WAIT_S = 0.05  # how long an idle worker waits for a message at a step boundary
 STATS_EVERY_S = 0.25  # how often a busy worker reports its queue and expert load
+KEEPALIVE_S = 1.0  # an idle worker still reports this often: a front end that did not start it hears it lives
 STEP_LOG_KEPT = 4096  # decode steps of the attention side's step log an online worker keeps
 
 
@@ -234,14 +235,16 @@ class OnlineSource:
                 self.serving = False
 
     def _report(self) -> None:
-        """Send `Stats` when the queue changed, and every `STATS_EVERY_S` while the experts see tokens."""
+        """Send `Stats` when the queue changed, every `STATS_EVERY_S` while the experts see tokens, and every
+        `KEEPALIVE_S` anyway."""
         queue, side = self.queue, self.side
         now = time.monotonic()
         counts = (len(queue.running), len(queue.waiting), sum(s.length for s in queue.running))
         load = side.expert_load - self._load_sent
         new_events = self.events[self._events_sent:] if self.events is not None else []
         busy = bool(load.any()) and now - self._stats_at >= STATS_EVERY_S
-        if counts == self._last_stats and not busy and not new_events:
+        quiet = now - self._stats_at >= KEEPALIVE_S
+        if counts == self._last_stats and not busy and not new_events and not quiet:
             return
         self._send(Stats(self.worker, *counts, expert_load=load.tolist(),
                          events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events]))
