@@ -54,11 +54,10 @@ class AllToAllTransport(Transport):
 
     Each token travels once to each other rank holding any of its k experts (with the pairs' `token_index`,
     as the M2N transport to expert workers sends it), the pairs of this rank's own experts never leave the
-    process, each rank runs its own and the others' pairs in one expert pass and answers every dispatch
-    with the outputs of its pairs in their order. Over shared
-    memory a message is one copy into the peer's slot: the gloo all-to-all this replaced cost 6-7 ms a layer
-    at 64 decoding sequences (counts, rows and ids as three collectives on a communication thread), more than
-    the attention of its half of the batch.
+    process, each rank runs its own and the others' pairs in one expert pass and answers every dispatch with
+    the outputs of its pairs in their order. Over shared memory a message is one copy into the peer's slot:
+    the gloo all-to-all this replaced cost 6-7 ms a layer at 64 decoding sequences (counts, rows and ids as
+    three collectives on a communication thread), more than the attention of its half of the batch.
 
     Args:
         side: the attention side it serves.
