@@ -117,12 +117,10 @@ def launch_environment(cfg: RunConfig, gpu: str, *, recipe: RecipeLaunch | None 
     """
     if recipe is None:
         computed = cuda_device_max_connections(cfg, gpu)
+        env = {MAX_CONNECTIONS: str(computed)}
     else:
         computed = cuda_device_max_connections(cfg, gpu, base_backend=recipe.backend or "",
                                                base_overlap=None if overlap_set else recipe.overlap)
-    if recipe is None:
-        env = {MAX_CONNECTIONS: str(computed)}
-    else:
         env = {str(k): str(v) for k, v in recipe.env_vars.items()}
         if reconnect:
             env[MAX_CONNECTIONS] = str(computed)

@@ -120,7 +120,6 @@ class AllToAllTransport(Transport):
                 h.sends.append(self.comm.isend(rank, message.encode(), tag))
             token, slot = h.routes[self.rank]
             flight["local"] = (ids[token, slot], token)
-            flight["local_pairs"] = int(token.numel())
             flight["dispatches"] = {rank: self.comm.irecv(rank, tag) for rank in self._peers()}
             flight["replies"] = {rank: self.comm.irecv(rank, tag + 1) for rank in self._peers()}
         h.issued_at = time.perf_counter()
@@ -134,6 +133,7 @@ class AllToAllTransport(Transport):
             return
         flight = self._flight[h.index]
         ids, index = flight.pop("local")
+        local_pairs = ids.numel()
         hidden, works = flight["hidden"], flight.pop("dispatches", {})
         if works:
             # The other ranks' pairs and this rank's own in one expert pass: in decode each expert's weights are
@@ -154,7 +154,7 @@ class AllToAllTransport(Transport):
         if not works:
             flight["local_out"] = out
             return
-        sizes = [flight["local_pairs"]] + [message.pairs for message in messages.values()]
+        sizes = [local_pairs] + [message.pairs for message in messages.values()]
         parts = out.split(sizes)
         flight["local_out"] = parts[0]
         tag = 2 * message_tag(layer, h.index, side.m) + 1
