@@ -54,10 +54,11 @@ class AllToAllTransport(Transport):
 
     Each token travels once to each other rank holding any of its k experts (with the pairs' `token_index`,
     as the M2N transport to expert workers sends it), the pairs of this rank's own experts never leave the
-    process, each rank runs its own and the others' pairs in one expert pass and answers every dispatch with
-    the outputs of its pairs in their order. Over shared memory a message is one copy into the peer's slot:
-    the gloo all-to-all this replaced cost 6-7 ms a layer at 64 decoding sequences (counts, rows and ids as
-    three collectives on a communication thread), more than the attention of its half of the batch.
+    process, each rank runs its own and the others' pairs in one expert pass and answers every dispatch
+    with the outputs of its pairs in their order. Over shared
+    memory a message is one copy into the peer's slot: the gloo all-to-all this replaced cost 6-7 ms a layer
+    at 64 decoding sequences (counts, rows and ids as three collectives on a communication thread), more than
+    the attention of its half of the batch.
 
     Args:
         side: the attention side it serves.
@@ -120,6 +121,7 @@ class AllToAllTransport(Transport):
                 h.sends.append(self.comm.isend(rank, message.encode(), tag))
             token, slot = h.routes[self.rank]
             flight["local"] = (ids[token, slot], token)
+            flight["local_pairs"] = int(token.numel())
             flight["dispatches"] = {rank: self.comm.irecv(rank, tag) for rank in self._peers()}
             flight["replies"] = {rank: self.comm.irecv(rank, tag + 1) for rank in self._peers()}
         h.issued_at = time.perf_counter()
@@ -133,7 +135,6 @@ class AllToAllTransport(Transport):
             return
         flight = self._flight[h.index]
         ids, index = flight.pop("local")
-        local_pairs = ids.numel()
         hidden, works = flight["hidden"], flight.pop("dispatches", {})
         if works:
             # The other ranks' pairs and this rank's own in one expert pass: in decode each expert's weights are
@@ -154,7 +155,7 @@ class AllToAllTransport(Transport):
         if not works:
             flight["local_out"] = out
             return
-        sizes = [local_pairs] + [message.pairs for message in messages.values()]
+        sizes = [flight["local_pairs"]] + [message.pairs for message in messages.values()]
         parts = out.split(sizes)
         flight["local_out"] = parts[0]
         tag = 2 * message_tag(layer, h.index, side.m) + 1
