@@ -29,6 +29,9 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
      "epoch EPOCH, the lowest-index expert worker that sends weights SIGKILLs itself after MESSAGES of its messages"),
     ("MBRIDGE_EPOVERLAP_PACKED_GEMM", "1 (default) or 0: the serving workers run their expert GEMMs on oneDNN-packed "
      "weights (1) or as the reference model does, bit for bit transformers' (0)"),
+    ("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0 (default) or 1: the serving workers' decode attention runs the whole "
+     "batch padded in two products (0) or each sequence's own products as the reference model does, bit for bit "
+     "transformers' (1)"),
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),

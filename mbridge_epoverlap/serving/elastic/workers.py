@@ -209,7 +209,7 @@ class ElasticRouter(Transport):
 
     # --- layout epochs ------------------------------------------------------------------------------
     def finish(self) -> None:
-        if self.sync is not None and self.sync.index == 0 and self.rejoin_after_steps:
+        if self.sync is not None and self.sync.is_lead and self.rejoin_after_steps:
             for (worker, _), due in self._rejoin_due.items():  # turns that came, never ready before the end
                 self._rejoin_gave_up(worker, time.monotonic() - due, "by the end of the run")
             self._rejoin_due.clear()
@@ -279,7 +279,7 @@ class ElasticRouter(Transport):
             self.events.append({"event": "rebalance-kept", **record, "moved_from_scratch": from_scratch})
 
     def _admissions(self, step: int) -> list[list[int]]:
-        """(Attention worker 0) the replacements to admit at `step`: lost at least `rejoin_after_steps` ago and
+        """(The lead attention worker) the replacements to admit at `step`: lost at least `rejoin_after_steps` ago and
         ready. One whose turn has come but is still starting is looked at again at the next boundary (decoding
         goes on meanwhile), until half the timeout passed; with `rejoin_hold` this boundary waits for it."""
         admitted: list[list[int]] = []
@@ -441,9 +441,13 @@ class ElasticExpertWorker(ExpertWorker):
 
     def __init__(self, *args: Any, layout: ElasticLayout, index: int, restore: bool,
                  kill_at_step: int | None = None, kill_file: str | None = None, mover: Any = None, epoch: int = 0,
-                 droppable_attention: Collection[int] = (), **kwargs: Any) -> None:
+                 droppable_attention: Collection[int] = (), sync_store: Any = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.droppable_attention = frozenset(droppable_attention)  # attention ranks whose loss is survived
+        # Layout epochs: where a dropped attention worker is posted lost, so the others stop waiting for it at
+        # their step boundaries (`elastic.sync`).
+        self.sync_store = sync_store
+        self._attention_index = {rank: i for i, rank in enumerate(self.attention_ranks)}
         self.layout, self.index, self.restore = layout, index, restore
         self.kill_at_step, self.kill_file = kill_at_step, kill_file
         self.mover, self.epoch = mover, epoch
@@ -609,14 +613,22 @@ class ElasticExpertWorker(ExpertWorker):
 
     def _droppable(self, rank: int) -> bool:
         """Whether the loss of attention worker `rank` can be survived (online: one the plan lets go, while
-        another is left)."""
+        another is left; one already dropped: its last receives fail too)."""
+        if rank in self.droppable_attention and rank not in self.attention_ranks:
+            return True
         return rank in self.droppable_attention and len(self.attention_ranks) > 1
 
     def _drop_attention(self, rank: int) -> None:
         """Serve the other attention workers only (online serving moved the lost one's requests)."""
+        if rank not in self.attention_ranks:
+            return
         self.attention_ranks = [r for r in self.attention_ranks if r != rank]
         self._resends.pop(rank, None)
         self.events.append({"event": "attention-lost", "t": time.monotonic(), "rank": rank})
+        if self.sync_store is not None:
+            from mbridge_epoverlap.serving.elastic.sync import post_attention_lost
+
+            post_attention_lost(self.sync_store, self._attention_index[rank])
 
     def _dispatch_wait(self, mb: int, layer: int) -> None:
         if not self.spec.is_moe(layer):

@@ -90,7 +90,7 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
     placement = Placement.balanced(spec.num_experts, expert_workers)
     experts = load_expert_part(spec, placement.experts_of(0), packed=True)
     with torch.no_grad():
-        cache = KVCache.for_spec(spec)
+        cache = KVCache.for_engine(spec)
         chunks = [(seq, [1] * context, 0) for seq in range(micro_batch)]
         for seq in range(micro_batch):
             cache.add(seq)

@@ -138,9 +138,9 @@ class EnginePlan:
     @property
     def hostable_store(self) -> bool:
         """Whether the starter of the workers should hold the rendezvous (`store_hosted`): online elastic
-        serving with several attention workers, where each may be lost. With layout epochs the attention
-        workers agree at step boundaries through attention worker 0 (`elastic.sync`), so it stays the first."""
-        return self.online and self.elastic and self.attn_workers > 1 and not self.layout_epochs
+        serving with several attention workers, where each may be lost (with layout epochs too: their step
+        agreement goes on without a lost one, `elastic.sync`)."""
+        return self.online and self.elastic and self.attn_workers > 1
 
     @property
     def expendable_ranks(self) -> list[int]:

@@ -3,7 +3,8 @@
 `stage_times_ms` turns the workers' reports into one cost per stage of the stage table, `replay` times
 the engine's order with those costs (`ping_pong` over `DISAGGREGATED_RESOURCES`, or the colocated order
 over `COLOCATED_RESOURCES`) and gives a predicted step time, throughput and per-role utilization, and
-`measured_utilization` is the measured counterpart of the last.
+`measured_utilization` is the measured counterpart of the last. Each step also pays the attention side's
+measured `overhead` (its wall time outside every stage), once.
 
 The transfer time comes from the fastest round trips (dispatch issued -> combine received): slower
 ones include waiting behind other micro-batches. Each worker's `StageTimer.summary` already keeps
@@ -20,6 +21,7 @@ from typing import Any
 from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST
 from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 from mbridge_epoverlap.serving.workers.attention import SAMPLE_STAGE
+from mbridge_epoverlap.serving.workers.stage_timer import OVERHEAD_STAGE
 
 
 def measured_utilization(ranks: Sequence[dict[str, Any]], compute: Sequence[str]) -> float:
@@ -51,7 +53,8 @@ def stage_times_ms(readers: Sequence[dict[str, Any]], holders: Sequence[dict[str
     trips = [t for r in readers for t in r.get("stages", {}).get("round_trip_ms", [])]
     transfer = max(0.0, (statistics.median(trips) - experts) / 2) if trips else 0.0
     return {ATTN.name: attn, EXPERTS.name: experts, POST.name: median(readers, POST.name),
-            DISPATCH.name: transfer, COMBINE.name: transfer, SAMPLE_STAGE: median(readers, SAMPLE_STAGE)}
+            DISPATCH.name: transfer, COMBINE.name: transfer, SAMPLE_STAGE: median(readers, SAMPLE_STAGE),
+            OVERHEAD_STAGE: median(readers, OVERHEAD_STAGE)}
 
 
 def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float) -> dict[str, Any]:
@@ -93,6 +96,9 @@ def replay(plan: EnginePlan, stages: dict[str, float], *, tokens_per_step: float
                                                   for n in (2, 4))
         makespan = (long - short) / 2
         busy = {role: (long_busy.get(role, 0.0) - short_busy.get(role, 0.0)) / 2 for role in long_busy}
+    # What a step spends outside its stages (batch building, the step agreement, bookkeeping), once per step on
+    # the attention side: it delays the step's first dispatch, so the whole step.
+    makespan += stages.get(OVERHEAD_STAGE, 0.0)
     if plan.mode == COLOCATED:
         utilization = {"attention": busy.get("compute", 0.0) / makespan if makespan else 0.0}
         utilization["expert"] = utilization["attention"]

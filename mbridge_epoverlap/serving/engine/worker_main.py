@@ -129,7 +129,7 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
             comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(),
                         peers=[r for r in range(plan.world) if r != dist.get_rank()], slots=2 * plan.micro_batches + 1)
         experts = parts.load_expert_part(spec, placement.experts_of(index), packed=True)
-        worker = colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
+        worker = colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_engine(spec), queue,
                                   experts, placement, plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
         _serve_online(plan, index, worker.side, worker.transport)
         return worker
@@ -155,7 +155,7 @@ def _attention_side(plan: EnginePlan, spec: Any, queue: Any) -> Any:
     from mbridge_epoverlap.serving.model import parts
     from mbridge_epoverlap.serving.workers.attention import AttentionSide
 
-    return AttentionSide(spec, parts.load_attention_part(spec), parts.KVCache.for_spec(spec), queue,
+    return AttentionSide(spec, parts.load_attention_part(spec), parts.KVCache.for_engine(spec), queue,
                          plan.micro_batches, plan.timeout_s)
 
 
@@ -197,16 +197,22 @@ def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: A
     out = os.environ.get(PREFIX + "HEARTBEAT_DIR")
     mover = _weight_mover(plan, index, store, peers=[r for r in plan.expert_ranks if r != plan.expert_ranks[index]])
     return _expert_worker(plan, spec, comm, beat, layout, index, ExpertStore(spec, layout.experts_of(index)), mover,
-                          kill_at_step=kill_at, kill_file=os.path.join(out, f"killed{index}") if out else None)
+                          store, kill_at_step=kill_at, kill_file=os.path.join(out, f"killed{index}") if out else None)
 
 
 def _expert_worker(plan: EnginePlan, spec: Any, comm: Any, beat: Any, layout: Any, index: int, experts: Any,
-                   mover: Any, **kwargs: Any) -> Any:
+                   mover: Any, store: Any, **kwargs: Any) -> Any:
+    import torch.distributed as dist
+
     from mbridge_epoverlap.serving.elastic.workers import ElasticExpertWorker
+
+    # With layout epochs an attention worker it drops is posted lost there, for the others' step boundaries.
+    sync_store = dist.PrefixStore("elastic", store) if plan.layout_epochs else None
 
     return ElasticExpertWorker(spec, experts, comm, plan.attention_ranks, plan.micro_batches, plan.timeout_s, beat,
                                layout=layout, index=index, restore=plan.expert_restore, mover=mover,
-                               droppable_attention=set(plan.expendable_ranks) & set(plan.attention_ranks), **kwargs)
+                               droppable_attention=set(plan.expendable_ranks) & set(plan.attention_ranks),
+                               sync_store=sync_store, **kwargs)
 
 
 def _weight_mover(plan: EnginePlan, index: int, store: Any, *, peers: list[int], key_prefix: str = "m2n") -> Any:
@@ -266,7 +272,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     mover = _weight_mover(plan, index, store, peers=peers, key_prefix=prefix)
     state["comms"].append(mover.comm)
     with torch.no_grad():
-        worker = _expert_worker(plan, spec, comm, beat, layout, index, ExpertStore(spec, []), mover,
+        worker = _expert_worker(plan, spec, comm, beat, layout, index, ExpertStore(spec, []), mover, store,
                                 epoch=admission["epoch"])
         worker.decode_steps = admission["step"]
         worker.events.append({"event": "joined", "t": time.monotonic(), "step": admission["step"],

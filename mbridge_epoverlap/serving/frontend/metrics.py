@@ -21,8 +21,8 @@ Names (all prefixed `mbe_`):
   process gone (whichever comes first).
 - `mbe_elastic_workers_rejoined_total`: replacement expert workers admitted; `mbe_elastic_rebalances_total`: layout
   epochs entered to balance the load; `mbe_elastic_expert_copies_moved_total`: expert copies that changed owner at
-  those epochs and at rejoins. Layout epochs are counted from attention worker 0's reports (every attention worker
-  enters the same ones).
+  those epochs and at rejoins. Each layout epoch is counted once, from the first report of it (every attention
+  worker enters the same ones, and any of them may be lost).
 - `mbe_requests_moved_total`: requests moved off a lost attention worker to a survivor (elastic mode).
 
 The load and the elastic events come from the attention workers' `online.Stats` (what their routers chose and
@@ -89,6 +89,7 @@ class ServerMetrics:
         self._window: deque[tuple[float, list[list[int]]]] = deque()  # (arrival, load) of the last window
         self._lost: set[tuple[str, int, int]] = set()  # (role, index, replacement generation) counted lost
         self._generation: Tally[tuple[int, int]] = Tally()  # (attention worker, expert worker) -> rejoins seen
+        self._epochs: set[Any] = set()  # layout epochs counted
 
     def rejected(self) -> None:
         self.requests.labels("rejected").inc()
@@ -145,8 +146,10 @@ class ServerMetrics:
         elif name in ("rebalanced", "rejoined"):
             for worker in event.get("joined", []):
                 self._generation[(attention, worker)] += 1
-            if attention != 0:  # every attention worker enters the same epochs: count the lead's
+            epoch = event.get("epoch")
+            if epoch in self._epochs:  # every attention worker enters the same epochs: count each once
                 return
+            self._epochs.add(epoch)
             self.moved_copies.inc(event.get("moved", 0))
             if name == "rejoined":
                 self.rejoined.inc(len(event.get("joined", [])))

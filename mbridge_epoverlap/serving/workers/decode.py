@@ -109,11 +109,14 @@ class AttentionWorker:
         colocated, no rank has requests)."""
         side = self.side
         while not side.stop:
+            # The step starts at its boundary: admitting, retiring and the step agreement are part of its time.
+            started = time.perf_counter()
+            side.timer.step_started()
             side.boundary()
             if not self.transport.another_step():
                 break
             handles = split_micro_batches(side.queue.running, side.m)
-            started, before = time.perf_counter(), side.tokens_running()
+            before = side.tokens_running()
             self.transport.begin_step(side.decode_steps)
             for index, step in enumerate(self.steps):
                 beat_step(self.beat, side.decode_steps, index, step)
@@ -123,6 +126,7 @@ class AttentionWorker:
                 for work in h.sends:
                     work.wait(side.timeout_s)
             side.log_step(started, before)
+            side.timer.step_done(record=side.step_log[-1][1] > 0)
             side.decode_steps += 1
             if side.decode_steps == 1:
                 side.timer.mark_steady()
@@ -151,6 +155,7 @@ class AttentionWorker:
         steady = role_steps(ping_pong_round(side.m, 1), Role.ATTENTION)  # layer 0 here: the previous round's
         end: int | None = None  # the round that only drains (set once the experts said stop)
         mark = (time.perf_counter(), 0)
+        side.timer.step_started()
         sent: list[Any] = []
         round_ = 0
         while end is None or round_ <= end:
@@ -158,6 +163,8 @@ class AttentionWorker:
                 now = time.perf_counter()
                 side.step_log.append((now - mark[0], side.tokens_generated - mark[1]))
                 mark = (now, side.tokens_generated)
+                side.timer.step_done(record=side.step_log[-1][1] > 0)
+                side.timer.step_started()
                 side.decode_steps = round_ // layers
                 if side.decode_steps == 1:
                     side.timer.mark_steady()

@@ -107,6 +107,36 @@ def test_batched_decode_attention_equals_one_sequence_at_a_time_bitwise(window) 
     assert torch.equal(batched, one_by_one)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_padded_decode_attention_is_each_sequence_alone_to_rounding_and_ignores_the_padding(window) -> None:
+    from mbridge_epoverlap.serving.model.kv_cache import cached_attention, padded_decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([3, 7, 1, 12, 5])
+    k, v = torch.randn(5, 2, 12, 16, generator=gen), torch.randn(5, 2, 12, 16, generator=gen)
+    q = torch.randn(5, 4, 16, generator=gen)
+    padded = padded_decode_attention(q, k, v, lengths, sliding_window=window)
+    one_by_one = torch.cat([cached_attention(q[b:b + 1], k[b, :, :n].transpose(0, 1), v[b, :, :n].transpose(0, 1),
+                                             torch.tensor([n - 1]), sliding_window=window)
+                            for b, n in enumerate(lengths.tolist())])
+    torch.testing.assert_close(padded, one_by_one, rtol=1e-5, atol=1e-6)
+    # Whatever the padding holds (a freed sequence's old keys and values), the result is the same, bit for bit.
+    beyond = torch.arange(12)[None, None, :, None] >= lengths[:, None, None, None]
+    k2 = torch.where(beyond, 1e3 * torch.randn(k.shape, generator=gen), k)
+    v2 = torch.where(beyond, 1e3 * torch.randn(v.shape, generator=gen), v)
+    assert torch.equal(padded_decode_attention(q, k2, v2, lengths, sliding_window=window), padded)
+
+
+def test_engine_caches_decode_padded_unless_exact_attention_is_asked(monkeypatch) -> None:
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    spec = load_spec("qwen3_30b_a3b")
+    assert KVCache.for_spec(spec).exact_decode and not KVCache.for_engine(spec).exact_decode
+    assert not KVCache.for_engine(spec).empty_like().exact_decode
+    monkeypatch.setenv("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "1")
+    assert KVCache.for_engine(spec).exact_decode
+
+
 def test_stop_rule_and_greedy_ties() -> None:
     stop = StopRule(max_new_tokens=3, eos_token_ids=(7,))
     assert not stop.done([]) and not stop.done([1, 2]) and stop.done([1, 2, 3]) and stop.done([7])

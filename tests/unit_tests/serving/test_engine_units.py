@@ -138,6 +138,38 @@ def test_replay_transfer_is_the_fastest_tenth_of_the_raw_round_trips_filtered_on
     assert stages["dispatch"] == stages["combine"] == pytest.approx((statistics.median(fastest_tenth) - 0.5) / 2)
 
 
+def test_step_overhead_is_the_step_outside_its_stages_nested_ones_counted_once():
+    import time
+
+    from mbridge_epoverlap.serving.workers.stage_timer import OVERHEAD_STAGE, StageTimer
+
+    timer = StageTimer(frozenset({"attn"}))
+    timer.step_started()
+    time.sleep(0.02)  # untimed: overhead
+    with timer.time("post"), timer.time("sample"):  # sample inside post: its time is post's, counted once
+        time.sleep(0.03)
+    timer.step_done()
+    timer.step_started()
+    time.sleep(0.05)
+    timer.step_done(record=False)  # a step without work (an idle server's wait) is not overhead
+    (overhead,) = timer.samples[OVERHEAD_STAGE]
+    assert 0.02 <= overhead < 0.03 and timer.timed_s >= 0.03
+
+
+def test_replay_adds_the_measured_step_overhead_once_per_step():
+    from mbridge_epoverlap.serving.engine.replay import replay
+    from mbridge_epoverlap.serving.engine.run import make_plan
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    spec = load_spec("qwen3_30b_a3b")
+    requests = [Request("a", (1, 2))]
+    stages = {"attn": 1.0, "experts": 1.0, "post": 0.1, "dispatch": 0.1, "combine": 0.1, "sample": 0.5}
+    for layout in ({"micro_batches": 2}, {"colocated": 2, "micro_batches": 1, "order": "sequential"}):
+        plan = make_plan(spec, requests, **layout)
+        without = replay(plan, stages, tokens_per_step=2)["step_ms"]
+        assert replay(plan, {**stages, "overhead": 7.0}, tokens_per_step=2)["step_ms"] == pytest.approx(without + 7.0)
+
+
 def test_replay_of_balanced_stages_predicts_the_ping_pong_gain():
     from mbridge_epoverlap.serving.engine.replay import replay
     from mbridge_epoverlap.serving.engine.run import make_plan

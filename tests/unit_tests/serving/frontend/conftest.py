@@ -1,7 +1,7 @@
 """A tiny Mixtral checkpoint with a tokenizer and a chat template, and a real server on it for the front-end tests.
 
 - `chat_mixtral_dir`: `MixtralForCausalLM` (2 layers, 4 experts top-2, 256 positions) beside a byte-level BPE
-  trained with `tokenizers` on this package's own sources, saved with `transformers`'
+  trained with `tokenizers` on some of the standard library's modules, saved with `transformers`'
   `PreTrainedTokenizerFast.save_pretrained` with a chat template.
 - `plain_mixtral_dir`: the same weights and tokenizer without a chat template.
 - `ServerProcess` / `start_server`: `mbridge-epoverlap serve --http 127.0.0.1:PORT` in a subprocess, ready once
@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 from pathlib import Path
 
@@ -29,6 +30,8 @@ CONTEXT = 256
 MODEL_NAME = "tiny"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CORPUS = ("abc.py", "bisect.py", "colorsys.py", "contextlib.py", "dataclasses.py", "fnmatch.py", "functools.py",
+          "heapq.py", "keyword.py", "numbers.py", "operator.py", "queue.py", "shlex.py", "textwrap.py")
 READY_S = 120.0  # loading two tiny workers takes seconds; a loaded machine may take longer
 
 
@@ -41,7 +44,10 @@ def _tokenizer(directory: Path, *, chat: bool) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    sources = sorted(str(p) for p in (REPO / "mbridge_epoverlap" / "serving").rglob("*.py"))
+    # A fixed corpus (the standard library's own modules), not this package's sources: training on those made
+    # every edit of them change the tokens, and so the texts the tests decode.
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = [str(stdlib / name) for name in CORPUS]
     tokenizer.train(sources, trainer)
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

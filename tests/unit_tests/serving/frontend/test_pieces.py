@@ -88,27 +88,30 @@ def _samples(metrics) -> dict[str, float]:
             for family in text_string_to_metric_families(body.decode()) for s in family.samples}
 
 
-def test_metrics_count_each_lost_process_once_and_each_epoch_from_the_lead():
+def test_metrics_count_each_lost_process_once_and_each_epoch_once():
     from mbridge_epoverlap.serving.frontend.metrics import ServerMetrics
 
     metrics = ServerMetrics([1, 3])
     lost_0 = {"event": "detected", "workers": [0]}
-    # Both attention workers detect expert worker 0; the lead sees it again when an epoch announced with it
-    # alive is entered; the front end also sees its process gone: one loss.
-    metrics.worker_stats(online.Stats(0, 1, 0, 5, [], [lost_0, {"event": "rebalanced", "moved": 3}, lost_0]), [])
-    metrics.worker_stats(online.Stats(1, 1, 0, 5, [], [lost_0, {"event": "rebalanced", "moved": 3}]), [])
+    rebalanced = {"event": "rebalanced", "moved": 3, "epoch": 1}
+    # Both attention workers detect expert worker 0 and enter epoch 1; the lead sees the loss again when an epoch
+    # announced with it alive is entered; the front end also sees its process gone: one loss, one epoch.
+    metrics.worker_stats(online.Stats(0, 1, 0, 5, [], [lost_0, rebalanced, lost_0]), [])
+    metrics.worker_stats(online.Stats(1, 1, 0, 5, [], [lost_0, rebalanced]), [])
     metrics.worker_lost("expert", 0)
-    # Its replacement joins (4 copies move to it), then dies too: a second loss; attention worker 1 dies: a third.
+    # Its replacement joins (4 copies move to it), then dies too: a second loss; attention worker 0 dies: a third.
     for attention in (0, 1):
         metrics.worker_stats(online.Stats(attention, 1, 0, 5, [], [
-            {"event": "rejoined", "joined": [0], "moved": 4}, {"event": "detected", "workers": [0]}]), [])
-    metrics.worker_lost("attention", 1)
-    metrics.worker_lost("attention", 1)
+            {"event": "rejoined", "joined": [0], "moved": 4, "epoch": 2}, {"event": "detected", "workers": [0]}]), [])
+    metrics.worker_lost("attention", 0)
+    metrics.worker_lost("attention", 0)
+    # The survivor enters epoch 3 alone: still counted.
+    metrics.worker_stats(online.Stats(1, 1, 0, 5, [], [{"event": "rebalanced", "moved": 2, "epoch": 3}]), [])
     got = _samples(metrics)
     assert got["mbe_elastic_workers_lost_total"] == 3
-    assert got["mbe_elastic_rebalances_total"] == 1
+    assert got["mbe_elastic_rebalances_total"] == 2
     assert got["mbe_elastic_workers_rejoined_total"] == 1
-    assert got["mbe_elastic_expert_copies_moved_total"] == 3 + 4
+    assert got["mbe_elastic_expert_copies_moved_total"] == 3 + 4 + 2
 
 
 def test_metrics_sum_the_reported_expert_load_per_layer_and_expert():

@@ -261,6 +261,15 @@ def test_the_first_attention_worker_may_die_too_when_the_front_end_holds_the_ren
     _streams_survive_a_kill(server, "attention", 0, streams=16)
 
 
+def test_the_first_attention_worker_may_die_with_layout_epochs_too(start_server, chat_mixtral_dir):
+    """`--rebalance-every`: the attention workers agree at step boundaries; the survivor stops waiting for the
+    lost one (an expert worker posts the loss) and decides the epochs from then on."""
+    server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
+                          "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30",
+                          "--rebalance-every", "2")
+    _streams_survive_a_kill(server, "attention", 0, streams=16)
+
+
 def _metric(server, name: str) -> float:
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
         for line in answer.read().decode().splitlines():
