@@ -143,6 +143,7 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.positive_int("vocab_size"), num_experts=experts,
         top_k=top_k, expert_ffn=expert_ffn, moe_layers=moe_layers, dense_ffn=dense_ffn, qk_norm=qk_norm,
         norm_eps=cfg.positive_float("rms_norm_eps"), norm_topk_prob=norm_topk,
+        router_weights_in_dtype=arch != MIXTRAL,
         rope_theta=_rope_theta(config_path, cfg), sliding_window=window,
         tie_word_embeddings=cfg.boolean("tie_word_embeddings"),
         eos_token_ids=_eos_ids(directory, cfg), dtype=dtype, tensor_files=tuple(sorted(files.items())),

@@ -124,7 +124,8 @@ class AttentionPart(torch.nn.Module):
         if block.router is None:
             return AttnOut(resid=resid, tokens=tokens, expert_ids=None, gate_weights=None)
         routing = block.router.softmax_topk(tokens, normalize=self.spec.norm_topk_prob)
-        return AttnOut(resid=resid, tokens=tokens, expert_ids=routing.experts, gate_weights=routing.weights)
+        weights = routing.weights.to(tokens.dtype) if self.spec.router_weights_in_dtype else routing.weights
+        return AttnOut(resid=resid, tokens=tokens, expert_ids=routing.experts, gate_weights=weights)
 
     @torch.no_grad()
     def post_step(self, layer: int, attn: AttnOut, expert_out: torch.Tensor | None) -> torch.Tensor:

@@ -30,6 +30,8 @@ class ModelSpec:
         qk_norm: RMSNorm on each query and key head (Qwen3).
         normalization: "RMSNorm" or "LayerNorm"; norm_eps its epsilon (also of the q/k norms).
         norm_topk_prob: renormalise the k chosen router probabilities to sum to one.
+        router_weights_in_dtype: the chosen probabilities are rounded to `dtype` before they weight the expert
+            outputs (Qwen3-MoE); else they stay fp32 (Mixtral). Only bf16 tells the two apart.
         rope_theta: the rotary base.
         sliding_window: attend only to the last `sliding_window` positions (None: all).
         tie_word_embeddings: the output head is the embedding matrix.
@@ -57,6 +59,7 @@ class ModelSpec:
     normalization: str = "RMSNorm"
     norm_eps: float = 1e-6
     norm_topk_prob: bool = True
+    router_weights_in_dtype: bool = False
     rope_theta: float = 10000.0
     sliding_window: int | None = None
     tie_word_embeddings: bool = False
