@@ -115,6 +115,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     restarts: list[float] = []  # the baseline: a fresh start of the same elastic serve, to its first token
     reference = None
     rebalancing_runs: list[dict[str, Any]] = []
+    elastic_runs: list[list[dict[str, Any]]] = []  # the no-failure elastic runs' completions
     load_start = os.getloadavg()
     for i in range(args.repeats):
         # A B, then B A: neither side always runs first (warm caches, a neighbour's load).
@@ -130,6 +131,8 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
                 restarts.append(first - started[0])
             if name == "rebalancing":
                 rebalancing_runs.append(run)
+            if name == "elastic":
+                elastic_runs.append(run["completions"])
     load_end = os.getloadavg()
     when = (f"one every {kill_every} decode steps from step {args.kill_step}" if kill_every
             else f"at decode step {args.kill_step}")
@@ -154,6 +157,9 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         "rejoined_workers": summary.get("rejoined_workers", []), "rejoined_after_s": summary.get("rejoined_after_s"),
         "rejoin_wait_s": summary.get("rejoin_wait_s"),
         "throughput_after_rejoin": summary.get("throughput_after_rejoin"),
+        # The pre-failure rate is measured on the first, shortest contexts: the run without a failure over the
+        # steps after the rejoin is the like-for-like baseline (median over its runs).
+        "throughput_same_steps_without_failure": _same_steps(elastic_runs, summary.get("rejoined_at_token")),
         "rebalances": summary.get("rebalances", []),
         "failures": failure_table(summary.get("failures", []), args.expert_workers, outputs_equal=code == 0
                                   and got == reference, lost=result["failed_requests"], restarts=restarts),
@@ -177,6 +183,15 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     report["source"] = source_of(args, ELASTIC_DEFAULT_RECIPE)
     print_result(report, args.json, _table)
     return code
+
+
+def _same_steps(runs: list[list[dict[str, Any]]], step: float | None) -> float | None:
+    if step is None:
+        return None
+    from mbridge_epoverlap.serving.elastic.report import rate_from_step
+
+    rates = [rate for rate in (rate_from_step(completions, step) for completions in runs) if rate]
+    return statistics.median(rates) if rates else None
 
 
 def rebalance_summary(runs: list[dict[str, Any]], reference: dict[str, Any] | None) -> dict[str, Any]:
@@ -249,7 +264,9 @@ def _epoch_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     if r["layout"]["rejoin_after_steps"]:
         rows.append(("rejoined workers", f"{r['rejoined_workers'] or 'none'} after {fmt3(r['rejoined_after_s'])} s "
                                          f"(waited {fmt3(r['rejoin_wait_s'])} s for the replacement), tokens/s "
-                                         f"after rejoin {fmt3(r['throughput_after_rejoin'], '{:,.1f}')}"))
+                                         f"after rejoin {fmt3(r['throughput_after_rejoin'], '{:,.1f}')} (the same "
+                                         f"steps without a failure: "
+                                         f"{fmt3(r['throughput_same_steps_without_failure'], '{:,.1f}')})"))
     moved = [b for b in r["rebalances"] if not b["kept"]]
     if r["layout"]["rebalance_every"]:
         rows.append(("rebalances", "; ".join(f"step {b['step']}: {b['moved']} moved, max/mean "

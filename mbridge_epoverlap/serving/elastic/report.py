@@ -6,6 +6,7 @@ worker notes when it died, attention workers note every token and when they dete
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,6 +77,10 @@ def elastic_summary(plan: Any, collected: dict[str, Any]) -> dict[str, Any]:
             summary.update(throughput_around(times, kill, resumed, due, rejoined))
         summary["failures"] = failure_rows(plan.kill, killed, events, times, due)
     summary["first_token_at"] = min((ts[0] for ts in times if ts), default=None)
+    # Which decode step the replacement joined at (tokens each request had by then, the median): a run without a
+    # failure gives the rate of the same steps (`rate_from_step`), at the same context lengths.
+    summary["rejoined_at_token"] = (statistics.median(sum(1 for t in ts if t <= rejoined) for ts in times)
+                                    if kill is not None and rejoined is not None and times else None)
     summary["move_fallbacks"] = [{"worker": e["worker"], "epoch": e.get("epoch"), **f} for e in events
                                  if e["event"] == "moved" for f in e.get("fallbacks", [])]
     epochs = [e for e in lead if e["event"] in ("rebalanced", "rejoined")]
@@ -113,6 +118,27 @@ def throughput_around(token_times: Sequence[Sequence[float]], kill: float, resum
     else:
         out["throughput_after"] = rate(resumed, end)
     return out
+
+
+def rate_from_step(completions: Sequence[dict[str, Any]], step: float) -> float | None:
+    """Tokens/s of a run's decode steps from `step` on (0-based, rounded down): each request's token times from
+    its `ttft_ms` and `tbt_ms` (requests that arrived together, as the bench's do), from the earliest of the
+    `step`-th tokens to the last token."""
+    first = int(step)
+    later = []
+    for c in completions:
+        if c.get("ttft_ms") is None:
+            continue
+        times = [c["ttft_ms"]]
+        for gap in c.get("tbt_ms", []):
+            times.append(times[-1] + gap)
+        if len(times) > first + 1:
+            later.append(times[first:])
+    if not later:
+        return None
+    start, end = min(ts[0] for ts in later), max(ts[-1] for ts in later)
+    tokens = sum(len(ts) - 1 for ts in later)  # the tokens after each request's `step`-th
+    return tokens / ((end - start) / 1e3) if end > start else None
 
 
 def failure_rows(victims: Sequence[Sequence[int]], killed: dict[int, float], events: Sequence[dict[str, Any]],

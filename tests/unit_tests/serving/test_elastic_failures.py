@@ -16,7 +16,7 @@ import pytest
 
 from mbridge_epoverlap.comm.m2n import mooncake_available
 from mbridge_epoverlap.launch.netns import existing_namespaces
-from mbridge_epoverlap.serving.elastic.report import failure_rows
+from mbridge_epoverlap.serving.elastic.report import failure_rows, rate_from_step
 from mbridge_epoverlap.serving.engine.elastic_plan import kill_schedule, make_elastic
 from mbridge_epoverlap.serving.engine.hosts import emulate_hosts
 from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
@@ -53,6 +53,16 @@ def test_failure_rows_split_each_interruption_into_phases():
     assert second["detection_s"] == pytest.approx(0.02)
     assert first["after_over_before"] == pytest.approx(1.0, abs=0.1)  # the same pace before and after
     assert failure_rows([(0, 4)], {}, events, times) == []  # nobody died (the run ended first)
+
+
+def test_rate_from_step_counts_the_steps_after_it_in_every_request():
+    # Two requests, first tokens at 100 and 110 ms, then a token every 10 ms (the second slower after step 2).
+    completions = [{"ttft_ms": 100.0, "tbt_ms": [10.0] * 5}, {"ttft_ms": 110.0, "tbt_ms": [10.0, 10.0, 30.0, 30.0]},
+                   {"ttft_ms": None, "tbt_ms": []}]  # a failed request: no tokens
+    # From step 2: tokens at 120..150 and 130, 160, 190 -> 3 + 2 tokens after 120 ms, until 190 ms.
+    assert rate_from_step(completions, 2) == pytest.approx(5 / 0.070)
+    assert rate_from_step(completions, 2.7) == rate_from_step(completions, 2)
+    assert rate_from_step(completions, 5) is None  # no request has a token after its 6th
 
 
 def test_two_failures_one_after_another_lose_nothing(tiny_mixtral_dir, prompts, hf_greedy):
