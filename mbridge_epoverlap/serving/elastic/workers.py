@@ -614,9 +614,7 @@ class ElasticExpertWorker(ExpertWorker):
     def _droppable(self, rank: int) -> bool:
         """Whether the loss of attention worker `rank` can be survived (online: one the plan lets go, while
         another is left; one already dropped: its last receives fail too)."""
-        if rank in self.droppable_attention and rank not in self.attention_ranks:
-            return True
-        return rank in self.droppable_attention and len(self.attention_ranks) > 1
+        return rank in self.droppable_attention and (rank not in self.attention_ranks or len(self.attention_ranks) > 1)
 
     def _drop_attention(self, rank: int) -> None:
         """Serve the other attention workers only (online serving moved the lost one's requests)."""

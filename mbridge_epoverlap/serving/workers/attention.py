@@ -145,7 +145,13 @@ class AttentionSide:
         return sum(len(s.output_ids) for s in self.queue.running)
 
     def log_step(self, started: float, tokens_before: int) -> None:
-        self.step_log.append((time.perf_counter() - started, self.tokens_running() - tokens_before))
+        self.record_step(time.perf_counter() - started, self.tokens_running() - tokens_before)
+
+    def record_step(self, seconds: float, tokens: int) -> None:
+        """A decode step ended: its time and tokens go into the step log, its untimed time into the timer's
+        `overhead` stage (not for a step without tokens: an idle server's step is its wait for requests)."""
+        self.step_log.append((seconds, tokens))
+        self.timer.step_done(record=tokens > 0)
 
     def progress_line(self) -> str | None:
         """Every `PROGRESS_EVERY` decode steps, the line that says how far decoding is (else None); done counts

@@ -126,7 +126,6 @@ class AttentionWorker:
                 for work in h.sends:
                     work.wait(side.timeout_s)
             side.log_step(started, before)
-            side.timer.step_done(record=side.step_log[-1][1] > 0)
             side.decode_steps += 1
             if side.decode_steps == 1:
                 side.timer.mark_steady()
@@ -161,9 +160,8 @@ class AttentionWorker:
         while end is None or round_ <= end:
             if round_ and round_ % layers == 0:
                 now = time.perf_counter()
-                side.step_log.append((now - mark[0], side.tokens_generated - mark[1]))
+                side.record_step(now - mark[0], side.tokens_generated - mark[1])
                 mark = (now, side.tokens_generated)
-                side.timer.step_done(record=side.step_log[-1][1] > 0)
                 side.timer.step_started()
                 side.decode_steps = round_ // layers
                 if side.decode_steps == 1:
