@@ -13,8 +13,15 @@ same checkpoint (`python -m vllm.entrypoints.openai.api_server --dtype float32 -
 --max-num-seqs 64 --enforce-eager`, `VLLM_CPU_KVCACHE_SPACE=2`) and both servers are driven by vLLM's own
 client (`vllm.benchmarks.serve`, random dataset, `--ignore-eos`) instead of the built-in one, side by side.
 
+Both servers run at once and the client takes turns: after one unmeasured burst each, every round runs each
+case on one server, then on the other (A B A B), for `--repeats` rounds; the table gives each figure's
+median, every round's tokens/s, and the CPU the idle server took meanwhile, and the ratios line the
+project's figures over vLLM's round by round (this machine's speed drifts by 10-20 % between minutes, more
+than the servers differ). The project's server runs `--server-flags` (default: 2 colocated processes, one
+micro-batch, the sequential order: the layout `serve` chooses for this model on 2 cores).
+
     python benchmarks/serving_online_bench.py                     # the issue's model, 64 x (64 in, 64 out)
-    python benchmarks/serving_online_bench.py --vllm-python ~/vllm-venv/bin/python
+    python benchmarks/serving_online_bench.py --vllm-python ~/vllm-venv/bin/python --repeats 3
     python benchmarks/serving_online_bench.py --quick --json      # a tiny model, a smoke run
 """
 
@@ -43,6 +50,9 @@ from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 READY_S = 600.0
 NAME = "bench-model"
+DEFAULT_LAYOUT = "--colocated 2 --micro-batches 1 --order sequential"
+FIGURES = ("output_tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms",
+           "p99_itl_ms", "mean_tpot_ms", "idle_server_cpu")
 
 
 # --- the checkpoint ---------------------------------------------------------------------------------------
@@ -265,6 +275,57 @@ def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Nam
 
 
 # --- the run -------------------------------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"need at least 1, got {value}")
+    return value
+
+
+def cpu_seconds(server: Server) -> float:
+    """CPU time (user + system) of every live process of the server's session (it starts its own)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # it exited meanwhile
+            continue
+        if int(fields[3]) == server.proc.pid:  # the session id: the server's own pid
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case's rounds: the median of each figure, every round's tokens/s, and failures over all rounds."""
+    out: dict[str, Any] = {}
+    for name in FIGURES:
+        values = [r[name] for r in runs if r.get(name) is not None]
+        out[name] = statistics.median(values) if values else None
+    out["output_tokens_per_s_rounds"] = [r["output_tokens_per_s"] for r in runs]
+    out["failed"] = max(r["failed"] for r in runs)
+    out["failed_total"] = sum(r["failed"] for r in runs)
+    errors = sorted({e for r in runs for e in r.get("errors", [])})
+    if errors:
+        out["errors"] = errors[:5]
+    return out
+
+
+def ratios(ours_runs: dict[str, list[dict[str, Any]]], peer_runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per case, the project's figure over vLLM's in each round (measured back to back) and their median:
+    tokens/s (above 1 is faster) and P99 TPOT (below 1 is shorter)."""
+    out: dict[str, Any] = {}
+    for case, runs in ours_runs.items():
+        pairs = list(zip(runs, peer_runs[case], strict=True))
+        for name in ("output_tokens_per_s", "p99_tpot_ms"):
+            per_round = [a[name] / b[name] for a, b in pairs if a.get(name) and b.get(name)]
+            out[f"{case}_{name}"] = {"median": statistics.median(per_round) if per_round else None,
+                                     "rounds": per_round}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mbe-online-bench",
@@ -273,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rate", type=float, default=16.0, help="requests/s of the Poisson case (default 16)")
-    parser.add_argument("--server-flags", default="", help="extra `serve` flags, e.g. '--expert-workers 2'")
+    parser.add_argument("--server-flags", default=DEFAULT_LAYOUT,
+                        help=f"`serve` flags of the project's server (default '{DEFAULT_LAYOUT}': the layout "
+                             "`serve` chooses for this model on 2 cores)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="measured rounds (default 3); each round runs every case on each server, one after "
+                             "the other; the table gives the medians")
     parser.add_argument("--kill-expert", action="store_true",
                         help="also a case on an elastic server whose expert worker 0 is killed mid-run")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
@@ -292,24 +358,46 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"machine": machine(), "model": {k: v for k, v in size.items() if k != "text_files"},
                            "prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
                            "rate": args.rate, "client": "vllm.benchmarks.serve" if args.vllm_python else "built-in",
-                           "servers": {}}
+                           "servers": {}, "load_before": round(os.getloadavg()[0], 2)}
     rates = {"burst": float("inf"), "poisson": args.rate}
-    servers = {"mbridge-epoverlap": lambda: ours(checkpoint, flags)}
+    starts = {"mbridge-epoverlap": lambda: ours(checkpoint, flags)}
     if args.vllm_python:
-        servers["vllm"] = lambda: vllm(args.vllm_python, checkpoint, size["context"], max(args.prompts, 1))
-    for label, start in servers.items():
-        server = start()
-        try:
-            server.wait_ready()
-            cases = {}
+        starts["vllm"] = lambda: vllm(args.vllm_python, checkpoint, size["context"], max(args.prompts, 1))
+
+    def measure(server: Server, rate: float) -> dict[str, Any]:
+        if args.vllm_python:
+            return vllm_client_case(args.vllm_python, server.url, checkpoint, args, rate)
+        return builtin_case(server.url, size["vocab"], args, rate)
+
+    servers: dict[str, Server] = {}
+    try:
+        for label, start in starts.items():  # both up at once: the client alternates between them
+            servers[label] = start()
+            servers[label].wait_ready()
+        for label, server in servers.items():  # first-use costs (kernel choices, allocations) out of the figures
+            print(f"warming up {label} (one unmeasured burst)", file=sys.stderr, flush=True)
+            measure(server, float("inf"))
+        rounds: dict[str, dict[str, list[dict[str, Any]]]] = {label: {case: [] for case in rates} for label in servers}
+        for repeat in range(args.repeats):
             for case, rate in rates.items():
-                if args.vllm_python:
-                    cases[case] = vllm_client_case(args.vllm_python, server.url, checkpoint, args, rate)
-                else:
-                    cases[case] = builtin_case(server.url, size["vocab"], args, rate)
-            doc["servers"][label] = cases
-        finally:
+                for label, server in servers.items():  # A B, A B, ...: the machine's drift hits both alike
+                    print(f"round {repeat + 1}/{args.repeats}: {label} {case}", file=sys.stderr, flush=True)
+                    idle = [other for other in servers.values() if other is not server]
+                    before = sum(cpu_seconds(other) for other in idle)
+                    started = time.perf_counter()
+                    figures = measure(server, rate)
+                    wall = time.perf_counter() - started
+                    figures["idle_server_cpu"] = (sum(cpu_seconds(other) for other in idle) - before) / wall
+                    rounds[label][case].append(figures)
+    finally:
+        for server in servers.values():
             server.stop()
+    doc["repeats"] = args.repeats
+    doc["load_after"] = round(os.getloadavg()[0], 2)
+    doc["servers"] = {label: {case: median_figures(runs) for case, runs in cases.items()}
+                      for label, cases in rounds.items()}
+    if args.vllm_python:
+        doc["ratios"] = ratios(rounds["mbridge-epoverlap"], rounds["vllm"])
     if args.kill_expert:
         server = ours(checkpoint, [*flags, "--elastic", "--expert-workers", "2", "--redundant-experts",
                                    str(size["experts"])])
@@ -332,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc))
     else:
         _print(doc)
-    failed = sum(c["failed"] for cases in doc["servers"].values() for c in cases.values())
+    failed = sum(c["failed_total"] for cases in doc["servers"].values() for c in cases.values())
     failed += doc.get("kill_expert", {}).get("failed", 0)
     return 0 if failed == 0 else 1
 
@@ -340,22 +428,34 @@ def main(argv: list[str] | None = None) -> int:
 def _print(doc: dict[str, Any]) -> None:
     m = doc["machine"]
     print(f"machine: {m.get('cpu')} ({m.get('cores')} cores, avx512_bf16={m.get('avx512_bf16')}, "
-          f"amx_bf16={m.get('amx_bf16')}); client: {doc['client']}; {doc['prompts']} requests of "
-          f"{doc['input_len']} in, {doc['output_len']} out")
+          f"amx_bf16={m.get('amx_bf16')}, 1-min load {doc.get('load_before')} before, {doc.get('load_after')} after)")
+    print(f"client: {doc['client']}; {doc['prompts']} requests "
+          f"of {doc['input_len']} in, {doc['output_len']} out; medians of {doc['repeats']} rounds (servers "
+          "alternating)")
 
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:,.1f}"
 
     print(f"{'server':<20} {'case':<8} {'out tok/s':>10} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} "
-          f"{'ITL p50/p99 ms':>18} {'failed':>6}")
+          f"{'ITL p50/p99 ms':>18} {'failed':>6}  tok/s per round; CPU of the idle server")
     rows = [(label, case, c) for label, cases in doc["servers"].items() for case, c in cases.items()]
     if "kill_expert" in doc:
         rows.append(("mbridge-epoverlap", "kill", doc["kill_expert"]))
     for label, case, c in rows:
+        rounds = ", ".join(f"{v:,.0f}" for v in c.get("output_tokens_per_s_rounds", []))
+        idle = c.get("idle_server_cpu")
         print(f"{label:<20} {case:<8} {fmt(c['output_tokens_per_s']):>10} "
               f"{fmt(c['p50_ttft_ms']) + ' / ' + fmt(c['p99_ttft_ms']):>18} "
               f"{fmt(c['p50_tpot_ms']) + ' / ' + fmt(c['p99_tpot_ms']):>18} "
-              f"{fmt(c['p50_itl_ms']) + ' / ' + fmt(c['p99_itl_ms']):>18} {c['failed']:>6}")
+              f"{fmt(c['p50_itl_ms']) + ' / ' + fmt(c['p99_itl_ms']):>18} {c['failed']:>6}  {rounds}"
+              + (f"; {idle:.2f} core" if idle is not None else ""))
+    for key, value in doc.get("ratios", {}).items():
+        per_round = ", ".join(f"{v:.2f}" for v in value["rounds"])
+        print(f"mbridge-epoverlap / vllm, {key}: {fmt_ratio(value['median'])} (rounds: {per_round})")
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def stage_probe(spec: Any, micro_batch: int, *, attn_workers: int = 1, expert_wo
 
     torch.set_num_threads(threads)
     layer = spec.moe_layer_ids[0]
-    attention = load_attention_part(spec)
+    attention = load_attention_part(spec, packed=True)
     placement = Placement.balanced(spec.num_experts, expert_workers)
     experts = load_expert_part(spec, placement.experts_of(0), packed=True)
     with torch.no_grad():

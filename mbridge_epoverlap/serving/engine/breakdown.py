@@ -95,7 +95,8 @@ def step_breakdown(spec: Any, prompts: Sequence[Sequence[int]], *, decode_steps:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts), packed=True)])
+        model = LocalModel(load_attention_part(spec, packed=True),
+                           [load_expert_part(spec, range(spec.num_experts), packed=True)])
         cache = KVCache.for_engine(spec)
         clock = _Clock()
         patched = _instrument(model, clock)

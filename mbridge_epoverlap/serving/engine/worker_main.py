@@ -129,8 +129,9 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
             comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(),
                         peers=[r for r in range(plan.world) if r != dist.get_rank()], slots=2 * plan.micro_batches + 1)
         experts = parts.load_expert_part(spec, placement.experts_of(index), packed=True)
-        worker = colocated_worker(spec, parts.load_attention_part(spec), parts.KVCache.for_engine(spec), queue,
-                                  experts, placement, plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
+        attention = parts.load_attention_part(spec, packed=True)
+        worker = colocated_worker(spec, attention, parts.KVCache.for_engine(spec), queue, experts, placement,
+                                  plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
         _serve_online(plan, index, worker.side, worker.transport)
         return worker
     from mbridge_epoverlap.serving.workers.decode import AttentionWorker
@@ -155,7 +156,7 @@ def _attention_side(plan: EnginePlan, spec: Any, queue: Any) -> Any:
     from mbridge_epoverlap.serving.model import parts
     from mbridge_epoverlap.serving.workers.attention import AttentionSide
 
-    return AttentionSide(spec, parts.load_attention_part(spec), parts.KVCache.for_engine(spec), queue,
+    return AttentionSide(spec, parts.load_attention_part(spec, packed=True), parts.KVCache.for_engine(spec), queue,
                          plan.micro_batches, plan.timeout_s)
 
 

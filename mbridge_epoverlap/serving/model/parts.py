@@ -85,9 +85,14 @@ class DecodeLayer(torch.nn.Module):
 
 class AttentionPart(torch.nn.Module):
     """Embedding, attention, routers, dense MLPs, final norm and head; parameters uninitialised
-    (`load_attention_part` fills them)."""
+    (`load_attention_part` fills them).
 
-    def __init__(self, spec: ModelSpec) -> None:
+    With `packed` (the engine's workers, fp32) the attention projections and the head run on oneDNN-packed
+    copies of their weights (`serving.model.packed.PackedLinear`): faster at decode's rows, rounded differently
+    in the last bits. Without it (the reference model) they are `transformers`' GEMMs, bit for bit.
+    """
+
+    def __init__(self, spec: ModelSpec, *, packed: bool = False) -> None:
         super().__init__()
         dtype = spec.torch_dtype()
         self.spec = spec
@@ -97,6 +102,17 @@ class AttentionPart(torch.nn.Module):
         self.head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, dtype=dtype)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
         self.requires_grad_(False)
+        # fp32 only: measured there; bf16 keeps F.linear (its own oneDNN path), whose tokens the bf16 figures show
+        self._packed = packed and dtype == torch.float32 and packed_gemm.available(dtype)
+        self._qkv = [packed_gemm.PackedLinear(b.attention.qkv.weight) for b in self.layers] if self._packed else []
+        self._out = [packed_gemm.PackedLinear(b.attention.proj.weight) for b in self.layers] if self._packed else []
+        self._head = (packed_gemm.PackedLinear(self.embedding if self.head is None else self.head.weight)
+                      if self._packed else None)
+
+    def prepack(self) -> None:
+        """Pack the weights now (loading does), not in the first step that needs them."""
+        for gemm in [*self._qkv, *self._out, *([self._head] if self._head is not None else [])]:
+            gemm.refresh()
 
     @torch.no_grad()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -115,11 +131,13 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
-        q, k, v = block.attention.project_qkv(block.input_norm(x))
+        normed = block.input_norm(x)
+        q, k, v = (block.attention.split_qkv(self._qkv[layer](normed)) if self._packed
+                   else block.attention.project_qkv(normed))
         cos, sin = self.rotary.cos_sin(batch.positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.sliding_window)
-        resid = x + block.attention.project_out(heads)
+        resid = x + (self._out[layer](heads) if self._packed else block.attention.project_out(heads))
         tokens = block.post_norm(resid)
         if block.router is None:
             return AttnOut(resid=resid, tokens=tokens, expert_ids=None, gate_weights=None)
@@ -158,6 +176,8 @@ class AttentionPart(torch.nn.Module):
     @torch.no_grad()
     def logits(self, x_last: torch.Tensor) -> torch.Tensor:
         """[n, hidden] last-layer outputs -> [n, vocab] fp32 logits (final norm, then the head)."""
+        if self._head is not None:
+            return self._head(self.final_norm(x_last)).float()
         weight = self.embedding if self.head is None else self.head.weight
         return F.linear(self.final_norm(x_last), weight).float()
 
@@ -257,9 +277,10 @@ def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch
 
 # --- loading ----------------------------------------------------------------------------------------
 
-def load_attention_part(spec: ModelSpec) -> AttentionPart:
-    """An `AttentionPart` with the checkpoint's tensors (only those it holds) or the recipe seed's."""
-    part = AttentionPart(spec)
+def load_attention_part(spec: ModelSpec, *, packed: bool = False) -> AttentionPart:
+    """An `AttentionPart` with the checkpoint's tensors (only those it holds) or the recipe seed's; `packed`: as
+    `AttentionPart`'s."""
+    part = AttentionPart(spec, packed=packed)
     if spec.is_checkpoint:
         from mbridge_epoverlap.serving.model.checkpoint import CheckpointReader
         from mbridge_epoverlap.serving.model.hf_layout import attention_sources
@@ -269,6 +290,7 @@ def load_attention_part(spec: ModelSpec) -> AttentionPart:
                 part.get_parameter(name).copy_(torch.cat([reader.get(n) for n, _ in source.parts]))
     else:
         _init_attention(part, spec.seed)
+    part.prepack()
     return part
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mbridge_epoverlap.comm.alltoall import CommContext, all_reduce
+from mbridge_epoverlap.comm.alltoall import CommContext
 from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.schedule.program import ATTN, COMBINE, DISPATCH, EXPERTS, POST, Phase
 from mbridge_epoverlap.schedule.serving_orders import sequential, two_batch_overlap
@@ -64,7 +64,7 @@ class AllToAllTransport(Transport):
         side: the attention side it serves.
         experts: this rank's `ExpertPart`.
         placement: expert id -> rank.
-        group: the process group of the ranks (None: one process); only the step agreement uses it.
+        group: the process group of the ranks (None: one process); it gives this rank's number.
         ctx: timeout of the step agreement.
         comm: this rank's M2N communicator to every other rank (None: one process).
     """
@@ -82,6 +82,7 @@ class AllToAllTransport(Transport):
         self.world = placement.workers
         self.owner = torch.tensor(placement.owner, dtype=torch.int64)
         self._flight: dict[int, dict[str, Any]] = {}
+        self._idle = False  # no rank had a sequence at the last step agreement
 
     def close(self) -> None:
         if self.comm is not None:
@@ -89,10 +90,26 @@ class AllToAllTransport(Transport):
 
     def another_step(self) -> bool:
         """Whether any rank has work: running sequences, or (online) it still serves (every rank leaves
-        together)."""
-        busy = torch.tensor([int(self.side.active)], dtype=torch.int64)
-        all_reduce(busy, self.group, self.ctx, what="the colocated step agreement")
-        return int(busy[0]) != 0
+        together). It also settles `nothing_to_decode`: no rank has a sequence.
+
+        Each rank's flags go to every other rank over the M2N channel of the step's dispatches: one copy into
+        the peer's slot. The gloo all-reduce it replaced took 3.6-4.9 ms a step online (median, 2 ranks sharing
+        2 cores with the HTTP front end and a client), ~8 % of a 64-sequence decode step.
+        """
+        flags = torch.tensor([int(self.side.active), int(bool(self.side.queue.running))], dtype=torch.int64)
+        if self.comm is not None:
+            tag = 2 * message_tag(self.side.spec.num_layers, 0, self.side.m)  # after every tag of the layers
+            sends = [self.comm.isend(rank, [flags.clone()], tag) for rank in self._peers()]
+            answers = [self.comm.irecv(rank, tag) for rank in self._peers()]
+            for work in answers:
+                flags = torch.maximum(flags, work.wait(self.side.timeout_s)[0])
+            for work in sends:
+                work.wait(self.side.timeout_s)
+        self._idle = not bool(flags[1])
+        return bool(flags[0])
+
+    def nothing_to_decode(self) -> bool:
+        return self._idle
 
     def _peers(self) -> list[int]:
         return [rank for rank in range(self.world) if rank != self.rank]

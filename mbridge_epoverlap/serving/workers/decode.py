@@ -115,6 +115,10 @@ class AttentionWorker:
             side.boundary()
             if not self.transport.another_step():
                 break
+            if self.transport.nothing_to_decode():  # an idle server: no layer to run, the next boundary waits
+                beat_step(self.beat, side.decode_steps, 0, self.steps[0])
+                side.timer.step_done(record=False)
+                continue
             handles = split_micro_batches(side.queue.running, side.m)
             before = side.tokens_running()
             self.transport.begin_step(side.decode_steps)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 IDLE_WAIT_S = 0.05  # how long an idle worker waits for a message at a step boundary
@@ -118,7 +118,9 @@ MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready,
 
 
 def encode(message: Any) -> dict[str, Any]:
-    return {"kind": message.kind, **asdict(message)}
+    """The JSON object of a record: its fields as they are (`asdict`'s deep copy of every item cost a worker
+    ~1 ms a step for one micro-batch's `Tokens`, on a step of ~45 ms)."""
+    return {"kind": message.kind, **{f.name: getattr(message, f.name) for f in fields(message)}}
 
 
 def decode(payload: dict[str, Any]) -> Any:

@@ -190,6 +190,11 @@ class Transport:
         """At a drained step boundary: whether any attention worker has work (False: leave)."""
         return True
 
+    def nothing_to_decode(self) -> bool:
+        """After `another_step` said go on: whether no attention worker has a sequence, so that every one may
+        skip the step's layers together (an idle server then only waits for requests)."""
+        return False
+
     def begin_step(self, step: int) -> None:
         """Before decode step `step`'s first step (streamed steps: before the round of its first layer, whose
         dispatches are the step's first; the combines of the step before may still be awaited)."""

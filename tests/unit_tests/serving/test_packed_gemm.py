@@ -1,5 +1,6 @@
-"""The engine's expert GEMMs on oneDNN-packed weights: the same experts as the reference's to fp32 rounding, the
-weights repacked when they change in place, and the reference model left bit for bit (no packing)."""
+"""The engine's expert, attention and head GEMMs on oneDNN-packed weights: the same results as the reference's to
+fp32 rounding, the weights repacked when they change in place, and the reference model left bit for bit (no
+packing)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from mbridge_epoverlap.moe.experts import grouped_expert_swiglu
 from mbridge_epoverlap.serving.model import packed
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
-from mbridge_epoverlap.serving.model.parts import load_expert_part
+from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.kv_cache import KVCache
+from mbridge_epoverlap.serving.model.parts import load_attention_part, load_expert_part
 
 pytestmark = pytest.mark.skipif(not packed.available(torch.float32), reason="this torch has no oneDNN linear ops")
 
@@ -62,3 +65,35 @@ def test_the_switch_turns_packing_off(monkeypatch):
     assert not packed.available(torch.float16)  # no packed kernel asked for
     monkeypatch.setenv("MBRIDGE_EPOVERLAP_PACKED_GEMM", "0")
     assert not packed.available(torch.float32) and not packed.available(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 130])
+def test_a_packed_linear_equals_f_linear_to_fp32_rounding_and_follows_its_weight(rows):
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=g) * 0.05
+    gemm = packed.PackedLinear(weight)
+    x = torch.randn(2, rows, 64, generator=g)  # leading dimensions are kept
+    torch.testing.assert_close(gemm(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        weight[3].mul_(-2.0)  # changed in place: repacked before the next product
+    torch.testing.assert_close(gemm(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-6)
+
+
+def test_only_the_engine_packs_the_attention_part(tiny_qwen3_moe_dir):
+    spec = load_spec(tiny_qwen3_moe_dir)
+    reference, engine = load_attention_part(spec), load_attention_part(spec, packed=True)
+    assert not reference._packed and engine._packed
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, spec.hidden_size, generator=g)
+    batch = TokenBatch.from_chunks([(0, [5, 6, 7, 8], 0), (1, [9, 10, 11, 12, 13], 0)])
+    outs = []
+    for part in (reference, engine):
+        cache = KVCache.for_engine(spec)
+        cache.add(0)
+        cache.add(1)
+        outs.append((part.attention_step(spec.moe_layer_ids[0], x, batch, cache), part.logits(x[:2])))
+    (want, want_logits), (got, got_logits) = outs
+    torch.testing.assert_close(got.resid, want.resid, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.expert_ids, want.expert_ids)  # the router is not packed: same choices
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got.resid, want.resid) or not torch.equal(got_logits, want_logits)  # really packed
