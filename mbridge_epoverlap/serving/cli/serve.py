@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the model's name in the API (default: --checkpoint as given)")
     online.add_argument("--max-model-len", type=positive, default=None, metavar="N",
                         help="longest prompt plus max_tokens (default: the model's max_position_embeddings)")
+    online.add_argument("--max-prefill-tokens", type=positive, default=2048, metavar="N",
+                        help="prompt tokens one engine step may start, shared by its attention workers (default "
+                             "2048, the per-step token budget of vLLM's CPU server); a longer prompt starts alone")
     online.add_argument("--max-waiting", type=count, default=256, metavar="N",
                         help="requests that may wait for a slot; more answer 503 at once (default 256)")
     online.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0, metavar="S",
@@ -71,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "interface when the workers run on other nodes)")
     serve.add_argument("--max-new-tokens", type=positive, default=16, metavar="N", help="default 16")
     layout_args(serve)
+    serve.add_argument("--replicate-experts", action="store_true",
+                       help="with --colocated N: every process holds every expert and keeps its tokens (no "
+                            "all-to-all; N data-parallel engines behind one front end, N times the expert memory)")
     serve.add_argument("--elastic", action="store_true",
                        help="survive the loss of expert workers (redundant experts, re-placement, resends)")
     serve.add_argument("--redundant-experts", type=int, default=0, metavar="R",
@@ -130,7 +136,8 @@ def handle_serve(args: argparse.Namespace) -> int:
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                      micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                      max_new_tokens=args.max_new_tokens, max_batch=args.max_batch, backend=args.backend,
-                     timeout_s=args.timeout, dtype=args.dtype, threads=args.threads)
+                     timeout_s=args.timeout, dtype=args.dtype, threads=args.threads,
+                     replicated_experts=args.replicate_experts)
     if args.elastic:
         from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 

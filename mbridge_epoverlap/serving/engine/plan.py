@@ -58,6 +58,12 @@ class EnginePlan:
             endpoint its requests come from; empty: the batch run of `requests`.
         online_events: online serving: the front end's endpoint every attention worker sends its tokens to.
         max_model_len: online serving: the longest sequence (prompt and generated tokens) a request may reach.
+        replicated_experts: colocated processes each hold every expert and keep their tokens: no all-to-all,
+            N data-parallel engines behind one front end (N times the expert memory; each process reads every
+            expert's weights each step).
+        prefill_budget: online serving: the prompt tokens one admission (a micro-batch's step boundary; a
+            colocated rank's step) may start, one request always (`RequestQueue.prefill_budget`); 0 means
+            `max_model_len`.
         emulate_hosts: emulated hosts (`engine.hosts`): attention workers on host 0, expert workers on host 1,
             each host a network namespace joined by a link shaped to `emulate_link_gbps` (0: one real host).
         emulate_link_gbps: the emulated link's rate in Gbit/s.
@@ -95,6 +101,8 @@ class EnginePlan:
     online_requests: tuple[str, ...] = ()
     online_events: str = ""
     max_model_len: int = 0
+    prefill_budget: int = 0
+    replicated_experts: bool = False
     emulate_hosts: int = 0
     emulate_link_gbps: float = 0.0
     threads: int = 0

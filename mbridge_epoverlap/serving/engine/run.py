@@ -61,11 +61,15 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
               max_new_tokens: int = 16, max_batch: int = 64, placement: Sequence[int] | None = None,
               backend: str = "m2n", timeout_s: float = 30.0, num_layers: int | None = None, seed: int = 0,
               dtype: str = "float32", online_requests: Sequence[str] = (), online_events: str = "",
-              max_model_len: int = 0, threads: int = 0) -> EnginePlan:
+              max_model_len: int = 0, max_prefill_tokens: int = 0, threads: int = 0,
+              replicated_experts: bool = False) -> EnginePlan:
     """Check a layout against the model and deal the requests to the attention workers (round robin).
 
     Online serving (`online_requests`, one front-end endpoint per attention worker, and `online_events`) deals
-    none: requests arrive while the workers run, each at most `max_model_len` tokens long. `threads` is torch's
+    none: requests arrive while the workers run, each at most `max_model_len` tokens long, and an engine step starts
+    at most `max_prefill_tokens` prompt tokens over its attention workers (0: `max_model_len` per admission; a
+    longer prompt still starts, alone). `replicated_experts`: colocated processes hold every expert each (no
+    all-to-all; `EnginePlan.replicated_experts`). `threads` is torch's
     intra-op threads per worker process; 0 shares the cores evenly (`plan.default_threads`).
 
     Raises:
@@ -77,6 +81,8 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
 
     check_layout(attn_workers=attn_workers, expert_workers=expert_workers, micro_batches=micro_batches,
                  processes=colocated, colocated=colocated > 0, num_experts=spec.num_experts)
+    if replicated_experts and not colocated:
+        raise UsageError("--replicate-experts applies to colocated processes; add --colocated N")
     if not spec.moe_layer_ids:
         raise UsageError(f"{spec.source}: the model has no MoE layer; the engine serves MoE models")
     if max_new_tokens < 1:
@@ -92,8 +98,11 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     # The largest message: every token of a full micro-batch of prefills routed k times to one worker (a
     # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
     # share of the batch limit (`AttentionSide.refill`).
-    if online_requests:  # a boundary starts at most max_model_len prompt tokens beside its decoding sequences
-        rows = (max_model_len + micro_batch_limit(max_batch, micro_batches, 0)) * spec.top_k
+    prefill_budget = 0
+    if online_requests:  # an admission starts its budget's prompt tokens (or one prompt) beside its decoding ones
+        prefill_budget = admission_budget(max_prefill_tokens, colocated or attn_workers,
+                                          1 if colocated else micro_batches) if max_prefill_tokens else 0
+        rows = (max(max_model_len, prefill_budget) + micro_batch_limit(max_batch, micro_batches, 0)) * spec.top_k
     else:
         longest = max(len(r.prompt_ids) for r in requests)
         per_micro_batch = min(micro_batch_limit(max_batch, micro_batches, 0), max(len(d) for d in dealt))
@@ -105,8 +114,16 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
                       placement=table.owner, max_new_tokens=max_new_tokens, max_batch=max_batch, requests=dealt,
                       backend=backend, slot_bytes=slot_bytes, timeout_s=timeout_s, num_layers=num_layers, seed=seed,
                       dtype=dtype, online_requests=tuple(online_requests), online_events=online_events,
-                      max_model_len=max_model_len,
+                      max_model_len=max_model_len, prefill_budget=prefill_budget,
+                      replicated_experts=replicated_experts,
                       threads=threads or default_threads(colocated or attn_workers + expert_workers))
+
+
+def admission_budget(step_tokens: int, attention_sides: int, admissions_per_step: int) -> int:
+    """The prompt tokens one admission may start when an engine step may start `step_tokens` over its attention
+    sides, each admitting `admissions_per_step` times a step (a colocated rank once, a disaggregated attention
+    worker at each micro-batch's boundary)."""
+    return max(1, step_tokens // (attention_sides * admissions_per_step))
 
 
 def run_engine(plan: EnginePlan, *, progress: Callable[[str], None] | None = None,

@@ -122,13 +122,18 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
 
         ctx = CommContext.for_device(torch.device("cpu"), plan.timeout_s, comm_thread=False)
         group, comm = None, None
-        if plan.world > 1:
+        held = index  # the placement's holder this rank is
+        if plan.replicated_experts:  # every expert here: the rank decodes its own sequences as one process does
+            from mbridge_epoverlap.serving.workers.placement import Placement
+
+            placement, held = Placement.balanced(spec.num_experts, 1), 0
+        elif plan.world > 1:
             # Per layer and micro-batch a rank sends each other rank a dispatch and a reply: slots for every
             # micro-batch's pair, so a send never waits for a slot while its sender waits on another rank.
             group = dist.group.WORLD
             comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=dist.get_rank(),
                         peers=[r for r in range(plan.world) if r != dist.get_rank()], slots=2 * plan.micro_batches + 1)
-        experts = parts.load_expert_part(spec, placement.experts_of(index), packed=True)
+        experts = parts.load_expert_part(spec, placement.experts_of(held), packed=True)
         attention = parts.load_attention_part(spec, packed=True)
         worker = colocated_worker(spec, attention, parts.KVCache.for_engine(spec), queue, experts, placement,
                                   plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
@@ -166,7 +171,8 @@ def _serve_online(plan: EnginePlan, index: int, side: Any, transport: Any) -> No
         return
     from mbridge_epoverlap.serving.workers.online import OnlineSource
 
-    OnlineSource(index, plan.online_requests[index], plan.online_events, side, prefill_budget=plan.max_model_len,
+    OnlineSource(index, plan.online_requests[index], plan.online_events, side,
+                 prefill_budget=plan.prefill_budget or plan.max_model_len,
                  events=transport.events)
 
 

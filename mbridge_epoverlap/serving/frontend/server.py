@@ -80,7 +80,8 @@ def serve_http(args: argparse.Namespace) -> int:
                          micro_batches=args.micro_batches, colocated=args.colocated, order=args.order,
                          max_batch=args.max_batch, backend=args.backend,
                          timeout_s=args.timeout, dtype=args.dtype, online_requests=endpoints, online_events=events,
-                         max_model_len=max_model_len, threads=args.threads)
+                         max_model_len=max_model_len, max_prefill_tokens=args.max_prefill_tokens,
+                         threads=args.threads, replicated_experts=args.replicate_experts)
         if args.elastic:
             from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 

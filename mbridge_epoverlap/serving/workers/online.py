@@ -237,16 +237,18 @@ class OnlineSource:
                 self.serving = False
 
     def _report(self) -> None:
-        """Send `Stats` when the queue changed, every `STATS_EVERY_S` while the experts see tokens, and every
-        `KEEPALIVE_S` anyway."""
+        """Send `Stats` when the queue changed (requests running or waiting), every `STATS_EVERY_S` while
+        decoding (the KV cache grows every step: reported at that pace, not at every step), with new events,
+        and every `KEEPALIVE_S` anyway."""
         queue, side = self.queue, self.side
         now = time.monotonic()
         counts = (len(queue.running), len(queue.waiting), sum(s.length for s in queue.running))
         load = side.expert_load - self._load_sent
         new_events = self.events[self._events_sent:] if self.events is not None else []
-        busy = bool(load.any()) and now - self._stats_at >= STATS_EVERY_S
+        queue_changed = self._last_stats is None or counts[:2] != self._last_stats[:2]
+        busy = (bool(load.any()) or counts != self._last_stats) and now - self._stats_at >= STATS_EVERY_S
         quiet = now - self._stats_at >= KEEPALIVE_S
-        if counts == self._last_stats and not busy and not new_events and not quiet:
+        if not queue_changed and not busy and not new_events and not quiet:
             return
         self._send(Stats(self.worker, *counts, expert_load=load.tolist(),
                          events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events]))

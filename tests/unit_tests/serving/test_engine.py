@@ -30,6 +30,7 @@ MODES = [
     ("tiny_mixtral_dir", dict(colocated=2, order="two_batch_overlap")),
     ("tiny_qwen3_moe_dir", dict(micro_batches=2, expert_workers=2, attn_workers=2)),
     ("tiny_qwen3_moe_dir", dict(colocated=2, order="sequential", micro_batches=1)),
+    ("tiny_qwen3_moe_dir", dict(colocated=2, order="sequential", micro_batches=1, replicated_experts=True)),
 ]
 
 

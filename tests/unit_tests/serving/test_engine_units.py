@@ -191,3 +191,34 @@ def test_decode_steps_chain_as_layers_do():
     rounds = [step for layer in range(6) for step in ping_pong_round(2, layer)]
     assert rounds + ping_pong_tail(2, 6) == ping_pong(2, 6)
     check_schedule(ping_pong(2, 6))
+
+
+@pytest.mark.parametrize(("layout", "budget"), [
+    (dict(colocated=2, micro_batches=1), 1024),  # each rank admits once a step
+    (dict(attn_workers=1, micro_batches=2), 1024),  # the attention worker admits at each micro-batch's boundary
+    (dict(attn_workers=2, micro_batches=2), 512),
+])
+def test_an_online_step_starts_at_most_its_prefill_tokens_over_its_attention_workers(tiny_mixtral_dir, layout,
+                                                                                     budget):
+    from mbridge_epoverlap.serving.engine.run import make_plan
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    spec = load_spec(tiny_mixtral_dir)
+    plan = make_plan(spec, [], online_requests=["tcp://127.0.0.1:1"] * (layout.get("colocated") or
+                                                                        layout["attn_workers"]),
+                     online_events="tcp://127.0.0.1:2", max_model_len=64, max_prefill_tokens=2048, **layout)
+    assert plan.prefill_budget == budget
+    row_bytes = spec.hidden_size * 4 + 8
+    assert plan.slot_bytes >= budget * spec.top_k * row_bytes  # a full admission's dispatch fits a slot
+    small = make_plan(spec, [], online_requests=plan.online_requests, online_events=plan.online_events,
+                      max_model_len=64, **layout)
+    assert small.prefill_budget == 0 and small.slot_bytes < plan.slot_bytes  # no budget: max_model_len each
+
+
+def test_an_admission_always_starts_one_request_and_stops_at_the_prefill_budget():
+    queue = RequestQueue([Request(str(i), tuple(range(40))) for i in range(5)], max_batch=8, max_new_tokens=4,
+                         eos_ids=())
+    queue.prefill_budget = 100
+    assert [s.request.id for s in queue.admit(8)] == ["0", "1"]  # 80 tokens; a third would make 120
+    queue.prefill_budget = 10
+    assert [s.request.id for s in queue.admit(8)] == ["2"]  # longer than the budget: it still starts, alone

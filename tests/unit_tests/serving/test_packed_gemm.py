@@ -9,8 +9,8 @@ import torch
 
 from mbridge_epoverlap.moe.experts import grouped_expert_swiglu
 from mbridge_epoverlap.serving.model import packed
-from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.model.kv_cache import KVCache
 from mbridge_epoverlap.serving.model.parts import load_attention_part, load_expert_part
 

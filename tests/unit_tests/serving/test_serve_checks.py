@@ -48,3 +48,8 @@ def test_http_refuses_a_bad_address_and_colocated_elastic_serving(tiny_mixtral_d
     assert done.returncode == 2 and "drop --colocated" in done.stderr and "--elastic" in done.stderr
     done = run_cli("serve", "--checkpoint", str(tiny_mixtral_dir))
     assert done.returncode == 2 and "--prompts FILE" in done.stderr and "--http HOST:PORT" in done.stderr
+    done = run_cli("serve", "--checkpoint", str(tiny_mixtral_dir), "--http", "127.0.0.1:0", "--replicate-experts")
+    assert done.returncode == 2 and "--replicate-experts applies to colocated processes" in done.stderr
+    done = run_cli("serve", "--checkpoint", str(tiny_mixtral_dir), "--http", "127.0.0.1:0",
+                   "--max-prefill-tokens", "0")
+    assert done.returncode == 2 and "--max-prefill-tokens" in done.stderr and "Traceback" not in done.stderr

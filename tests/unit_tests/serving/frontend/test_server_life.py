@@ -303,10 +303,14 @@ def test_elastic_metrics_count_a_loss_the_rejoin_and_the_moved_copies(start_serv
     assert _metric(server, "mbe_elastic_rebalances_total") == 0  # no --rebalance-every
 
 
-def test_a_server_on_two_colocated_processes_answers_as_transformers(start_server, chat_mixtral_dir, hf_greedy):
+@pytest.mark.parametrize("replicated", [False, True], ids=["ep", "replicated-experts"])
+def test_a_server_on_two_colocated_processes_answers_as_transformers(start_server, chat_mixtral_dir, hf_greedy,
+                                                                     replicated):
     """`--colocated 2`: each process attends to its own requests and holds half the experts (EP over shared
-    memory); requests spread over both give `generate`'s tokens, and SIGTERM leaves nothing behind."""
-    server = start_server(chat_mixtral_dir, "--colocated", "2", "--max-batch", "4")
+    memory), or with `--replicate-experts` all of them (no exchange); requests spread over both give
+    `generate`'s tokens, and SIGTERM leaves nothing behind."""
+    server = start_server(chat_mixtral_dir, "--colocated", "2", "--max-batch", "4",
+                          *(["--replicate-experts"] if replicated else []))
     pids = _worker_pids(server)
     assert sorted(pids) == ["colocated"] and len(pids["colocated"]) == 2
     client = _client(server)
