@@ -34,12 +34,8 @@ class SelfAttention(torch.nn.Module):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [..., hidden] -> q [..., heads, head_dim], k and v [..., groups, head_dim] (q/k normalised)."""
-        return self.split_qkv(self.qkv(x))
-
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The fused projection's output [..., (heads + 2 * groups) * head_dim] -> q, k, v as `project_qkv`'s."""
-        d, lead = self.head_dim, qkv.shape[:-1]
-        q, k, v = qkv.split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
+        d, lead = self.head_dim, x.shape[:-1]
+        q, k, v = self.qkv(x).split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
         q = q.view(*lead, self.heads, d)
         k = k.view(*lead, self.groups, d)
         v = v.view(*lead, self.groups, d)

@@ -130,9 +130,11 @@ def epoch_args(parser: argparse.ArgumentParser, when: str = "") -> None:
     parser.add_argument("--rejoin-hold", action="store_true",
                         help=f"{when}with --rejoin-after-steps: hold decoding N steps after the loss until the "
                              "replacement is ready (at most half of --timeout), so that the step it joins is fixed")
-    parser.add_argument("--rebalance-threshold", type=float, default=1.1, metavar="T",
+    parser.add_argument("--rebalance-threshold", type=float, default=None, metavar="T",
                         help=f"{when}skip a rebalance (no solve, no weight moved) while max/mean expert load "
-                             "over the expert workers is at most T (default 1.1; 1 rebalances whenever it helps)")
+                             "over the expert workers is at most T (1 rebalances whenever it helps; default: 1.1, "
+                             "or above what routing the window's N pairs over W workers at random gives, "
+                             "1 + 3 sqrt((W - 1) / N), whichever is higher)")
 
 
 def host_args(parser: argparse.ArgumentParser) -> None:

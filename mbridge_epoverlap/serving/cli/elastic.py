@@ -116,6 +116,13 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     reference = None
     rebalancing_runs: list[dict[str, Any]] = []
     elastic_runs: list[list[dict[str, Any]]] = []  # the no-failure elastic runs' completions
+    # With a replacement, a failure run in every round right after that round's no-failure runs: its rate after
+    # the rejoin is compared with the elastic run beside it over the same steps (runs minutes apart differ by
+    # more than the rejoin costs on a shared machine).
+    failure_runs: list[tuple[dict[str, Any], int]] = []
+    rejoin_ratios: list[float | None] = []
+    when = (f"one every {kill_every} decode steps from step {args.kill_step}" if kill_every
+            else f"at decode step {args.kill_step}")
     load_start = os.getloadavg()
     for i in range(args.repeats):
         # A B, then B A: neither side always runs first (warm caches, a neighbour's load).
@@ -133,13 +140,21 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
                 rebalancing_runs.append(run)
             if name == "elastic":
                 elastic_runs.append(run["completions"])
+        if args.rejoin_after_steps:
+            say(f"round {i + 1}/{args.repeats}: elastic run killing {args.kill} of {args.expert_workers} expert "
+                f"workers {when}, a replacement after {args.rejoin_after_steps} steps")
+            failure_runs.append(run_reporting_failure(killing, say))
+            rejoin_ratios.append(_rejoin_ratio(failure_runs[-1][0], elastic_runs[-1]))
     load_end = os.getloadavg()
-    when = (f"one every {kill_every} decode steps from step {args.kill_step}" if kill_every
-            else f"at decode step {args.kill_step}")
-    say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers {when}")
-    result, code = run_reporting_failure(killing, say)
+    if not failure_runs:
+        say(f"elastic run killing {args.kill} of {args.expert_workers} expert workers {when}")
+        failure_runs.append(run_reporting_failure(killing, say))
+    result, code = failure_runs[-1]  # the reported run; every round's outputs and losses are checked
+    code = max(c for _, c in failure_runs)
     summary = result.get("elastic", {})
     got = {c["id"]: c["output_ids"] for c in result["completions"]}
+    every_equal = all({c["id"]: c["output_ids"] for c in r["completions"]} == reference for r, _ in failure_runs)
+    lost_any = sorted({i for r, _ in failure_runs for i in r["failed_requests"]})
     medians = {name: statistics.median(values) for name, values in rates.items()}
     plain_rates, elastic_rates = rates["plain"], rates["elastic"]
     cost = medians["rebalancing"] / medians["elastic"] if "rebalancing" in medians and medians["elastic"] else None
@@ -151,8 +166,8 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         "interruption_s": summary.get("interruption_s"), "detected_after_s": summary.get("detected_after_s"),
         "throughput_before": summary.get("throughput_before"), "throughput_after": summary.get("throughput_after"),
         "survivors_share": summary.get("survivors_share"),
-        "outputs_match_reference": code == 0 and got == reference,
-        "lost_requests": result["failed_requests"], "lost_workers": summary.get("lost_workers"),
+        "outputs_match_reference": code == 0 and got == reference and every_equal,
+        "lost_requests": lost_any, "lost_workers": summary.get("lost_workers"),
         "restored_experts": summary.get("restored_experts"), "events": summary.get("events", []),
         "rejoined_workers": summary.get("rejoined_workers", []), "rejoined_after_s": summary.get("rejoined_after_s"),
         "rejoin_wait_s": summary.get("rejoin_wait_s"),
@@ -160,9 +175,13 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
         # The pre-failure rate is measured on the first, shortest contexts: the run without a failure over the
         # steps after the rejoin is the like-for-like baseline (median over its runs).
         "throughput_same_steps_without_failure": _same_steps(elastic_runs, summary.get("rejoined_at_token")),
+        # Each round's failure run after its rejoin over the no-failure elastic run beside it, same steps.
+        "rejoin_throughput_ratio": statistics.median(r for r in rejoin_ratios if r is not None)
+        if any(r is not None for r in rejoin_ratios) else None,
+        "rejoin_throughput_ratio_rounds": rejoin_ratios,
         "rebalances": summary.get("rebalances", []),
         "failures": failure_table(summary.get("failures", []), args.expert_workers, outputs_equal=code == 0
-                                  and got == reference, lost=result["failed_requests"], restarts=restarts),
+                                  and got == reference and every_equal, lost=lost_any, restarts=restarts),
         "restart_s": restarts, "restart_s_median": statistics.median(restarts) if restarts else None,
         "no_failure": {"plain_tokens_per_s": plain_rates, "elastic_tokens_per_s": elastic_rates,
                        "elastic_over_plain": medians["elastic"] / medians["plain"] if medians["plain"] else None,
@@ -183,6 +202,16 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     report["source"] = source_of(args, ELASTIC_DEFAULT_RECIPE)
     print_result(report, args.json, _table)
     return code
+
+
+def _rejoin_ratio(result: dict[str, Any], completions: list[dict[str, Any]]) -> float | None:
+    """A failure run's tokens/s after its rejoin over a no-failure run's over the same decode steps."""
+    from mbridge_epoverlap.serving.elastic.report import rate_from_step
+
+    summary = result.get("elastic", {})
+    after, step = summary.get("throughput_after_rejoin"), summary.get("rejoined_at_token")
+    same = rate_from_step(completions, step) if step is not None else None
+    return after / same if after and same else None
 
 
 def _same_steps(runs: list[list[dict[str, Any]]], step: float | None) -> float | None:
@@ -267,6 +296,10 @@ def _epoch_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
                                          f"after rejoin {fmt3(r['throughput_after_rejoin'], '{:,.1f}')} (the same "
                                          f"steps without a failure: "
                                          f"{fmt3(r['throughput_same_steps_without_failure'], '{:,.1f}')})"))
+        rounds = ", ".join(fmt3(x, "{:.2f}") for x in r["rejoin_throughput_ratio_rounds"])
+        rows.append(("after rejoin / no failure", f"{fmt3(r['rejoin_throughput_ratio'], '{:.2f}')} (median of the "
+                                                  f"rounds' ratios, each failure run beside that round's no-failure "
+                                                  f"elastic run, same decode steps: {rounds})"))
     moved = [b for b in r["rebalances"] if not b["kept"]]
     if r["layout"]["rebalance_every"]:
         rows.append(("rebalances", "; ".join(f"step {b['step']}: {b['moved']} moved, max/mean "
@@ -311,6 +344,7 @@ def _rebalancing_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     if b is None:
         return []
     before, after = b["imbalance_before"], b["imbalance_after"]
+    threshold = r["layout"]["rebalance_threshold"] or "1.1 or the routing noise"
     balance = (f", max/mean median {statistics.median(before):.3f} -> {statistics.median(after):.3f}"
                if before else "")
     return [("rebalance_cost_ratio", f"{fmt3(r['rebalance_cost_ratio'])} (rebalancing every "
@@ -318,7 +352,7 @@ def _rebalancing_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
                                      f"{len(nf['elastic_tokens_per_s'])} alternated runs, decode tokens/s; "
                                      f"median of the rounds' ratios {fmt3(r['rebalance_cost_ratio_paired'])})"),
             ("rebalancing arm", f"{b['done']} done, {b['skipped']} skipped (max/mean <= "
-                                f"{r['layout']['rebalance_threshold']}), {b['kept']} kept; {b['moved_copies']} "
+                                f"{threshold}), {b['kept']} kept; {b['moved_copies']} "
                                 f"copies moved ({b['moved_copies_from_scratch']} from scratch){balance}; outputs "
                                 f"match reference {b['outputs_match_reference']}")]
 

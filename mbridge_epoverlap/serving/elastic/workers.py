@@ -22,7 +22,8 @@ before):
   what they know, every `rebalance_every` steps consider a rebalance for the load they recorded
   (`eplb.ExpertLoadRecorder`, fed by every dispatch), and admit a replacement expert worker
   `rejoin_after_steps` after a loss. A rebalance is skipped while max/mean load is at most
-  `rebalance_threshold`; otherwise the placement in force is changed slot by slot
+  `rebalance_threshold` (by default 1.1 or `routing_noise` of the window's pairs, the higher); otherwise the
+  placement in force is changed slot by slot
   (`ElasticLayout.rebalanced`, aiming at the balance a solve from scratch gets), or solved from scratch when
   that balances clearly better, and adopted when it lowers max/mean load by `MIN_REBALANCE_GAIN` or more. A
   new layout becomes a new epoch, announced in that step and entered at the next step boundary; the control
@@ -52,6 +53,7 @@ a given decode step, in the middle of the step (last MoE layer, first micro-batc
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -77,6 +79,19 @@ from mbridge_epoverlap.serving.workers.protocol import (
 
 # A rebalance is adopted when it lowers max/mean load by at least this fraction: moving weights for less is churn.
 MIN_REBALANCE_GAIN = 0.01
+# The default threshold (`rebalance_threshold` 0): skip at max/mean up to this, or up to what routing the window's
+# pairs at random would give (`routing_noise`), whichever is higher.
+DEFAULT_REBALANCE_THRESHOLD = 1.1
+
+
+def routing_noise(pairs: int, workers: int) -> float:
+    """max/mean load that uniform random routing of `pairs` (token, expert) pairs over `workers` equal workers
+    stays below almost always: 1 + 3 sigma of one worker's share (a binomial's relative spread,
+    sqrt((workers - 1) / pairs)). A measured imbalance below it cannot be told from chance: a placement fitted
+    to it would fit the past window's draw, not the next one's, and the weight moves would buy nothing."""
+    if pairs < 1 or workers < 2:
+        return math.inf if workers >= 2 else 1.0
+    return 1.0 + 3.0 * math.sqrt((workers - 1) / pairs)
 _SLICE_S = 0.02  # an expert worker looks for resends this often while it waits
 
 
@@ -127,7 +142,8 @@ class ElasticRouter(Transport):
         rejoin_after_steps: admit a replacement this many or more steps after a loss, at the first boundary where
             it is ready (0: never).
         rejoin_hold: wait at that boundary for the replacement instead (up to half the timeout).
-        rebalance_threshold: skip a rebalance while max/mean load over the live expert workers is at most this.
+        rebalance_threshold: skip a rebalance while max/mean load over the live expert workers is at most this
+            (0: `DEFAULT_REBALANCE_THRESHOLD` or the window's `routing_noise`, the higher).
         progress: called with a line for what happens (rank 0 only).
     """
 
@@ -135,7 +151,7 @@ class ElasticRouter(Transport):
 
     def __init__(self, side: AttentionSide, comm: Any, expert_ranks: list[int], *, layout: ElasticLayout,
                  restore: bool, sync: Any = None, m2n_store: Any = None, rebalance_every: int = 0,
-                 rejoin_after_steps: int = 0, rebalance_threshold: float = 1.1, rejoin_hold: bool = False,
+                 rejoin_after_steps: int = 0, rebalance_threshold: float = 0.0, rejoin_hold: bool = False,
                  progress: Callable[[str], None] | None = None) -> None:
         self.side, self.comm, self.expert_ranks, self.progress = side, comm, expert_ranks, progress
         self.spec, self.m, self.timeout_s = side.spec, side.m, side.timeout_s
@@ -262,8 +278,10 @@ class ElasticRouter(Transport):
         `MIN_REBALANCE_GAIN` of it, else that one (so a rebalance never moves more than a solve from scratch)."""
         before = self.layout.imbalance(load)
         record = {"t": time.monotonic(), "step": step, "imbalance_before": before, "imbalance_after": before}
-        if before <= self.rebalance_threshold:
-            self.events.append({"event": "rebalance-skipped", **record, "threshold": self.rebalance_threshold})
+        threshold = self.rebalance_threshold or max(DEFAULT_REBALANCE_THRESHOLD,
+                                                    routing_noise(int(load.sum()), len(self.layout.alive)))
+        if before <= threshold:
+            self.events.append({"event": "rebalance-skipped", **record, "threshold": threshold})
             return
         scratch = self.layout.resolved(self.layout.alive, load)
         goal = scratch.imbalance(load)

@@ -16,7 +16,7 @@ from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 
 def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: int = 4, restore: bool = True,
                  rebalance_every: int = 0, rejoin_after_steps: int = 0, kill_every: int = 0,
-                 rebalance_threshold: float = 1.1, rejoin_hold: bool = False) -> EnginePlan:
+                 rebalance_threshold: float | None = None, rejoin_hold: bool = False) -> EnginePlan:
     """`plan` (disaggregated, from `run.make_plan`) in elastic mode with `redundant` extra expert slots.
 
     Args:
@@ -32,7 +32,8 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
         rejoin_hold: hold decoding at that boundary until the replacement is ready (up to half the timeout),
             which fixes the step it joins at the cost of a pause.
         kill_every: one victim every this many decode steps, one after another (0: all at `kill_step`).
-        rebalance_threshold: skip a periodic rebalance while max/mean load is at most this (>= 1).
+        rebalance_threshold: skip a periodic rebalance while max/mean load is at most this (>= 1; None: 1.1,
+            or above what random routing of the window's pairs would give, `elastic.workers.routing_noise`).
 
     Raises:
         UsageError: a colocated plan, a backend whose class lacks what elastic serving needs (`resumable_wait`;
@@ -54,7 +55,7 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
     if rebalance_every < 0:
         raise UsageError(f"--rebalance-every {rebalance_every} must be >= 1 (decode steps between rebalances), "
                          "or 0 to keep the start placement")
-    if not rebalance_threshold >= 1.0:  # also NaN
+    if rebalance_threshold is not None and not rebalance_threshold >= 1.0:  # also NaN
         raise UsageError(f"--rebalance-threshold {rebalance_threshold} must be >= 1 (max/mean expert load at or "
                          "below which a rebalance is skipped; 1 rebalances whenever that helps)")
     if rejoin_after_steps < 0:
@@ -71,7 +72,8 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
     moving = rebalance_every or rejoin_after_steps
     return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
                    rebalance_every=rebalance_every, rejoin_after_steps=rejoin_after_steps,
-                   rebalance_threshold=rebalance_threshold, rejoin_hold=bool(rejoin_hold and rejoin_after_steps),
+                   rebalance_threshold=rebalance_threshold or 0.0,
+                   rejoin_hold=bool(rejoin_hold and rejoin_after_steps),
                    weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)
 
 

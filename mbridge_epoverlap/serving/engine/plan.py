@@ -52,7 +52,8 @@ class EnginePlan:
         rejoin_hold: elastic mode holds decoding at a replacement's admission step until it is ready (else it
             joins at the first step boundary where it is, while decoding goes on).
         rebalance_threshold: a periodic rebalance is skipped (no solve, nothing moved) while max/mean expert
-            load over the live expert workers is at most this.
+            load over the live expert workers is at most this (0: 1.1, or the window's routing noise when higher,
+            `elastic.workers.routing_noise`).
         weight_slot_bytes: M2N slot size of the channels between expert workers that carry moved weights.
         online_requests: online serving (`serving.workers.online`): per attention worker, the front end's
             endpoint its requests come from; empty: the batch run of `requests`.
@@ -95,7 +96,7 @@ class EnginePlan:
     kill: tuple[tuple[int, int], ...] = ()
     rebalance_every: int = 0
     rejoin_after_steps: int = 0
-    rebalance_threshold: float = 1.1
+    rebalance_threshold: float = 0.0
     rejoin_hold: bool = False
     weight_slot_bytes: int = 0
     online_requests: tuple[str, ...] = ()

@@ -1,5 +1,5 @@
-"""Expert and attention GEMMs on weights prepacked once for oneDNN, the CPU's fastest path for the engine's
-small GEMMs.
+"""Expert and head GEMMs on weights prepacked once for oneDNN, the CPU's fastest path for the engine's small
+GEMMs.
 
 A decode step gives each expert a few rows (8 on average at 64 sequences and 64 experts top-8), and the
 expert stage is then bound by reading the weights: `F.linear` (MKL's sgemm) re-arranges each weight into its
@@ -12,10 +12,10 @@ them). They are rebuilt when a weight changes in place (its version counter move
 move), so a holder never computes with stale weights. The results are fp32 GEMMs as `F.linear`'s, rounded in a
 different order (last-bit differences, as between `F.linear` on 1 and on 8 rows).
 
-The attention side's projections and head (`PackedLinear`) gain the same way at a decode batch's rows. One
-thread, 32 rows (64), weights out of cache: [512 -> 1,024] 655 against 395 us (956 / 783), [512 -> 512] 226
-against 180 (498 / 344), the head [512 -> 4,096] 2,644 against 1,720 (4,238 / 2,957). The router's [512 -> 8]
-is faster unpacked (10 against 20 us) and stays so.
+The head (`PackedLinear`) gains the same way at a decode batch's rows: one thread, 32 rows (64), weight out
+of cache, [512 -> 4,096] 2,644 against 1,720 us (4,238 / 2,957). The attention projections would too
+([512 -> 1,024] 655 against 395 us) but stay unpacked (`parts.AttentionPart` says why); the router's
+[512 -> 8] is faster unpacked (10 against 20 us).
 
 Where the ops do not exist (a torch built without oneDNN) or the dtype has no packed kernel, `available` is
 False and the caller keeps `moe.experts.grouped_expert_swiglu`.

@@ -87,9 +87,11 @@ class AttentionPart(torch.nn.Module):
     """Embedding, attention, routers, dense MLPs, final norm and head; parameters uninitialised
     (`load_attention_part` fills them).
 
-    With `packed` (the engine's workers, fp32) the attention projections and the head run on oneDNN-packed
-    copies of their weights (`serving.model.packed.PackedLinear`): faster at decode's rows, rounded differently
-    in the last bits. Without it (the reference model) they are `transformers`' GEMMs, bit for bit.
+    With `packed` (the engine's workers, fp32) the head runs on a oneDNN-packed copy of its weight
+    (`serving.model.packed.PackedLinear`): faster at decode's rows, rounded differently in the last bits.
+    Without it (the reference model) it is `transformers`' GEMM, bit for bit. The attention projections stay
+    `F.linear`: packed too (1.2-1.7x on them), they changed one Mixtral sequence of the 64 of
+    `serving_peers_bench.py` against `transformers` (at its token 50, a near tie); the head alone changes none.
     """
 
     def __init__(self, spec: ModelSpec, *, packed: bool = False) -> None:
@@ -103,16 +105,13 @@ class AttentionPart(torch.nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
         self.requires_grad_(False)
         # fp32 only: measured there; bf16 keeps F.linear (its own oneDNN path), whose tokens the bf16 figures show
-        self._packed = packed and dtype == torch.float32 and packed_gemm.available(dtype)
-        self._qkv = [packed_gemm.PackedLinear(b.attention.qkv.weight) for b in self.layers] if self._packed else []
-        self._out = [packed_gemm.PackedLinear(b.attention.proj.weight) for b in self.layers] if self._packed else []
         self._head = (packed_gemm.PackedLinear(self.embedding if self.head is None else self.head.weight)
-                      if self._packed else None)
+                      if packed and dtype == torch.float32 and packed_gemm.available(dtype) else None)
 
     def prepack(self) -> None:
-        """Pack the weights now (loading does), not in the first step that needs them."""
-        for gemm in [*self._qkv, *self._out, *([self._head] if self._head is not None else [])]:
-            gemm.refresh()
+        """Pack the head now (loading does), not in the first step that needs it."""
+        if self._head is not None:
+            self._head.refresh()
 
     @torch.no_grad()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -131,13 +130,11 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
-        normed = block.input_norm(x)
-        q, k, v = (block.attention.split_qkv(self._qkv[layer](normed)) if self._packed
-                   else block.attention.project_qkv(normed))
+        q, k, v = block.attention.project_qkv(block.input_norm(x))
         cos, sin = self.rotary.cos_sin(batch.positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.sliding_window)
-        resid = x + (self._out[layer](heads) if self._packed else block.attention.project_out(heads))
+        resid = x + block.attention.project_out(heads)
         tokens = block.post_norm(resid)
         if block.router is None:
             return AttnOut(resid=resid, tokens=tokens, expert_ids=None, gate_weights=None)

@@ -154,3 +154,20 @@ def test_elastic_bench_refuses_kills_no_copy_survives_without_restore(tiny_mixtr
     err = capsys.readouterr().err
     assert "--no-expert-restore: the kill of expert workers [0] at decode step 8 takes every replica" in err
     assert "raise --redundant-experts" in err
+
+
+def test_elastic_bench_pairs_each_rejoin_run_with_the_no_failure_run_beside_it(tiny_mixtral_dir, capsys):
+    """With a replacement, every round runs a failure beside its no-failure runs: the rate after the rejoin is
+    compared round by round over the same decode steps, and every round's outputs and losses are checked."""
+    from mbridge_epoverlap.cli import main
+
+    code = main(["elastic-bench", "--checkpoint", str(tiny_mixtral_dir), "--expert-workers", "4",
+                 "--redundant-experts", "4", "--kill", "1", "--kill-step", "2", "--rejoin-after-steps", "2",
+                 "--rejoin-hold", "--steps", "12", "--batch", "4", "--repeats", "1", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lost_requests"] == [] and report["outputs_match_reference"] is True
+    rounds = report["rejoin_throughput_ratio_rounds"]
+    assert len(rounds) == 1 and rounds[0] is not None and rounds[0] > 0
+    assert report["rejoin_throughput_ratio"] == rounds[0]
+    assert report["rejoined_workers"] == [0]

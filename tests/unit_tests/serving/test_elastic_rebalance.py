@@ -134,3 +134,21 @@ def test_elastic_bench_rebalance_threshold_below_one_exits_2(tiny_mixtral_dir, c
                  "--redundant-experts", "2", "--kill", "0", "--rebalance-every", "2", "--rebalance-threshold",
                  "0.5"]) == 2
     assert "--rebalance-threshold 0.5 must be >= 1" in capsys.readouterr().err
+
+
+def test_the_default_threshold_skips_what_random_routing_gives_and_not_a_hot_expert():
+    import torch
+
+    from mbridge_epoverlap.serving.elastic.workers import routing_noise
+
+    assert routing_noise(512, 4) == pytest.approx(1 + 3 * (3 / 512) ** 0.5)
+    assert routing_noise(100_000, 4) < routing_noise(512, 4) < routing_noise(64, 4)  # longer windows tell more
+    assert routing_noise(0, 4) == float("inf") and routing_noise(500, 1) == 1.0
+    g = torch.Generator().manual_seed(0)
+    workers, pairs = 4, 512
+    draws = [torch.bincount(torch.randint(0, workers, (pairs,), generator=g), minlength=workers) for _ in range(400)]
+    chance = [float(d.max()) / (pairs / workers) for d in draws]
+    assert sum(c <= routing_noise(pairs, workers) for c in chance) >= 396  # chance stays below it (99 %)
+    assert sum(c > 1.1 for c in chance) > 100  # where the fixed 1.1 alone would rebalance on noise
+    hot = torch.tensor([pairs * 0.4, pairs * 0.2, pairs * 0.2, pairs * 0.2])  # one worker's experts twice as hot
+    assert float(hot.max()) / float(hot.mean()) > routing_noise(pairs, workers)
