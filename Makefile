@@ -28,7 +28,7 @@ run: setup
 
 test: setup system-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 # Lint errors fail the target. `ruff format` is not enforced yet: the code base predates it.
 lint: setup

@@ -70,7 +70,7 @@ def test_two_failures_inside_one_epoch_switch(tiny_mixtral_dir, prompts, hf_gree
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
                      timeout_s=20)
-    plan = make_elastic(plan, redundant=4, kill=2, kill_step=6, rebalance_every=3)
+    plan = make_elastic(plan, redundant=4, kill=2, kill_step=6, rebalance_every=3, rebalance_threshold=1.0)
     pids: list[int] = []
     result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
     assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)
