@@ -47,6 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mbridge_epoverlap.arg_types import positive_int  # noqa: E402
 from mbridge_epoverlap.launch.signals import stop_gracefully  # noqa: E402
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
@@ -277,13 +278,6 @@ def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Nam
 
 
 # --- the run -------------------------------------------------------------------------------------------------
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"need at least 1, got {value}")
-    return value
-
-
 def cpu_seconds(server: Server) -> float:
     """CPU time (user + system) of every live process of the server's session (it starts its own)."""
     total, tick = 0.0, os.sysconf("SC_CLK_TCK")
