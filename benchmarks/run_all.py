@@ -82,6 +82,13 @@ def _serving_online(doc: dict[str, Any]) -> str:
     return f"{doc['prompts']} requests at once ({doc['client']} client): " + "; ".join(cells)
 
 
+def _api_fuzz(doc: dict[str, Any]) -> str:
+    failed = [name for name, ok in doc["verdicts"].items() if not ok]
+    return (f"{doc['total']} schema-generated requests over {len(doc['requests'])} method/path pairs, "
+            f"{doc['server_errors']} answered 5xx; " + (f"FAILED: {', '.join(failed)}" if failed else
+                                                          "no worker died, answers afterwards, drained exit 0"))
+
+
 def _m2n(doc: dict[str, Any]) -> str:
     b = doc["backends"]
     cells = [f"{name} {v['median_vs_gloo']:.2f}x / {v['p99_vs_gloo']:.2f}x" for name, v in b.items() if name != "gloo"]
@@ -109,8 +116,8 @@ def _serving(doc: dict[str, Any]) -> str:
 
 
 def _bridge_fuzz(doc: dict[str, Any]) -> str:
-    return (f"{doc['tried']} configs, {doc['rejected_by_bridge']} rejected by Megatron-Bridge 0.6.2: missed "
-            f"{doc['missed']} / false {doc['false']}")
+    return "; ".join(f"Megatron-Bridge {name}: {t['tried']} configs, {t['rejected_by_bridge']} rejected, missed "
+                     f"{t['missed']} / false {t['false']}" for name, t in doc["releases"].items())
 
 
 def _fuzz(doc: dict[str, Any]) -> str:
@@ -135,6 +142,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("runtime_overlap", "runtime_overlap_bench.py", True, _runtime),
     Benchmark("elastic", "elastic_bench.py", False, _elastic),
     Benchmark("serving_online", "serving_online_bench.py", False, _serving_online),
+    Benchmark("api_fuzz", "api_fuzz.py", False, _api_fuzz),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
     Benchmark("serving", "serving_bench.py", True, _serving),
     Benchmark("serving_peers", "serving_peers_bench.py", True, _peers),

@@ -100,16 +100,10 @@ def apply_layout(args: argparse.Namespace, layout: dict[str, Any], *, colocated_
 
 
 def source_of(args: argparse.Namespace, default: str | None = None) -> str:
-    """The checkpoint directory or recipe name the flags name; neither: `default`, else the recipes' default."""
-    if args.checkpoint is not None:
-        return str(args.checkpoint)
-    if args.recipe:
-        return args.recipe
-    if default is not None:
-        return default
-    from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+    """The checkpoint directory or recipe name the flags name (`engine.plan.model_source`)."""
+    from mbridge_epoverlap.serving.engine.plan import model_source
 
-    return DEFAULT_RECIPE
+    return model_source(args.checkpoint, args.recipe, default)
 
 
 def progress_printer(args: argparse.Namespace) -> Any:

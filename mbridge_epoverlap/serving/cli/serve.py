@@ -24,6 +24,7 @@ from mbridge_epoverlap.serving.cli.args import (
     model_args,
     non_negative_seconds,
     on_hosts,
+    positive_seconds,
     progress_printer,
     source_of,
 )
@@ -63,6 +64,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "2048, the per-step token budget of vLLM's CPU server); a longer prompt starts alone")
     online.add_argument("--max-waiting", type=count, default=256, metavar="N",
                         help="requests that may wait for a slot; more answer 503 at once (default 256)")
+    online.add_argument("--max-connections", type=positive, default=1024, metavar="N",
+                        help="open HTTP connections served; a request on one more answers 503 (default 1024)")
+    online.add_argument("--read-timeout", type=positive_seconds, default=30.0, metavar="S",
+                        help="seconds a client has to send a request's head, and then its body; a slower one is "
+                             "closed, or answered 408 (default 30)")
     online.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                         help="on SIGTERM/SIGINT, seconds the running requests get to finish (default 30)")
     online.add_argument("--api-key", metavar="KEY", default=None,

@@ -9,6 +9,7 @@ mode is derived from the process count, not stored beside it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -213,10 +214,23 @@ class EnginePlan:
         return cls(**raw)
 
 
+def model_source(checkpoint: str | os.PathLike[str] | None, recipe: str | None, default: str | None = None) -> str:
+    """What `EnginePlan.source` holds for a model named by a checkpoint directory or a recipe name (the
+    checkpoint first); neither: `default`, else the recipes' default. The commands and the server both read
+    their flags through this."""
+    if checkpoint is not None:
+        return str(checkpoint)
+    if recipe:
+        return recipe
+    if default is not None:
+        return default
+    from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+
+    return DEFAULT_RECIPE
+
+
 def available_cores() -> int:
     """The cores this process may run on (its CPU affinity; the CPU count where affinity is unknown)."""
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux

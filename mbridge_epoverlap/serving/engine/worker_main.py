@@ -172,7 +172,7 @@ def _serve_online(plan: EnginePlan, index: int, side: Any, transport: Any) -> No
     from mbridge_epoverlap.serving.workers.online import OnlineSource
 
     OnlineSource(index, plan.online_requests[index], plan.online_events, side,
-                 prefill_budget=plan.prefill_budget or plan.max_model_len,
+                 prefill_budget=plan.prefill_budget or plan.max_model_len, max_model_len=plan.max_model_len,
                  events=transport.events)
 
 

@@ -1,8 +1,16 @@
-"""The HTTP application (FastAPI): the OpenAI-compatible routes, `/health` and `/metrics`.
+"""The HTTP application (FastAPI): the OpenAI-compatible routes, `/health`, `/metrics` and `/openapi.json`.
 
 Every `/v1/*` request needs `Authorization: Bearer KEY` when the server has an API key (401 otherwise);
-`/health` and `/metrics` stay open. Bodies larger than `max_body_bytes` answer 413. Every refusal is an
-OpenAI error body (`openai_api.ApiError`).
+`/health`, `/metrics` and the schema stay open. Every refusal is an OpenAI error body (`openai_api.ApiError`),
+and no exception reaches a client as a traceback (one the routes did not expect answers 500; the log
+has the traceback).
+
+Limits are answered, not cut (`connections`): a body larger than `max_body_bytes` answers 413 (read to its end
+first when the client said it closes, so that it reads the answer), a body that has not arrived within
+`body_timeout_s` answers 408, and past `max_connections` open connections a request answers 503. A body is
+read whole before its request reaches the engine, so a slow client never holds a worker's batch; a slow
+reader of a stream holds only its own connection (its tokens wait in the front end, at most its
+`max_tokens`, while the worker's batch goes on).
 
 A request with several prompts becomes one engine request per prompt, answered as the choices of one
 response (their events interleave in a stream, each with its `index`). A stream is server-sent events,
@@ -16,6 +24,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,7 +32,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mbridge_epoverlap.serving.frontend import schema
+from mbridge_epoverlap.serving.frontend.connections import ConnectionLimit, client_closes, read_body
 from mbridge_epoverlap.serving.frontend.engine_client import (
     DRAINING,
     FAILED,
@@ -40,13 +52,18 @@ from mbridge_epoverlap.serving.frontend.openai_api import (
     chunk,
     parse_chat,
     parse_completion,
+    parse_json,
     response,
     usage,
     usage_chunk,
 )
 from mbridge_epoverlap.serving.frontend.text import TextStream
 
+log = logging.getLogger(__name__)
+
 MAX_BODY_BYTES = 1 << 20
+BODY_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,8 @@ class Settings:
     model: ModelInfo
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
 
 
 @dataclass
@@ -67,15 +86,36 @@ class _Choice:
     completion_tokens: int = 0
 
 
-def build_app(settings: Settings, engine: EngineClient, metrics: Any) -> Any:
-    """The FastAPI application of one server."""
-    app = FastAPI(title="mbridge-epoverlap", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(settings: Settings, engine: EngineClient, metrics: Any,
+              open_connections: Callable[[], int] | None = None) -> Any:
+    """The FastAPI application of one server; `open_connections` counts the server's open connections (None:
+    no limit)."""
+    app = FastAPI(title="mbridge-epoverlap", version="1", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     model = settings.model
+    if open_connections is not None:
+        app.add_middleware(ConnectionLimit, open_connections=open_connections, limit=settings.max_connections,
+                           body_timeout_s=settings.body_timeout_s, on_refused=metrics.rejected)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # No such route, or not with this method: OpenAI's error body too.
+        detail = exc.detail if isinstance(exc.detail, str) else "refused"
+        return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: {detail}").body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not a refusal: the log keeps the traceback, the client gets an error body without it.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(ApiError(500, f"the server failed on this request ({type(exc).__name__}); its log "
+                                          "has the details").body(), status_code=500)
 
     def error(exc: ApiError) -> JSONResponse:
         if exc.status == 503:
             metrics.rejected()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"Connection": "close"} if exc.close else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     def authorize(request: Request) -> None:
         if settings.api_key:
@@ -84,20 +124,11 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any) -> Any:
                 raise ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)")
 
     async def read_json(request: Request) -> Any:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
-            raise ApiError(413, f"the request body is {declared} bytes, over the limit of {settings.max_body_bytes}")
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > settings.max_body_bytes:
-                raise ApiError(413, f"the request body is over the limit of {settings.max_body_bytes} bytes")
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+        return parse_json(await read_body(request.receive, request.headers.get("content-length"),
+                                          limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                                          drain=client_closes(request.scope)))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=schema.models_responses())
     async def models(request: Request) -> Any:
         try:
             authorize(request)
@@ -106,11 +137,13 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any) -> Any:
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": int(time.time()),
                                             "owned_by": "mbridge-epoverlap", "max_model_len": model.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=schema.completion_request(model),
+              responses=schema.generation_responses())
     async def completions(request: Request) -> Any:
         return await generate(request, parse_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=schema.chat_request(model),
+              responses=schema.generation_responses())
     async def chat_completions(request: Request) -> Any:
         return await generate(request, parse_chat)
 
@@ -177,7 +210,7 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any) -> Any:
                 if item is None:
                     left -= 1
                 elif isinstance(item, Failure):
-                    raise ApiError(500, f"the request failed: {item.reason}")
+                    raise ApiError(500, f"the request {parsed.request_id} failed: {item.reason}")
                 else:
                     yield item
         finally:
@@ -236,7 +269,7 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any) -> Any:
         completion_tokens = sum(c["completion_tokens"] for c in ordered)
         return response(parsed, model.name, ordered, usage(prompt_tokens, completion_tokens))
 
-    @app.get("/health")
+    @app.get("/health", responses=schema.health_responses())
     async def health() -> Any:
         workers = engine.workers()
         state = engine.state
@@ -251,7 +284,7 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any) -> Any:
                 "workers": workers}
         return JSONResponse(body, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=schema.metrics_responses())
     async def prometheus() -> Any:
         engine.workers()  # counts the worker processes lost since the last look
         body, content_type = metrics.render()

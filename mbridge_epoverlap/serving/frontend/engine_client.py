@@ -13,6 +13,12 @@ workers' side), starts the engine (`serving.engine.run.run_engine`) on a thread,
   and tells the workers to leave; the engine thread then returns;
 - when the engine fails (a worker died, without elastic mode), every request in flight ends with the
   engine's reason, which names the worker;
+- when a worker cannot serve one request (`online.Failed`), that request alone ends, naming the worker and
+  why; the worker and every other request go on;
+- a drain that saw every request finish is a clean stop, whatever the server survived before it (a worker
+  lost in elastic mode, a worker that did not leave cleanly after the drain): that is logged as a warning
+  and counted in the metrics, and `on_end` gets None (exit 0). The engine failed only when requests were lost
+  to it;
 - in elastic mode, when an attention worker dies, its requests move to the survivors (`_move_off`); any of
   them when this process holds the workers' rendezvous (`EnginePlan.store_hosted`), else one after the
   first: each is sent again as its prompt and the tokens generated so far, and its stream goes on.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -32,6 +39,8 @@ from typing import Any
 
 from mbridge_epoverlap.launch.signals import pid_alive
 from mbridge_epoverlap.serving.workers import online
+
+log = logging.getLogger(__name__)
 
 STARTING, READY, DRAINING, STOPPED, FAILED = "starting", "ready", "draining", "stopped", "failed"
 
@@ -119,6 +128,7 @@ class EngineClient:
         self.on_ready: list[Callable[[], None]] = []
         self.external, self.link = external, link
         self._shutdown_sent = False
+        self._drained_every_request = False  # the drain saw every request end before the workers left
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
         self.done_workers: set[int] = set()
         self.last_heard: dict[int, float] = {}  # attention worker -> when its last message came
@@ -159,6 +169,10 @@ class EngineClient:
     def _engine_ended(self, reason: str | None) -> None:
         if self._ended.is_set():  # said already (a worker's own word, then its launcher's)
             return
+        if reason is not None and self._drained_every_request:
+            # The drain saw every request end: nothing was lost to this, whatever the workers did after it.
+            log.warning("after the drain: %s", reason)
+            reason = None
         if reason is None and self.streams:  # the workers left before these finished: not a clean stop
             reason = f"the workers left with {len(self.streams)} requests in flight"
         if reason is not None:
@@ -179,6 +193,7 @@ class EngineClient:
         deadline = time.monotonic() + timeout_s
         while self.streams and time.monotonic() < deadline and not self._ended.is_set():
             await asyncio.sleep(0.05)
+        self._drained_every_request = not self.streams and not self._ended.is_set()
         for stream in list(self.streams.values()):
             self.abort(stream, outcome="failed")
             stream.queue.put_nowait(Failure("the server shut down before the request finished"))
@@ -256,10 +271,12 @@ class EngineClient:
         on from there."""
         self.lost_attention.add(worker)
         self.outstanding[worker] = 0
+        moved = 0
         for stream in list(self.streams.values()):
             if stream.worker != worker or stream.done or stream.submit is None:
                 continue
             target = min(self._live_workers(), key=lambda w: self.outstanding[w])
+            moved += 1
             first = stream.submit
             resumed = online.Submit(first.id, first.prompt_ids + stream.generated, first.max_tokens - stream.tokens,
                                     first.ignore_eos, first.temperature, first.top_p, first.top_k, first.seed)
@@ -267,6 +284,8 @@ class EngineClient:
             self.outstanding[target] += 1
             self._send(target, resumed)
             self.metrics.moved()
+        log.warning("attention worker %d (pid %d) was lost: its %d requests in flight go on from attention workers "
+                    "%s", worker, self.pids[worker], moved, self._live_workers())
 
     async def _watch(self) -> None:
         """Elastic mode with several attention workers: move the requests of one that died."""
@@ -274,6 +293,8 @@ class EngineClient:
             await asyncio.sleep(0.1)
             if self.state not in (READY, DRAINING) or len(self.pids) < self.attn_workers:
                 continue
+            if self._shutdown_sent:  # the workers leave as asked: the engine thread tells how they ended
+                return
             # Without a hosted store the first worker holds the rendezvous: its loss ends the engine.
             watched = self._live_workers() if self.plan.store_hosted else self._live_workers()[1:]
             for worker in watched:
@@ -326,6 +347,8 @@ class EngineClient:
             self.last_heard[message.worker] = time.monotonic()
             if isinstance(message, online.Tokens):
                 self._tokens(message)
+            elif isinstance(message, online.Failed):
+                self._failed(message)
             elif isinstance(message, online.Stats):
                 self.stats[message.worker] = message
                 self.metrics.worker_stats(message, self.stats.values())
@@ -344,6 +367,16 @@ class EngineClient:
                     self.state, self.reason = READY, ""
                     for callback in self.on_ready:
                         callback()
+
+    def _failed(self, message: online.Failed) -> None:
+        """A worker could not serve one request: that request ends with the worker's reason."""
+        stream = self.streams.get(message.id)
+        if stream is None:  # aborted meanwhile
+            return
+        log.warning("attention worker %d could not serve engine request %s: %s", message.worker, message.id,
+                    message.error)
+        self._finish(stream, "failed")
+        stream.queue.put_nowait(Failure(f"attention worker {message.worker} could not serve it: {message.error}"))
 
     def _tokens(self, message: online.Tokens) -> None:
         now = time.monotonic()

@@ -31,11 +31,14 @@ what they saw); nothing here is estimated by the front end.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = ("finished", "aborted", "failed", "rejected")
@@ -165,6 +168,8 @@ class ServerMetrics:
         if key not in self._lost:
             self._lost.add(key)
             self.lost.inc()
+            log.warning("%s worker %d%s was lost (mbe_elastic_workers_lost_total)", role, index,
+                        f" (replacement {generation})" if generation else "")
 
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of `/metrics`."""

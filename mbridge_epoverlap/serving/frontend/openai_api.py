@@ -3,10 +3,20 @@
 Checks follow OpenAI's schema and vLLM's behaviour where OpenAI's is silent: an `ApiError` names the field
 (`param`) and carries the status (400; 404 for an unknown model) and OpenAI's error body. The context check
 refuses a prompt whose tokens and `max_tokens` together exceed the model's context, naming both numbers.
+
+Nothing a worker cannot honour gets past these checks (a worker that failed on a request would take every
+request it holds with it): the body is strict JSON (no NaN or Infinity, every number finite, integers of at
+most `MAX_DIGITS` digits, nesting within the parser's depth), every string in it is text (no lone UTF-16
+surrogate, which the tokenizer refuses), a seed fits the generator (`SEED_MIN`..`SEED_MAX`), token ids fit
+the vocabulary, a temperature too small to divide the logits by decodes greedily (`GREEDY_BELOW`) and a top_p
+too small for float32 is raised to one that keeps the same token (`TOP_P_FLOOR`). The OpenAPI schema the
+server publishes (`schema`) states the same limits.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -16,16 +26,35 @@ from typing import Any
 from mbridge_epoverlap.serving.frontend.text import NoTokenizer, TextCodec
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's; chat defaults to the rest of the context
+# torch.Generator.manual_seed's range: a 64-bit seed, a negative one taken modulo 2**64; one past either end
+# raised in the worker and ended it.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# A temperature below this decodes greedily, as vLLM's (its _SAMPLING_EPS): the logits are divided by it in
+# float32, where 1e-300 is 0 and the quotient inf, whose softmax is NaN (the worker's sampler raised).
+GREEDY_BELOW = 1e-5
+# The sampler keeps a token while the probability before it is below top_p, in float32, where a top_p under
+# ~1e-45 is 0 and drops every token (the multinomial then raised in the worker). Any top_p under 1/vocab keeps
+# just the most likely token, so one below this is raised to it: the same tokens, for vocabularies up to 1e9.
+TOP_P_FLOOR = 1e-9
+MAX_DIGITS = 4300  # Python's own limit on int(str); longer integers are refused, not converted
+SHOWN_CHARS = 60  # how much of a refused value an error message repeats
+# Fields of OpenAI's API this server does not implement: absent, null, or one of these neutral values.
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": (),
+                                                       "logprobs": (False,)}
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {"n": (1,), "logprobs": (False,), "top_logprobs": (), "tools": ()}
 
 
 class ApiError(Exception):
     """A request the server refuses, as OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
+                 close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                             413: "RequestTooLargeError", 503: "ServiceUnavailableError"}.get(status, "ServerError")
+                             405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+                             503: "ServiceUnavailableError"}.get(status, "ServerError")
+        self.close = close  # answer with `Connection: close` (the rest of the body was not read)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -67,11 +96,76 @@ class ParsedRequest:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def parse_json(raw: bytes) -> Any:
+    """A request body as strict JSON (RFC 8259: no NaN or Infinity), every number finite, every string text.
+
+    Raises:
+        ApiError: 400 naming what is wrong (and the field, for a string that is not text).
+    """
+    try:
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite, parse_int=_integer_text)
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the refusals above
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    where = _not_text(body)
+    if where is not None:
+        field = where.split(".", 1)[0].split("[", 1)[0]
+        field = field if isinstance(body, dict) and field in body else None
+        raise ApiError(400, f"{where or 'the body'} is not valid Unicode text (it holds a lone UTF-16 surrogate); "
+                            "send UTF-8 text", param=field)
+    return body
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:SHOWN_CHARS]} is out of range")
+    return value
+
+
+def _integer_text(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits is out of range (at most {MAX_DIGITS})")
+    return int(text)
+
+
+def _not_text(body: Any) -> str | None:
+    """Where in `body` the first string (a key or a value) that is not encodable text is ("messages[0].content"),
+    or None; "" for the body itself. Iterative: the parser's nesting depth is not this function's stack."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return where
+        elif isinstance(value, dict):
+            for key in reversed(list(value)):  # reversed onto the stack: the first field is looked at first
+                if not _is_text(key):
+                    return f"the key {ascii(key)}" + (f" in {where}" if where else "")
+                stack.append((value[key], f"{where}.{key}" if where else key))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_completion(body: Any, model: ModelInfo) -> ParsedRequest:
     """A `/v1/completions` body. Raises ApiError."""
     body = _object(body)
     _check_model(body, model)
-    _unsupported(body, ("n", 1), ("best_of", 1), ("echo", False), ("suffix", None), ("logprobs", None))
+    _unsupported(body, UNSUPPORTED_COMPLETION)
     prompts = _prompts(body.get("prompt"), model)
     return _parsed(body, model, prompts, default_max=DEFAULT_MAX_TOKENS, chat=False)
 
@@ -80,7 +174,7 @@ def parse_chat(body: Any, model: ModelInfo) -> ParsedRequest:
     """A `/v1/chat/completions` body. Raises ApiError (400 naming the missing template when there is none)."""
     body = _object(body)
     _check_model(body, model)
-    _unsupported(body, ("n", 1), ("logprobs", False), ("top_logprobs", None), ("tools", None))
+    _unsupported(body, UNSUPPORTED_CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str | None)
@@ -95,52 +189,91 @@ def parse_chat(body: Any, model: ModelInfo) -> ParsedRequest:
         raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from None
     if not prompt:
         raise ApiError(400, "the chat template gave an empty prompt", param="messages")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _parsed(dict(body, max_tokens=limit), model, [prompt], default_max=None, chat=True)
+    # OpenAI's newer name rules where both are given; each given one is checked.
+    return _parsed(body, model, [prompt], default_max=None, chat=True,
+                   limit_fields=("max_completion_tokens", "max_tokens"))
 
 
-def _parsed(body: dict[str, Any], model: ModelInfo, prompts: list[list[int]], *, default_max: int | None,
-            chat: bool) -> ParsedRequest:
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = default_max if default_max is not None else model.max_model_len - max(map(len, prompts))
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise ApiError(400, f"'max_tokens' must be an integer of at least 1, got {max_tokens!r}", param="max_tokens")
+def _max_tokens(body: dict[str, Any], model: ModelInfo, prompts: list[list[int]], *, default_max: int | None,
+                chat: bool, limit_fields: tuple[str, ...]) -> int:
+    """The completion's token limit: the first of `limit_fields` given, else `default_max`, else the rest of
+    the context; every one given is an integer of at least 1 that fits the context with each prompt."""
+    where = "messages" if chat else "prompt"
+    chosen = None
+    for name in limit_fields:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise ApiError(400, f"'{name}' must be an integer of at least 1, got {_shown(value)}", param=name)
+        _fits(model, prompts, value, name, where)
+        chosen = value if chosen is None else chosen
+    if chosen is not None:
+        return chosen
+    if default_max is None:
+        longest = max(map(len, prompts))
+        if longest >= model.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, the "
+                                f"{where} are {longest} tokens, leaving none for the completion. Reduce the {where}.",
+                           param=where)
+        return model.max_model_len - longest
+    _fits(model, prompts, default_max, limit_fields[0], where)
+    return default_max
+
+
+def _fits(model: ModelInfo, prompts: list[list[int]], max_tokens: int, field: str, where: str) -> None:
     for prompt in prompts:
         if len(prompt) + max_tokens > model.max_model_len:
             raise ApiError(400, f"This model's maximum context length is {model.max_model_len} tokens. However, you "
-                                f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the "
-                                f"{'messages' if chat else 'prompt'}, {max_tokens} for the completion). Reduce the "
-                                f"prompt or max_tokens.", param="max_tokens" if max_tokens > 1 else "prompt")
+                                f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the {where}, "
+                                f"{max_tokens} for the completion). Reduce the {where} or {field}.",
+                           param=field if max_tokens > 1 else where)
+
+
+def _parsed(body: dict[str, Any], model: ModelInfo, prompts: list[list[int]], *, default_max: int | None,
+            chat: bool, limit_fields: tuple[str, ...] = ("max_tokens",)) -> ParsedRequest:
+    max_tokens = _max_tokens(body, model, prompts, default_max=default_max, chat=chat, limit_fields=limit_fields)
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise ApiError(400, f"'temperature' must be at least 0, got {temperature}", param="temperature")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_p = max(top_p, TOP_P_FLOOR)
     top_k = body.get("top_k", 0)
     if top_k is None:
         top_k = 0
     if not _is_int(top_k) or top_k < -1:
-        raise ApiError(400, f"'top_k' must be an integer, -1 or 0 for all, got {top_k!r}", param="top_k")
+        raise ApiError(400, f"'top_k' must be an integer, -1 or 0 for all, got {_shown(top_k)}", param="top_k")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise ApiError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**64 - 1 (a 64-bit seed), got {_shown(seed)}",
+                       param="seed")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+        raise ApiError(400, f"'ignore_eos' must be a boolean, got {_shown(ignore_eos)}", param="ignore_eos")
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
-    options = body.get("stream_options") or {}
+        raise ApiError(400, f"'stream' must be a boolean, got {_shown(stream)}", param="stream")
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-    generation = Generation(max_tokens, temperature, top_p, max(top_k, 0), seed, tuple(stops), ignore_eos)
-    return ParsedRequest(prompts, generation, bool(stream), bool(options.get("include_usage")), chat)
+        raise ApiError(400, f"'stream_options' must be an object, got {_shown(options)}", param="stream_options")
+    include_usage = options.get("include_usage")
+    if not isinstance(include_usage, bool | None):
+        raise ApiError(400, f"'stream_options.include_usage' must be a boolean, got {_shown(include_usage)}",
+                       param="stream_options")
+    # top_k at or past the vocabulary keeps every token, as 0 does (and a huge integer never reaches torch.topk)
+    top_k = 0 if top_k < 0 or top_k >= model.vocab_size else top_k
+    generation = Generation(max_tokens, temperature, top_p, top_k, seed, tuple(stops), ignore_eos)
+    return ParsedRequest(prompts, generation, bool(stream), bool(include_usage), chat)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -157,13 +290,16 @@ def _check_model(body: dict[str, Any], model: ModelInfo) -> None:
         raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model.name}`", param="model")
 
 
-def _unsupported(body: dict[str, Any], *allowed: tuple[str, Any]) -> None:
-    """Fields this server does not implement: absent or at their neutral value, else 400 naming the field."""
-    for name, neutral in allowed:
+def _unsupported(body: dict[str, Any], fields: dict[str, tuple[Any, ...]]) -> None:
+    """Fields this server does not implement: absent, null or a neutral value, else 400 naming the field (a
+    boolean is not a number here, as in JSON: `"n": true` is refused)."""
+    for name, neutral in fields.items():
         value = body.get(name)
-        if value is not None and value != neutral and not (value is False and neutral is None):
-            raise ApiError(400, f"'{name}' = {value!r} is not supported by this server (only {neutral!r})",
-                           param=name)
+        if value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            continue
+        allowed = " or ".join(json.dumps(v) for v in (None, *neutral))
+        raise ApiError(400, f"'{name}' = {_shown(value)} is not supported by this server (only {allowed})",
+                       param=name)
 
 
 def _prompts(prompt: Any, model: ModelInfo) -> list[list[int]]:
@@ -197,12 +333,28 @@ def _prompts(prompt: Any, model: ModelInfo) -> list[list[int]]:
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A finite number field (an integer too large for a float is out of range, not an OverflowError)."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(400, f"'{name}' must be a number, got {value!r}", param=name)
-    return float(value)
+        raise ApiError(400, f"'{name}' must be a number, got {_shown(value)}", param=name)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ApiError(400, f"'{name}' = {_shown(value)} is out of range (a finite number)", param=name)
+    return number
+
+
+def _shown(value: Any) -> str:
+    """A refused value as an error message repeats it: its JSON, cut short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def _is_int(value: Any) -> bool:

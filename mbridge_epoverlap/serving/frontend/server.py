@@ -9,7 +9,9 @@ The order of a server's life:
 4. SIGTERM or SIGINT drains: new requests get 503, the running ones finish within `--drain-timeout`, the
    workers leave, the process exits 0 (a second signal stops at once);
 5. if the engine fails (a worker died, without `--elastic`), the requests in flight fail naming the worker,
-   `/health` answers 503 and the process exits 1, for a supervisor to restart it.
+   `/health` answers 503 and the process exits 1, for a supervisor to restart it. What the server survived
+   (a worker lost with `--elastic`, a request a worker could not serve) does not make a drained stop fail: it
+   is a "warning: ..." line on stderr and a count in `/metrics`, and the drain exits 0.
 
 With `--emulate-hosts 2 --emulate-link-gbps G` the workers run on two emulated hosts (`serving.engine.hosts`)
 and the front end's sockets bind on the link's gateway address, the one address the namespaces reach.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 from typing import Any
@@ -51,7 +54,8 @@ def parse_address(text: str) -> tuple[str, int]:
 
 def serve_http(args: argparse.Namespace) -> int:
     """Run the server the flags describe; the exit code (0 after a drain, 1 after an engine failure)."""
-    from mbridge_epoverlap.serving.cli.args import on_hosts, source_of
+    from mbridge_epoverlap.serving.engine.hosts import emulate_hosts
+    from mbridge_epoverlap.serving.engine.plan import model_source
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.frontend.engine_client import EngineClient
     from mbridge_epoverlap.serving.frontend.metrics import ServerMetrics
@@ -63,17 +67,18 @@ def serve_http(args: argparse.Namespace) -> int:
                          "--elastic or --emulate-hosts (disaggregated attention and expert workers)")
     if args.prompts is not None:
         raise UsageError("--prompts is the batch command; with --http requests come over HTTP (drop one)")
-    spec = load_spec(source_of(args), dtype=args.dtype)
+    source = model_source(args.checkpoint, args.recipe)
+    spec = load_spec(source, dtype=args.dtype)
     model_len = context_length(spec)
     if args.max_model_len is not None and args.max_model_len > model_len:
         raise UsageError(f"--max-model-len {args.max_model_len} is more than the model's context of {model_len} "
                          "tokens (max_position_embeddings)")
     max_model_len = args.max_model_len or model_len
-    name = args.served_model_name or str(args.checkpoint if args.checkpoint is not None else source_of(args))
+    name = args.served_model_name or str(args.checkpoint if args.checkpoint is not None else source)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
 
     def plan_for(endpoints: list[str], events: str) -> Any:
-        return on_hosts(base_plan(endpoints, events), args)
+        return emulate_hosts(base_plan(endpoints, events), args.emulate_hosts, args.emulate_link_gbps)
 
     def base_plan(endpoints: list[str], events: str) -> Any:
         plan = make_plan(spec, [], attn_workers=args.attn_workers, expert_workers=args.expert_workers,
@@ -90,6 +95,7 @@ def serve_http(args: argparse.Namespace) -> int:
                                 rebalance_threshold=args.rebalance_threshold, rejoin_hold=args.rejoin_hold)
         return plan
 
+    _log_to_stderr()
     metrics = ServerMetrics(spec.moe_layer_ids)
     outcome: dict[str, Any] = {"code": EXIT_OK, "server": None}  # the exit code; uvicorn's server once it exists
 
@@ -112,6 +118,23 @@ def serve_http(args: argparse.Namespace) -> int:
         return _serve(args, engine, spec, name, max_model_len, api_key, metrics, outcome, host, port)
 
 
+class _LevelPrefix(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {super().format(record)}"
+
+
+def _log_to_stderr() -> None:
+    """The front end's warnings (a worker lost, a request a worker could not serve) and errors as lines on
+    stderr ("warning: ..."), beside the server's own "error: ..." line."""
+    logger = logging.getLogger("mbridge_epoverlap.serving.frontend")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_LevelPrefix("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+
+
 def _emulated_link(plan_for: Any, args: argparse.Namespace) -> Any:
     """The emulated hosts' link for `--emulate-hosts`, with a gateway in this namespace for the front end's
     sockets (the flags are checked on a plan first: a usage error before anything is created)."""
@@ -127,6 +150,7 @@ def _emulated_link(plan_for: Any, args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_model_len: int, api_key: str | None,
            metrics: Any, outcome: dict[str, Any], host: str, port: int) -> int:
     from mbridge_epoverlap.serving.frontend.app import Settings, build_app
+    from mbridge_epoverlap.serving.frontend.connections import guarded_h11
     from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED
     from mbridge_epoverlap.serving.frontend.openai_api import ModelInfo
     from mbridge_epoverlap.serving.frontend.text import TextCodec
@@ -137,8 +161,12 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
         tmp.write_text(engine.plan.to_json())
         tmp.replace(args.workers_plan)
     codec = TextCodec(spec.source if spec.is_checkpoint else None)
-    app = build_app(Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key), engine, metrics)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+    settings = Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key,
+                        body_timeout_s=args.read_timeout, max_connections=args.max_connections)
+    # The connections counted are uvicorn's own (`server` is bound below, before the first request).
+    app = build_app(settings, engine, metrics, open_connections=lambda: len(server.server_state.connections))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                            http=guarded_h11(args.read_timeout))
     server = outcome["server"] = _DrainingServer(config, engine, args.drain_timeout)
 
     async def announce() -> None:

@@ -198,13 +198,16 @@ class AttentionSide:
                     tokens = self._next_tokens(h)
                 for seq, token in zip(h.seqs, tokens, strict=True):
                     self.queue.append_token(seq, int(token))
+                    if seq.error is not None:
+                        seq.finished = True
                 self.tokens_generated += len(h.seqs)
                 for listener in self.on_sampled:
                     listener(h)
 
     def _next_tokens(self, h: MicroBatchHandle) -> list[int]:
         """Each sequence's next token: greedy, or sampled with the sequence's own generator when its request
-        asks for sampling (the greedy rows stay bitwise what they were)."""
+        asks for sampling (the greedy rows stay bitwise what they were). A sequence whose sampling fails gets
+        its `error` set and the greedy token, and ends alone: its settings are its own, the batch's are not."""
         logits = self.part.logits(h.x[h.last_rows])
         tokens = self.greedy(logits)
         for row, seq in enumerate(h.seqs):
@@ -212,9 +215,12 @@ class AttentionSide:
             if params is not None:
                 from mbridge_epoverlap.serving.model.sampling import sample
 
-                if seq.generator is None:
-                    seq.generator = params.generator()
-                tokens[row] = sample(logits[row], params, seq.generator)
+                try:
+                    if seq.generator is None:
+                        seq.generator = params.generator()
+                    tokens[row] = sample(logits[row], params, seq.generator)
+                except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+                    seq.error = f"its sampling failed ({type(exc).__name__}: {exc})"
         return tokens
 
     # --- what every transport shares ----------------------------------------------------------------

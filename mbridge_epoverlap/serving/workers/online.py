@@ -18,6 +18,10 @@ only connects (it listens on nothing).
   the worker is active only while it has requests, and the engine ends as the batch command does.
 - after each micro-batch's new tokens (`AttentionSide.on_sampled`) it sends them, with each sequence's
   finish reason ("stop": end of sequence, "length": its token limit).
+- a request the worker cannot serve ends alone, with `Failed` naming why: one it refuses as it arrives
+  (`refusal`: token ids outside the vocabulary, a length past the context, sampling settings its generator
+  does not take; the front end checks all of these first, this keeps one it let through from ending the
+  worker), or one whose own sampling failed (`RunningSequence.error`). The worker and its other requests go on.
 
 Messages are typed records; `encode` gives the JSON object sent (its `kind` names the record), `decode`
 the record back.
@@ -25,6 +29,7 @@ the record back.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -65,6 +70,16 @@ class Shutdown:
     """Finish what runs, then leave (the engine ends once every attention worker is idle)."""
 
     kind: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request this attention worker could not serve; it alone ends, `error` saying why."""
+
+    kind: ClassVar[str] = "failed"
+    worker: int
+    id: str
+    error: str
 
 
 @dataclass(frozen=True)
@@ -114,7 +129,7 @@ class Stats:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
-MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready, Done, Tokens, Stats)}
+MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready, Done, Tokens, Stats, Failed)}
 
 
 def encode(message: Any) -> dict[str, Any]:
@@ -147,14 +162,20 @@ class OnlineSource:
         events_addr: the front end's PULL endpoint.
         side: the attention side it feeds (`AttentionSide`); the source attaches itself to it.
         prefill_budget: the prompt tokens one micro-batch boundary may start (`RequestQueue.prefill_budget`).
+        max_model_len: the longest sequence a request may reach (0: the model's context).
         events: the transport's event list (elastic mode), forwarded by name; None: none.
     """
 
     def __init__(self, worker: int, requests_addr: str, events_addr: str, side: Any, *, prefill_budget: int,
-                 events: list[dict[str, Any]] | None = None) -> None:
+                 max_model_len: int = 0, events: list[dict[str, Any]] | None = None) -> None:
         import zmq
 
         self.worker, self.side, self.queue = worker, side, side.queue
+        if not max_model_len:
+            from mbridge_epoverlap.serving.model.checkpoint import context_length
+
+            max_model_len = context_length(side.spec)
+        self.max_model_len = max_model_len
         self.context = zmq.Context()
         self.inbox = self.context.socket(zmq.PULL)
         self.inbox.connect(requests_addr)
@@ -193,10 +214,14 @@ class OnlineSource:
                     self.aborts.discard(seq.request.id)
 
     def sampled(self, h: Any) -> None:
-        """Send a micro-batch's new tokens."""
-        items = [(s.request.id, s.output_ids[-1], self.queue.stop_reason(s)) for s in h.seqs if not s.aborted]
+        """Send a micro-batch's new tokens (a sequence whose sampling failed: its failure instead)."""
+        items = [(s.request.id, s.output_ids[-1], self.queue.stop_reason(s)) for s in h.seqs
+                 if not s.aborted and s.error is None]
         if items:
             self._send(Tokens(self.worker, items))
+        for seq in h.seqs:
+            if seq.error is not None and not seq.aborted:
+                self._send(Failed(self.worker, seq.request.id, seq.error))
 
     def close(self) -> None:
         """After the last step: say so (a front end that did not start the workers learns their end) and close."""
@@ -223,6 +248,10 @@ class OnlineSource:
 
         for message in messages:
             if isinstance(message, Submit):
+                refused = self.refusal(message)
+                if refused is not None:
+                    self._send(Failed(self.worker, message.id, refused))
+                    continue
                 sampling = (SamplingParams(message.temperature, message.top_p, message.top_k, message.seed)
                             if message.temperature > 0 else None)
                 self.queue.waiting.append(Request(message.id, tuple(message.prompt_ids), message.max_tokens,
@@ -235,6 +264,32 @@ class OnlineSource:
                     self.aborts.add(message.id)
             elif isinstance(message, Shutdown):
                 self.serving = False
+
+    def refusal(self, message: Submit) -> str | None:
+        """Why this worker cannot serve `message`, or None: what would otherwise fail inside a step and take the
+        worker, and every request it holds, with it."""
+        from mbridge_epoverlap.serving.model.sampling import SamplingParams
+
+        vocab = self.side.spec.vocab_size
+        ids = message.prompt_ids
+        if not ids or not all(_is_int(t) and 0 <= t < vocab for t in ids):
+            return f"its prompt is not a non-empty list of token ids in 0..{vocab - 1}"
+        if not _is_int(message.max_tokens) or message.max_tokens < 1:
+            return f"max_tokens {message.max_tokens!r} is not a positive integer"
+        if len(ids) + message.max_tokens > self.max_model_len:
+            return (f"{len(ids)} prompt tokens and max_tokens {message.max_tokens} pass the context of "
+                    f"{self.max_model_len} tokens")
+        if message.temperature > 0:
+            numbers = (message.temperature, message.top_p)
+            if not all(isinstance(v, int | float) and math.isfinite(v) for v in numbers) or not 0 < message.top_p <= 1:
+                return f"temperature {message.temperature!r} and top_p {message.top_p!r} are not finite and in range"
+            if not _is_int(message.top_k) or message.top_k < 0:
+                return f"top_k {message.top_k!r} is not an integer of at least 0"
+            try:  # the request's own generator, as its first sampled token makes it
+                SamplingParams(message.temperature, message.top_p, message.top_k, message.seed).generator()
+            except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+                return f"its seed {message.seed!r} does not seed the generator ({exc})"
+        return None
 
     def _report(self) -> None:
         """Send `Stats` when the queue changed (requests running or waiting), every `STATS_EVERY_S` while
@@ -258,3 +313,7 @@ class OnlineSource:
 
     def _send(self, message: Any) -> None:
         self.outbox.send_json(encode(message))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

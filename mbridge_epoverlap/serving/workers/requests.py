@@ -97,12 +97,15 @@ class RunningSequence:
     finished: bool = False
     aborted: bool = False  # the client went away: finished without a reason of its own
     generator: Any = None  # its random generator, made at its first sampled token (`sampling.sample`)
+    error: str | None = None  # why its own sampling failed: it ends alone, failed (the batch goes on)
 
     @property
     def length(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
 
     def completion(self, status: str = "ok") -> dict[str, Any]:
+        if self.error is not None:
+            status = "failed"
         times = self.token_times
         ttft = (times[0] - self.admitted_at) * 1e3 if times else None
         tbt = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]

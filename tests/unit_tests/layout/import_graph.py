@@ -35,7 +35,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mbridge_epoverlap.serving.workers",),
     ("mbridge_epoverlap.serving.elastic",),
     ("mbridge_epoverlap.serving.engine",),
-    ("mbridge_epoverlap.serving.cli", "mbridge_epoverlap.serving.frontend"),
+    # The server is below the commands: `serve --http` starts it, it reads no command module.
+    ("mbridge_epoverlap.serving.frontend",),
+    ("mbridge_epoverlap.serving.cli",),
     ("mbridge_epoverlap.harness",),
     # Command modules: a command may use every layer (`*/cli.py` wires flags to the layers below it).
     ("mbridge_epoverlap.cli", "mbridge_epoverlap.config.cli", "mbridge_epoverlap.profiling.cli",

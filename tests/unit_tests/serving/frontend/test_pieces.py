@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mbridge_epoverlap.serving.frontend.openai_api import ApiError, ModelInfo, parse_chat, parse_completion
+from mbridge_epoverlap.serving.frontend.openai_api import (
+    ApiError,
+    ModelInfo,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
 from mbridge_epoverlap.serving.frontend.text import TextCodec, TextStream
 from mbridge_epoverlap.serving.model.sampling import SamplingParams, sample
 from mbridge_epoverlap.serving.workers import online
@@ -60,6 +66,64 @@ def test_completion_checks_defaults_and_lists_of_prompts(chat_mixtral_dir):
         parse_completion({"model": "m", "prompt": [1], "stop": [1]}, model)
 
 
+@pytest.mark.parametrize(("raw", "words"), [
+    (b'{"temperature": NaN}', "NaN is not a JSON number"),
+    (b'{"top_p": -Infinity}', "-Infinity is not a JSON number"),
+    (b'{"top_p": 1e999}', "1e999 is out of range"),
+    (b'{"seed": ' + b"9" * 4301 + b"}", "4301 digits"),
+    (b"[" * 50_000 + b"]" * 50_000, "nested too deeply"),
+    (b'{"prompt": "\xff"}', "not valid JSON"),
+    (b'{"a": 1', "not valid JSON"),
+])
+def test_a_body_is_strict_json(raw, words):
+    with pytest.raises(ApiError) as err:
+        parse_json(raw)
+    assert err.value.status == 400 and words in err.value.message
+
+
+def test_every_string_of_a_body_is_text_and_a_refusal_says_where():
+    assert parse_json('{"prompt": "é \\ud83d\\ude00"}'.encode()) == {"prompt": "é 😀"}  # a surrogate pair is text
+    with pytest.raises(ApiError) as err:
+        parse_json(b'{"model": "m", "messages": [{"role": "user"}, {"role": "user", "content": "a\\udc00"}]}')
+    assert err.value.param == "messages" and err.value.message.startswith("messages[1].content is not valid")
+    with pytest.raises(ApiError) as err:
+        parse_json(b'{"stop": ["x"], "\\ud800": 1}')
+    assert err.value.param is None and err.value.message.startswith("the key '\\ud800' is not valid")
+
+
+def test_unsupported_fields_take_only_their_neutral_value_and_no_boolean_for_a_number(chat_mixtral_dir):
+    model = ModelInfo("m", 384, 256, TextCodec(chat_mixtral_dir))
+    for fields in ({"n": 1}, {"n": 1.0}, {"n": None}, {"echo": False}, {"logprobs": False}):
+        parse_completion({"model": "m", "prompt": [1], **fields}, model)
+    for fields in ({"n": True}, {"n": 2}, {"echo": 0}, {"best_of": "1"}, {"suffix": ""}):
+        with pytest.raises(ApiError) as err:
+            parse_completion({"model": "m", "prompt": [1], **fields}, model)
+        assert err.value.param == next(iter(fields)) and "not supported" in err.value.message
+
+
+def test_generation_settings_past_the_engine_s_types_are_mapped_or_refused(chat_mixtral_dir):
+    model = ModelInfo("m", 384, 256, TextCodec(chat_mixtral_dir))
+    g = parse_completion({"model": "m", "prompt": [1], "temperature": 1e-300, "top_p": 5e-324, "top_k": 10**30,
+                          "seed": 2**64 - 1}, model).generation
+    assert (g.temperature, g.top_k, g.seed) == (0.0, 0, 2**64 - 1) and 0 < g.top_p <= 1e-9
+    with pytest.raises(ApiError, match="'seed'"):
+        parse_completion({"model": "m", "prompt": [1], "seed": 2**64}, model)
+    with pytest.raises(ApiError, match="'temperature' = 1000") as err:
+        parse_completion({"model": "m", "prompt": [1], "temperature": 10**400}, model)
+    assert err.value.message.endswith("is out of range (a finite number)") and len(err.value.message) < 200
+    # chat: every limit given is checked, and one of the default needs room left in the context
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": "m", "messages": messages, "max_tokens": -1, "max_completion_tokens": 4}, model)
+    assert err.value.param == "max_tokens"
+    assert parse_chat({"model": "m", "messages": messages, "max_tokens": 9, "max_completion_tokens": 4},
+                      model).generation.max_tokens == 4
+    long = [{"role": "user", "content": "def f(x): return x\n" * 80}]
+    with pytest.raises(ApiError) as err:
+        parse_chat({"model": "m", "messages": long}, model)
+    assert err.value.param == "messages" and "leaving none for the completion" in err.value.message
+
+
 def test_sampling_narrowed_to_one_token_is_greedy_and_a_seed_repeats():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
     best = int(torch.argmax(logits))
@@ -72,7 +136,7 @@ def test_sampling_narrowed_to_one_token_is_greedy_and_a_seed_repeats():
 
 def test_online_messages_round_trip():
     for message in (online.Submit("r1", [1, 2], 5, True, 0.5, 0.9, 3, 7), online.Abort("r1"), online.Shutdown(),
-                    online.Done(1),
+                    online.Done(1), online.Failed(0, "r3", "its prompt is not a non-empty list of token ids"),
                     online.Ready(0, 123), online.Tokens(1, [("r1", 4, None), ("r2", 2, "stop")]),
                     online.Stats(0, 1, 2, 30, [[1, 0], [0, 1]], [{"event": "rebalanced", "moved": 2}])):
         assert online.decode(online.encode(message)) == message

@@ -1,6 +1,7 @@
 """A server's life under signals, limits and faults: each test starts its own server and always stops it.
 
-SIGTERM drains (503 for new requests, the running ones finish, exit 0, nothing left behind); `--max-waiting`
+SIGTERM drains (503 for new requests, the running ones finish, exit 0 whatever the server survived before,
+nothing left behind); `--max-waiting`
 answers 503 at once; `--api-key` guards `/v1/*`; an expert worker SIGKILLed under live streams fails them
 naming the worker and ends the server (exit 1), or, with `--elastic`, no stream fails and each greedy
 output equals the one before the fault; so too when an attention worker dies (its streams go on from a
@@ -243,6 +244,22 @@ def _listening(pid: int) -> list[str]:
             address = ipaddress.ip_address(raw)
             found.append(f"{address}:{int(port, 16)}" if width == 4 else f"[{address}]:{int(port, 16)}")
     return found
+
+
+def test_a_drained_stop_exits_0_whatever_the_server_survived(start_server, chat_mixtral_dir):
+    """An attention worker SIGKILLed under live streams (every stream goes on from the survivor), then SIGTERM:
+    the drain sees every request finish and the process exits 0 (the survivor leaving as asked is no loss); the
+    loss stays in /metrics (counted by `_streams_survive_a_kill`) and in the log."""
+    server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "2", "--elastic",
+                          "--redundant-experts", "4", "--max-batch", "16", "--timeout", "30")
+    pids = [p for group in _worker_pids(server).values() for p in group]
+    _streams_survive_a_kill(server, "attention", 1, streams=8)
+    server.signal(signal.SIGTERM)
+    assert server.wait(WAIT_S) == 0, "".join(server.stderr)
+    log = "".join(server.stderr)
+    assert "warning: attention worker 1 " in log and "was lost" in log
+    assert "error:" not in log
+    assert leftovers(pids) == ([], [])
 
 
 def test_the_first_attention_worker_may_die_too_when_the_front_end_holds_the_rendezvous(start_server,
