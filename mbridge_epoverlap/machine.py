@@ -53,16 +53,26 @@ def has_native_bf16(flags: Iterable[str]) -> bool:
     return any(flag in present for flag in NATIVE_BF16_FLAGS)
 
 
-def cpu_model(fallback: str = "unknown") -> str:
-    """The CPU's model name from /proc/cpuinfo, or `fallback` where there is none (not Linux)."""
+def _cpuinfo_field(field: str, fallback: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo, or `fallback` where there is none (not Linux)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return fallback
+
+
+def cpu_model(fallback: str = "unknown") -> str:
+    """The CPU's model name from /proc/cpuinfo, or `fallback` where there is none (not Linux)."""
+    return _cpuinfo_field("model name", fallback)
+
+
+def cpu_vendor(fallback: str = "unknown") -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD"): MKL picks its kernels by vendor as well as ISA."""
+    return _cpuinfo_field("vendor_id", fallback)
 
 
 def machine() -> dict[str, Any]:

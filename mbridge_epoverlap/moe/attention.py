@@ -32,10 +32,20 @@ class SelfAttention(torch.nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, device=device) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, device=device) if qk_norm else None
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [..., hidden] -> q [..., heads, head_dim], k and v [..., groups, head_dim] (q/k normalised)."""
+    def project_qkv(self, x: torch.Tensor, *, separate: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [..., hidden] -> q [..., heads, head_dim], k and v [..., groups, head_dim] (q/k normalised).
+
+        `separate` (inference only): three GEMMs over the fused weight's row blocks (views, no copy), the
+        products of separate q, k and v projections as checkpoints define them. One fused GEMM of the summed
+        width computes the same sums, but a GEMM of another width may take another kernel on some CPUs.
+        """
         d, lead = self.head_dim, x.shape[:-1]
-        q, k, v = self.qkv(x).split([self.heads * d, self.groups * d, self.groups * d], dim=-1)
+        widths = [self.heads * d, self.groups * d, self.groups * d]
+        if separate:
+            q, k, v = (F.linear(x, w) for w in self.qkv.weight.split(widths))
+        else:
+            q, k, v = self.qkv(x).split(widths, dim=-1)
         q = q.view(*lead, self.heads, d)
         k = k.view(*lead, self.groups, d)
         v = v.view(*lead, self.groups, d)

@@ -1,13 +1,28 @@
-"""Session-wide checks of the unit tests: the dependencies `MBRIDGE_EPOVERLAP_REQUIRE` names (see `requirements`)."""
+"""Session-wide checks of the unit tests: the dependencies `MBRIDGE_EPOVERLAP_REQUIRE` names (see `requirements`),
+and the `numerics` mark.
+
+A test of the serving model or the training runtime whose name claims a numerical equality (bitwise, bit for
+bit, equal, identical, as `transformers`) is a numerics test: `make test` runs these again with the CPU math
+libraries held to each instruction set the machine can run (`scripts/numerics_under_isas.py`), because such a
+claim may hold under one kernel and not under another. `@pytest.mark.numerics` adds any other test.
+"""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
 from tests.unit_tests.requirements import ENV_VAR, required_names
 
+_NUMERICS_NAME = re.compile(r"bitwise|bit_for_bit|equal|identical|transformers")
+_NUMERICS_DIRS = ("serving", "runtime")
+
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "numerics: asserts a numerical equality that depends on the CPU's kernels "
+                                       "(run again under each ISA by scripts/numerics_under_isas.py)")
     try:
         required_names()
     except ValueError as exc:  # a misspelt name would silently require nothing
@@ -17,3 +32,14 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     names = sorted(required_names())
     return f"{ENV_VAR}: {', '.join(names) if names else 'nothing (missing dependencies skip)'}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        try:
+            package = item.path.relative_to(here).parts[0]
+        except ValueError:
+            continue
+        if package in _NUMERICS_DIRS and _NUMERICS_NAME.search(item.name):
+            item.add_marker(pytest.mark.numerics)

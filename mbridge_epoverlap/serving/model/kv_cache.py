@@ -7,7 +7,7 @@ sequence at once (`append_decode`), so attention over a batch of decode tokens i
 rather than a loop over sequences.
 
 Decode attention is this module's: `KVCache.attend` stores a layer's new keys and values and attends the
-batch's queries to each sequence's history, the decode tokens as one batch (`decode_attention`) and a
+batch's queries to each sequence's history, the decode tokens together (`decode_attention`) and a
 prompt or a lone decode token on its own (`cached_attention`). The model part only projects in and out
 (`moe.attention.SelfAttention`) and calls `attend` between the two.
 
@@ -234,19 +234,15 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
                      sliding_window: int | None = None) -> torch.Tensor:
-    """Attention of one new query per sequence to its cached keys, for a batch of sequences at once.
+    """Attention of one new query per sequence to its cached keys: each sequence through `cached_attention` on its
+    own, so each gets exactly the products (shapes, strides, kernels) it gets alone and that `transformers`' eager
+    attention gives it, on every CPU.
 
-    Bitwise the result `cached_attention` (and `transformers`' eager attention) gives each sequence alone:
-
-    - scores: q k^T of each sequence as [heads, 1, d] @ [heads, d, n] products (one per key group), the shapes
-      of the single-sequence product (the sequences with the same number of keys in one batched product):
-      the CPU GEMM computes a score differently when the row of keys is padded (its last columns take
-      another code path), so padding to the longest here changed the tokens of some sequences; the scale
-      after the products, on all scores at once;
-    - softmax over the scores padded with -inf to the longest (masked entries add exact zeros);
-    - weights @ v as single-row products of the padded weights (one per query head of a key group, every
-      sequence at once): a padded weight is 0 and adds nothing, and the values are read once per group
-      instead of being copied for every head.
+    Batching the sequences into shared products is not exact on every CPU: which kernel a GEMM runs depends on
+    its shapes and on the ISA (MKL's AVX-512 kernels on Intel, its AVX2 ones on AMD), so two sequences of one
+    length in one batched product, or a row of weights padded with zeros to the longest history, rounded some
+    results differently from the sequence alone on some kinds and not on others. `padded_decode_attention` is the
+    fast batched form the engine runs, equal to this to rounding.
 
     Args:
         q: [B, heads, head_dim] the queries (rotated), sequence b's at position `lengths[b] - 1`.
@@ -259,40 +255,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         [B, heads * head_dim].
     """
     b, heads, d = q.shape
-    groups, longest = k.shape[1], k.shape[2]
-    rep = heads // groups
-    scores = q.new_full((b, heads, 1, longest), float("-inf"))
-    # Per-sequence views made in one call each (indexing them one by one was a good part of the loop's time).
-    score_rows = scores.view(b, groups, rep, 1, longest).unbind(0)
-    query_rows = q.reshape(b, groups, rep, 1, d).unbind(0)
-    key_rows = k.transpose(2, 3).unbind(0)  # [groups, d, longest] views
-    by_length: dict[int, list[int]] = {}
-    for index, n in enumerate(lengths.tolist()):
-        by_length.setdefault(n, []).append(index)
-    for n, members in by_length.items():
-        if len(members) == 1:  # the common case (prompts of different lengths)
-            i = members[0]
-            keys_t, queries, out = key_rows[i], query_rows[i], score_rows[i]
-            for g in range(groups):
-                # The group's keys read by its `rep` heads through a stride-0 view: the [rep, 1, d] @ [rep, d, n]
-                # products of repeat_kv's copy, bit for bit, without the copy (a third of the loop's time).
-                out[g, :, :, :n] = torch.bmm(queries[g], keys_t[g, :, :n].expand(rep, d, n))
-            continue
-        sel = torch.tensor(members, dtype=torch.int64)
-        keys = k.index_select(0, sel)[:, :, None, :n].expand(len(members), groups, rep, n, d)
-        keys = keys.reshape(len(members), heads, n, d)
-        scores[sel, :, :, :n] = torch.matmul(q.index_select(0, sel)[:, :, None, :], keys.transpose(2, 3))
-    scores.mul_(d ** -0.5)  # once for every score (-inf stays -inf); the same rounding as scaling each product
-    if sliding_window is not None:
-        k_positions = torch.arange(longest, device=q.device)
-        hidden = (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
-        scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(b * groups, rep, longest)
-    values = v.reshape(b * groups, longest, d)
-    out = torch.empty(b * groups, rep, d, dtype=q.dtype, device=q.device)
-    for r in range(rep):
-        out[:, r:r + 1] = torch.bmm(weights[:, r:r + 1], values)
-    return out.view(b, heads * d)
+    out = q.new_empty(b, heads * d)
+    for i, n in enumerate(lengths.tolist()):
+        out[i] = cached_attention(q[i:i + 1], k[i, :, :n].transpose(0, 1), v[i, :, :n].transpose(0, 1),
+                                  torch.tensor([n - 1]), sliding_window=sliding_window)[0]
+    return out
 
 
 def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,

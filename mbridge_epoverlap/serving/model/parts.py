@@ -88,9 +88,10 @@ class AttentionPart(torch.nn.Module):
     (`load_attention_part` fills them).
 
     With `packed` (the engine's workers, fp32) the head runs on a oneDNN-packed copy of its weight
-    (`serving.model.packed.PackedLinear`): faster at decode's rows, rounded differently in the last bits.
-    Without it (the reference model) it is `transformers`' GEMM, bit for bit. The attention projections stay
-    `F.linear`: packed too (1.2-1.7x on them), they changed one Mixtral sequence of the 64 of
+    (`serving.model.packed.PackedLinear`): faster at decode's rows, rounded differently in the last bits, and
+    q, k and v come from one fused GEMM. Without it (the reference model) every GEMM is `transformers`', bit
+    for bit on every CPU: the head's, and q, k and v as three projections (`docs/numerics.md`). The attention
+    projections stay `F.linear`: packed too (1.2-1.7x on them), they changed one Mixtral sequence of the 64 of
     `serving_peers_bench.py` against `transformers` (at its token 50, a near tie); the head alone changes none.
     """
 
@@ -107,6 +108,7 @@ class AttentionPart(torch.nn.Module):
         # fp32 only: measured there; bf16 keeps F.linear (its own oneDNN path), whose tokens the bf16 figures show
         self._head = (packed_gemm.PackedLinear(self.embedding if self.head is None else self.head.weight)
                       if packed and dtype == torch.float32 and packed_gemm.available(dtype) else None)
+        self._separate_qkv = not packed
 
     def prepack(self) -> None:
         """Pack the head now (loading does), not in the first step that needs it."""
@@ -130,7 +132,7 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
-        q, k, v = block.attention.project_qkv(block.input_norm(x))
+        q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate_qkv)
         cos, sin = self.rotary.cos_sin(batch.positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.sliding_window)
@@ -250,26 +252,33 @@ def packed_expert_swiglu(experts: packed_gemm.PackedExperts, x: torch.Tensor, co
 
 
 def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch.Tensor:
-    """In one process, every (token, slot) row of `attn` through the part holding its expert -> [T, k, hidden]."""
+    """In one process, every (token, slot) row of `attn` through the part holding its expert -> [T, k, hidden].
+
+    Each expert takes its rows slot-major (the tokens that chose it first, then those that chose it second, each
+    in token order), the order `transformers`' eager experts give it (`torch.where` over [slot, token]). A GEMM
+    may round a row by its position in the product (a row in a partial block of rows runs another kernel on
+    some CPUs), so the same rows in another order are equal only to rounding.
+    """
     if attn.expert_ids is None:
         raise ValueError(f"layer {layer} is dense; it has no routed experts")
     t, k = attn.expert_ids.shape
-    flat_ids = attn.expert_ids.reshape(-1)
+    flat_ids = attn.expert_ids.t().reshape(-1)
+    token_of_row = torch.arange(t).repeat(k)
     if len(parts) == 1 and len(parts[0].expert_ids) == parts[0].spec.num_experts:
         # One part holds every expert: each token given once, no copies of the rows on the way.
-        index = torch.arange(t).repeat_interleave(k)
-        return parts[0](layer, attn.tokens, flat_ids, token_index=index).view(t, k, -1)
-    rows = attn.tokens.repeat_interleave(k, dim=0)
-    out = rows.new_empty(rows.shape)
-    covered = torch.zeros(t * k, dtype=torch.bool)
-    for part in parts:
-        idx = (part.owns(flat_ids) & ~covered).nonzero().squeeze(1)
-        if idx.numel():
-            out[idx] = part(layer, rows[idx], flat_ids[idx])
-            covered[idx] = True
-    if not bool(covered.all()):
-        raise ValueError(f"no expert part holds experts {sorted(set(flat_ids[~covered].tolist()))}")
-    return out.view(t, k, -1)
+        out = parts[0](layer, attn.tokens, flat_ids, token_index=token_of_row)
+    else:
+        rows = attn.tokens.index_select(0, token_of_row)
+        out = rows.new_empty(rows.shape)
+        covered = torch.zeros(t * k, dtype=torch.bool)
+        for part in parts:
+            idx = (part.owns(flat_ids) & ~covered).nonzero().squeeze(1)
+            if idx.numel():
+                out[idx] = part(layer, rows[idx], flat_ids[idx])
+                covered[idx] = True
+        if not bool(covered.all()):
+            raise ValueError(f"no expert part holds experts {sorted(set(flat_ids[~covered].tolist()))}")
+    return out.view(k, t, -1).transpose(0, 1)
 
 
 # --- loading ----------------------------------------------------------------------------------------

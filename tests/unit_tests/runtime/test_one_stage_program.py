@@ -91,6 +91,7 @@ def test_executor_and_simulator_see_one_order_and_one_set_of_dependencies(make_t
             assert finished[need] <= event.start + 1e-12
 
 
+@pytest.mark.numerics
 def test_forward_only_schedules_give_the_training_forward_losses(make_tiny):
     cfg = make_tiny(1)
     batches = micro_batches(cfg, 2)

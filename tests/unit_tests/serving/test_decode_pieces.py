@@ -107,6 +107,7 @@ def test_batched_decode_attention_equals_one_sequence_at_a_time_bitwise(window) 
     assert torch.equal(batched, one_by_one)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("window", [None, 4])
 def test_padded_decode_attention_is_each_sequence_alone_to_rounding_and_ignores_the_padding(window) -> None:
     from mbridge_epoverlap.serving.model.kv_cache import cached_attention, padded_decode_attention

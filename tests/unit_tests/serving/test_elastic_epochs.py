@@ -41,6 +41,7 @@ def test_transfers_bring_each_gained_expert_from_a_live_holder():
     assert sorted(set(sum(gains.values(), []))) == back.experts_of(2)  # the newcomer gets its whole share
 
 
+@pytest.mark.numerics
 def test_expert_store_builds_a_share_from_held_and_received_weights(tiny_mixtral_dir):
     from mbridge_epoverlap.serving.model.expert_store import ExpertStore
 

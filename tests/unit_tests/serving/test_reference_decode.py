@@ -63,6 +63,36 @@ def test_bf16_logits_equal_transformers_bit_for_bit(family, prompts, request) ->
     assert torch.equal(ours, expected.float())
 
 
+@pytest.mark.parametrize("groups", [None, [[0, 2], [1, 3]]])
+def test_each_expert_gets_its_rows_in_transformers_order(tiny_mixtral_dir, monkeypatch, groups) -> None:
+    """`transformers`' eager experts take an expert's rows slot-major (`torch.where` over [slot, token]); a GEMM
+    may round a row by its position in it on some CPUs, so the reference gives each expert the same order."""
+    from mbridge_epoverlap.serving.model import parts
+
+    spec = load_spec(tiny_mixtral_dir)
+    experts = [load_expert_part(spec, g) for g in (groups or [range(spec.num_experts)])]
+    ids = torch.tensor([[2, 0], [0, 1], [1, 2], [0, 3], [3, 2]])  # expert 0: token 1, 3 first, then token 0
+    tokens = torch.randn(len(ids), spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    layer = spec.moe_layer_ids[0]
+    seen: dict[int, torch.Tensor] = {}
+    grouped = parts.grouped_expert_swiglu
+
+    def spy(x, w1, w2, counts):
+        part = next(p for p in experts if p.experts[str(layer)].w1 is w1)
+        starts = torch.tensor([0, *counts]).cumsum(0).tolist()
+        for expert, start, end in zip(part.expert_ids, starts, starts[1:], strict=False):
+            seen[expert] = x[start:end]
+        return grouped(x, w1, w2, counts)
+
+    monkeypatch.setattr(parts, "grouped_expert_swiglu", spy)
+    attn = parts.AttnOut(resid=tokens, tokens=tokens, expert_ids=ids, gate_weights=torch.ones(ids.shape))
+    parts.run_experts(experts, layer, attn)
+    mask = torch.nn.functional.one_hot(ids, spec.num_experts).permute(2, 1, 0)  # as transformers builds it
+    for expert in range(spec.num_experts):
+        slot_then_token = torch.where(mask[expert])[1]
+        assert torch.equal(seen[expert], tokens[slot_then_token]), f"expert {expert}"
+
+
 @pytest.mark.parametrize("groups", [[[0, 2], [1, 3]], [[3], [0, 1], [2]]])
 def test_experts_split_over_parts_give_the_same_tokens(tiny_mixtral_dir, prompts, groups) -> None:
     spec = load_spec(tiny_mixtral_dir)
