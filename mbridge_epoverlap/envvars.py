@@ -10,6 +10,9 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_PYTHON", "Python on the Slurm nodes that has Megatron-Bridge (GPU jobs; default python3)"),
     ("MBRIDGE_EPOVERLAP_BRIDGE_PYTHON", "a Python here with Megatron-Bridge (3.12; scripts/setup_bridge_venv.sh "
      "builds one) for --check_with_bridge and the differential test against Megatron-Bridge"),
+    ("MBRIDGE_EPOVERLAP_BRIDGE_MAIN_PYTHON", "a Python here with Megatron-Bridge main "
+     "(scripts/setup_bridge_main_venv.sh builds one) for --check_with_bridge --bridge_version main, the differential "
+     "test against main and main's recipe facts"),
     ("MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S", "seconds any collective may take before the run fails (default 120)"),
     ("MBRIDGE_EPOVERLAP_DTYPE", "fp32 or bf16: override the config's precision in the reference runtime"),
     ("MBRIDGE_EPOVERLAP_CPU_FLAGS", "CPU flags (space or comma separated) used instead of /proc/cpuinfo's when "
@@ -28,10 +31,10 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_MOVE_FAULT", "EPOCH:MESSAGES, a test hook: in the expert-weight moves of elastic layout "
      "epoch EPOCH, the lowest-index expert worker that sends weights SIGKILLs itself after MESSAGES of its messages"),
     ("MBRIDGE_EPOVERLAP_PACKED_GEMM", "1 (default) or 0: the serving workers run their expert GEMMs on oneDNN-packed "
-     "weights (1) or as the reference model does, bit for bit transformers' (0)"),
+     "weights (1) or on the reference model's GEMMs (0; docs/numerics.md says what each promises)"),
     ("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0 (default) or 1: the serving workers' decode attention runs the whole "
      "batch padded in two products (0) or each sequence's own products as the reference model does, bit for bit "
-     "transformers' (1)"),
+     "transformers' eager attention on every CPU (1)"),
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),

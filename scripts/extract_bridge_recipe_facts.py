@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
 """Build every Megatron-Bridge recipe of the models the harness maps and write the values the harness reads.
 
-Runs in the Python 3.12 environment with the released Megatron-Bridge (`scripts/setup_bridge_venv.sh`), on
-a CPU and offline: Transformer Engine is faked and each target GPU mocked (`config.bridge_cpu`), and each
-model's `config.json` is written from the project's recipe into a private Hugging Face cache
-(`harness.hf_configs`). For each project recipe in `hf_configs.HF_MODELS`, it builds every flat performance
-recipe of that model (under its GPU's mock; without a GPU where the catalog does not know its compute
-capability) and its library recipes, and records `recipe_facts.recipe_values` of each. The output (sorted,
-one recipe a line, no paths or dates: the same wheel gives the same file) is the fixture the harness
-validates GPU jobs against where Megatron-Bridge is not importable:
+Runs in a Python 3.12 environment with Megatron-Bridge: the released one (`scripts/setup_bridge_venv.sh`) or
+main built from its source (`scripts/setup_bridge_main_venv.sh`), on a CPU and offline: Transformer Engine is
+faked and each target GPU mocked (`config.bridge_cpu`), and each model's `config.json` is written from the
+project's recipe into a private Hugging Face cache (`harness.hf_configs`). For each project recipe in
+`hf_configs.HF_MODELS`, it builds every flat performance recipe of that model (under its GPU's mock; without a
+GPU where the catalog does not know its compute capability) and its library recipes, and records
+`recipe_facts.recipe_values` of each. The output (sorted, one recipe a line, no paths or dates: the same
+release gives the same file) is the fixture the harness validates GPU jobs against where Megatron-Bridge is
+not importable, one per release:
 
-    MBRIDGE_EPOVERLAP_BRIDGE_PYTHON=.bridge-venv/bin/python
     PYTHONPATH=. $MBRIDGE_EPOVERLAP_BRIDGE_PYTHON scripts/extract_bridge_recipe_facts.py \\
         mbridge_epoverlap/harness/data/bridge_recipe_facts.json
+    PYTHONPATH=. $MBRIDGE_EPOVERLAP_BRIDGE_MAIN_PYTHON scripts/extract_bridge_recipe_facts.py \\
+        mbridge_epoverlap/harness/data/bridge_recipe_facts_main.json
+
+(`OUT --models qwen3_30b_a3b` builds the recipes of those project recipes only.)
+
+The fixture names its release (`release`: "0.6" or "main", what `--bridge_version` picks it by) and, for main,
+the commit it was built from (`commit`, from the environment's SOURCES file), so a rebuild from a newer main
+shows up in the diff.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ LIBRARY_TASKS = ("pretrain", "sft", "peft")
 _GPU = re.compile(r"_\d+gpu_([a-z0-9]+)_")
 
 
-def extract() -> dict[str, Any]:
+def extract(models: list[str] | None = None) -> dict[str, Any]:
     from mbridge_epoverlap.config.bridge_cpu import install_fake_te, set_te_version, target_gpu
 
     install_fake_te()
@@ -50,7 +58,7 @@ def extract() -> dict[str, Any]:
     perf_names = installed_perf_recipe_names()
     recipes: dict[str, Any] = {}
     failed: list[str] = []
-    for name in sorted(HF_MODELS):
+    for name in sorted(models or HF_MODELS):
         family = family_of(name)
         perf = importlib.import_module(f"megatron.bridge.perf_recipes.{family}")
         library = importlib.import_module(f"megatron.bridge.recipes.{family}")
@@ -73,8 +81,26 @@ def extract() -> dict[str, Any]:
             recipes[f"{module.__name__}.{function}"] = recipe_values(container)
     for line in failed:
         print(f"not built: {line}", file=sys.stderr)
-    return {"version": megatron.bridge.__version__, "core_version": megatron.core.__version__,
-            "recipes": dict(sorted(recipes.items()))}
+    from mbridge_epoverlap.config.versions import bridge_release_of, bridge_rules
+
+    release = bridge_rules(bridge_release_of(megatron.bridge.__version__)).version
+    head = {"version": megatron.bridge.__version__, "core_version": megatron.core.__version__, "release": release}
+    commit = _source_commit("bridge")
+    if release == "main" and commit:
+        head["commit"] = commit
+    return {**head, "recipes": dict(sorted(recipes.items()))}
+
+
+def _source_commit(name: str) -> str | None:
+    """The commit of a source tree the environment was built from (`setup_bridge_main_venv.sh` records them)."""
+    sources = Path(sys.prefix) / "SOURCES"
+    if not sources.exists():
+        return None
+    for line in sources.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == name:
+            return parts[1]
+    return None
 
 
 def render(facts: dict[str, Any]) -> str:
@@ -88,15 +114,20 @@ def render(facts: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    # --models NAME[,NAME]: only those project recipes (a quick check of the generator against a fixture)
+    models = None
+    if len(argv) == 3 and argv[1] == "--models":
+        models = argv[2].split(",")
+        argv = argv[:1]
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
     with contextlib.redirect_stdout(sys.stderr):  # the libraries log to stdout
-        facts = extract()
+        facts = extract(models)
     Path(argv[0]).parent.mkdir(parents=True, exist_ok=True)
     Path(argv[0]).write_text(render(facts), encoding="utf-8")
-    print(f"{len(facts['recipes'])} recipes of Megatron-Bridge {facts['version']} written to {argv[0]}",
-          file=sys.stderr)
+    print(f"{len(facts['recipes'])} recipes of Megatron-Bridge {facts['version']} ({facts['release']}) written to "
+          f"{argv[0]}", file=sys.stderr)
     return 0
 
 

@@ -280,7 +280,10 @@ def render_rules() -> str:
     rows = [[_code(r.id), when_text.get(r.when, r.when), r.source, r.summary, r.versions] for r in all_rules()]
     return (f"{len(rows)} rules (`mbridge-epoverlap validate --list-rules` prints the same list). All are checked "
             "on every validation and every violation is reported at once; `--mcore-version` and `--bridge-version` "
-            "pick the releases (default: installed, else the newest Megatron-Core rules and Megatron-Bridge 0.6).\n\n"
+            "pick the releases (default: installed, else the newest Megatron-Core rules and Megatron-Bridge 0.6; "
+            "`--bridge-version main` checks with Megatron-Core main, 0.20, unless `--mcore-version` says otherwise). "
+            "A rule whose releases exclude the ones checked is not run; `validate --list-rules --bridge-version main` "
+            "lists the rules of main.\n\n"
             + _table(["rule", "checked when", "source", "constraint", "releases"], rows))
 
 
@@ -304,7 +307,7 @@ def reproduce(rule: Any) -> Reproduced:
     args = cli_parser().parse_args(rule_command(rule))
     # All three versions are given, so this is the environment `validate` builds, without probing torch.
     env = Environment.for_gpu(args.gpu, torch_version=args.torch_version, te_version=args.te_version,
-                              mcore_version=args.mcore_version)
+                              mcore_version=args.mcore_version, bridge_version=args.bridge_version)
     cfg = load_recipe(args.recipe or DEFAULT_RECIPE, args.task)
     apply_overrides(cfg, args.overrides)
     violations = cfg.validate(env)
@@ -345,6 +348,11 @@ _CORE_ROWS = (
     ("has_early_attn_release", "`model.ep_overlap_early_attn_memory_release` exists (needs overlap)"),
     ("has_graph_modules", "graph scope in `cuda_graph_modules`; `full_iteration` implementation"),
     ("has_dispatch_wgrad_overlap", "`overlap_dispatch_backward_with_experts_wgrad` exists (excludes overlap)"),
+    ("has_rank_capacity_factor", "`moe_expert_rank_capacity_factor` (hybridep/ncclep) and the TE op fuser exist"),
+    ("ncclep_capacity_picks_mode", "NCCL EP: the rank capacity factor picks static or eager; no drop-and-pad (#6229)"),
+    ("has_a2a_dtypes", "`moe_dispatch_fwd_dtype` / `moe_combine_bwd_dtype` (ncclep only; mxfp8 needs the fused GEMM)"),
+    ("has_grouped_tensor", "`moe_use_grouped_tensor` (needs grouped GEMM; ncclep also the op fuser, #6000)"),
+    ("has_fsdp_v2", "Megatron-FSDP v2 (`ddp.megatron_fsdp_version=2`; no delayed wgrad, no graphs, #5865)"),
 )
 
 
@@ -354,9 +362,9 @@ def render_core_versions() -> str:
     rules = [core_rules(release) for release in KNOWN_RELEASES]
     rows = [[text, *("yes" if getattr(r, field) else "no" for r in rules)] for field, text in _CORE_ROWS]
     return ("What each Megatron-Core release's `TransformerConfig` enforces (read from the release tags; "
-            "`--mcore-version` picks the column, the newest when unknown). A whole-layer `transformer_engine` graph "
-            "with overlap passes `TransformerConfig` in every release but, from 0.16, fails when the layer is built "
-            "(`cuda_graph_whole_layer`).\n\n"
+            "`--mcore-version` picks the column, the newest when unknown; 0.20 is Megatron-LM main). A whole-layer "
+            "`transformer_engine` graph with overlap passes `TransformerConfig` in every release but, from 0.16, "
+            "fails when the layer is built (`cuda_graph_whole_layer`).\n\n"
             + _table(["rule", *KNOWN_RELEASES], rows))
 
 
@@ -674,6 +682,21 @@ def render_serving_results() -> str:
               f"0.95); disaggregated m=2 / colocated: {r['disaggregated_m2_over_colocated']:.2f}x.\n")
 
 
+def render_serving_architectures() -> str:
+    """One row per registered architecture of `serving.model.architectures`: its module and what differs."""
+    from mbridge_epoverlap.serving.model import architectures
+
+    rows = [[_code(arch.name), _code(type(arch).__module__.rsplit(".", 1)[-1] + ".py"), _code(arch.expert_ffn_field),
+             arch.summary] for arch in architectures.REGISTRY.values()]
+    return ("The Hugging Face architectures `serve` loads from a checkpoint directory (the `architectures` entry of "
+            "its `config.json`), one module each in `mbridge_epoverlap/serving/model/architectures/`. Every one "
+            "decodes to `transformers`' greedy tokens, its reference-model prefill logits equal `transformers`' "
+            "eager model bit for bit (`docs/numerics.md`), and a field it cannot serve (a `quantization_config`, "
+            "a rope scaling, a feature the table does not name) stops `serve` with exit 2 before any weight is "
+            "read.\n\n"
+            + _table(["architecture", "module", "experts' FFN width", "what differs from the shared layout"], rows))
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "rules": render_rules,
     "differences": render_differences,
@@ -694,6 +717,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "serving_modules": render_serving_modules,
     "stage_table": render_stage_table,
     "serving_results": render_serving_results,
+    "serving_architectures": render_serving_architectures,
 }
 
 

@@ -51,6 +51,26 @@ class _Any(metaclass=_Placeholder):
         pass
 
 
+_MODULE_BASE: list[type] = []
+
+
+def _layer_base() -> type:
+    """The base of the placeholders in `transformer_engine.pytorch`: a `torch.nn.Module`.
+
+    Megatron-Bridge main imports ModelOpt in its `__init__`, and ModelOpt registers TE's layer classes
+    (`te.pytorch.Linear`, ...) as modules, asserting that they subclass `nn.Module`.
+    """
+    if not _MODULE_BASE:
+        import torch
+
+        class _AnyModule(torch.nn.Module, metaclass=_Placeholder):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                torch.nn.Module.__init__(self)
+
+        _MODULE_BASE.append(_AnyModule)
+    return _MODULE_BASE[0]
+
+
 def _fused_adam(params: Any = None, *, master_weight_dtype: Any = None, exp_avg_dtype: Any = None,
                 exp_avg_sq_dtype: Any = None, use_decoupled_grad: bool = False, **kwargs: Any) -> None:
     """Stand-in for TE's FusedAdam: Core's OptimizerConfig inspects these keywords."""
@@ -72,7 +92,8 @@ class _FakeTransformerEngine(importlib.abc.MetaPathFinder, importlib.abc.Loader)
         def missing(name: str, _module: types.ModuleType = module) -> Any:
             if name.startswith("__"):
                 raise AttributeError(name)
-            value = _Placeholder(name, (_Any,), {"__module__": _module.__name__})
+            layer = _module.__name__.startswith("transformer_engine.pytorch") and name[:1].isupper()
+            value = _Placeholder(name, (_layer_base() if layer else _Any,), {"__module__": _module.__name__})
             setattr(_module, name, value)
             return value
 

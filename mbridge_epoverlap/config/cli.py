@@ -56,12 +56,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--torch-version", "--torch_version", default=None,
                         help="PyTorch version of the job (default: installed)")
     parser.add_argument("--mcore-version", "--mcore_version", default=None,
-                        help="Megatron-Core version whose rules apply (default: installed, else newest)")
+                        help="Megatron-Core version whose rules apply, 0.15 ... 0.20 (0.20: Megatron-LM main; "
+                        "default: 0.20 with --bridge-version main, else installed, else newest)")
     parser.add_argument("--bridge-version", "--bridge_version", default=None,
-                        help="Megatron-Bridge release whose behaviour applies, or main (default: installed, else the "
-                        "newest release)")
+                        help="Megatron-Bridge release whose behaviour applies: 0.6 (0.6.x) or main (default: "
+                        "installed, else the newest release)")
     parser.add_argument("--json", action="store_true", help="print a JSON report on stdout")
-    parser.add_argument("--list-rules", action="store_true", help="list every rule id and exit")
+    parser.add_argument("--list-rules", action="store_true",
+                        help="list every rule id and exit (with --bridge-version/--mcore-version: the rules of those "
+                        "releases, the other one newest)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted overrides, e.g. comm_overlap.overlap_moe_expert_parallel_comm=true")
     parser.set_defaults(handler=run_validate)
@@ -69,15 +72,23 @@ def register(subparsers: Any) -> None:
 
 def resolve_environment(gpu: str | None, te_version: str | None, torch_version: str | None,
                         mcore_version: str | None, bridge_version: str | None = None):
-    """The environment to check for: a catalog GPU (versions as given) or this machine (versions replaced)."""
-    from mbridge_epoverlap.config.environment import Environment, parse_bridge_version, parse_version
+    """The environment to check for: a catalog GPU (versions as given) or this machine (versions replaced).
 
+    Megatron-Bridge main is checked with Megatron-Core main (0.20) unless `mcore_version` says otherwise: main is
+    built against it, whatever Megatron-Core is installed here.
+    """
+    from mbridge_epoverlap.config.environment import Environment, parse_bridge_version, parse_version
+    from mbridge_epoverlap.config.versions import CORE_OF_BRIDGE_MAIN, check_known_releases
+
+    check_known_releases(mcore_version, bridge_version)
     versions = {
         "te_version": parse_version(te_version, "--te-version"),
         "torch_version": parse_version(torch_version, "--torch-version"),
         "mcore_version": parse_version(mcore_version, "--mcore-version"),
         "bridge_version": parse_bridge_version(bridge_version, "--bridge-version"),
     }
+    if versions["bridge_version"] == "main" and versions["mcore_version"] is None:
+        versions["mcore_version"] = CORE_OF_BRIDGE_MAIN
     installed = installed_versions()
     if gpu is None and _may_have_cuda_gpu():
         return Environment.detect().with_versions(**versions)  # probes the GPU through torch (seconds)
@@ -94,6 +105,8 @@ def installed_versions() -> dict[str, str | None]:
     """
     from importlib import metadata
 
+    from mbridge_epoverlap.config.versions import installed_bridge_release
+
     def version_of(*dists: str) -> str | None:
         for dist in dists:
             try:
@@ -105,7 +118,7 @@ def installed_versions() -> dict[str, str | None]:
     return {"torch_version": version_of("torch"),
             "te_version": version_of("transformer-engine", "transformer_engine"),
             "mcore_version": version_of("megatron-core", "megatron_core"),
-            "bridge_version": version_of("megatron-bridge", "megatron_bridge")}
+            "bridge_version": installed_bridge_release()}
 
 
 def _may_have_cuda_gpu() -> bool:
@@ -118,13 +131,15 @@ def _may_have_cuda_gpu() -> bool:
 
 def run_validate(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.config.overrides import apply_overrides
+    from mbridge_epoverlap.config.release_fields import check_release_fields
     from mbridge_epoverlap.config.rules import all_rules
+    from mbridge_epoverlap.config.versions import bridge_rules, core_rules
     from mbridge_epoverlap.config.violations import errors_of
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
     from mbridge_epoverlap.recipes.loader import load_recipe
 
     if args.list_rules:
-        return _list_rules(all_rules(), args.json)
+        return _list_rules(_rules_of_releases(all_rules(), args.mcore_version, args.bridge_version), args.json)
     if args.overrides and any("=" not in item for item in args.overrides) and args.recipe is None:
         bare = next(item for item in args.overrides if "=" not in item)
         if bare.endswith(".py") or ".py:" in bare:
@@ -132,15 +147,17 @@ def run_validate(args: argparse.Namespace) -> int:
     env = resolve_environment(args.gpu, args.te_version, args.torch_version, args.mcore_version, args.bridge_version)
     cfg = load_recipe(args.recipe or DEFAULT_RECIPE, args.task)
     apply_overrides(cfg, args.overrides)
+    check_release_fields(cfg, bridge_rules(env.bridge_version), core_rules(env.mcore_version))
     violations = cfg.validate(env)
     errors = errors_of(violations)
+    overlap, delay = cfg.effective_switches(env)
     report = {
         "valid": not errors,
         "recipe": cfg.recipe,
         "task": cfg.task,
         "environment": env.to_dict(),
-        "overlap_moe_expert_parallel_comm": cfg.comm_overlap.effective_overlap(cfg.model),
-        "delay_wgrad_compute": cfg.comm_overlap.effective_delay_wgrad(cfg.model),
+        "overlap_moe_expert_parallel_comm": overlap,
+        "delay_wgrad_compute": delay,
         "rules_checked": len(all_rules()),
         "errors": len(errors),
         "warnings": len(violations) - len(errors),
@@ -176,6 +193,21 @@ def _print_table(report: dict[str, Any], env_text: str) -> None:
     console.print(table)
     verdict = "[red]invalid[/]" if report["errors"] else "[green]valid[/]"
     console.print(f"{verdict}: {report['errors']} error(s), {report['warnings']} warning(s)")
+
+
+def _rules_of_releases(rules: list, mcore_version: str | None, bridge_version: str | None) -> list:
+    """Every rule, or with a release given the rules that exist in it (the other release: the newest, main's
+    Megatron-Core for Megatron-Bridge main)."""
+    from mbridge_epoverlap.config.environment import parse_bridge_version, parse_version
+    from mbridge_epoverlap.config.versions import CORE_OF_BRIDGE_MAIN, bridge_rules, check_known_releases, core_rules
+
+    if mcore_version is None and bridge_version is None:
+        return rules
+    check_known_releases(mcore_version, bridge_version)
+    bridge = bridge_rules(parse_bridge_version(bridge_version, "--bridge-version"))
+    core_version = parse_version(mcore_version, "--mcore-version") or (CORE_OF_BRIDGE_MAIN if bridge.is_main else None)
+    core = core_rules(core_version)
+    return [r for r in rules if r.exists_in(bridge, core)]
 
 
 def _list_rules(rules: list, as_json: bool) -> int:

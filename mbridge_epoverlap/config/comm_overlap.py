@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mbridge_epoverlap.config.environment import Environment
+from mbridge_epoverlap.config.model import model_attr
 from mbridge_epoverlap.config.rules import RuleContext, RunShape, evaluate
 from mbridge_epoverlap.config.versions import bridge_rules, core_rules
 from mbridge_epoverlap.config.violations import ConfigValidationError, Violation, errors_of
@@ -59,6 +60,30 @@ class CommOverlapConfig:
         """Delayed wgrad as the job will run it: this config's switch; unset is off."""
         return bool(self.delay_wgrad_compute)
 
+    def packing_cleared(self, model_cfg: Any, env: Environment | None, dataset: Any) -> frozenset[str]:
+        """The EP switches Megatron-Bridge main switches off for native Energon packing (#5285): both, when
+        either is requested here or on the model; none on other releases or without packing.
+
+        Main clears them because overlap runs MCore's combined-1F1B schedule plan, which does not yet carry
+        the VLM inputs and packed-sequence metadata (`ConfigContainer._disable_native_energon_packing_moe_overlap`,
+        called by `runtime_config_update` before the comm-overlap set-up).
+        """
+        bridge = bridge_rules(env.bridge_version if env is not None else None)
+        if not bridge.packing_clears_overlap or dataset is None:
+            return frozenset()
+        if get_field(dataset, "packing_buffer_size", None) is None:
+            return frozenset()
+        requested = [name for name in EP_SWITCHES if getattr(self, name) is True
+                     or (model_cfg is not None and model_attr(model_cfg, name) is True)]
+        return frozenset(EP_SWITCHES) if requested else frozenset()
+
+    def effective_switches(self, model_cfg: Any = None, env: Environment | None = None,
+                           dataset: Any = None) -> tuple[bool, bool]:
+        """(EP overlap, delayed wgrad) as the job runs them on `env`'s Megatron-Bridge, packing included."""
+        if self.packing_cleared(model_cfg, env, dataset):
+            return False, False
+        return self.effective_overlap(model_cfg), self.effective_delay_wgrad(model_cfg)
+
     def grad_reduce_for_te_check(self, ddp_config: Any) -> bool:
         """What Megatron-Bridge's delayed-wgrad TE check reads: the DDP value or this config's.
 
@@ -80,7 +105,7 @@ class CommOverlapConfig:
         return bool(get_field(ddp_config, "overlap_grad_reduce", False))
 
     def validate(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None,
-                 run: RunShape | None = None) -> list[Violation]:
+                 run: RunShape | None = None, dataset: Any = None) -> list[Violation]:
         """Every violated rule for this overlap config on `model_cfg`, errors and warnings.
 
         Args:
@@ -90,36 +115,45 @@ class CommOverlapConfig:
             ddp_config: the DDP config (reads `overlap_grad_reduce`), or None.
             env: versions and GPU to check for; None means this machine (`Environment.detect()`).
             run: GPU count and batch shape of a whole run; the layout rules apply only with it.
+            dataset: the dataset config (reads `packing_buffer_size`), or None.
         """
         env = env if env is not None else Environment.detect()
+        cleared = self.packing_cleared(model_cfg, env, dataset)
+        overlap, delay = self.effective_switches(model_cfg, env, dataset)
         ctx = RuleContext(
             model=model_cfg,
-            overlap=self.effective_overlap(model_cfg),
-            delay_wgrad=self.effective_delay_wgrad(model_cfg),
+            overlap=overlap,
+            delay_wgrad=delay,
             overlap_grad_reduce=self.grad_reduce_for_te_check(ddp_config),
             env=env,
             core=core_rules(env.mcore_version),
             run=run,
             bridge=bridge_rules(env.bridge_version),
-            unset_switches=self.unset_switches(),
+            # Switches the packing step cleared are False, not unset, by the time Bridge copies them to the model.
+            unset_switches=self.unset_switches() - cleared,
             ddp=ddp_config,
+            dataset=dataset,
+            packing_cleared=cleared,
         )
         return evaluate(ctx)
 
-    def finalize(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None) -> list[Violation]:
+    def finalize(self, model_cfg: Any, ddp_config: Any = None, env: Environment | None = None,
+                 dataset: Any = None) -> list[Violation]:
         """Validate, raise `ConfigValidationError` with every error, then write the EP switches to the model.
 
         Returns the warnings (also logged). The model gets `overlap_moe_expert_parallel_comm` and
-        `delay_wgrad_compute` as they will run (False where unset here), as Megatron-Bridge's set-up does.
+        `delay_wgrad_compute` as they will run (False where unset here, or cleared for packing on Megatron-Bridge
+        main), as Megatron-Bridge's set-up does.
         """
-        violations = self.validate(model_cfg, ddp_config, env)
+        env = env if env is not None else Environment.detect()
+        violations = self.validate(model_cfg, ddp_config, env, dataset=dataset)
         errors = errors_of(violations)
         if errors:
             raise ConfigValidationError(errors)
         warnings_found = [v for v in violations if v.severity == "warning"]
         for v in warnings_found:
             logger.warning("[%s] %s (fix: %s)", v.rule, v.message, v.fix)
-        overlap, delay = self.effective_overlap(model_cfg), self.effective_delay_wgrad(model_cfg)
+        overlap, delay = self.effective_switches(model_cfg, env, dataset)
         for name, value in (("overlap_moe_expert_parallel_comm", overlap), ("delay_wgrad_compute", delay)):
             set_field(model_cfg, name, value)
         return warnings_found

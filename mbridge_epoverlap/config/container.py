@@ -43,6 +43,18 @@ class DDPConfig:
     use_megatron_fsdp: bool = False
     data_parallel_sharding_strategy: str = "no_shard"
     fsdp_double_buffer: bool = False
+    megatron_fsdp_version: int = 1  # Megatron-Core 0.20 (main): 2 selects Megatron-FSDP v2
+
+
+@dataclass
+class DatasetConfig:
+    """The dataset settings the overlap rules read.
+
+    `packing_buffer_size` is the native sequence packing of an Energon (multimodal) dataset: set, the job's
+    dataset is an Energon dataset that packs, which Megatron-Bridge main runs with EP overlap off.
+    """
+
+    packing_buffer_size: int | None = None
 
 
 @dataclass
@@ -54,7 +66,7 @@ class RunConfig:
         task: "pretrain" or "sft".
         num_gpus: total GPUs (or CPU processes for `-g cpu`).
         gpus_per_node: GPUs per node.
-        model, comm_overlap, train, ddp: the sections overrides address.
+        model, comm_overlap, train, ddp, dataset: the sections overrides address.
         env_vars: launch environment (set before the processes start; setting them from Python at run
             time is too late for CUDA_DEVICE_MAX_CONNECTIONS).
     """
@@ -67,12 +79,19 @@ class RunConfig:
     comm_overlap: CommOverlapConfig = field(default_factory=CommOverlapConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     env_vars: dict[str, str] = field(default_factory=dict)
 
     def validate(self, env: Environment | None = None) -> list[Violation]:
         """Every EP-overlap and layout violation of this run, errors and warnings."""
         run = RunShape(self.num_gpus, self.train.global_batch_size, self.train.micro_batch_size)
-        return agree_on_ep(self.comm_overlap.validate(self.model, self.ddp, env, run=run), self.model, self.num_gpus)
+        violations = self.comm_overlap.validate(self.model, self.ddp, env, run=run, dataset=self.dataset)
+        return agree_on_ep(violations, self.model, self.num_gpus)
+
+    def effective_switches(self, env: Environment | None = None) -> tuple[bool, bool]:
+        """(EP overlap, delayed wgrad) as the job runs them on `env`'s Megatron-Bridge (see
+        `CommOverlapConfig.effective_switches`)."""
+        return self.comm_overlap.effective_switches(self.model, env, self.dataset)
 
     def copy(self) -> RunConfig:
         return copy.deepcopy(self)

@@ -73,9 +73,9 @@ DIFFERENCES: tuple[Difference, ...] = (
         "stops at the first failed assertion (`AssertionError`)",
         "reports every violated rule at once with a fix (`ConfigValidationError`, a `ValueError`); the same "
         "configurations are accepted and rejected as by Bridge's config validation with Megatron-Core's under it "
-        "(a 2000-configuration differential against 0.6.2: 0 missed, 0 false rejections), and the checks Bridge "
-        "and Core make only at model build or wrap (`cuda_graph_whole_layer`, `cuda_graph_rng_tracker`, `fsdp_*`, "
-        "`flex_without_backend`) are made before launch too",
+        "(2000-configuration differentials against 0.6.2 and against main: 0 missed, 0 false rejections), and the "
+        "checks Bridge and Core make only at model build or wrap (`cuda_graph_whole_layer`, `cuda_graph_rng_tracker`, "
+        "`fsdp_*`, `ncclep_*`, `flex_without_backend`) are made before launch too",
         "one run shows every problem and its fix; the rules are Bridge's own (which Megatron-Bridge #4971 "
         "aligned with Megatron-Core's)"),
 )

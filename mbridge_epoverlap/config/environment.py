@@ -81,7 +81,9 @@ class Environment:
             torch_version = torch_version.split("+")[0]
         te_version = _installed("transformer-engine") or _installed("transformer_engine")
         mcore_version = _installed("megatron-core") or _installed("megatron_core")
-        bridge_version = _installed("megatron-bridge") or _installed("megatron_bridge")
+        from mbridge_epoverlap.config.versions import installed_bridge_release
+
+        bridge_version = installed_bridge_release()  # main's development version (0.7.0) reads as "main"
         gpu_name, capability, probe_error = _probe_gpu()
         return cls(torch_version, te_version, mcore_version, gpu_name, capability, probe_error, bridge_version)
 

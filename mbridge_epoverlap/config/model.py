@@ -49,6 +49,18 @@ MCORE_DEFAULTS: dict[str, Any] = {
     "fine_grained_activation_offloading": False,
     "offload_modules": None,
     "use_te_rng_tracker": False,
+    "moe_grouped_gemm": False,
+    "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False,
+    "moe_expert_rank_capacity_factor": None,
+    "moe_ncclep_static_shape": False,
+    "moe_ncclep_zero_copy": False,
+    "moe_dispatch_fwd_dtype": "bf16",
+    "moe_combine_bwd_dtype": "bf16",
+    "moe_use_grouped_tensor": False,
+    "use_transformer_engine_op_fuser": False,
+    "moe_hybridep_num_sms": None,
+    "moe_permute_fusion_into_hybridep": False,
 }
 
 _MISSING = object()
@@ -102,6 +114,20 @@ class MoEModelConfig:
     moe_flex_dispatcher_backend: str | None = None
     moe_shared_expert_overlap: bool = False
     mtp_num_layers: int | None = None
+    # Token dropping (drop-and-pad), all releases
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    # Flex backends (which release has which field: config/release_fields.py)
+    moe_expert_rank_capacity_factor: float | None = None
+    moe_hybridep_num_sms: int | None = None
+    moe_permute_fusion_into_hybridep: bool = False
+    moe_ncclep_static_shape: bool = False
+    moe_ncclep_zero_copy: bool = False
+    moe_dispatch_fwd_dtype: str = "bf16"
+    moe_combine_bwd_dtype: str = "bf16"
+    # Transformer Engine's fused grouped-GEMM path
+    use_transformer_engine_op_fuser: bool = False
+    moe_use_grouped_tensor: bool = False
     # Precision
     bf16: bool = True
     fp16: bool = False

@@ -4,8 +4,9 @@ For each case, in the Python that has Megatron-Bridge (this one, or `MBRIDGE_EPO
 e.g. the environment `scripts/setup_bridge_venv.sh` builds): build the recipe the job would build, apply
 the case's changes exactly as the job does (`mbridge_job.apply_changes`), read it through the run config's
 keys (`recipe_facts.recipe_values`) and run Bridge's own `runtime_config_update` under the target GPU's mock
-(`config.bridge_cpu`). The outcome says whether every setting exists, has the right type and survives
-Bridge's and Core's validation, which overlap, delayed wgrad, dispatcher and flex backend Bridge ends with,
+(`config.bridge_cpu`); for `--bridge_version main` in the Python with Megatron-Bridge main
+(`MBRIDGE_EPOVERLAP_BRIDGE_MAIN_PYTHON`). The outcome says whether every setting exists, has the right type and
+survives Bridge's and Core's validation, which overlap, delayed wgrad, dispatcher and flex backend Bridge ends with,
 and every field where the job Bridge builds differs from the run config the harness validated (which starts
 from the recipe facts of the released wheel). The harness compares those with what the A/B case says it
 runs, so a disagreement is reported before anything is submitted.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 PYTHON_VAR = "MBRIDGE_EPOVERLAP_BRIDGE_PYTHON"
+MAIN_PYTHON_VAR = "MBRIDGE_EPOVERLAP_BRIDGE_MAIN_PYTHON"  # Megatron-Bridge main (scripts/setup_bridge_main_venv.sh)
 
 
 @dataclass(frozen=True)
@@ -123,13 +125,18 @@ def check_in_bridge(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [check_job_in_bridge(request) for request in requests]
 
 
-def bridge_python() -> str | None:
-    """The interpreter that has Megatron-Bridge: this one, else `MBRIDGE_EPOVERLAP_BRIDGE_PYTHON`, else None."""
+def bridge_python(release: str | None = None) -> str | None:
+    """The interpreter that has the Megatron-Bridge release `release` (None: the newest release): this one when it
+    has that release, else `MBRIDGE_EPOVERLAP_BRIDGE_PYTHON` (a release) or `MBRIDGE_EPOVERLAP_BRIDGE_MAIN_PYTHON`
+    (main), else None."""
     from mbridge_epoverlap.config.bridge_cpu import bridge_available
+    from mbridge_epoverlap.config.versions import installed_bridge_release
+    from mbridge_epoverlap.harness.recipe_facts import release_of
 
-    if bridge_available():
+    wanted = release_of(release)
+    if bridge_available() and release_of(installed_bridge_release()) == wanted:
         return sys.executable
-    return os.environ.get(PYTHON_VAR) or None
+    return os.environ.get(MAIN_PYTHON_VAR if wanted == "main" else PYTHON_VAR) or None
 
 
 def _request(job: CheckJob) -> dict[str, Any]:
@@ -156,8 +163,8 @@ def _request(job: CheckJob) -> dict[str, Any]:
             "max_steps": job.max_steps, "te_version": job.te_version, "hf_model": model[0], "hf_config": model[1]}
 
 
-def run_checks(jobs: list[CheckJob], *, timeout_s: float = 1800.0) -> list[tuple[str | None, str | None,
-                                                                                 list[BridgeOutcome]]]:
+def run_checks(jobs: list[CheckJob], *, timeout_s: float = 1800.0, release: str | None = None
+               ) -> list[tuple[str | None, str | None, list[BridgeOutcome]]]:
     """Check every job with the real Megatron-Bridge in one child process: for each, the recipe it chose (None
     with the reason when it builds none) and each case's outcome.
 
@@ -165,8 +172,12 @@ def run_checks(jobs: list[CheckJob], *, timeout_s: float = 1800.0) -> list[tuple
         RuntimeError: no Megatron-Bridge to check with, a GPU or recipe it cannot check, or the child failed.
     """
     requests = [_request(job) for job in jobs]
-    python = bridge_python()
+    python = bridge_python(release)
     if python is None:
+        if release_of_main(release):
+            raise RuntimeError(f"--check_with_bridge --bridge_version main needs Megatron-Bridge main: set "
+                               f"{MAIN_PYTHON_VAR} to a Python that has it (scripts/setup_bridge_main_venv.sh "
+                               "builds one)")
         raise RuntimeError(f"--check_with_bridge needs Megatron-Bridge: install it here, or set {PYTHON_VAR} to a "
                            "Python that has it (scripts/setup_bridge_venv.sh builds one)")
     with tempfile.TemporaryDirectory(prefix="mbridge-check-") as home:
@@ -181,15 +192,22 @@ def run_checks(jobs: list[CheckJob], *, timeout_s: float = 1800.0) -> list[tuple
             for answer in answers]
 
 
+def release_of_main(release: str | None) -> bool:
+    from mbridge_epoverlap.harness.recipe_facts import release_of
+
+    return release_of(release) == "main"
+
+
 def run_check(choose: dict[str, Any], cases: list[Any], *, gpu: str, num_gpus: int, max_steps: int,
-              te_version: str | None, project_recipe: Any) -> tuple[str, list[BridgeOutcome]]:
+              te_version: str | None, project_recipe: Any, release: str | None = None
+              ) -> tuple[str, list[BridgeOutcome]]:
     """Check one job's cases (`run_checks` for one job): the recipe Bridge chose and each case's outcome.
 
     Raises:
         RuntimeError: as `run_checks`, and when Megatron-Bridge builds no recipe for the job.
     """
     ((recipe, error, outcomes),) = run_checks([CheckJob(choose, cases, gpu, num_gpus, max_steps, te_version,
-                                                        project_recipe)])
+                                                        project_recipe)], release=release)
     if recipe is None:
         raise RuntimeError(f"Megatron-Bridge builds no recipe for this job: {error}")
     return recipe, outcomes

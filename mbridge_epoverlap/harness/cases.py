@@ -195,7 +195,7 @@ def build_cases(resolved: Resolved, specs: list[CaseSpec]) -> tuple[list[Case], 
         raise ValidationFailed(resolved.target, list(errors.items()))
     for spec, case in zip(specs, cases, strict=True):
         with _quiet("mbridge_epoverlap.config.comm_overlap"):
-            case.cfg.comm_overlap.finalize(case.cfg.model, case.cfg.ddp, resolved.target.env)
+            case.cfg.comm_overlap.finalize(case.cfg.model, case.cfg.ddp, resolved.target.env, case.cfg.dataset)
         env, env_warnings = launch_environment(case.cfg, resolved.target.gpu, recipe=_recipe_launch(resolved),
                                                reconnect=_reconnects(resolved, spec),
                                                overlap_set=_overlap_set(resolved, spec))

@@ -235,9 +235,11 @@ def build_parser(prog: str = "run_script.py") -> argparse.ArgumentParser:
                         help="Transformer Engine version the job will run")
     target.add_argument("--torch_version", "--torch-version", default=None, help="PyTorch version the job will run")
     target.add_argument("--mcore_version", "--mcore-version", default=None,
-                        help="Megatron-Core version the job will run")
+                        help="Megatron-Core version the job will run, 0.15 ... 0.20 (0.20: Megatron-LM main; default: "
+                             "the newest rules, 0.20)")
     target.add_argument("--bridge_version", "--bridge-version", default=None,
-                        help="Megatron-Bridge release the job will run, or main (default: the newest release)")
+                        help="Megatron-Bridge release the job will run: 0.6 (0.6.x) or main; it picks the rules and "
+                             "the recipe facts (default: the newest release)")
 
     launch = parser.add_argument_group("launching")
     launch.add_argument("--executor", choices=EXECUTORS, default=None,

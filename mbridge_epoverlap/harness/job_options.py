@@ -32,27 +32,28 @@ def bridge_lookup(args: Any, cfg: Any) -> dict[str, Any]:
 
 
 def recipe_note(args: Any, recipe: str, task: str, num_gpus: int) -> str:
-    """Which Megatron-Bridge recipe the job builds (from the installed Megatron-Bridge's names, else from those of
-    the released wheel's facts; a guess of the exact name for a model neither has)."""
-    from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
+    """Which Megatron-Bridge recipe the job builds, and of which release (from the installed Megatron-Bridge's names
+    when it is the release of --bridge_version, else from that release's facts; a guess of the exact name for a model
+    neither has)."""
+    from mbridge_epoverlap.harness.recipe_facts import facts_label, recipe_names_for
     from mbridge_epoverlap.recipes.loader import family_of
 
     family = family_of(recipe)
     if family is None:
         return f"Megatron-Bridge recipe: none known for {recipe!r} (a recipe file); the job stops with an error"
+    release = getattr(args, "bridge_version", None)
+    label = facts_label(release)
     if args.use_recipes:
-        return f"Megatron-Bridge recipe: {library_recipe(family, recipe, task).describe()}"
-    from mbridge_epoverlap.harness.recipe_facts import perf_recipe_names
-
-    names = installed_perf_recipe_names() or perf_recipe_names()  # else the released wheel's, from its facts
+        return f"{label} recipe: {library_recipe(family, recipe, task).describe()}"
+    names = recipe_names_for(release)
     if any(name.startswith(f"{recipe}_") for name in names):
         try:
             chosen: BridgeRecipe = choose_perf_recipe(names, family=family, model=recipe, task=task, gpu=args.gpu,
                                                       compute_dtype=_compute_dtype(args), num_gpus=num_gpus,
                                                       config_variant=args.config_variant)
         except UsageError as exc:
-            return f"Megatron-Bridge recipe: none ({exc}); the job stops with an error"
-        return f"Megatron-Bridge recipe: {chosen.describe()}"
+            return f"{label} recipe: none ({exc}); the job stops with an error"
+        return f"{label} recipe: {chosen.describe()}"
     exact = perf_recipe_function(recipe, task, num_gpus, args.gpu, _compute_dtype(args), args.config_variant)
     return (f"Megatron-Bridge recipe: megatron.bridge.perf_recipes.{family}.{exact} (performance recipe; where that "
             "GPU count has none, the default count's recipe is chosen on the node; --use_recipes builds the library "
@@ -109,11 +110,23 @@ def slurm_options(args: Any, cfg: Any) -> dict[str, Any]:
     for route in routes:
         notes.append(f"run_script.py {route.flag}={route.value!r} -> {route.destination}: {route.effect}")
     window = profile_window(args, cfg.train.train_iters)
+    nsys_args = _nsys_args(args)
     if args.enable_nsys or args.pytorch_profiler:
         notes.append(f"profiled iterations: {window or 'the stable window'} (-en/-pyp; --profiling_start_step "
                      f"{args.profiling_start_step} --profiling_stop_step {args.profiling_stop_step})")
     return {"job_args": tuple(job_args), "sbatch_lines": tuple(sbatch), "srun_args": tuple(srun),
-            "setup_lines": tuple(setup), "notes": tuple(notes), "profile_window": window}
+            "setup_lines": tuple(setup), "notes": tuple(notes), "profile_window": window, "nsys_args": nsys_args}
+
+
+def _nsys_args(args: Any) -> tuple[str, ...]:
+    """The user's nsys options (--nsys_trace, --nsys_extra_args); the report path (-o) is the harness's, which reads
+    the reports from there."""
+    extra = [option.strip() for option in (getattr(args, "nsys_extra_args", None) or []) if option.strip()]
+    if any(option.split("=", 1)[0] in ("-o", "--output") for option in extra):
+        raise UsageError("--nsys_extra_args: -o/--output is the harness's (it reads each rank's report from the job "
+                         "folder); leave it out")
+    trace = [name.strip() for name in (getattr(args, "nsys_trace", None) or []) if name.strip()]
+    return tuple(([f"--trace={','.join(trace)}"] if trace else []) + extra)
 
 
 def given_value(args: Any, dest: str) -> bool:

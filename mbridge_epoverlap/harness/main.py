@@ -236,11 +236,14 @@ def _check_with_bridge(args: argparse.Namespace, resolved: Resolved, cases: list
     try:
         recipe, outcomes = run_check(choose, cases, gpu=args.gpu, num_gpus=cfg.num_gpus,
                                      max_steps=resolved.max_steps, te_version=resolved.target.env.te_version,
-                                     project_recipe=cfg)
+                                     project_recipe=cfg, release=resolved.target.env.bridge_version)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
     problems = disagreements(cases, outcomes)
-    _err(f"checked with Megatron-Bridge ({recipe}, runtime_config_update on a CPU, {args.gpu} mocked):")
+    from mbridge_epoverlap.harness.recipe_facts import release_of
+
+    _err(f"checked with Megatron-Bridge {release_of(resolved.target.env.bridge_version)} ({recipe}, "
+         f"runtime_config_update on a CPU, {args.gpu} mocked):")
     for outcome in outcomes:
         if outcome.ok:
             backend = f"/{outcome.backend}" if outcome.backend else ""

@@ -9,11 +9,14 @@ container has too, the batch shape, precision as the run config spells it (`mode
 recipe's mixed-precision (FP8/FP4) settings and launch environment (`env_vars`) for the dry run and the
 launch environment.
 
-Megatron-Bridge is rarely importable where the harness runs, so the values come from a fixture extracted
-from the released wheel by the real Megatron-Bridge (`scripts/extract_bridge_recipe_facts.py`, output
-`data/bridge_recipe_facts.json`): every performance recipe and library recipe of the models the harness
-maps (`hf_configs.HF_MODELS`). `--check_with_bridge` builds the recipe with the Megatron-Bridge at hand
-and compares the same projection field by field, so a fixture that no longer matches is caught there.
+Megatron-Bridge is rarely importable where the harness runs, so the values come from fixtures extracted by
+the real Megatron-Bridge (`scripts/extract_bridge_recipe_facts.py`), one per release the validator knows
+(`--bridge_version`): `data/bridge_recipe_facts.json` from the 0.6.2 wheel, `data/bridge_recipe_facts_main.json`
+from main's source (the environment `scripts/setup_bridge_main_venv.sh` builds). Each holds every performance
+recipe and library recipe of the models the harness maps (`hf_configs.HF_MODELS`). A job for main is
+validated against main's recipe, not 0.6.2's. `--check_with_bridge` builds the recipe with the
+Megatron-Bridge at hand and compares the same projection field by field, so a fixture that no longer matches
+is caught there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 FACTS_FILE = Path(__file__).resolve().parent / "data" / "bridge_recipe_facts.json"
+MAIN_FACTS_FILE = FACTS_FILE.with_name("bridge_recipe_facts_main.json")
 SECTIONS = ("model", "comm_overlap", "ddp")
 TRAIN_KEYS = ("train.global_batch_size", "train.micro_batch_size")
 # Run-config keys that have no counterpart to read: an object Bridge builds itself, and the EP switches that
@@ -124,20 +128,58 @@ def _load(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def load_facts(path: Path | None = None) -> dict[str, Any]:
-    """The fixture: `version` (Megatron-Bridge), `core_version`, `recipes` ("module.function" -> values)."""
-    return _load(str(path or FACTS_FILE))
+def release_of(bridge_version: str | None) -> str:
+    """The fixture release ("0.6" or "main") for a `--bridge_version` value (None: the newest release)."""
+    from mbridge_epoverlap.config.versions import bridge_rules
+
+    return bridge_rules(bridge_version).version
 
 
-def facts_for(module: str, function: str, path: Path | None = None) -> dict[str, Any] | None:
+def facts_file(release: str | None = None) -> Path:
+    """The fixture of a release ("0.6", "main"; None: the newest release), one per release the validator knows
+    (`versions.KNOWN_BRIDGE`)."""
+    return {"0.6": FACTS_FILE, "main": MAIN_FACTS_FILE}[release_of(release)]
+
+
+def load_facts(path: Path | None = None, release: str | None = None) -> dict[str, Any]:
+    """A fixture: `version` (Megatron-Bridge), `core_version`, `release`, for main `commit`, and `recipes`
+    ("module.function" -> values); `path` or the fixture of `release` (None: the newest release)."""
+    return _load(str(path or facts_file(release)))
+
+
+def facts_label(release: str | None = None) -> str:
+    """How the dry run names the release whose recipe values it uses ("Megatron-Bridge main (0.7.0 at 067f987)")."""
+    facts = load_facts(release=release)
+    if facts.get("release") == "main":
+        commit = facts.get("commit", "")[:9]
+        return f"Megatron-Bridge main ({facts['version']}{f' at {commit}' if commit else ''})"
+    return f"Megatron-Bridge {facts['version']}"
+
+
+def facts_for(module: str, function: str, path: Path | None = None,
+              release: str | None = None) -> dict[str, Any] | None:
     """The fixture's values of one recipe, or None when the fixture does not hold it."""
-    return load_facts(path)["recipes"].get(f"{module}.{function}")
+    return load_facts(path, release)["recipes"].get(f"{module}.{function}")
 
 
-def perf_recipe_names(path: Path | None = None) -> list[str]:
-    """The performance recipe names the fixture holds (those of the models the harness maps)."""
+def perf_recipe_names(path: Path | None = None, release: str | None = None) -> list[str]:
+    """The performance recipe names a fixture holds (those of the models the harness maps)."""
     prefix = "megatron.bridge.perf_recipes."
-    return sorted(name.rsplit(".", 1)[1] for name in load_facts(path)["recipes"] if name.startswith(prefix))
+    return sorted(name.rsplit(".", 1)[1] for name in load_facts(path, release)["recipes"] if name.startswith(prefix))
+
+
+def recipe_names_for(release: str | None) -> list[str]:
+    """The performance recipe names the job's release has: the installed Megatron-Bridge's when it is that release,
+    else the fixture's."""
+    from mbridge_epoverlap.config.versions import installed_bridge_release
+    from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
+
+    installed = installed_bridge_release()
+    if installed is not None and release_of(installed) == release_of(release):
+        names = installed_perf_recipe_names()
+        if names:
+            return names
+    return perf_recipe_names(release=release)
 
 
 def apply_recipe_values(cfg: Any, facts: dict[str, Any]) -> list[str]:

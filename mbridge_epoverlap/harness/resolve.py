@@ -16,6 +16,8 @@ from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.cpu_precision import CpuPrecision, choose_cpu_precision
 from mbridge_epoverlap.config.environment import Environment
 from mbridge_epoverlap.config.overrides import DELAY_FIELD, OVERLAP_FIELD, apply_overrides, parse_override
+from mbridge_epoverlap.config.release_fields import check_release_fields
+from mbridge_epoverlap.config.versions import bridge_rules, core_rules
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.fields import get_path
 from mbridge_epoverlap.gpus import GPU_FACTS
@@ -115,9 +117,21 @@ def pick_recipe(family: str | None, recipe: str | None) -> str:
 
 
 def target_environment(args: argparse.Namespace) -> Target:
-    """`Environment.detect()` for cpu (with any versions given), `Environment.for_gpu` for a GPU family."""
+    """`Environment.detect()` for cpu (with any versions given), `Environment.for_gpu` for a GPU family.
+
+    A release the validator does not know is a usage error; Megatron-Bridge main is checked with Megatron-Core
+    main (0.20) unless --mcore_version says otherwise (main is built against it).
+    """
+    from mbridge_epoverlap.config.environment import parse_bridge_version
+    from mbridge_epoverlap.config.versions import CORE_OF_BRIDGE_MAIN, check_known_releases
+
+    bridge = getattr(args, "bridge_version", None)
+    check_known_releases(args.mcore_version, bridge, mcore_flag="--mcore_version", bridge_flag="--bridge_version")
+    mcore = args.mcore_version
+    if mcore is None and parse_bridge_version(bridge, "--bridge_version") == "main":
+        mcore = CORE_OF_BRIDGE_MAIN
     versions = {"te_version": args.te_version, "torch_version": args.torch_version,
-                "mcore_version": args.mcore_version, "bridge_version": getattr(args, "bridge_version", None)}
+                "mcore_version": mcore, "bridge_version": bridge}
     if args.gpu == "cpu":
         return Target("cpu", Environment.detect().with_versions(**versions))
     return Target(args.gpu, Environment.for_gpu(args.gpu, **versions))
@@ -158,6 +172,9 @@ def resolve(args: argparse.Namespace) -> Resolved:
     if conflicts:
         raise UsageError("a flag and a dotted override set the same setting differently (" + "; ".join(conflicts)
                          + "); give each setting once")
+    if not target.is_cpu:  # the CPU runtime has no Megatron fields; a GPU job's releases must have the ones set
+        check_release_fields(cfg, bridge_rules(target.env.bridge_version), core_rules(target.env.mcore_version),
+                             keys=explicit)
 
     max_steps = args.max_steps if given(args, "max_steps") else (
         cfg.train.train_iters if "train.train_iters" in explicit else DEFAULT_MAX_STEPS)

@@ -140,8 +140,8 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
     F('--record_memory_history', '-mh', 'value', 'bool', True, 'job'),
     F('--profiling_gpu_metrics', None, 'switch', None, False, 'job'),
     F('--profiling_ranks', None, 'value', 'list_of_ints', None, 'job'),
-    F('--nsys_trace', None, 'value', 'list_of_strings', None, 'job'),
-    F('--nsys_extra_args', None, 'value', 'list_of_strings', None, 'job'),
+    F('--nsys_trace', None, 'value', 'list_of_strings', None, 'sbatch'),
+    F('--nsys_extra_args', None, 'value', 'list_of_strings', None, 'sbatch'),
     F('--use_tokendrop', None, 'value', 'bool', None, 'job'),
     F('--use_megatron_fsdp', None, 'value', 'bool', None, 'job'),
     F('--nccl_ub', None, 'value', 'bool', None, 'job'),
@@ -305,6 +305,9 @@ SBATCH_EFFECTS = {
     "hf_token": "export HF_TOKEN",
     "nemo_home": "export NEMO_HOME",
     "offline": "export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
+    "nsys_trace": "nsys profile --trace of the profiled runs (replaces the default cuda,nvtx)",
+    "nsys_extra_args": "options of the profiled runs' nsys profile (one naming a default option replaces it, "
+                       "as Megatron-Bridge main does since #4669)",
 }
 EFFECTS = {"job": "handed to the Megatron-Bridge job (applied where its ConfigContainer has the setting)",
            "kubeflow": "recorded only (this project launches with Slurm or locally, not Kubeflow)",

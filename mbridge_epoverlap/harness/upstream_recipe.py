@@ -1,7 +1,8 @@
 """The Megatron-Bridge recipe a GPU job builds, and its values as the start of the run config the harness validates.
 
 `resolve` starts a GPU target's run config from the project's recipe (the model's dimensions), replaces every
-value the Megatron-Bridge recipe sets with that recipe's (`recipe_facts`: from the released wheel), then
+value the Megatron-Bridge recipe sets with that recipe's (`recipe_facts`: from the fixture of the release the
+user names with `--bridge_version`, the 0.6.2 wheel's by default, main's with `main`), then
 applies the user's overrides and flags, as the job applies them to the recipe it builds. So the pre-launch
 validation and the dry run's list of changed settings are about the job that will run, not about the
 project's own recipe. Where Megatron-Bridge builds no recipe (a recipe file, a family it has no recipe for,
@@ -18,7 +19,7 @@ from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe
-from mbridge_epoverlap.harness.recipe_facts import apply_recipe_values, facts_for, load_facts, perf_recipe_names
+from mbridge_epoverlap.harness.recipe_facts import apply_recipe_values, facts_for, facts_label, recipe_names_for
 
 
 @dataclass
@@ -61,23 +62,24 @@ def upstream_recipe(args: Any, cfg: RunConfig) -> UpstreamRecipe:
     GPU count and the flags).
     """
     from mbridge_epoverlap.harness.job_options import bridge_lookup
-    from mbridge_epoverlap.harness.mbridge_job import choose_recipe, installed_perf_recipe_names
+    from mbridge_epoverlap.harness.mbridge_job import choose_recipe
     from mbridge_epoverlap.recipes.loader import family_of
 
     family = family_of(cfg.recipe)
     if family is None:
         return UpstreamRecipe(None, None, [f"Megatron-Bridge has no recipe for {cfg.recipe!r}; validated the recipe "
                                            "as written (the GPU job needs a built-in recipe name)"])
-    names = installed_perf_recipe_names() or perf_recipe_names()
+    release = getattr(args, "bridge_version", None)
+    names = recipe_names_for(release)
     try:
         recipe = choose_recipe(family, cfg.recipe, cfg.task, perf_names=names, **bridge_lookup(args, cfg))
     except (LookupError, UsageError) as exc:
         return UpstreamRecipe(None, None, [f"the job will stop: {exc}; validated the project's recipe {cfg.recipe}"])
-    facts = facts_for(recipe.module, recipe.function)
-    version = load_facts()["version"]
+    facts = facts_for(recipe.module, recipe.function, release=release)
+    label = facts_label(release)
     if facts is None:
         return UpstreamRecipe(recipe, None, [f"the values of {recipe.describe()} are not known here (the facts of "
-                                             f"Megatron-Bridge {version} lack it); validated the project's recipe "
+                                             f"{label} lack it); validated the project's recipe "
                                              f"{cfg.recipe} instead (--check_with_bridge checks the job itself)"])
-    return UpstreamRecipe(recipe, facts, [f"validating the job Megatron-Bridge {version} builds: {recipe.describe()} "
+    return UpstreamRecipe(recipe, facts, [f"validating the job {label} builds: {recipe.describe()} "
                                           "with the flags' and overrides' changes"])

@@ -33,6 +33,9 @@ REQUIREMENTS: dict[str, str] = {
     "megatron_core": "Megatron-Core (pip megatron-core, a dependency of the package)",
     "bridge": "the Python 3.12 environment with Megatron-Bridge 0.6.2 named by MBRIDGE_EPOVERLAP_BRIDGE_PYTHON "
               "(scripts/setup_bridge_venv.sh builds it)",
+    "bridge_main": "the Python 3.12 environment with Megatron-Bridge main named by "
+                   "MBRIDGE_EPOVERLAP_BRIDGE_MAIN_PYTHON (scripts/setup_bridge_main_venv.sh builds it from the "
+                   "sources of both mains)",
 }
 
 

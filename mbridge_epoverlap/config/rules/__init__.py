@@ -7,7 +7,15 @@ them for the validator, the docs and the CLI; `evaluate` runs them.
 
 from __future__ import annotations
 
-from mbridge_epoverlap.config.rules import cuda_graphs, delay_wgrad, fsdp, layout, overlap  # noqa: F401  (registers)
+from mbridge_epoverlap.config.rules import (  # noqa: F401  (registers)
+    cuda_graphs,
+    delay_wgrad,
+    flex_backends,
+    fsdp,
+    layout,
+    overlap,
+    packing,
+)
 from mbridge_epoverlap.config.rules.delay_wgrad import wgrad_in_graph
 from mbridge_epoverlap.config.rules.layout import data_parallel_size, global_batch_problem
 from mbridge_epoverlap.config.rules.registry import (

@@ -370,7 +370,8 @@ def _ep_divides_experts(ctx: RuleContext) -> Violation | None:
       where="`-g`, `--moe_flex_dispatcher_backend`, `--mcore-version`, `--bridge-version`",
       example=("model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep"),
       example_gpu="gb200",
-      versions="deepep, hybridep: all releases; ncclep: Megatron-Bridge 0.6.x, Megatron-Core >= 0.19",
+      versions="deepep, hybridep: all releases; ncclep: Megatron-Core >= 0.19 (an error on Megatron-Bridge 0.6.x, a "
+               "warning on main, which does not gate it)",
       bridge_enforces=lambda _bridge, _core: True)
 def _flex_backend_gpu(ctx: RuleContext) -> Violation | None:
     from mbridge_epoverlap.config.flex import flex_backend_problem
@@ -390,6 +391,11 @@ def _flex_backend_gpu(ctx: RuleContext) -> Violation | None:
     problem = flex_backend_problem(backend, ctx.env)
     if problem is None:
         return None
+    if backend == "ncclep" and not ctx.bridge.has_ncclep:
+        # Megatron-Bridge main does not know ncclep as a backend, so its GPU gate lets the model's ncclep through
+        # (training/flex_dispatcher_backend.py at 067f987); NCCL EP itself still runs on Hopper and Blackwell only.
+        return violation("flex_backend_gpu", f"{problem}; Megatron-Bridge {ctx.bridge.version} does not check it, so "
+                         "the job fails when NCCL EP starts, not before", alternatives, "warning")
     return violation("flex_backend_gpu", problem, alternatives)
 
 

@@ -59,6 +59,8 @@ class RuleContext:
     bridge: BridgeRules = field(default_factory=lambda: bridge_rules(None))
     unset_switches: frozenset[str] = frozenset()
     ddp: Any = None
+    dataset: Any = None
+    packing_cleared: frozenset[str] = frozenset()
 
     def get(self, name: str) -> Any:
         return model_attr(self.model, name)
@@ -66,6 +68,10 @@ class RuleContext:
     def ddp_get(self, name: str, default: Any = None) -> Any:
         """A DDP-config setting (Megatron-Core's `DistributedDataParallelConfig` names), or `default`."""
         return default if self.ddp is None else get_field(self.ddp, name, default)
+
+    def dataset_get(self, name: str, default: Any = None) -> Any:
+        """A dataset setting (Megatron-Bridge's dataset-config names), or `default`."""
+        return default if self.dataset is None else get_field(self.dataset, name, default)
 
     def graph_scopes(self) -> set[str]:
         """Per-layer CUDA-graph modules, from `cuda_graph_modules` (core >= 0.18) and `cuda_graph_scope`."""
@@ -78,6 +84,7 @@ class RuleContext:
 RuleFn = Callable[[RuleContext], "Violation | None"]
 CoreEnforces = Callable[[CoreRules], bool]
 BridgeEnforces = Callable[[BridgeRules, CoreRules], bool]
+InRelease = Callable[[BridgeRules, CoreRules], bool]
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,8 @@ class Rule:
             (`CommOverlapConfig` finalize + setup, `validate_flex_dispatcher_backend`, then Core's
             `TransformerConfig`) raises this rule's error on a CPU; None: only `core_enforces` says.
         check: the function returning a `Violation` or None.
+        in_release: for a Megatron-Bridge and a Megatron-Core release, whether the rule exists there at all
+            (None: in every release); a rule outside the releases checked is not run and not listed.
     """
 
     id: str
@@ -119,8 +128,14 @@ class Rule:
     core_enforces: CoreEnforces | None = None
     versions: str = "all releases"
     bridge_enforces: BridgeEnforces | None = None
+    in_release: InRelease | None = None
+
+    def exists_in(self, bridge: BridgeRules, core: CoreRules) -> bool:
+        return self.in_release is None or self.in_release(bridge, core)
 
     def applies(self, ctx: RuleContext) -> bool:
+        if not self.exists_in(ctx.bridge, ctx.core):
+            return False
         if self.when == "overlap":
             return ctx.overlap
         if self.when == "delay_wgrad":
@@ -145,14 +160,15 @@ _REGISTRY: dict[str, Rule] = {}
 def rule(rule_id: str, when: When, source: str, summary: str, *, symptom: str, cause: str, where: str,
          example: tuple[str, ...], example_gpu: str = "h100", example_versions: tuple[tuple[str, str], ...] = (),
          core_enforces: CoreEnforces | None = None, versions: str = "all releases",
-         bridge_enforces: BridgeEnforces | None = None) -> Callable[[RuleFn], RuleFn]:
+         bridge_enforces: BridgeEnforces | None = None, in_release: InRelease | None = None
+         ) -> Callable[[RuleFn], RuleFn]:
     """Register the decorated function as rule `rule_id` with its documentation."""
 
     def register(fn: RuleFn) -> RuleFn:
         if rule_id in _REGISTRY:
             raise RuntimeError(f"rule id {rule_id!r} registered twice")
         _REGISTRY[rule_id] = Rule(rule_id, when, source, summary, symptom, cause, where, example, fn,
-                                  example_gpu, example_versions, core_enforces, versions, bridge_enforces)
+                                  example_gpu, example_versions, core_enforces, versions, bridge_enforces, in_release)
         return fn
 
     return register

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,8 @@ class ScriptOptions:
             lines, srun arguments, exports and commands before the runs).
         notes: comment lines (the chosen recipe, where each pass-through flag went).
         profile_window: START:END iterations the profiler records (default: the stable window).
+        nsys_args: the user's options of the profiled runs' `nsys profile` (--nsys_extra_args, --nsys_trace); one
+            that names an option the harness sets replaces it (`nsys_options`).
     """
 
     job_dir: Path
@@ -71,6 +74,27 @@ class ScriptOptions:
     setup_lines: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     profile_window: str | None = None
+    nsys_args: tuple[str, ...] = ()
+
+
+# The harness's `nsys profile` options for a profiled GPU run (the report path comes last, always the harness's).
+NSYS_DEFAULTS = ("--trace=cuda,nvtx", "--capture-range=cudaProfilerApi", "--capture-range-end=stop",
+                 "--force-overwrite=true")
+
+
+def _option_name(token: str) -> str | None:
+    """`--cuda-graph-trace` for `--cuda-graph-trace=node`; None for a value (not an option)."""
+    return token.split("=", 1)[0] if token.startswith("-") else None
+
+
+def nsys_options(user: Sequence[str]) -> list[str]:
+    """The user's nsys options, then each default whose option the user does not give.
+
+    nsys refuses an option given twice, so a user's `--trace=cuda,nvtx,osrt` replaces the default `--trace`
+    instead of repeating it (what Megatron-Bridge main's perf plugin does since #4669; 0.6.x repeats it).
+    """
+    named = {name for name in map(_option_name, user) if name is not None}
+    return [*user, *(option for option in NSYS_DEFAULTS if _option_name(option) not in named)]
 
 
 def _q(value: object) -> str:
@@ -217,8 +241,8 @@ def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: Scr
             lines.append(f"mkdir -p {_q(traces)}")
             if gpu_job:
                 # nsys expands %q{SLURM_PROCID} in each rank: one report per rank.
-                lines.append(f'if [ "$HAVE_NSYS" = 1 ]; then PROFILER=(nsys profile --trace=cuda,nvtx '
-                             f"--capture-range=cudaProfilerApi --capture-range-end=stop --force-overwrite=true "
+                options = " ".join(_q(option) for option in nsys_options(opts.nsys_args))
+                lines.append(f'if [ "$HAVE_NSYS" = 1 ]; then PROFILER=(nsys profile {options} '
                              f"-o {_q(str(traces / 'rank%q{SLURM_PROCID}'))}); else PROFILER=(); fi")
         log_path = run_file(opts.job_dir, name, repeat, ".log")
         command = " ".join(_run_command(exp, case, opts, out, profile))

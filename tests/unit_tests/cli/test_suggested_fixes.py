@@ -40,7 +40,7 @@ FLAG_KEYS = {
     "--moe_a2a_overlap": "comm_overlap.overlap_moe_expert_parallel_comm",
     "--delay_wgrad_compute": "comm_overlap.delay_wgrad_compute",
 }
-_DOTTED = re.compile(r"(?<![\w.])((?:model|comm_overlap|train|ddp)\.[a-z0-9_]+|num_gpus)=(\S+)")
+_DOTTED = re.compile(r"(?<![\w.])((?:model|comm_overlap|train|ddp|dataset)\.[a-z0-9_]+|num_gpus)=(\S+)")
 _FLAG = re.compile(r"(?<!\S)(-{1,2}[a-z_]+) (\[[^\]]*\]|[\w.,-]+)")
 
 
@@ -78,7 +78,8 @@ def _replace(overrides: list[str], new: list[str]) -> list[str]:
 def broken_configs() -> list[tuple[str, str, str, dict[str, str], list[str]]]:
     """(id, recipe, gpu, versions, overrides) of configs that break at least one rule."""
     gen = _generator()
-    names = {"--torch-version": "torch_version", "--te-version": "te_version", "--mcore-version": "mcore_version"}
+    names = {"--torch-version": "torch_version", "--te-version": "te_version", "--mcore-version": "mcore_version",
+             "--bridge-version": "bridge_version"}
     configs = []
     for rule in all_rules():
         versions = dict(gen.BASE_VERSIONS)

@@ -165,3 +165,23 @@ def test_the_job_changes_only_the_flags_and_the_case_settings(tmp_path, capsys):
     assert changes["comm_overlap.overlap_moe_expert_parallel_comm"] is True
     assert "model.num_layers" not in changes and "ddp.grad_reduce_in_fp32" not in changes
     assert f"--changes {job_dir / 'configs' / 'ep_overlap_on.changes.json'}" in script
+
+
+def test_nsys_extra_args_replace_the_default_of_the_same_option(tmp_path, capsys):
+    """--nsys_extra_args and --nsys_trace reach the profiled runs' nsys; one naming a default option replaces it
+    (nsys refuses an option given twice; Megatron-Bridge main merges the same way since #4669)."""
+    from mbridge_epoverlap.harness.executors.slurm_script import nsys_options
+
+    assert nsys_options(["--trace=cuda,nvtx,osrt", "--cuda-graph-trace=node"]) == [
+        "--trace=cuda,nvtx,osrt", "--cuda-graph-trace=node", "--capture-range=cudaProfilerApi",
+        "--capture-range-end=stop", "--force-overwrite=true"]
+    rc, script, err = dry_run(tmp_path, capsys, "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "--te_version",
+                              "2.12", "-en", "--nsys_extra_args=--capture-range-end=repeat,--sample=none",
+                              "--nsys_trace", "cuda,nvtx,cublas")
+    assert rc == 0, err
+    (line,) = [line for line in script.splitlines() if "PROFILER=(nsys profile" in line]
+    assert line.count("--capture-range-end=") == 1 and "--capture-range-end=repeat" in line, line
+    assert line.count("--trace=") == 1 and "--trace=cuda,nvtx,cublas" in line and "--sample=none" in line, line
+    rc, _script, err = dry_run(tmp_path, capsys, "-mr", "qwen3_30b_a3b", "-g", "h100", "-ng", "16", "--te_version",
+                               "2.12", "-en", "--nsys_extra_args=-o,/tmp/mine")
+    assert rc == 2 and "-o/--output is the harness's" in err, err
