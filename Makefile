@@ -26,9 +26,16 @@ system-deps:
 run: setup
 	$(BIN)/python scripts/performance/run_script.py -m qwen -mr qwen3_30b_a3b --task pretrain -g cpu -ng 2 --ab ep_overlap $(RUN_ARGS)
 
+# Two pytest-xdist workers: many tests wait on worker processes, servers or Slurm more than they compute. Tests
+# that share a machine-wide resource (Slurm, network namespaces) stay on one worker (tests/unit_tests/conftest.py).
+PYTEST_PARALLEL ?= -n 2 --dist loadgroup
+
+# The whole suite as the machine is, then the numerics tests again with the CPU math libraries held to each
+# instruction set this machine can run (docs/numerics.md): a bitwise claim true on one kind of CPU only fails here.
 test: setup system-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_PARALLEL) tests
+	$(BIN)/python scripts/numerics_under_isas.py -- $(PYTEST_PARALLEL)
 
 # Lint errors fail the target. `ruff format` is not enforced yet: the code base predates it.
 lint: setup

@@ -37,6 +37,13 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
+        # Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), tests that share a machine-wide
+        # resource run on one worker, one after another: the one-node Slurm cluster (one per worker would clash
+        # on the node), and network namespaces (their tests check that none is left but the ones they found).
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+        elif item.get_closest_marker("netns") is not None:
+            item.add_marker(pytest.mark.xdist_group("netns"))
         try:
             package = item.path.relative_to(here).parts[0]
         except ValueError:

@@ -174,6 +174,7 @@ def test_bench_bad_input_exits_2_naming_the_flag(args: list[str], named: str) ->
     assert named in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.netns
 def test_bench_across_two_emulated_hosts() -> None:
     import shutil as _shutil
 

@@ -32,6 +32,7 @@ REPORT = (
 )
 
 
+@pytest.mark.netns
 def test_ranks_share_their_hosts_namespace_and_a_replacement_starts_in_it(tmp_path: Path) -> None:
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         require_or_skip("netns", "link emulation needs root and iproute2 (ip, tc)")

@@ -85,6 +85,7 @@ def test_two_failures_one_after_another_lose_nothing(tiny_mixtral_dir, prompts, 
     assert _leftovers(pids) == ([], [])
 
 
+@pytest.mark.netns
 def test_two_failures_one_after_another_across_emulated_hosts(tiny_mixtral_dir, prompts, hf_greedy):
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         require_or_skip("netns", "link emulation needs root and iproute2 (ip, tc)")

@@ -36,6 +36,7 @@ def test_shm_cannot_cross_emulated_hosts(tiny_mixtral_dir, prompts):
     assert host_of_ranks(crossing) == [0, 1, 1]  # `m2n` crosses with a cross-host backend
 
 
+@pytest.mark.netns
 @pytest.mark.parametrize("backend", ["mooncake", "torch"])
 def test_a_replacement_rejoins_across_emulated_hosts(tiny_mixtral_dir, prompts, hf_greedy, backend):
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:

@@ -191,6 +191,7 @@ def test_a_killed_attention_worker_s_streams_go_on_from_a_survivor(start_server,
     _streams_survive_a_kill(server, "attention", 1, streams=16)
 
 
+@pytest.mark.netns
 def test_a_server_on_two_emulated_hosts_answers_as_on_one(start_server, chat_mixtral_dir):
     """`--emulate-hosts 2`: the workers in two network namespaces behind a shaped link, the front end reaching
     them on the link's gateway; the same greedy tokens as a server on one host; nothing left afterwards."""
