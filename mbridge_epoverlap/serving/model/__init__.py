@@ -3,9 +3,14 @@
 Nothing here knows processes or messages; workers hold these pieces and call them.
 
 - `spec`: `ModelSpec`, the small frozen description of a model every worker gets.
-- `checkpoint`: `load_spec` of a Hugging Face Mixtral / Qwen3-MoE checkpoint directory or a recipe name,
-  checked up front, and `CheckpointReader` for single tensors.
-- `hf_layout`: where each parameter lives in a Hugging Face checkpoint, and its expected shape.
+- `architectures/`: one module per Hugging Face architecture (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) and the
+  registry: its config defaults, what its config.json means for the spec, and its tensor names.
+- `checkpoint`: `load_spec` of a Hugging Face checkpoint directory (any registered architecture) or a recipe
+  name, checked up front, and `CheckpointReader` for single tensors.
+- `hf_layout`: where each parameter lives in a Hugging Face checkpoint, and its expected shape (the spec's
+  architecture module says).
+- `layers`: the shared pieces the architectures compose: attention (biases, q/k norm per head or over the
+  projection), SwiGLU MLPs, shared experts plain or sigmoid-gated, RMSNorm as `transformers` computes it.
 - `parts`: the model in two parts, `AttentionPart` (attention side, router) and `ExpertPart` (some
   routed experts), `LocalModel` and `generate_reference`, the tokens every engine mode must reproduce.
 - `packed`: `PackedExperts`, the engine's expert GEMMs on oneDNN-packed weights (the reference model keeps

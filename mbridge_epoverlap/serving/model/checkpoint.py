@@ -6,20 +6,22 @@ header of every `*.safetensors` file (names, shapes and dtypes of all tensors). 
 `UsageError` naming the file and the field. `CheckpointReader` then reads single tensors with
 `safetensors.safe_open`, so a worker reads only the tensors of its part.
 
-Configuration semantics follow `transformers` (`MixtralConfig`, `Qwen3MoeConfig`): a field missing from
-`config.json` takes that class's default; the rotary base is `rope_parameters.rope_theta` (5.x) or
-`rope_theta` (4.x); only the default (unscaled) rope is supported.
+Configuration semantics follow `transformers`' config classes: a field missing from `config.json` takes that
+class's default; what a field means for the model is its architecture module's (`serving.model.architectures`),
+the sizes every architecture has are read here. The rotary base is `rope_parameters.rope_theta` (5.x) or
+`rope_theta` (4.x); only the default (unscaled) rope is supported, and a `quantization_config` is refused.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.model.hf_layout import ARCHITECTURES, MIXTRAL, QWEN3_MOE, all_sources
+from mbridge_epoverlap.serving.model import architectures
+from mbridge_epoverlap.serving.model.architectures.base import ConfigFields
+from mbridge_epoverlap.serving.model.hf_layout import ARCHITECTURES, all_sources
 from mbridge_epoverlap.serving.model.spec import DTYPES, ModelSpec
 
 if TYPE_CHECKING:
@@ -29,24 +31,8 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
-# Defaults of the transformers config classes for the fields a checkpoint may leave out.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    MIXTRAL: {"num_key_value_heads": 8, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-              "tie_word_embeddings": False, "sliding_window": None, "rope_theta": 1e6, "eos_token_id": 2},
-    QWEN3_MOE: {"num_key_value_heads": 4, "head_dim": None, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": False, "sliding_window": 4096, "use_sliding_window": False,
-                "rope_theta": 10000.0, "eos_token_id": None, "decoder_sparse_step": 1,
-                "norm_topk_prob": False, "mlp_only_layers": [], "attention_bias": False},
-}
-# Sizes every checkpoint must state (a default for these would only hide a broken config).
-_REQUIRED: dict[str, tuple[str, ...]] = {
-    MIXTRAL: ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
-              "num_local_experts", "num_experts_per_tok"),
-    QWEN3_MOE: ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
-                "moe_intermediate_size", "num_local_experts", "num_experts_per_tok"),
-}
-# Both config classes map `num_experts` to `num_local_experts` (Qwen3-MoE checkpoints usually say
-# `num_experts`; transformers 5.x saves `num_local_experts`).
+# The config classes map `num_experts` to `num_local_experts` (Qwen checkpoints and OLMoE say `num_experts`;
+# transformers 5.x saves Qwen3-MoE's as `num_local_experts`).
 _ALIASES = {"num_experts": "num_local_experts"}
 
 # Rotary base of the recipes' public models (their config.json `rope_theta`).
@@ -93,14 +79,17 @@ def load_spec(source: str | Path, *, seed: int = 0, num_layers: int | None = Non
 def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
     config_path = directory / CONFIG
     raw = _read_json(config_path, required=True)
-    arch = _architecture(config_path, raw)
+    arch = architectures.get(_architecture(config_path, raw))
     raw = _resolve_aliases(config_path, raw)
-    cfg = _Fields(config_path, {**_DEFAULTS[arch], **raw})
-    for name in _REQUIRED[arch]:
+    if raw.get("quantization_config") is not None:
+        raise UsageError(f"{config_path}: field 'quantization_config' is {raw['quantization_config']!r}; quantized "
+                         "checkpoints are not supported (give the unquantized bf16/fp32 weights)")
+    cfg = ConfigFields(config_path, {**arch.defaults, **raw})
+    for name in arch.required:
         if name not in raw:
             also = [a for a, n in _ALIASES.items() if n == name]
             raise UsageError(f"{config_path}: field {name!r}{''.join(f' (or {a!r})' for a in also)} is missing "
-                             f"({arch} needs it)")
+                             f"({arch.name} needs it)")
     hidden = cfg.positive_int("hidden_size")
     layers = cfg.positive_int("num_hidden_layers")
     heads = cfg.positive_int("num_attention_heads")
@@ -119,34 +108,19 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
     if top_k > experts:
         raise UsageError(f"{config_path}: field 'num_experts_per_tok' ({top_k}) exceeds {experts_field!r} "
                          f"({experts})")
-    if arch == MIXTRAL:
-        moe_layers = tuple([True] * layers)
-        expert_ffn, dense_ffn, qk_norm, norm_topk = cfg.positive_int("intermediate_size"), 0, False, True
-        window = None if cfg.get("sliding_window") is None else cfg.positive_int("sliding_window")
-    else:
-        if cfg.get("attention_bias"):
-            raise UsageError(f"{config_path}: field 'attention_bias' is true; attention biases are not supported")
-        step = cfg.positive_int("decoder_sparse_step")
-        dense_only = cfg.int_list("mlp_only_layers", below=layers)
-        moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
-        expert_ffn, qk_norm = cfg.positive_int("moe_intermediate_size"), True
-        dense_ffn = cfg.positive_int("intermediate_size") if not all(moe_layers) else 0
-        norm_topk = cfg.boolean("norm_topk_prob")
-        window = (cfg.positive_int("sliding_window")
-                  if cfg.boolean("use_sliding_window") and cfg.get("sliding_window") is not None else None)
+    semantics = arch.read_config(cfg, layers)
+    moe_layers = semantics["moe_layers"]
     if not any(moe_layers):
         raise UsageError(f"{config_path}: no layer is a MoE layer (fields 'mlp_only_layers', "
                          "'decoder_sparse_step'); expert-parallel serving needs experts")
+    rope_theta = _rope_theta(config_path, cfg)
     files = _tensor_files(directory)
     spec = ModelSpec(
-        architecture=arch, source=str(directory), num_layers=layers, hidden_size=hidden, num_heads=heads,
+        architecture=arch.name, source=str(directory), num_layers=layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.positive_int("vocab_size"), num_experts=experts,
-        top_k=top_k, expert_ffn=expert_ffn, moe_layers=moe_layers, dense_ffn=dense_ffn, qk_norm=qk_norm,
-        norm_eps=cfg.positive_float("rms_norm_eps"), norm_topk_prob=norm_topk,
-        router_weights_in_dtype=arch != MIXTRAL,
-        rope_theta=_rope_theta(config_path, cfg), sliding_window=window,
-        tie_word_embeddings=cfg.boolean("tie_word_embeddings"),
-        eos_token_ids=_eos_ids(directory, cfg), dtype=dtype, tensor_files=tuple(sorted(files.items())),
+        top_k=top_k, norm_eps=cfg.positive_float("rms_norm_eps"), rope_theta=rope_theta,
+        tie_word_embeddings=cfg.boolean("tie_word_embeddings"), eos_token_ids=_eos_ids(directory, cfg),
+        dtype=dtype, tensor_files=tuple(sorted(files.items())), **semantics,
     )
     _check_tensors(directory, spec, files)
     return spec
@@ -192,47 +166,7 @@ def _resolve_aliases(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _Fields:
-    """Typed reads of config fields; a wrong type is a UsageError naming the file and the field."""
-
-    def __init__(self, path: Path, values: dict[str, Any]) -> None:
-        self.path, self.values = path, values
-
-    def get(self, name: str) -> Any:
-        return self.values.get(name)
-
-    def _bad(self, name: str, what: str) -> UsageError:
-        return UsageError(f"{self.path}: field {name!r} is {self.values.get(name)!r}; it must be {what}")
-
-    def positive_int(self, name: str) -> int:
-        value = self.values.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise self._bad(name, "a positive integer")
-        return value
-
-    def positive_float(self, name: str) -> float:
-        value = self.values.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise self._bad(name, "a positive number")
-        return float(value)
-
-    def boolean(self, name: str) -> bool:
-        value = self.values.get(name)
-        if not isinstance(value, bool):
-            raise self._bad(name, "true or false")
-        return value
-
-    def int_list(self, name: str, *, below: int) -> set[int]:
-        value = self.values.get(name)
-        if value is None:
-            return set()
-        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < below
-                                              for v in value):
-            raise self._bad(name, f"a list of layer indices in [0, {below})")
-        return set(value)
-
-
-def _rope_theta(path: Path, cfg: _Fields) -> float:
+def _rope_theta(path: Path, cfg: ConfigFields) -> float:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
     if params is not None and not isinstance(params, dict):
         raise UsageError(f"{path}: field 'rope_parameters' must be an object, found {params!r}")
@@ -242,12 +176,12 @@ def _rope_theta(path: Path, cfg: _Fields) -> float:
         raise UsageError(f"{path}: field 'rope_parameters.rope_type' is {kind!r}; only the default rope is "
                          "supported (no rope scaling)")
     if "rope_theta" in params:
-        return _Fields(path, {"rope_parameters.rope_theta": params["rope_theta"]}).positive_float(
+        return ConfigFields(path, {"rope_parameters.rope_theta": params["rope_theta"]}).positive_float(
             "rope_parameters.rope_theta")
     return cfg.positive_float("rope_theta")
 
 
-def _eos_ids(directory: Path, cfg: _Fields) -> tuple[int, ...]:
+def _eos_ids(directory: Path, cfg: ConfigFields) -> tuple[int, ...]:
     """End-of-sequence ids as `generate` uses them: generation_config.json's, else config.json's."""
     gen_path = directory / GENERATION_CONFIG
     generation = _read_json(gen_path, required=False)

@@ -9,7 +9,7 @@ rather than a loop over sequences.
 Decode attention is this module's: `KVCache.attend` stores a layer's new keys and values and attends the
 batch's queries to each sequence's history, the decode tokens together (`decode_attention`) and a
 prompt or a lone decode token on its own (`cached_attention`). The model part only projects in and out
-(`moe.attention.SelfAttention`) and calls `attend` between the two.
+(`serving.model.layers.Attention`) and calls `attend` between the two.
 
 Two decode attentions: `decode_attention` (the default, and the reference model's) is bit for bit each
 sequence's own attention, so it runs one product per sequence; the engine's workers build their caches with

@@ -25,16 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.moe.attention import SelfAttention
-from mbridge_epoverlap.moe.experts import GroupedExperts, SwiGLUMLP, grouped_expert_swiglu
+from mbridge_epoverlap.moe.experts import GroupedExperts, grouped_expert_swiglu
 from mbridge_epoverlap.moe.model import seeded_normal
-from mbridge_epoverlap.moe.norm import LayerNorm, RMSNorm
 from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
 from mbridge_epoverlap.moe.router import TopKRouter
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.model import packed as packed_gemm
 from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.kv_cache import KVCache
+from mbridge_epoverlap.serving.model.layers import Attention, SharedExpert, SwiGLU, make_norm
 from mbridge_epoverlap.serving.model.sampling import StopRule, greedy
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
@@ -61,25 +60,18 @@ class AttnOut:
     gate_weights: torch.Tensor | None
 
 
-def _norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> torch.nn.Module:
-    if spec.normalization == "LayerNorm":
-        return LayerNorm(size, eps=spec.norm_eps, dtype=dtype)
-    return RMSNorm(size, eps=spec.norm_eps, dtype=dtype)
-
-
 class DecodeLayer(torch.nn.Module):
-    """The attention-side modules of one layer."""
+    """The attention-side modules of one layer, the pieces of `serving.model.layers` the spec selects."""
 
     def __init__(self, spec: ModelSpec, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         h = spec.hidden_size
-        self.input_norm = _norm(spec, h, dtype)
-        self.attention = SelfAttention(h, spec.num_heads, spec.num_kv_heads, spec.head_dim, qk_norm=spec.qk_norm,
-                                       dtype=dtype, norm_eps=spec.norm_eps)
-        self.post_norm = _norm(spec, h, dtype)
+        self.input_norm = make_norm(spec, h, dtype)
+        self.attention = Attention(spec, dtype)
+        self.post_norm = make_norm(spec, h, dtype)
         self.router = TopKRouter(h, spec.num_experts, spec.top_k, dtype=dtype) if spec.is_moe(layer) else None
-        self.mlp = None if spec.is_moe(layer) else SwiGLUMLP(h, spec.dense_ffn, dtype=dtype)
-        self.shared_expert = (SwiGLUMLP(h, spec.shared_expert_ffn, dtype=dtype)
+        self.mlp = None if spec.is_moe(layer) else SwiGLU(h, spec.dense_ffn, dtype)
+        self.shared_expert = (SharedExpert(h, spec.shared_expert_ffn, gated=spec.shared_expert_gate, dtype=dtype)
                               if spec.is_moe(layer) and spec.shared_expert_ffn else None)
 
 
@@ -89,10 +81,11 @@ class AttentionPart(torch.nn.Module):
 
     With `packed` (the engine's workers, fp32) the head runs on a oneDNN-packed copy of its weight
     (`serving.model.packed.PackedLinear`): faster at decode's rows, rounded differently in the last bits, and
-    q, k and v come from one fused GEMM. Without it (the reference model) every GEMM is `transformers`', bit
-    for bit on every CPU: the head's, and q, k and v as three projections (`docs/numerics.md`). The attention
-    projections stay `F.linear`: packed too (1.2-1.7x on them), they changed one Mixtral sequence of the 64 of
-    `serving_peers_bench.py` against `transformers` (at its token 50, a near tie); the head alone changes none.
+    q, k and v (and a SwiGLU's gate and up) come from one fused GEMM. Without it (the reference model) every
+    GEMM is `transformers`', bit for bit on every CPU: the head's, q, k and v as three projections, gate and up
+    as two (`docs/numerics.md`). The attention projections stay `F.linear`: packed too (1.2-1.7x on them), they
+    changed one Mixtral sequence of the 64 of `serving_peers_bench.py` against `transformers` (at its token 50,
+    a near tie); the head alone changes none.
     """
 
     def __init__(self, spec: ModelSpec, *, packed: bool = False) -> None:
@@ -101,14 +94,14 @@ class AttentionPart(torch.nn.Module):
         self.spec = spec
         self.embedding = torch.nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(DecodeLayer(spec, i, dtype) for i in range(spec.num_layers))
-        self.final_norm = _norm(spec, spec.hidden_size, dtype)
+        self.final_norm = make_norm(spec, spec.hidden_size, dtype)
         self.head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, dtype=dtype)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
         self.requires_grad_(False)
         # fp32 only: measured there; bf16 keeps F.linear (its own oneDNN path), whose tokens the bf16 figures show
         self._head = (packed_gemm.PackedLinear(self.embedding if self.head is None else self.head.weight)
                       if packed and dtype == torch.float32 and packed_gemm.available(dtype) else None)
-        self._separate_qkv = not packed
+        self._separate = not packed
 
     def prepack(self) -> None:
         """Pack the head now (loading does), not in the first step that needs it."""
@@ -132,7 +125,7 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
-        q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate_qkv)
+        q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
         cos, sin = self.rotary.cos_sin(batch.positions)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.sliding_window)
@@ -153,7 +146,7 @@ class AttentionPart(torch.nn.Module):
         if attn.expert_ids is None or attn.gate_weights is None:
             if block.mlp is None:
                 raise ValueError(f"layer {layer} is a MoE layer; its AttnOut needs expert ids and gate weights")
-            return attn.resid + block.mlp(attn.tokens)
+            return attn.resid + block.mlp(attn.tokens, separate=self._separate)
         if expert_out is None or expert_out.shape[:2] != attn.expert_ids.shape:
             shape = None if expert_out is None else list(expert_out.shape)
             raise ValueError(f"layer {layer}: expert outputs {shape} do not match expert ids "
@@ -169,7 +162,7 @@ class AttentionPart(torch.nn.Module):
         for j in range(outs.shape[1]):
             mlp = mlp + (outs[:, j] * weights[:, j, None]).to(mlp.dtype)
         if block.shared_expert is not None:
-            mlp = mlp + block.shared_expert(attn.tokens)
+            mlp = mlp + block.shared_expert(attn.tokens, separate=self._separate)
         return attn.resid + mlp
 
     @torch.no_grad()

@@ -20,14 +20,20 @@ class ModelSpec:
     """Shape and semantics of a decoder-only MoE model, and where its weights come from.
 
     Attributes:
-        architecture: `MixtralForCausalLM`, `Qwen3MoeForCausalLM`, or `recipe` (a shrunk random model).
+        architecture: a `serving.model.architectures` name (`MixtralForCausalLM`, ...), or `recipe` (a shrunk
+            random model).
         source: the checkpoint directory (absolute) or the recipe name.
         num_layers, hidden_size, num_heads, num_kv_heads, head_dim, vocab_size: transformer shape.
         num_experts, top_k, expert_ffn: routed experts per MoE layer, experts per token, expert FFN width.
         moe_layers: for each layer, whether it is a MoE layer (else a dense SwiGLU MLP of `dense_ffn`).
         dense_ffn: FFN width of the dense layers (0 when there are none).
         shared_expert_ffn: width of an always-on shared expert in MoE layers (0: none).
-        qk_norm: RMSNorm on each query and key head (Qwen3).
+        shared_expert_gate: the shared expert's output is scaled by sigmoid(a [1, hidden] projection of its
+            input) (Qwen2-MoE).
+        qkv_bias: the q, k and v projections have biases (Qwen2-MoE).
+        qk_norm: RMSNorm on queries and keys, before the rotary embedding.
+        qk_norm_scope: "head" (one weight of head_dim, every head alike: Qwen3) or "projection" (over the whole
+            q or k projection, one weight of heads x head_dim: OLMoE).
         normalization: "RMSNorm" or "LayerNorm"; norm_eps its epsilon (also of the q/k norms).
         norm_topk_prob: renormalise the k chosen router probabilities to sum to one.
         router_weights_in_dtype: the chosen probabilities are rounded to `dtype` before they weight the expert
@@ -55,7 +61,10 @@ class ModelSpec:
     moe_layers: tuple[bool, ...]
     dense_ffn: int = 0
     shared_expert_ffn: int = 0
+    shared_expert_gate: bool = False
+    qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
     normalization: str = "RMSNorm"
     norm_eps: float = 1e-6
     norm_topk_prob: bool = True

@@ -4,13 +4,19 @@
 - `tiny_qwen3_moe_dir`: `Qwen3MoeForCausalLM`, 3 layers of which layer 1 is dense (`mlp_only_layers`,
   its own MLP width), q/k RMSNorm, head_dim != hidden/heads, 8 experts top-2 without renormalisation
   (`norm_topk_prob` false), tied embeddings.
+- `tiny_qwen2_moe_dir`: `Qwen2MoeForCausalLM`, 3 layers of which layer 1 is dense, q/k/v biases, a shared
+  expert scaled by sigmoid(`shared_expert_gate`), 8 experts top-2 without renormalisation.
+- `tiny_olmoe_dir`: `OlmoeForCausalLM`, 2 layers, q/k RMSNorm over the whole projection, 8 experts top-2
+  without renormalisation.
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
 
-Both models use eager attention and eager experts, the implementations the serving model follows step
+All models use eager attention and eager experts, the implementations the serving model follows step
 by step (its logits then equal transformers' bit for bit). Initialisation std 0.1 (transformers' default
-is 0.02) spreads the logits so no greedy choice is a near-tie that the order of a sum could flip.
+is 0.02) spreads the logits so no greedy choice is a near-tie that the order of a sum could flip; the
+biases and norm weights, which transformers initialises to 0 and 1, are drawn too (`_draw_vectors`), so a
+bias or norm weight read into the wrong place changes the logits.
 """
 
 from __future__ import annotations
@@ -68,6 +74,51 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=3,
     )
     return _save(Qwen3MoeForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny_qwen3_moe"))
+
+
+def _draw_vectors(model) -> None:
+    """Biases ~ N(0, INIT_STD) and norm weights ~ 1 + N(0, INIT_STD) (transformers starts them at 0 and 1)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INIT_STD)
+            elif "norm" in name:
+                param.normal_(1.0, INIT_STD)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(2468)
+    config = Qwen2MoeConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+        shared_expert_intermediate_size=36, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], max_position_embeddings=256,
+        initializer_range=INIT_STD, bos_token_id=None, eos_token_id=3,
+    )
+    model = Qwen2MoeForCausalLM(config).eval()
+    _draw_vectors(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_qwen2_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(1357)
+    config = OlmoeConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+        initializer_range=INIT_STD, pad_token_id=0, bos_token_id=None, eos_token_id=3,
+    )
+    model = OlmoeForCausalLM(config).eval()
+    _draw_vectors(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_olmoe"))
 
 
 @pytest.fixture(scope="session")

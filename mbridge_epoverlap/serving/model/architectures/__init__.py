@@ -1,0 +1,31 @@
+"""The Hugging Face MoE architectures the serving engine loads, one module each, and their registry.
+
+- `base`: `Architecture` (the shared checkpoint layout; a module overrides only what differs),
+  `ConfigFields` (typed config.json reads) and `Source` (the tensors one parameter is built from).
+- `mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`: one `Architecture` each: the config defaults, what its
+  config.json means for the `ModelSpec`, and its tensor names.
+
+Adding an architecture is one module here, its entry in `_ARCHITECTURES` and its tests. The arithmetic is
+not here: the spec's fields select the shared pieces of `serving.model.layers`.
+"""
+
+from __future__ import annotations
+
+from mbridge_epoverlap.serving.model.architectures.base import Architecture
+from mbridge_epoverlap.serving.model.architectures.mixtral import Mixtral
+from mbridge_epoverlap.serving.model.architectures.olmoe import Olmoe
+from mbridge_epoverlap.serving.model.architectures.qwen2_moe import Qwen2Moe
+from mbridge_epoverlap.serving.model.architectures.qwen3_moe import Qwen3Moe
+
+_ARCHITECTURES: tuple[Architecture, ...] = (Mixtral(), Qwen3Moe(), Qwen2Moe(), Olmoe())
+REGISTRY: dict[str, Architecture] = {a.name: a for a in _ARCHITECTURES}
+NAMES: tuple[str, ...] = tuple(REGISTRY)
+
+
+def get(name: str) -> Architecture:
+    """The architecture registered as `name` (a config.json `architectures` entry)."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"architecture {name!r} is not supported; supported: {', '.join(NAMES)}") from None
+

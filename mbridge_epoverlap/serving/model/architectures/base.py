@@ -1,0 +1,186 @@
+"""`Architecture`: what one Hugging Face MoE architecture says in its config.json and where it keeps its tensors.
+
+The base class describes the layout most MoE checkpoints share (`model.layers.{i}.self_attn.{q,k,v,o}_proj`,
+`input_layernorm` / `post_attention_layernorm`, a router `{moe_block}.gate` and experts
+`{moe_block}.experts.{e}.{gate,up,down}_proj`); an architecture module overrides only what differs, as
+`transformers`' modular files do. Each architecture reads its semantic fields (`read_config`) into the
+`ModelSpec`, and the shared pieces of `serving.model.layers` are built from those fields.
+
+Also here: `ConfigFields`, typed reads of config.json fields (a wrong value is a `UsageError` naming the file
+and the field), and `Source`, the checkpoint tensors (and their shapes) one serving parameter is built from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.serving.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Source:
+    """Checkpoint tensors (name, shape) concatenated along dim 0 into one parameter, and the config.json
+    fields their shapes come from (named when a shape does not match)."""
+
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    fields: tuple[str, ...] = ("hidden_size",)
+
+
+def one(name: str, *shape: int, fields: tuple[str, ...] = ("hidden_size",)) -> Source:
+    """A parameter read from one tensor."""
+    return Source(((name, tuple(shape)),), fields)
+
+
+def cat(*parts: tuple[str, tuple[int, ...]], fields: tuple[str, ...] = ("hidden_size",)) -> Source:
+    """A parameter made of several tensors stacked along dim 0 (q, k, v; gate and up)."""
+    return Source(tuple(parts), fields)
+
+
+class ConfigFields:
+    """Typed reads of config fields; a wrong type is a UsageError naming the file and the field."""
+
+    def __init__(self, path: Path, values: dict[str, Any]) -> None:
+        self.path, self.values = path, values
+
+    def get(self, name: str) -> Any:
+        return self.values.get(name)
+
+    def bad(self, name: str, what: str) -> UsageError:
+        return UsageError(f"{self.path}: field {name!r} is {self.values.get(name)!r}; it must be {what}")
+
+    def positive_int(self, name: str) -> int:
+        value = self.values.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.bad(name, "a positive integer")
+        return value
+
+    def positive_float(self, name: str) -> float:
+        value = self.values.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            raise self.bad(name, "a positive number")
+        return float(value)
+
+    def boolean(self, name: str) -> bool:
+        value = self.values.get(name)
+        if not isinstance(value, bool):
+            raise self.bad(name, "true or false")
+        return value
+
+    def int_list(self, name: str, *, below: int) -> set[int]:
+        value = self.values.get(name)
+        if value is None:
+            return set()
+        if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < below
+                                              for v in value):
+            raise self.bad(name, f"a list of layer indices in [0, {below})")
+        return set(value)
+
+    def require(self, name: str, expected: Any, why: str) -> None:
+        """The field must hold `expected` (its default): anything else is a feature the engine lacks."""
+        if self.values.get(name) != expected:
+            raise UsageError(f"{self.path}: field {name!r} is {self.values.get(name)!r}; {why} is not supported "
+                             f"(only {expected!r})")
+
+
+ATTENTION_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+class Architecture:
+    """One `architectures` entry of config.json: its defaults, its semantics and its tensor names.
+
+    Class attributes (override in a subclass):
+        name: the `architectures` entry (`MixtralForCausalLM`).
+        summary: one line for the table of supported architectures.
+        defaults: the transformers config class's defaults for fields a checkpoint may leave out.
+        required: sizes every checkpoint must state.
+        moe_block: the module holding a MoE layer's router and experts (`mlp`, `block_sparse_moe`).
+        expert_projections: tensor names of an expert's gate, up and down projections.
+        expert_ffn_field: the config field of an expert's FFN width.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    defaults: ClassVar[dict[str, Any]] = {}
+    required: ClassVar[tuple[str, ...]] = ()
+    moe_block: ClassVar[str] = "mlp"
+    expert_projections: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
+    expert_ffn_field: ClassVar[str] = "moe_intermediate_size"
+
+    # --- config.json -> spec ------------------------------------------------------------------------
+
+    def read_config(self, cfg: ConfigFields, num_layers: int) -> dict[str, Any]:
+        """The `ModelSpec` fields this architecture decides (which layers are MoE, FFN widths, attention and
+        router variants). Shared sizes (hidden, heads, experts, rope, eos) are read by `checkpoint`."""
+        raise NotImplementedError
+
+    # --- spec -> tensors ----------------------------------------------------------------------------
+
+    def attention_sources(self, spec: ModelSpec) -> dict[str, Source]:
+        """Parameter name of `serving.model.parts.AttentionPart` -> its checkpoint tensors."""
+        h, vocab = spec.hidden_size, ("vocab_size", "hidden_size")
+        out = {"embedding": one("model.embed_tokens.weight", spec.vocab_size, h, fields=vocab),
+               "final_norm.weight": one("model.norm.weight", h)}
+        if not spec.tie_word_embeddings:
+            out["head.weight"] = one("lm_head.weight", spec.vocab_size, h, fields=vocab)
+        for i in range(spec.num_layers):
+            hf, ours = f"model.layers.{i}", f"layers.{i}"
+            out[f"{ours}.input_norm.weight"] = one(f"{hf}.input_layernorm.weight", h)
+            out[f"{ours}.post_norm.weight"] = one(f"{hf}.post_attention_layernorm.weight", h)
+            attention = self.attention_tensors(spec, f"{hf}.self_attn")
+            out.update({f"{ours}.attention.{k}": v for k, v in attention.items()})
+            if spec.is_moe(i):
+                out.update({f"{ours}.{k}": v for k, v in self.moe_tensors(spec, f"{hf}.{self.moe_block}").items()})
+            else:
+                out.update({f"{ours}.mlp.{k}": v for k, v in self.mlp_tensors(f"{hf}.mlp", spec.dense_ffn, h,
+                                                                               "intermediate_size").items()})
+        return out
+
+    def attention_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
+        """Separate q, k, v (and o) projections, with biases and q/k norms where the spec has them."""
+        h, d, hq, hkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
+        f = ATTENTION_FIELDS
+        out = {"qkv.weight": cat((f"{prefix}.q_proj.weight", (hq * d, h)), (f"{prefix}.k_proj.weight", (hkv * d, h)),
+                                 (f"{prefix}.v_proj.weight", (hkv * d, h)), fields=f),
+               "proj.weight": one(f"{prefix}.o_proj.weight", h, hq * d, fields=f)}
+        if spec.qkv_bias:
+            out["qkv_bias"] = cat((f"{prefix}.q_proj.bias", (hq * d,)), (f"{prefix}.k_proj.bias", (hkv * d,)),
+                                  (f"{prefix}.v_proj.bias", (hkv * d,)), fields=f)
+        if spec.qk_norm:
+            q_size, k_size = (d, d) if spec.qk_norm_scope == "head" else (hq * d, hkv * d)
+            out["q_norm.weight"] = one(f"{prefix}.q_norm.weight", q_size, fields=f)
+            out["k_norm.weight"] = one(f"{prefix}.k_norm.weight", k_size, fields=f)
+        return out
+
+    def moe_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
+        """The router of a MoE layer (and its shared expert, where the architecture has one)."""
+        return {"router.weight": one(f"{prefix}.gate.weight", spec.num_experts, spec.hidden_size,
+                                     fields=("num_local_experts", "hidden_size"))}
+
+    @staticmethod
+    def mlp_tensors(prefix: str, ffn: int, hidden: int, field: str) -> dict[str, Source]:
+        """A dense SwiGLU MLP with `gate_proj`, `up_proj`, `down_proj` -> `fc1` (gate rows first), `fc2`."""
+        fields = (field, "hidden_size")
+        return {"fc1.weight": cat((f"{prefix}.gate_proj.weight", (ffn, hidden)),
+                                  (f"{prefix}.up_proj.weight", (ffn, hidden)), fields=fields),
+                "fc2.weight": one(f"{prefix}.down_proj.weight", hidden, ffn, fields=fields)}
+
+    def expert_sources(self, spec: ModelSpec, layer: int, expert: int) -> tuple[Source, Source]:
+        """(gate and up projections -> `w1[e]` [2*ffn, hidden], down projection -> `w2[e]` [hidden, ffn])."""
+        h, f = spec.hidden_size, spec.expert_ffn
+        prefix = f"model.layers.{layer}.{self.moe_block}.experts.{expert}"
+        gate, up, down = (f"{prefix}.{p}.weight" for p in self.expert_projections)
+        fields = (self.expert_ffn_field, "hidden_size")
+        return cat((gate, (f, h)), (up, (f, h)), fields=fields), one(down, h, f, fields=fields)
+
+    # --- shared reads -------------------------------------------------------------------------------
+
+    @staticmethod
+    def sparse_layers(cfg: ConfigFields, num_layers: int) -> tuple[bool, ...]:
+        """Qwen-style MoE layer choice: every `decoder_sparse_step`-th layer unless in `mlp_only_layers`."""
+        step = cfg.positive_int("decoder_sparse_step")
+        dense_only = cfg.int_list("mlp_only_layers", below=num_layers)
+        return tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))

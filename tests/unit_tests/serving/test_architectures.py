@@ -1,0 +1,170 @@
+"""Each architecture module (`serving.model.architectures`) decodes its checkpoints exactly as `transformers` does,
+and refuses what it cannot serve before any weight is read.
+
+Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert, a dense layer) and OLMoE (q/k RMSNorm over the whole
+projection) on tiny checkpoints written by `transformers` (the serving fixtures): greedy tokens equal
+`generate(do_sample=False)`, fp32 and bf16 prefill logits equal the eager model's bit for bit, experts split over parts
+and the disaggregated engine give the same tokens. Mixtral and Qwen3-MoE have the same checks in
+`test_reference_decode.py` and `test_engine.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.serving.model import architectures
+from mbridge_epoverlap.serving.model.architectures.base import ConfigFields
+from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.checkpoint import load_spec
+from mbridge_epoverlap.serving.model.kv_cache import KVCache
+from mbridge_epoverlap.serving.model.parts import LocalModel, generate_reference, load_attention_part, load_expert_part
+
+MAX_NEW = 10
+FAMILIES = ["qwen2_moe", "olmoe"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue(f"tiny_{request.param}_dir")
+
+
+# --- tokens and logits ------------------------------------------------------------------------------
+
+def test_greedy_tokens_equal_transformers_generate(checkpoint, prompts, hf_greedy) -> None:
+    spec = load_spec(checkpoint)
+    ours = generate_reference(spec, prompts, MAX_NEW)
+    assert ours == hf_greedy(checkpoint, prompts, MAX_NEW)
+    assert len({tuple(o) for o in ours}) == len(prompts)  # different continuations: not a vacuous comparison
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logits_equal_transformers_bit_for_bit(checkpoint, prompts, dtype) -> None:
+    """In bf16 too: the fixtures' norm weights are not all ones, so the RMSNorm must round the normalised input to
+    bf16 before the weight multiplies it, as `transformers` does."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager", experts_implementation="eager",
+                                              dtype=getattr(torch, dtype)).eval()
+    spec = load_spec(checkpoint, dtype=dtype)
+    model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts))])
+    cache = KVCache.for_spec(spec)
+    cache.add(0)
+    x = model.forward(TokenBatch.from_chunks([(0, prompts[2], 0)]), cache)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompts[2]])).logits[0]
+    assert torch.equal(model.attention.logits(x), expected.float())
+
+
+def test_experts_split_over_parts_give_the_same_tokens(checkpoint, prompts) -> None:
+    spec = load_spec(checkpoint)
+    groups = [[7, 0, 5], [1, 6], [2, 3, 4]]
+    assert generate_reference(spec, prompts, MAX_NEW, expert_groups=groups) == generate_reference(
+        spec, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_disaggregated_engine_tokens_equal_transformers_greedy(family, request, prompts, hf_greedy) -> None:
+    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+    from tests.unit_tests.serving.engine_runs import requests_of
+
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
+    max_new = 6
+    plan = make_plan(load_spec(directory), requests_of(prompts), max_new_tokens=max_new, timeout_s=20,
+                     micro_batches=2, expert_workers=2)
+    result = run_engine(plan)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(directory, prompts, max_new)
+    assert all(c["status"] == "ok" for c in result["completions"])
+
+
+# --- what each module reads -------------------------------------------------------------------------
+
+def test_qwen2_moe_spec(tiny_qwen2_moe_dir) -> None:
+    spec = load_spec(tiny_qwen2_moe_dir)
+    assert spec.architecture == "Qwen2MoeForCausalLM"
+    assert (spec.qkv_bias, spec.shared_expert_gate, spec.qk_norm, spec.norm_topk_prob) == (True, True, False, False)
+    assert spec.moe_layers == (True, False, True)
+    assert (spec.expert_ffn, spec.dense_ffn, spec.shared_expert_ffn) == (24, 40, 36)
+
+
+def test_qwen2_moe_sparse_layers_follow_decoder_sparse_step(tmp_path) -> None:
+    arch = architectures.get("Qwen2MoeForCausalLM")
+    cfg = ConfigFields(tmp_path / "config.json", {**arch.defaults, "moe_intermediate_size": 8, "intermediate_size": 16,
+                                                  "shared_expert_intermediate_size": 8, "decoder_sparse_step": 2,
+                                                  "mlp_only_layers": [3]})
+    assert arch.read_config(cfg, 6)["moe_layers"] == (False, True, False, False, False, True)
+
+
+def test_olmoe_spec(tiny_olmoe_dir) -> None:
+    spec = load_spec(tiny_olmoe_dir)
+    assert (spec.architecture, spec.qk_norm, spec.qk_norm_scope) == ("OlmoeForCausalLM", True, "projection")
+    assert (spec.norm_topk_prob, spec.qkv_bias, spec.shared_expert_ffn, spec.norm_eps) == (False, False, 0, 1e-5)
+    assert all(spec.moe_layers) and spec.expert_ffn == 24 and spec.head_dim == 8
+
+
+def test_every_registered_architecture_is_named_when_one_is_unknown(tiny_olmoe_dir, tmp_path) -> None:
+    directory = _copy_config_only(tiny_olmoe_dir, tmp_path, architectures=["DbrxForCausalLM"])
+    with pytest.raises(UsageError, match="'architectures'") as info:
+        load_spec(directory)
+    assert all(name in str(info.value) for name in architectures.NAMES)
+
+
+# --- refused before any weight is read --------------------------------------------------------------
+
+def _copy_config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
+    """The checkpoint's config.json with `changes`, and no weights: a refusal here came before any was read."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    shutil.copy(source / "config.json", directory / "config.json")
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize(("family", "changes", "named"), [
+    ("qwen2_moe", {"quantization_config": {"quant_method": "fp8"}}, ["'quantization_config'", "fp8"]),
+    ("qwen2_moe", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     ["'rope_parameters.rope_type'", "'yarn'"]),
+    ("qwen2_moe", {"use_sliding_window": True}, ["'use_sliding_window'", "True"]),
+    ("qwen2_moe", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+     ["'layer_types'", "sliding_attention"]),
+    ("olmoe", {"clip_qkv": 8.0}, ["'clip_qkv'", "8.0"]),
+    ("olmoe", {"attention_bias": True}, ["'attention_bias'", "True"]),
+    ("olmoe", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["'quantization_config'", "gptq"]),
+])
+def test_unsupported_features_exit_2_naming_field_and_value(family, changes, named, request, tmp_path) -> None:
+    from mbridge_epoverlap.cli import main
+
+    directory = _copy_config_only(request.getfixturevalue(f"tiny_{family}_dir"), tmp_path, **changes)
+    with pytest.raises(UsageError) as info:
+        load_spec(directory)
+    message = str(info.value)
+    assert str(directory / "config.json") in message
+    assert all(n in message for n in named), message
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p0", "prompt_ids": [1, 2]}) + "\n")
+    assert main(["serve", "--checkpoint", str(directory), "--prompts", str(prompts)]) == 2
+
+
+@pytest.mark.parametrize(("family", "name", "wrong", "right"), [
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", [2, 32], [1, 32]),
+    ("qwen2_moe", "model.layers.2.self_attn.k_proj.bias", [32], [16]),
+    ("olmoe", "model.layers.1.self_attn.q_norm.weight", [8], [32]),
+])
+def test_a_tensor_whose_shape_disagrees_with_the_config_is_named(family, name, wrong, right, request,
+                                                                 tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(shutil.copytree(request.getfixturevalue(f"tiny_{family}_dir"), tmp_path / "ckpt"))
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors[name] = torch.zeros(wrong)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UsageError, match=name.replace(".", r"\.")) as info:
+        load_spec(directory)
+    assert str(wrong) in str(info.value) and str(right) in str(info.value)
