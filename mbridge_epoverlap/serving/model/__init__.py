@@ -3,7 +3,7 @@
 Nothing here knows processes or messages; workers hold these pieces and call them.
 
 - `spec`: `ModelSpec`, the small frozen description of a model every worker gets.
-- `architectures/`: one module per Hugging Face architecture (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) and the
+- `architectures`: one module per Hugging Face architecture (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) and the
   registry: its config defaults, what its config.json means for the spec, and its tensor names.
 - `checkpoint`: `load_spec` of a Hugging Face checkpoint directory (any registered architecture) or a recipe
   name, checked up front, and `CheckpointReader` for single tensors.
