@@ -26,8 +26,8 @@ system-deps:
 run: setup
 	$(BIN)/python scripts/performance/run_script.py -m qwen -mr qwen3_30b_a3b --task pretrain -g cpu -ng 2 --ab ep_overlap $(RUN_ARGS)
 
-# Two pytest-xdist workers: many tests wait on worker processes, servers or Slurm more than they compute. Tests
-# that share a machine-wide resource (Slurm, network namespaces) stay on one worker (tests/unit_tests/conftest.py).
+# Two pytest-xdist workers: many tests wait on worker processes, servers or Slurm more than they compute. A file
+# stays on one worker, and so do the tests that share Slurm or network namespaces (tests/unit_tests/conftest.py).
 PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 
 # The whole suite as the machine is, then the numerics tests again with the CPU math libraries held to each

@@ -37,16 +37,33 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     for item in items:
+        try:
+            path = item.path.relative_to(here)
+        except ValueError:
+            continue
         # Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), tests that share a machine-wide
         # resource run on one worker, one after another: the one-node Slurm cluster (one per worker would clash
         # on the node), and network namespaces (their tests check that none is left but the ones they found).
+        # Tests that share a module- or class-scoped fixture (a launched check run, a started server) run on one
+        # worker too, so it is built once.
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif item.get_closest_marker("netns") is not None:
             item.add_marker(pytest.mark.xdist_group("netns"))
-        try:
-            package = item.path.relative_to(here).parts[0]
-        except ValueError:
-            continue
-        if package in _NUMERICS_DIRS and _NUMERICS_NAME.search(item.name):
+        elif (shared := _shared_fixtures(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(f"{path.as_posix()}:{shared}"))
+        if path.parts[0] in _NUMERICS_DIRS and _NUMERICS_NAME.search(item.name):
             item.add_marker(pytest.mark.numerics)
+
+
+def _shared_fixtures(item: pytest.Item) -> str | None:
+    """None where `item` uses no module- or class-scoped fixture; else the parameters of those that have one
+    ("name=param,...", "" for none): one group per instance, so a file's tests that share one stay together."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    names = sorted(name for name, defs in info.name2fixturedefs.items() if defs[-1].scope in ("module", "class"))
+    if not names:
+        return None
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return ",".join(f"{name}={params[name]}" for name in names if name in params)
