@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the test suite uses: a one-node Slurm (slurm-wlm, munge), iproute2
-# for the emulated-link tests, and libibverbs1 (the Mooncake Transfer Engine loads it at import). Idempotent; does nothing when everything is present. Without root it
+# for the emulated-link tests, gcc (scripts/numerics_under_isas.py), and libibverbs1 (the Mooncake Transfer Engine loads it at import). Idempotent; does nothing when everything is present. Without root it
 # only reports what is missing: the tests that need these packages skip with a reason, or fail where
 # MBRIDGE_EPOVERLAP_REQUIRE names them (as .ci/run does; tests/unit_tests/requirements.py).
 set -uo pipefail
@@ -10,6 +10,8 @@ command -v munged >/dev/null 2>&1 || need+=(munge)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v tc >/dev/null 2>&1 || need+=(iproute2)
 ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || need+=(libibverbs1)
+# A C compiler builds scripts/mkl_intel_path.c for the numerics runs under MKL's Intel kernels on other vendors.
+command -v cc >/dev/null 2>&1 || need+=(gcc)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
