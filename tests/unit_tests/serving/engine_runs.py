@@ -1,4 +1,5 @@
-"""Helpers of the multi-process serving tests: requests from prompts, and what a run left behind."""
+"""Helpers of the serving tests: requests from prompts, what a run left behind, and the reference model's
+prefill logits beside `transformers`'."""
 
 from __future__ import annotations
 
@@ -23,3 +24,25 @@ def leftovers(pids):
         except ProcessLookupError:
             pass
     return alive, [p for pid in pids for p in glob.glob(f"/dev/shm/mbe-m2n-{pid}-*")]
+
+
+def prefill_logits(directory, prompt: list[int], dtype: str):
+    """(the reference model's, `transformers`' eager) logits of one prompt's prefill in `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mbridge_epoverlap.serving.model.batch import TokenBatch
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.model.kv_cache import KVCache
+    from mbridge_epoverlap.serving.model.parts import LocalModel, load_attention_part, load_expert_part
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", experts_implementation="eager",
+                                              dtype=getattr(torch, dtype)).eval()
+    spec = load_spec(directory, dtype=dtype)
+    model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts))])
+    cache = KVCache.for_spec(spec)
+    cache.add(0)
+    x = model.forward(TokenBatch.from_chunks([(0, prompt, 0)]), cache)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    return model.attention.logits(x), expected

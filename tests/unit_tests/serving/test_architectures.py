@@ -20,10 +20,9 @@ import torch
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model import architectures
 from mbridge_epoverlap.serving.model.architectures.base import ConfigFields
-from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
-from mbridge_epoverlap.serving.model.kv_cache import KVCache
-from mbridge_epoverlap.serving.model.parts import LocalModel, generate_reference, load_attention_part, load_expert_part
+from mbridge_epoverlap.serving.model.parts import generate_reference
+from tests.unit_tests.serving.engine_runs import prefill_logits
 
 MAX_NEW = 10
 FAMILIES = ["qwen2_moe", "olmoe"]
@@ -47,18 +46,8 @@ def test_greedy_tokens_equal_transformers_generate(checkpoint, prompts, hf_greed
 def test_logits_equal_transformers_bit_for_bit(checkpoint, prompts, dtype) -> None:
     """In bf16 too: the fixtures' norm weights are not all ones, so the RMSNorm must round the normalised input to
     bf16 before the weight multiplies it, as `transformers` does."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager", experts_implementation="eager",
-                                              dtype=getattr(torch, dtype)).eval()
-    spec = load_spec(checkpoint, dtype=dtype)
-    model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts))])
-    cache = KVCache.for_spec(spec)
-    cache.add(0)
-    x = model.forward(TokenBatch.from_chunks([(0, prompts[2], 0)]), cache)
-    with torch.no_grad():
-        expected = hf(torch.tensor([prompts[2]])).logits[0]
-    assert torch.equal(model.attention.logits(x), expected.float())
+    ours, expected = prefill_logits(checkpoint, prompts[2], dtype)
+    assert torch.equal(ours, expected.float())
 
 
 def test_experts_split_over_parts_give_the_same_tokens(checkpoint, prompts) -> None:

@@ -16,6 +16,7 @@ from mbridge_epoverlap.serving.model.parts import (
     load_attention_part,
     load_expert_part,
 )
+from tests.unit_tests.serving.engine_runs import prefill_logits
 
 MAX_NEW = 10
 
@@ -33,24 +34,8 @@ def test_greedy_tokens_equal_transformers_generate(checkpoint, prompts, hf_greed
     assert len({tuple(o) for o in ours}) == len(prompts)
 
 
-def _prefill_logits(directory, prompt: list[int], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the reference model's, `transformers`' eager) logits of one prompt's prefill in `dtype`."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", experts_implementation="eager",
-                                              dtype=getattr(torch, dtype)).eval()
-    spec = load_spec(directory, dtype=dtype)
-    model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts))])
-    cache = KVCache.for_spec(spec)
-    cache.add(0)
-    x = model.forward(TokenBatch.from_chunks([(0, prompt, 0)]), cache)
-    with torch.no_grad():
-        expected = hf(torch.tensor([prompt])).logits[0]
-    return model.attention.logits(x), expected
-
-
 def test_logits_equal_transformers_bit_for_bit(tiny_qwen3_moe_dir, prompts) -> None:
-    ours, expected = _prefill_logits(tiny_qwen3_moe_dir, prompts[2], "float32")
+    ours, expected = prefill_logits(tiny_qwen3_moe_dir, prompts[2], "float32")
     assert torch.equal(ours, expected)
 
 
@@ -59,7 +44,7 @@ def test_bf16_logits_equal_transformers_bit_for_bit(family, prompts, request) ->
     """In bf16 Qwen3-MoE rounds the chosen router probabilities to bf16 before weighting the expert outputs and
     Mixtral does not: with fp32 weights the Qwen3-MoE engine agreed with `transformers` on 1 of 64 sequences of
     the serving benchmark."""
-    ours, expected = _prefill_logits(request.getfixturevalue(f"tiny_{family}_dir"), prompts[2], "bfloat16")
+    ours, expected = prefill_logits(request.getfixturevalue(f"tiny_{family}_dir"), prompts[2], "bfloat16")
     assert torch.equal(ours, expected.float())
 
 
