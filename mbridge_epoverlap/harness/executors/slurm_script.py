@@ -25,6 +25,11 @@ from mbridge_epoverlap.harness.experiment import Experiment
 from mbridge_epoverlap.harness.flags import TimeLimit
 
 MARKER = "[mbridge-epoverlap]"
+# Each job's ports (its runs' rendezvous, one per run) come from a block of its own: 20000 + (id % 200) * 50, so
+# the next job on a node does not bind a port the previous one left in TIME_WAIT (consecutive ids once shared
+# all but one port). Below 30000, where the online server's HTTP port lies (`slurm_serve.HTTP_PORT_BASE`).
+PORTS_PER_JOB = 50
+PORT_BASE_LINE = f"PORT_BASE=$(( 20000 + SLURM_JOB_ID % 200 * {PORTS_PER_JOB} ))"
 PYTHON_VAR = "MBRIDGE_EPOVERLAP_PYTHON"
 
 
@@ -183,7 +188,7 @@ def render_script(exp: Experiment, cases: list[Case], shape: JobShape, opts: Scr
         f'export PYTHONPATH={_q(opts.repo_root)}"${{PYTHONPATH:+:$PYTHONPATH}}"',
         'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "export MASTER_ADDR",
-        "PORT_BASE=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        PORT_BASE_LINE,
         f'log() {{ echo "{MARKER} $*"; }}',
         *opts.setup_lines,
         "",

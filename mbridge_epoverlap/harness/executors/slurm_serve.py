@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import EXIT_OK, RunFailedError, UsageError
-from mbridge_epoverlap.harness.executors.slurm_script import MARKER, JobShape, ScriptOptions, sbatch_header
+from mbridge_epoverlap.harness.executors.slurm_script import (
+    MARKER,
+    PORT_BASE_LINE,
+    JobShape,
+    ScriptOptions,
+    sbatch_header,
+)
 
 
 def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: ScriptOptions, *, attn_workers: int,
@@ -39,7 +45,8 @@ def render_serve_script(plan_path: Path, world: int, shape: JobShape, opts: Scri
                       f"{attn_workers}..{world - 1} expert workers", shape, opts)
     lines += [
         "export MASTER_ADDR",
-        "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        PORT_BASE_LINE,
+        "export MASTER_PORT=$PORT_BASE",
         f'log() {{ echo "{MARKER} $*"; }}',
         f"mkdir -p {q(str(out_dir))}",
         'log "serve-bench: start (port $MASTER_PORT)"',
@@ -77,7 +84,7 @@ def _srun_workers(world: int, shape: JobShape, plan: str, out_dir: Path, *, back
             f"--out {shlex.quote(str(out_dir))}" + (" &" if background else "")]
 
 
-HTTP_PORT_BASE = 30000  # the server's port is HTTP_PORT_BASE + job id % 20000 (beside MASTER_PORT's range)
+HTTP_PORT_BASE = 30000  # the server's port is HTTP_PORT_BASE + job id % 20000 (above the rendezvous ports)
 READY_LINE = "ready at http://"
 
 
@@ -96,7 +103,8 @@ def render_online_script(plan_path: Path, world: int, shape: JobShape, opts: Scr
         """MASTER_IP="$(getent hosts "$MASTER_ADDR" | awk '{print $1; exit}')\"""",
         'MASTER_IP="${MASTER_IP:-127.0.0.1}"',
         "export MASTER_ADDR",
-        "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        PORT_BASE_LINE,
+        "export MASTER_PORT=$PORT_BASE",
         f"HTTP_PORT=$(( {HTTP_PORT_BASE} + SLURM_JOB_ID % 20000 ))",
         f"PLAN={q(str(plan_path))}",
         'rm -f "$PLAN"',
