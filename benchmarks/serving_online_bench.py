@@ -1,9 +1,10 @@
 """Online serving: the project's OpenAI-compatible server (and vLLM's, given its venv) under the same client.
 
-Builds a random Mixtral checkpoint with a tokenizer (a byte-level BPE trained with `tokenizers` on the
-Python standard library's sources, saved with `transformers` beside the weights, with a chat template),
-starts `mbridge-epoverlap serve --http` on it and sends `--prompts` requests of `--input-len` random token
-ids, `--output-len` tokens each with `ignore_eos`, all at once (`burst`) and at a Poisson rate (`poisson`),
+Builds a random checkpoint with a tokenizer (a byte-level BPE trained with `tokenizers` on the Python standard
+library's sources, saved with `transformers` beside the weights, with a chat template): the 57M Mixtral (8 experts
+top-2) or, with `--shape qwen3_moe`, a 108M Qwen3-MoE (64 experts top-8, expert FFN 256). It starts
+`mbridge-epoverlap serve --http` on it and sends `--prompts` requests of `--input-len` random token ids,
+`--output-len` tokens each with `ignore_eos`, all at once (`burst`) and at each Poisson rate of `--rates`,
 streaming. It prints output tokens/s, TTFT, TPOT and ITL (P50, P99) and the failed requests per case, with
 the machine. `--kill-expert` adds a case on an elastic server (2 expert workers, redundant experts) whose
 expert worker 0 is SIGKILLed once half the requests stream: failed requests and P99 ITL through the loss.
@@ -17,13 +18,12 @@ Both servers run at once and the client takes turns: after one unmeasured burst 
 case on one server, then on the other (A B A B), for `--repeats` rounds; the table gives each figure's
 median, every round's tokens/s, and the CPU the idle server took meanwhile, and the ratios line the
 project's figures over vLLM's round by round (this machine's speed drifts by 10-20 % between minutes, more
-than the servers differ). The project's server runs `--server-flags`; the default, 2 colocated processes
-each with every expert (`--replicate-experts`), one micro-batch, the sequential order, is the fastest layout
-measured for this model on 2 cores; drop `--replicate-experts` for EP across the two (half the experts each,
-tokens exchanged over shared memory at every layer).
+than the servers differ). The project's server runs `--server-flags`; by default none, as a user starts it:
+the server measures its layout at start (`serving.engine.online_layout`) and says which in its ready line.
 
     python benchmarks/serving_online_bench.py                     # the issue's model, 64 x (64 in, 64 out)
-    python benchmarks/serving_online_bench.py --vllm-python ~/vllm-venv/bin/python --repeats 3
+    python benchmarks/serving_online_bench.py --vllm-python ~/vllm-venv/bin/python --rates 8,16 --repeats 2
+    python benchmarks/serving_online_bench.py --shape qwen3_moe --vllm-python ~/vllm-venv/bin/python
     python benchmarks/serving_online_bench.py --quick --json      # a tiny model, a smoke run
 """
 
@@ -53,30 +53,57 @@ from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 READY_S = 600.0
 NAME = "bench-model"
-DEFAULT_LAYOUT = "--colocated 2 --micro-batches 1 --order sequential --replicate-experts"
+TUNED_LAYOUT = "--colocated 2 --micro-batches 1 --order sequential --replicate-experts"
+SHAPES = {"mixtral": dict(hidden=512, layers=4, experts=8, vocab=4096, context=512, text_files=200),
+          "qwen3_moe": dict(hidden=512, layers=4, experts=64, vocab=4096, context=512, text_files=200)}
+
+
+def poisson_rates(text: str) -> list[float]:
+    """`--rates 8,16` -> [8.0, 16.0]; each a positive number of requests per second."""
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --rates {text!r}: give requests per second, comma-separated (e.g. 8,16)") from None
+    if not rates or any(not 0 < r < float("inf") for r in rates):
+        raise SystemExit(f"error: --rates {text!r}: every rate must be a positive number")
+    return rates
 FIGURES = ("output_tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms",
            "p99_itl_ms", "mean_tpot_ms", "idle_server_cpu")
 
 
 # --- the checkpoint ---------------------------------------------------------------------------------------
 def build_checkpoint(directory: Path, *, hidden: int, layers: int, experts: int, vocab: int, context: int,
-                     text_files: int) -> Path:
-    """A random Mixtral with a BPE tokenizer and a chat template in `directory` (reused when present)."""
+                     text_files: int, shape: str = "mixtral") -> Path:
+    """A random Mixtral (or Qwen3-MoE: `shape`) with a BPE tokenizer and a chat template in `directory` (reused
+    when present)."""
     if (directory / "tokenizer.json").is_file() and (directory / "config.json").is_file():
         return directory
     import sysconfig
 
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
-                           num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                           num_key_value_heads=max(1, hidden // 128), num_local_experts=experts,
-                           num_experts_per_tok=2, max_position_embeddings=context, bos_token_id=1, eos_token_id=2)
-    MixtralForCausalLM(config).eval().save_pretrained(directory)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  max_position_embeddings=context, bos_token_id=1, eos_token_id=2)
+    if shape == "qwen3_moe":  # serving_peers_bench.py's 108M Qwen3-MoE: many small experts, top-8
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_attention_heads=max(1, hidden // 64), num_key_value_heads=2,
+                                                   head_dim=64, num_experts=experts, num_experts_per_tok=8,
+                                                   moe_intermediate_size=hidden // 2, norm_topk_prob=True,
+                                                   tie_word_embeddings=False, **common))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(num_attention_heads=max(1, hidden // 64),
+                                                 num_key_value_heads=max(1, hidden // 128), num_local_experts=experts,
+                                                 num_experts_per_tok=2, **common))
+    model.eval().save_pretrained(directory)
     sources = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:text_files]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -142,6 +169,14 @@ def ours(checkpoint: Path, flags: list[str]) -> Server:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return Server([sys.executable, "-m", "mbridge_epoverlap.cli", "serve", "--checkpoint", str(checkpoint),
                    "--http", f"127.0.0.1:{port}", "--served-model-name", NAME, *flags], port, env)
+
+
+def server_layout(server: Server) -> dict[str, Any] | None:
+    """What the project's server runs and why (its /health `layout`: measured, cached or the flags')."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/health", timeout=30) as answer:
+        return json.loads(answer.read()).get("layout")
 
 
 def vllm(python: str, checkpoint: Path, context: int, max_seqs: int) -> Server:
@@ -329,10 +364,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=16.0, help="requests/s of the Poisson case (default 16)")
-    parser.add_argument("--server-flags", default=DEFAULT_LAYOUT,
-                        help=f"`serve` flags of the project's server (default '{DEFAULT_LAYOUT}': the fastest "
-                             "layout measured for this model on 2 cores)")
+    parser.add_argument("--rates", default="16", help="requests/s of the Poisson cases, comma-separated (default 16)")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="mixtral",
+                        help="the model: the 57M Mixtral (8 experts top-2) or the 108M Qwen3-MoE (64 experts "
+                             "top-8) of serving_peers_bench.py (default mixtral)")
+    parser.add_argument("--server-flags", default="",
+                        help="`serve` flags of the project's server (default none: the layout the server measures "
+                             f"at its start; '{TUNED_LAYOUT}' was the fastest given by hand on 2 cores)")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="measured rounds (default 3); each round runs every case on each server, one after "
                              "the other; the table gives the medians")
@@ -343,20 +381,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 8 requests of 16 in, 16 out")
     args = parser.parse_args(argv)
-    size = dict(hidden=512, layers=4, experts=8, vocab=4096, context=512, text_files=200)
+    size = dict(SHAPES[args.shape])
     if args.quick:
         size = dict(hidden=64, layers=2, experts=4, vocab=320, context=256, text_files=5)
         args.prompts, args.input_len, args.output_len = 8, 16, 16
-    name = "quick" if args.quick else "full"
-    checkpoint = build_checkpoint(args.workdir / name, **size)
+    name = "quick" if args.quick else args.shape if args.shape != "mixtral" else "full"
+    checkpoint = build_checkpoint(args.workdir / name, **size, shape="mixtral" if args.quick else args.shape)
     limits = ["--max-model-len", str(size["context"]), "--max-batch", str(max(args.prompts, 1)),
               "--max-waiting", str(args.prompts * 2)]
     flags = [*limits, *args.server_flags.split()]
     doc: dict[str, Any] = {"machine": machine(), "model": {k: v for k, v in size.items() if k != "text_files"},
                            "prompts": args.prompts, "input_len": args.input_len, "output_len": args.output_len,
-                           "rate": args.rate, "client": "vllm.benchmarks.serve" if args.vllm_python else "built-in",
+                           "shape": args.shape, "server_flags": args.server_flags, "rates": args.rates,
+                           "client": "vllm.benchmarks.serve" if args.vllm_python else "built-in",
                            "servers": {}, "load_before": round(os.getloadavg()[0], 2)}
-    rates = {"burst": float("inf"), "poisson": args.rate}
+    rates = {"burst": float("inf"), **{f"poisson {rate:g}/s": rate for rate in poisson_rates(args.rates)}}
     starts = {"mbridge-epoverlap": lambda: ours(checkpoint, flags)}
     if args.vllm_python:
         starts["vllm"] = lambda: vllm(args.vllm_python, checkpoint, size["context"], max(args.prompts, 1))
@@ -371,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, start in starts.items():  # both up at once: the client alternates between them
             servers[label] = start()
             servers[label].wait_ready()
+        doc["layout"] = server_layout(servers["mbridge-epoverlap"])
         for label, server in servers.items():  # first-use costs (kernel choices, allocations) out of the figures
             print(f"warming up {label} (one unmeasured burst)", file=sys.stderr, flush=True)
             measure(server, float("inf"))
@@ -427,6 +467,9 @@ def _print(doc: dict[str, Any]) -> None:
     m = doc["machine"]
     print(f"machine: {m.get('cpu')} ({m.get('cores')} cores, avx512_bf16={m.get('avx512_bf16')}, "
           f"amx_bf16={m.get('amx_bf16')}, 1-min load {doc.get('load_before')} before, {doc.get('load_after')} after)")
+    layout = doc.get("layout") or {}
+    print(f"mbridge-epoverlap layout ({layout.get('source', '?')}): {layout.get('workers', '?')}"
+          + (f"; {layout['summary']}" if layout.get("summary") and layout.get("source") != "flags" else ""))
     print(f"client: {doc['client']}; {doc['prompts']} requests "
           f"of {doc['input_len']} in, {doc['output_len']} out; medians of {doc['repeats']} rounds (servers "
           "alternating)")
@@ -434,7 +477,7 @@ def _print(doc: dict[str, Any]) -> None:
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:,.1f}"
 
-    print(f"{'server':<20} {'case':<8} {'out tok/s':>10} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} "
+    print(f"{'server':<20} {'case':<13} {'out tok/s':>10} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} "
           f"{'ITL p50/p99 ms':>18} {'failed':>6}  tok/s per round; CPU of the idle server")
     rows = [(label, case, c) for label, cases in doc["servers"].items() for case, c in cases.items()]
     if "kill_expert" in doc:
@@ -442,7 +485,7 @@ def _print(doc: dict[str, Any]) -> None:
     for label, case, c in rows:
         rounds = ", ".join(f"{v:,.0f}" for v in c.get("output_tokens_per_s_rounds", []))
         idle = c.get("idle_server_cpu")
-        print(f"{label:<20} {case:<8} {fmt(c['output_tokens_per_s']):>10} "
+        print(f"{label:<20} {case:<13} {fmt(c['output_tokens_per_s']):>10} "
               f"{fmt(c['p50_ttft_ms']) + ' / ' + fmt(c['p99_ttft_ms']):>18} "
               f"{fmt(c['p50_tpot_ms']) + ' / ' + fmt(c['p99_tpot_ms']):>18} "
               f"{fmt(c['p50_itl_ms']) + ' / ' + fmt(c['p99_itl_ms']):>18} {c['failed']:>6}  {rounds}"

@@ -122,7 +122,11 @@ def handle_serve(args: argparse.Namespace) -> int:
                              "apply to --elastic serving; add --elastic")
         from mbridge_epoverlap.serving.frontend.server import serve_http
 
-        fill_layout_defaults(args)  # the server runs the flags' layout (no short measurement before serving)
+        # No layout flag: the server measures its layout once its checks have passed (`engine.online_layout`);
+        # elastic EP and emulated hosts run disaggregated workers, and any layout flag is taken as given.
+        args.choose_layout = not (layout_forced(args) or args.replicate_experts or args.elastic
+                                  or args.emulate_hosts or args.workers_plan is not None)
+        fill_layout_defaults(args)
         return serve_http(args)
     if args.prompts is None:
         raise UsageError("give --prompts FILE (a batch of requests) or --http HOST:PORT (a server)")

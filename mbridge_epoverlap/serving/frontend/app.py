@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -75,6 +75,8 @@ class Settings:
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
+    # What the server runs and why (its layout, measured or from the flags), reported by `/health`.
+    serving: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -278,7 +280,7 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any,
             return JSONResponse({"status": "unavailable", "reason": broken, "workers": workers}, status_code=503)
         if state == READY:
             status = "ok" if all(w["alive"] for w in workers) else "degraded"
-            return {"status": status, "model": model.name, "workers": workers}
+            return {"status": status, "model": model.name, "workers": workers, **settings.serving}
         reason = engine.reason or state
         body = {"status": state if state in (STARTING, DRAINING, FAILED) else "unavailable", "reason": reason,
                 "workers": workers}

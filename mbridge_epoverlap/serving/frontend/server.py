@@ -74,6 +74,7 @@ def serve_http(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-model-len {args.max_model_len} is more than the model's context of {model_len} "
                          "tokens (max_position_embeddings)")
     max_model_len = args.max_model_len or model_len
+    layout = _layout(args, spec, max_model_len)
     name = args.served_model_name or str(args.checkpoint if args.checkpoint is not None else source)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
 
@@ -115,7 +116,39 @@ def serve_http(args: argparse.Namespace) -> int:
         engine = EngineClient(plan_for, attn_workers=args.colocated or args.attn_workers, max_batch=args.max_batch,
                               max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended,
                               host=worker_host, external=external, link=link)
-        return _serve(args, engine, spec, name, max_model_len, api_key, metrics, outcome, host, port)
+        return _serve(args, engine, spec, name, max_model_len, api_key, metrics, outcome, host, port, layout)
+
+
+def _layout(args: argparse.Namespace, spec: Any, max_model_len: int) -> dict[str, Any]:
+    """The layout the server runs, as `/health` reports it: measured now or earlier (`serve` without layout flags;
+    `args` then take it) or the flags'."""
+    from mbridge_epoverlap.serving.cli.args import apply_layout
+
+    if not getattr(args, "choose_layout", False):
+        return {"source": "flags", "summary": _workers(args)}
+    from mbridge_epoverlap.serving.engine.online_layout import choose_online_layout
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr, flush=True)
+
+    choice = choose_online_layout(spec, max_batch=args.max_batch, max_model_len=max_model_len,
+                                  timeout_s=args.timeout, backend=args.backend, progress=progress)
+    apply_layout(args, choice["layout"])
+    args.replicate_experts = bool(choice["layout"].get("replicated_experts"))
+    print(f"  layout ({choice['source']}; no layout flag given, force one with --colocated/--replicate-experts/"
+          f"--attn-workers/--expert-workers/--micro-batches/--threads): {choice['summary']}", file=sys.stderr,
+          flush=True)
+    return {"source": choice["source"], "chosen": choice["chosen"], "summary": choice["summary"],
+            "candidates": {n: c.get("tokens_per_s") for n, c in choice["candidates"].items()}}
+
+
+def _workers(args: argparse.Namespace) -> str:
+    """The worker processes of the layout, in words."""
+    if args.colocated:
+        experts = " with every expert each" if args.replicate_experts else ""
+        threads = f", {args.threads} thread{'s' if args.threads > 1 else ''} each" if args.threads else ""
+        return f"{args.colocated} colocated workers{experts}{threads}"
+    return f"{args.attn_workers} attention and {args.expert_workers} expert workers, m={args.micro_batches}"
 
 
 class _LevelPrefix(logging.Formatter):
@@ -148,7 +181,7 @@ def _emulated_link(plan_for: Any, args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_model_len: int, api_key: str | None,
-           metrics: Any, outcome: dict[str, Any], host: str, port: int) -> int:
+           metrics: Any, outcome: dict[str, Any], host: str, port: int, layout: dict[str, Any]) -> int:
     from mbridge_epoverlap.serving.frontend.app import Settings, build_app
     from mbridge_epoverlap.serving.frontend.connections import guarded_h11
     from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED
@@ -162,7 +195,8 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
         tmp.replace(args.workers_plan)
     codec = TextCodec(spec.source if spec.is_checkpoint else None)
     settings = Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key,
-                        body_timeout_s=args.read_timeout, max_connections=args.max_connections)
+                        body_timeout_s=args.read_timeout, max_connections=args.max_connections,
+                        serving={"layout": dict(layout, workers=_workers(args))})
     # The connections counted are uvicorn's own (`server` is bound below, before the first request).
     app = build_app(settings, engine, metrics, open_connections=lambda: len(server.server_state.connections))
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
@@ -174,10 +208,9 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
             if engine.state in (FAILED, STOPPED) or server.should_exit:
                 return
             await asyncio.sleep(0.02)
-        workers = (f"{args.colocated} colocated workers" if args.colocated else
-                   f"{args.attn_workers} attention and {args.expert_workers} expert workers")
-        print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {workers})", file=sys.stderr,
-              flush=True)
+        chosen = f"; layout {layout['chosen']}, {layout['source']}" if "chosen" in layout else ""
+        print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {_workers(args)}{chosen})",
+              file=sys.stderr, flush=True)
 
     async def main() -> None:
         engine.start()

@@ -105,7 +105,8 @@ def test_the_readme_tour_runs_as_written_from_a_fresh_copy(tmp_path: Path):
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "-ms 4" in readme and "--repeats" in readme, "the README offers the quicker look this test takes"
     checkout = fresh_copy(tmp_path / "checkout")
-    env = dict(os.environ, PYTHONPATH=str(checkout), COLUMNS="200")
+    # The server measures its layout and caches the choice: in this test's own directory, not the user's.
+    env = dict(os.environ, PYTHONPATH=str(checkout), COLUMNS="200", XDG_CACHE_HOME=str(tmp_path / "cache"))
     env.pop("MBRIDGE_EPOVERLAP_FAULT", None)
     commands = tour_commands(readme)
     assert len(commands) >= 6
@@ -120,6 +121,7 @@ def test_the_readme_tour_runs_as_written_from_a_fresh_copy(tmp_path: Path):
     finally:
         if server is not None:
             assert server.stop() == 0, "".join(server.lines)
+    assert server is not None and "layout (measured; no layout flag given" in "".join(server.lines)
 
 
 def run_step(command: str, checkout: Path, env: dict[str, str], printed: str) -> str:

@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,13 +90,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ServerProcess:
-    """`serve --http` in a subprocess; `url` once ready; `stop()` always leaves nothing running."""
+# A server given none of these measures its layout first (a few engine trial runs); the tests that are not about
+# that choice run the layout given before it existed, 1 attention and 1 expert worker with m=2.
+LAYOUT_FLAGS = ("--colocated", "--replicate-experts", "--attn-workers", "--expert-workers", "--micro-batches",
+                "--threads", "--elastic", "--emulate-hosts")
+FIXED_LAYOUT = ("--attn-workers", "1", "--expert-workers", "1", "--micro-batches", "2")
 
-    def __init__(self, checkpoint: Path, *flags: str) -> None:
+
+class ServerProcess:
+    """`serve --http` in a subprocess; `url` once ready; `stop()` always leaves nothing running.
+
+    Without a layout flag the server gets `FIXED_LAYOUT`, unless `choose_layout` (then `env` may point
+    `XDG_CACHE_HOME` at a test's own directory: the choice is cached there)."""
+
+    def __init__(self, checkpoint: Path, *flags: str, choose_layout: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(REPO), MBRIDGE_EPOVERLAP_API_KEY="")
+        env = dict(os.environ, PYTHONPATH=str(REPO), MBRIDGE_EPOVERLAP_API_KEY="", **(env or {}))
+        if not choose_layout and not any(flag in LAYOUT_FLAGS for flag in flags):
+            flags = (*FIXED_LAYOUT, *flags)
         command = [sys.executable, "-m", "mbridge_epoverlap.cli", "serve", "--checkpoint", str(checkpoint),
                    "--http", f"127.0.0.1:{self.port}", "--served-model-name", MODEL_NAME, *flags]
         self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -134,8 +148,8 @@ def start_server(request: pytest.FixtureRequest):
     """Start servers that the test stops or that are stopped after it: `start_server(checkpoint, *flags)`."""
     started: list[ServerProcess] = []
 
-    def start(checkpoint: Path, *flags: str, ready: bool = True) -> ServerProcess:
-        server = ServerProcess(checkpoint, *flags)
+    def start(checkpoint: Path, *flags: str, ready: bool = True, **options: Any) -> ServerProcess:
+        server = ServerProcess(checkpoint, *flags, **options)
         started.append(server)
         if ready:
             server.wait_ready()

@@ -349,3 +349,33 @@ def test_a_server_on_two_colocated_processes_answers_as_transformers(start_serve
     server.signal(signal.SIGTERM)
     assert server.wait(WAIT_S) == 0
     assert leftovers([p for group in pids.values() for p in group]) == ([], [])
+
+
+def test_a_server_without_layout_flags_measures_its_layout(start_server, chat_mixtral_dir, tmp_path):
+    """Trial runs of the candidates, the choice in the ready line and in /health, cached for the next start; the
+    chosen layout serves (greedy text equal to the fixed layout's)."""
+    cache = {"XDG_CACHE_HOME": str(tmp_path)}
+    server = start_server(chat_mixtral_dir, "--max-batch", "8", choose_layout=True, env=cache)
+    log = "".join(server.stderr)
+    assert "layout trial 1/" in log and "layout (measured; no layout flag given" in log
+    status, health = _get(server, "/health")
+    layout = health["layout"]
+    assert status == 200 and layout["source"] == "measured" and layout["chosen"] in layout["candidates"]
+    assert all(rate > 0 for rate in layout["candidates"].values()) and f"layout {layout['chosen']}" in log
+    fixed = start_server(chat_mixtral_dir, "--max-batch", "8")
+    asked = dict(model=MODEL_NAME, prompt="def main(", max_tokens=6, temperature=0)
+    assert _client(server).completions.create(**asked).choices[0].text == \
+        _client(fixed).completions.create(**asked).choices[0].text
+    server.stop()
+    entries = json.loads((tmp_path / "mbridge-epoverlap" / "online-layouts.json").read_text())
+    assert [e["chosen"] for e in entries.values()] == [layout["chosen"]]
+    # The next start of the same server reads it (no trial run: this one would fail).
+    from mbridge_epoverlap.serving.engine.online_layout import choose_online_layout
+    from mbridge_epoverlap.serving.engine.plan import available_cores
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    def no_trial(*args):
+        raise AssertionError("measured again")
+    again = choose_online_layout(load_spec(chat_mixtral_dir), max_batch=8, max_model_len=256, cores=available_cores(),
+                                 cache_dir=tmp_path / "mbridge-epoverlap", trial=no_trial)
+    assert again["source"] == "cached" and again["chosen"] == layout["chosen"]

@@ -1,0 +1,201 @@
+"""The layout `serve --http` runs when no layout flag is given: short trial runs of the engine, then the fastest.
+
+An online server is not an offline batch. Requests join at every step, so a layout whose processes meet at every
+layer (EP across processes, attention and expert workers) makes all of them wait whenever one prefills a new
+prompt or is slowed by the machine; processes that each hold every expert (`--replicate-experts`) never wait for
+each other. The offline choice (`layout_choice`) predicts decode steps from in-process probes and leaves those
+exchanges out; here each candidate runs for real instead: the engine's own worker processes, transports and
+step agreement, `max_batch` sequences in flight and requests of different lengths, so that one finishes and a
+waiting one is prefilled into the batch at nearly every step, as an online server's arrivals are. The output
+tokens/s of that run decide.
+
+Candidates on `cores` cores (one core: one process, nothing to try):
+
+- `colocated_{N}_replicated`: N = cores processes with one thread each and every expert each (N times the expert
+  memory: left out when that would take more than half of the memory available);
+- `colocated_{N}`: the same processes with EP across them (each holds 1/N of the experts);
+- `disaggregated_1+1_m2`: one attention and one expert worker, half the cores each, two micro-batches;
+- `colocated_1`: one process with every core. OpenMP threads in one process stall each other on a shared
+  machine (every op waits for its slowest thread), so it must beat the best one-thread layout by
+  `THREADS_MARGIN` (the offline choice's rule).
+
+A trial takes a few seconds per candidate on the bundled sizes, so a choice is kept in a cache file
+(`$XDG_CACHE_HOME/mbridge-epoverlap/online-layouts.json`, or `~/.cache/...`) under the model's config, the dtype,
+the batch, the cores and the CPU: the next start of the same server on the same machine reuses it (and says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mbridge_epoverlap.serving.engine.layout_choice import THREADS_MARGIN
+from mbridge_epoverlap.serving.engine.plan import available_cores
+
+TRIAL_STEPS = 8  # a trial request makes 4-12 tokens: joins at nearly every step, a few seconds a candidate
+TRIAL_PROMPT_LEN = 32  # tokens per synthetic prompt (capped by the model's context)
+TRIAL_MAX_BATCH = 128  # the most sequences a trial decodes, whatever --max-batch says (bounds the start-up)
+MEMORY_SHARE = 0.5  # replicated experts may take at most this share of the available memory
+CACHE_NAME = "online-layouts.json"
+
+
+def candidates(spec: Any, cores: int, *, available_bytes: int | None = None) -> dict[str, dict[str, Any]]:
+    """Candidate name -> its layout (`make_plan` keywords) on `cores` cores."""
+    if cores < 2:
+        return {"colocated_1": dict(colocated=1, micro_batches=1, order="sequential", threads=max(cores, 1))}
+    out: dict[str, dict[str, Any]] = {}
+    extra = expert_bytes(spec) * (cores - 1)
+    available = _available_memory() if available_bytes is None else available_bytes
+    if available is None or extra <= MEMORY_SHARE * available:
+        out[f"colocated_{cores}_replicated"] = dict(colocated=cores, micro_batches=1, order="sequential", threads=1,
+                                                    replicated_experts=True)
+    if spec.num_experts >= cores:
+        out[f"colocated_{cores}"] = dict(colocated=cores, micro_batches=1, order="sequential", threads=1)
+    out["disaggregated_1+1_m2"] = dict(attn_workers=1, expert_workers=1, micro_batches=2, threads=cores // 2)
+    out["colocated_1"] = dict(colocated=1, micro_batches=1, order="sequential", threads=cores)
+    return out
+
+
+def expert_bytes(spec: Any) -> int:
+    """Bytes of the routed experts' weights of every MoE layer (gate, up and down projections)."""
+    per_value = 2 if spec.dtype == "bfloat16" else 4
+    return len(spec.moe_layer_ids) * spec.num_experts * 3 * spec.hidden_size * spec.expert_ffn * per_value
+
+
+def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeout_s: float = 30.0,
+                         backend: str = "m2n", cores: int | None = None, cache_dir: Path | None = None,
+                         progress: Callable[[str], None] | None = None,
+                         trial: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The layout to serve with: {"layout", "chosen", "summary", "cores", "batch", "candidates", "source"}.
+
+    `source` is "measured" (trial runs now) or "cached" (a choice measured before for the same model, dtype,
+    batch, cores and CPU). `trial(layout, batch, prompt_len)` -> {"tokens_per_s"} replaces the engine run (tests).
+    """
+    cores = available_cores() if cores is None else cores
+    batch = max(1, min(max_batch, TRIAL_MAX_BATCH))
+    prompt_len = max(1, min(TRIAL_PROMPT_LEN, max_model_len - TRIAL_STEPS - 1))
+    options = candidates(spec, cores)
+    key = _cache_key(spec, cores, batch, list(options))
+    cache = _cache_path(cache_dir)
+    cached = _read_cache(cache).get(key)
+    if cached is not None and cached.get("chosen") in options:
+        return dict(cached, layout=options[cached["chosen"]], source="cached")
+    run = trial or (lambda layout, b, n: _trial_run(spec, layout, b, n, timeout_s=timeout_s, backend=backend))
+    measured: dict[str, dict[str, Any]] = {}
+    for name, layout in options.items():
+        if len(options) == 1:
+            measured[name] = {"layout": layout}
+            break
+        if progress is not None:
+            progress(f"layout trial {len(measured) + 1}/{len(options)}: {name} ({batch} sequences in flight)")
+        started = time.perf_counter()
+        figures = run(layout, batch, prompt_len)
+        measured[name] = {"layout": layout, "tokens_per_s": figures["tokens_per_s"],
+                          "trial_s": round(time.perf_counter() - started, 2)}
+    best, margin = _best(measured)
+    summary = _summary(best, measured, batch, cores, margin)
+    choice = {"chosen": best, "layout": options[best], "summary": summary, "cores": cores, "batch": batch,
+              "candidates": measured, "source": "measured"}
+    if len(options) > 1:
+        _write_cache(cache, key, {k: v for k, v in choice.items() if k not in ("layout", "source")})
+    return choice
+
+
+def _best(measured: dict[str, dict[str, Any]]) -> tuple[str, bool]:
+    """The fastest candidate, one thread per process unless more threads win by `THREADS_MARGIN`."""
+    rated = {n: c["tokens_per_s"] for n, c in measured.items() if "tokens_per_s" in c}
+    if not rated:
+        return next(iter(measured)), False
+    best = max(rated, key=rated.__getitem__)
+    singles = [n for n in rated if measured[n]["layout"]["threads"] == 1]
+    if measured[best]["layout"]["threads"] > 1 and singles:
+        runner_up = max(singles, key=rated.__getitem__)
+        if rated[best] < THREADS_MARGIN * rated[runner_up]:
+            return runner_up, True
+    return best, False
+
+
+def _summary(best: str, measured: dict[str, dict[str, Any]], batch: int, cores: int, margin: bool) -> str:
+    if "tokens_per_s" not in measured[best]:
+        return f"{best}: the only layout on {cores} core{'s' if cores != 1 else ''}"
+    others = ", ".join(f"{n} {c['tokens_per_s']:,.0f}" for n, c in measured.items() if n != best)
+    return (f"{best}: {measured[best]['tokens_per_s']:,.0f} tokens/s in a trial of {batch} sequences with joins "
+            f"on {cores} cores; {others}" + (f" (not {THREADS_MARGIN:g}x faster: one thread per process)"
+                                             if margin else ""))
+
+
+def _trial_run(spec: Any, layout: dict[str, Any], batch: int, prompt_len: int, *, timeout_s: float,
+               backend: str) -> dict[str, Any]:
+    """One short engine run of `layout` at `batch` sequences in flight, with requests joining at every step.
+
+    Twice `batch` requests of different lengths (TRIAL_STEPS/2 to 3*TRIAL_STEPS/2 new tokens, EOS ignored): as
+    one finishes, a waiting one is prefilled into the running batch, as an online server's arrivals are.
+    """
+    from dataclasses import replace
+
+    from mbridge_epoverlap.serving.engine.bench import synthetic_requests
+    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+
+    processes = layout.get("colocated") or layout["attn_workers"]
+    requests = [replace(r, max_new_tokens=TRIAL_STEPS // 2 + i % (TRIAL_STEPS + 1), ignore_eos=True)
+                for i, r in enumerate(synthetic_requests(2 * batch, spec.vocab_size, prompt_len=prompt_len))]
+    plan = make_plan(spec, requests, max_new_tokens=2 * TRIAL_STEPS, max_batch=max(1, batch // processes),
+                     backend=backend, timeout_s=timeout_s, dtype=spec.dtype, **layout)
+    result = run_engine(plan)
+    return {"tokens_per_s": result["tokens_per_s"], "decode_tokens_per_s": result["decode_tokens_per_s"]}
+
+
+# --- the cache --------------------------------------------------------------------------------------
+
+def _cache_path(cache_dir: Path | None) -> Path:
+    if cache_dir is None:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        cache_dir = Path(base) / "mbridge-epoverlap"
+    return cache_dir / CACHE_NAME
+
+
+def _cache_key(spec: Any, cores: int, batch: int, names: list[str]) -> str:
+    from mbridge_epoverlap.machine import cpu_model
+
+    if spec.is_checkpoint:
+        model = (Path(spec.source) / "config.json").read_bytes()
+    else:
+        model = f"{spec.source}/{spec.num_layers}/{spec.seed}".encode()
+    digest = hashlib.sha256(model).hexdigest()[:16]
+    return f"{digest}|{spec.dtype}|batch {batch}|{cores} cores|{cpu_model()}|{','.join(names)}"
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or one this version cannot read: measure again
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
+    data = _read_cache(path)
+    data[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)  # whole or not at all: another server may read it meanwhile
+    except OSError:
+        pass  # a read-only home: the next start measures again
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
