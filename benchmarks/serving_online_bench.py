@@ -19,7 +19,7 @@ case on one server, then on the other (A B A B), for `--repeats` rounds; the tab
 median, every round's tokens/s, and the CPU the idle server took meanwhile, and the ratios line the
 project's figures over vLLM's round by round (this machine's speed drifts by 10-20 % between minutes, more
 than the servers differ). The project's server runs `--server-flags`; by default none, as a user starts it:
-the server measures its layout at start (`serving.engine.online_layout`) and says which in its ready line.
+the server measures its layout at start (`serving.engine.choice.online`) and says which in its ready line.
 
     python benchmarks/serving_online_bench.py                     # the model, 64 x (64 in, 64 out)
     python benchmarks/serving_online_bench.py --vllm-python ~/vllm-venv/bin/python --rates 8,16 --repeats 2

@@ -1,8 +1,10 @@
 """The serving engine beside its peers on one CPU: `transformers` `generate`, vLLM's CPU build, our layouts.
 
-Builds two random checkpoints with `transformers` (a 57M Mixtral: hidden 512, 4 layers, 8 experts top-2;
-a 108M Qwen3-MoE: hidden 512, 4 layers, 64 experts top-8, expert FFN 256; vocabulary 4096, no EOS) or
-takes others (`--checkpoint DIR`, repeatable), then runs the same prompts (64 of 32-128 random tokens,
+Builds random checkpoints with `transformers` (a 57M Mixtral: hidden 512, 4 layers, 8 experts top-2;
+a 108M Qwen3-MoE: hidden 512, 4 layers, 64 experts top-8, expert FFN 256; a 108M GPT-OSS of the same width: 4 layers
+alternating 128-token sliding windows and full attention, attention sinks, biases, 32 experts top-4 with a clamped
+SwiGLU, YaRN; vocabulary 4096, no EOS; `--models` picks some) or takes others (`--checkpoint DIR`, repeatable),
+then runs the same prompts (64 of 32-128 random tokens,
 64 new tokens each, greedy) on every engine, interleaved A B C A B C ... `--repeats` times:
 
 - `transformers`: `generate(do_sample=False)` of one left-padded batch, eager attention and experts, in
@@ -44,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 VOCAB = 4096
+MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m")
 
 # name -> make_plan keywords; "default" is what `serve` picks without layout flags.
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -82,10 +85,18 @@ if __name__ == "__main__":
 '''
 
 
-def build_checkpoints(directory: Path) -> dict[str, Path]:
-    """The two random checkpoints of the comparison (built once; an existing directory is reused)."""
+def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[str, Path]:
+    """The random checkpoints of the comparison (`names`, default all; each built once, an existing directory
+    is reused)."""
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        GptOssConfig,
+        GptOssForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                   max_position_embeddings=512, initializer_range=0.1, eos_token_id=None, bos_token_id=None)
@@ -96,9 +107,17 @@ def build_checkpoints(directory: Path) -> dict[str, Path]:
                                                                head_dim=64, num_experts=64, num_experts_per_tok=8,
                                                                norm_topk_prob=True, tie_word_embeddings=False,
                                                                **common)),
+        # GPT-OSS-20B's structure at this width: 32 experts top-4, alternating 128-token sliding windows and full
+        # attention, attention sinks, biases, clamped SwiGLU, YaRN (factor 32 over 4,096 positions).
+        "gpt_oss_108m": (GptOssForCausalLM, GptOssConfig(
+            intermediate_size=512, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=False,
+            **dict(common, max_position_embeddings=4096 * 32))),
     }
     out = {}
     for name, (cls, config) in configs.items():
+        if names is not None and name not in names:
+            continue
         path = directory / name
         if not (path / "config.json").is_file():
             torch.manual_seed(0)
@@ -228,7 +247,7 @@ class Engine:
         requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
         layout = self.layout
         if layout is None:
-            from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+            from mbridge_epoverlap.serving.engine.choice.layout import choose_layout
 
             if self.choice is None:
                 self.choice = choose_layout(self.spec, requests, max_new_tokens=max_new)
@@ -326,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
+    parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS),
+                        help="the built checkpoints to compare on (default all)")
     parser.add_argument("--breakdown", action="store_true", help="also one prefill and one decode step by part")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="8 prompts, 8 new tokens, one repeat, one layout")
@@ -333,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.max_new_tokens, args.repeats, args.layouts = 8, 8, 1, ["disagg_1+1_m2"]
     checkpoints = ({p.name: p for p in args.checkpoint} if args.checkpoint
-                   else build_checkpoints(args.workdir))
+                   else build_checkpoints(args.workdir, args.models))
     prompts = make_prompts(args.prompts)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, avx512_bf16={info['avx512_bf16']}, "

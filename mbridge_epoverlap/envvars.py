@@ -35,6 +35,10 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0 (default) or 1: the serving workers' decode attention runs the whole "
      "batch padded in two products (0) or each sequence's own products as the reference model does, bit for bit "
      "transformers' eager attention on every CPU (1)"),
+    ("MBRIDGE_EPOVERLAP_MLA_ABSORB", "1 (default) or 0: the serving workers decode a multi-head latent attention "
+     "model (DeepSeek-V3) with the key and value up-projections absorbed into the query and the output (1), or "
+     "rebuild every head's keys and values from the cached latents, each sequence alone, as the reference model "
+     "does (0; MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 does the same)"),
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),

@@ -691,9 +691,9 @@ def render_serving_architectures() -> str:
     return ("The Hugging Face architectures `serve` loads from a checkpoint directory (the `architectures` entry of "
             "its `config.json`), one module each in `mbridge_epoverlap/serving/model/architectures/`. Every one "
             "decodes to `transformers`' greedy tokens, its reference-model prefill logits equal `transformers`' "
-            "eager model bit for bit (`docs/numerics.md`), and a field it cannot serve (a `quantization_config`, "
-            "a rope scaling, a feature the table does not name) stops `serve` with exit 2 before any weight is "
-            "read.\n\n"
+            "eager model bit for bit (`docs/numerics.md`), and a field it cannot serve (a `quantization_config` or "
+            "a rope scaling its row does not name, a feature the table does not name) stops `serve` with exit 2 "
+            "before any weight is read.\n\n"
             + _table(["architecture", "module", "experts' FFN width", "what differs from the shared layout"], rows))
 
 

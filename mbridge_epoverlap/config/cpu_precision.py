@@ -11,7 +11,7 @@ The CPU's flags come from `mbridge_epoverlap.machine.cpu_flags` (/proc/cpuinfo, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 from mbridge_epoverlap.machine import NATIVE_BF16_FLAGS, REPORTED_FLAGS, cpu_flags, has_native_bf16, reported_flags
@@ -42,7 +42,8 @@ class CpuPrecision:
 
 
 def choose_cpu_precision(recipe_low_precision: bool, *, requested: str | None = None,
-                         flags: Iterable[str] | None = None) -> CpuPrecision:
+                         flags: Iterable[str] | None = None, origin: str = "the recipe's", flag: str = "-c",
+                         spelling: Mapping[str, str] | None = None) -> CpuPrecision:
     """Pick the CPU compute dtype.
 
     Args:
@@ -50,23 +51,31 @@ def choose_cpu_precision(recipe_low_precision: bool, *, requested: str | None = 
         requested: the dtype the user asked for explicitly ("bf16", "fp16" or "fp32", e.g. `-c bf16`), or
             None when it comes from the recipe.
         flags: the CPU's feature flags (`cpu_flags()` if None).
+        origin, flag, spelling: how the reasons name where the low precision comes from ("the recipe's"), the
+            option that forces a dtype ("-c") and that option's value for each dtype (default: "bf16", "fp32");
+            serving says "the checkpoint's", "--dtype" and "bfloat16", so both commands explain their choice
+            with the same rule and the same words.
     """
     flags = cpu_flags() if flags is None else frozenset(flags)
     native = has_native_bf16(flags)
     shown = tuple(reported_flags(flags))
     flag_text = " ".join(shown) or "none of " + "/".join(REPORTED_FLAGS)
+
+    def option(dtype: str) -> str:
+        return f"{flag} {(spelling or {}).get(dtype, dtype)}"
+
     if requested == "fp32" or (requested is None and not recipe_low_precision):
-        why = "asked for with -c fp32" if requested == "fp32" else "the config's precision"
+        why = f"asked for with {option('fp32')}" if requested == "fp32" else "the config's precision"
         return CpuPrecision("fp32", f"fp32: {why}", native, shown)
     if requested is not None:  # explicit bf16 or fp16 (fp16 runs as bf16 on the CPU runtime)
         warning = None if native else (
-            f"-c {requested} on a CPU without native bf16 (flags: {flag_text}): bf16 GEMMs are emulated there and "
-            "run about 9x slower than fp32; drop -c to compute in fp32")
-        return CpuPrecision("bf16", f"bf16: asked for with -c {requested}", native, shown, warning)
+            f"{option(requested)} on a CPU without native bf16 (flags: {flag_text}): bf16 GEMMs are emulated "
+            f"there and run about 9x slower than fp32; drop {flag} to compute in fp32")
+        return CpuPrecision("bf16", f"bf16: asked for with {option(requested)}", native, shown, warning)
     if native:
         have = " and ".join(f for f in NATIVE_BF16_FLAGS if f in flags)
-        return CpuPrecision("bf16", f"bf16: the recipe's precision, and this CPU has native bf16 ({have})",
+        return CpuPrecision("bf16", f"bf16: {origin} precision, and this CPU has native bf16 ({have})",
                             native, shown)
-    return CpuPrecision("fp32", f"fp32 instead of the recipe's bf16: this CPU has no native bf16 (flags: "
+    return CpuPrecision("fp32", f"fp32 instead of {origin} bf16: this CPU has no native bf16 (flags: "
                                 f"{flag_text}; no {' or '.join(NATIVE_BF16_FLAGS)}), where bf16 GEMMs run about 9x "
-                                "slower; -c bf16 forces bf16", native, shown)
+                                f"slower; {option('bf16')} forces bf16", native, shown)

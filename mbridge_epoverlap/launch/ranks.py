@@ -11,6 +11,8 @@ supervisor is told what its processes do (`activity`).
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import signal
 import subprocess
 import time
@@ -24,6 +26,10 @@ from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.launch.signals import signal_group
 
 GRACE_S = 5.0  # after one rank fails, how long the others get to exit on their own
+PROGRESS_POLL_S = 0.05  # how often the supervisor forwards rank 0's progress lines, when it forwards them
+# Without progress to forward, the supervisor sleeps until a rank exits (a pidfd per rank wakes it at once), looking
+# at the ranks at least this often: waking every 50 ms instead cost an idle server's engine thread CPU for nothing.
+IDLE_POLL_S = 1.0
 TAIL_LINES = 15  # stderr lines of a failed rank shown in the failure message
 DEFAULT_ACTIVITY = "its work"  # what the processes do, when the caller does not say
 
@@ -130,7 +136,25 @@ class Ranks:
                 beats = self._beats()
                 self.kill_all(mark=True)
                 raise RunFailedError(self._diagnose(timed_out=timeout_s, beats=beats))
-            time.sleep(0.05)
+            pause = PROGRESS_POLL_S if progress is not None or failed_at is not None else IDLE_POLL_S
+            self._wait_for_exit(min(pause, max(0.0, deadline - now)))
+
+    def _wait_for_exit(self, seconds: float) -> None:
+        """Sleep up to `seconds`, waking as soon as a live rank exits (its pidfd turns readable; Linux 5.3 and
+        later, else a plain sleep)."""
+        fds: list[int] = []
+        try:
+            for r in self.ranks:
+                if r.proc.returncode is None:
+                    with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfd_open here
+                        fds.append(os.pidfd_open(r.proc.pid))
+            if fds:
+                select.select(fds, [], [], seconds)
+            else:
+                time.sleep(min(seconds, PROGRESS_POLL_S))
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def kill_all(self, *, mark: bool = False) -> None:
         """SIGTERM every live rank's process group, then SIGKILL what is still there."""

@@ -11,6 +11,7 @@ the counts, so every schedule makes the same one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +23,15 @@ from mbridge_epoverlap.moe.wgrad import DOWN_PROJECTION, Linear, WeightGradStore
 def _swiglu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def clamped_swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS's activation of [gate | up] halves: the gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate), in the operations and order of `transformers`' GptOssExperts."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _swiglu_backward(pre: torch.Tensor, grad_act: torch.Tensor, act: torch.Tensor, grad_pre: torch.Tensor) -> None:
@@ -151,15 +161,23 @@ def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.
     return F.linear(_swiglu(F.linear(x, w1)), w2)
 
 
-def grouped_expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int], *,
+                          b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                          activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Every expert for inference in one pass: x [rows, hidden] grouped by expert (`counts[e]` rows for expert
     e, in order), w1 [experts, 2*ffn, hidden], w2 [experts, hidden, ffn] -> [rows, hidden].
+
+    Checkpoint experts with biases (GPT-OSS) pass b1 [experts, 2*ffn] and b2 [experts, hidden], each added to
+    its GEMM's output (after it, not inside it, as `transformers` adds them), and their `activation` of the
+    [gate | up] product (default: silu(gate) * up).
 
     With many small experts (128 experts, a few rows each in decode) a per-expert loop spends its time
     launching three small GEMMs and two elementwise ops per expert; `torch._grouped_mm` takes every group in
     one call and the activation runs once over all rows. Each group is still the GEMM `expert_swiglu` gives
     that expert (the tests check the results are bitwise equal); without `_grouped_mm` the loop runs.
     """
+    if b1 is not None or b2 is not None or activation is not None:
+        return _biased_experts(x, w1, w2, counts, b1, b2, activation or _swiglu)
     if _GROUPED_MM is not None and x.dtype in (torch.float32, torch.bfloat16) and x.shape[0]:
         offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         hidden = _GROUPED_MM(x, w1.transpose(1, 2), offs=offsets)
@@ -170,6 +188,31 @@ def grouped_expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, c
         if n:
             out[start:start + n] = expert_swiglu(x[start:start + n], w1[e], w2[e])
         start += n
+    return out
+
+
+def _biased_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, counts: list[int], b1: torch.Tensor | None,
+                    b2: torch.Tensor | None, activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`grouped_expert_swiglu` with biases and another activation, one expert at a time as `transformers` runs
+    them: an elementwise op's last few elements take ATen's scalar path instead of its vector one, and
+    sigmoid's two paths round differently, so the activation over all rows at once is not each expert's."""
+    out = x.new_empty(x.shape[0], w2.shape[1])
+    for e, (start, n) in enumerate(zip(_offsets(counts), counts, strict=True)):
+        if not n:
+            continue
+        hidden = F.linear(x[start:start + n], w1[e])
+        if b1 is not None:
+            hidden = hidden + b1[e]
+        done = F.linear(activation(hidden), w2[e])
+        out[start:start + n] = done if b2 is None else done + b2[e]
+    return out
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in counts:
+        out.append(at)
+        at += n
     return out
 
 

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE), the "rotate half" variant of Llama, Mixtral and Qwen3.
+"""Rotary position embeddings (RoPE), the "rotate half" variant of Llama, Mixtral and Qwen3, YaRN's scaled
+frequencies (GPT-OSS, DeepSeek-V3) and a rotation of the first dimensions of each head only (GLM-4.5).
 
 The angles are computed in fp32 from integer positions, one product per (position, frequency) pair, and
 the rotation is `x * cos + rotate_half(x) * sin`, the same operations in the same order as Hugging Face
@@ -7,30 +8,43 @@ the rotation is `x * cos + rotate_half(x) * sin`, the same operations in the sam
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables of the default (unscaled) rope for `head_dim` and base `theta`.
+    """cos/sin tables of the default (unscaled) rope for `head_dim` and base `theta`, or of given frequencies.
 
     Args:
         head_dim: width of one attention head (even).
         theta: the rope base (`rope_theta`).
+        inv_freq: [head_dim / 2] fp32 frequencies of a scaled rope (YaRN), instead of the default ones.
+        attention_scaling: cos and sin are multiplied by it (in fp32, before any rounding), as a scaled rope's
+            `attention_factor` asks; None: not multiplied.
     """
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, *, inv_freq: torch.Tensor | None = None,
+                 attention_scaling: float | None = None) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
         self.head_dim, self.theta = head_dim, float(theta)
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-        self.register_buffer("inv_freq", 1.0 / (self.theta ** exponent), persistent=False)
+        self.attention_scaling = attention_scaling
+        if inv_freq is None:
+            exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+            inv_freq = 1.0 / (self.theta ** exponent)
+        elif tuple(inv_freq.shape) != (head_dim // 2,):
+            raise ValueError(f"inv_freq has shape {list(inv_freq.shape)}; expected [{head_dim // 2}]")
+        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 -> (cos, sin), each [T, head_dim] fp32."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        if self.attention_scaling is None:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -43,3 +57,42 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x: [T, heads, head_dim] by the angles of its tokens (cos, sin: [T, head_dim])."""
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, *, factor: float, beta_fast: float, beta_slow: float,
+                  original_max_position_embeddings: int, truncate: bool) -> torch.Tensor:
+    """[head_dim / 2] fp32 YaRN frequencies: the original ones on the fast-rotating dimensions, `factor` times
+    slower ones on the slow dimensions, a linear ramp between the `beta_fast` and `beta_slow` bounds.
+
+    Computed with the operations of `transformers`' `_compute_yarn_parameters`, in the same order and dtypes (fp32
+    tensors, Python floats for the correction range), so the cos/sin tables, and with them the logits, are those of
+    `transformers` bit for bit.
+    """
+    dim = head_dim
+
+    def correction_dim(rotations: float) -> float:
+        """The dimension that turns `rotations` times over the original context."""
+        return (dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `cos.shape[-1]` dimensions of each head of x [T, heads, head_dim] and keep the rest, as
+    `transformers`' GLM-4.5 does with `partial_rotary_factor` < 1 (rotate-half within the rotated part); the
+    whole head when the tables are that wide."""
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)

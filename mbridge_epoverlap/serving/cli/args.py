@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.arg_types import count, positive, positive_float
+from mbridge_epoverlap.errors import UsageError
 
 
 def number_above(minimum: float, *, inclusive: bool) -> Callable[[str], float]:
@@ -35,13 +36,40 @@ positive_seconds = number_above(0.0, inclusive=False)  # --timeout: 0 would star
 non_negative_seconds = number_above(0.0, inclusive=True)
 
 
+def dtype_arg(text: str) -> str:
+    """An argparse type: `--dtype`'s value (`engine.choice.dtype.parse_dtype`); argparse reports the flag, exit 2."""
+    from mbridge_epoverlap.serving.engine.choice.dtype import parse_dtype
+
+    try:
+        return parse_dtype(text)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def resolve_dtype(args: argparse.Namespace, source: str | Path | None) -> Any:
+    """Replace `args.dtype` ("auto" or an explicit one) by the dtype the workers compute in, said on stderr with its
+    reason (a warning where it will be slow); the `engine.choice.dtype.ServingDtype`, for the result and `/health`,
+    is also kept as `args.dtype_choice`."""
+    from mbridge_epoverlap.serving.engine.choice.dtype import choose_serving_dtype
+
+    choice = choose_serving_dtype(args.dtype, source)
+    args.dtype, args.dtype_choice = choice.dtype, choice
+    print(f"  dtype {choice.summary}", file=sys.stderr, flush=True)
+    if choice.warning is not None:
+        print(f"warning: {choice.warning}", file=sys.stderr, flush=True)
+    return choice
+
+
 def model_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
     source = parser.add_mutually_exclusive_group(required=required)
     source.add_argument("--checkpoint", type=Path, metavar="DIR",
                         help="a Hugging Face checkpoint directory (config.json + *.safetensors; Mixtral or Qwen3-MoE)")
     source.add_argument("-mr", "--model-recipe", dest="recipe", metavar="RECIPE",
                         help="a recipe name: a shrunk random model, as the training runtime shrinks recipes")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default: float32")
+    parser.add_argument("--dtype", type=dtype_arg, default="auto", metavar="{auto,float32,bfloat16}",
+                        help="the workers' compute dtype (default auto: the checkpoint's dtype where this CPU "
+                             "computes it natively, bfloat16 only with avx512_bf16 or amx_bf16, else float32; a "
+                             "float16 checkpoint or a recipe model computes in float32)")
     parser.add_argument("--backend", default="m2n", help="M2N backend: m2n (fastest here), shm, mooncake, torch, gloo")
     parser.add_argument("--timeout", type=positive_seconds, default=30.0, metavar="S",
                         help="seconds any worker waits for another before naming it lost (default 30)")
@@ -53,7 +81,7 @@ LAYOUT_DEFAULTS = {"attn_workers": 1, "expert_workers": 1, "micro_batches": 2}
 
 def layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False) -> None:
     """The layout flags. Without any of them (and without `--colocated`, `--threads`) the command chooses the
-    layout from a short measurement (`serving.engine.layout_choice`); any one given forces the layout, the
+    layout from a short measurement (`serving.engine.choice.layout`); any one given forces the layout, the
     others then taking their defaults (1 attention worker, 1 expert worker, m=2)."""
     parser.add_argument("--attn-workers", type=positive, default=None, metavar="A",
                         help="attention workers (default 1 when a layout flag is given, else chosen)")
@@ -88,7 +116,7 @@ def fill_layout_defaults(args: argparse.Namespace) -> None:
 
 
 def apply_layout(args: argparse.Namespace, layout: dict[str, Any], *, colocated_as_flag: bool = False) -> None:
-    """Set the layout flags from a chosen layout (`layout_choice.choose_layout`'s "layout")."""
+    """Set the layout flags from a chosen layout (`engine.choice.layout.choose_layout`'s "layout")."""
     processes = layout.get("colocated", 0)
     if processes:
         args.attn_workers, args.expert_workers = (processes, 0) if colocated_as_flag else (1, 1)

@@ -37,6 +37,7 @@ from mbridge_epoverlap.serving.cli.args import (
     model_args,
     on_hosts,
     progress_printer,
+    resolve_dtype,
     source_of,
 )
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
@@ -80,11 +81,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle_elastic_bench(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.elastic.layout import check_elastic
     from mbridge_epoverlap.serving.engine.bench import finish_bench_result, synthetic_requests
-    from mbridge_epoverlap.serving.engine.elastic_plan import check_kills, kill_schedule, make_elastic
+    from mbridge_epoverlap.serving.engine.elastic_plan import check_kills, kill_schedule, make_elastic, routing_groups
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     source = args.checkpoint if args.checkpoint is not None else source_of(args, ELASTIC_DEFAULT_RECIPE)
+    dtype = resolve_dtype(args, source)
     spec = load_spec(str(source), dtype=args.dtype)
     check_elastic(spec.num_experts, args.expert_workers, args.redundant_experts, args.kill)
     if args.rejoin_after_steps and not args.kill:
@@ -93,7 +95,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     kill_every = _kill_every(args)
     check_kills(spec.num_experts, args.expert_workers, args.redundant_experts,
                 kill_schedule(args.kill, args.kill_step, kill_every), restore=not args.no_expert_restore,
-                steps=args.steps)
+                steps=args.steps, groups=routing_groups(spec))
     requests = synthetic_requests(args.batch, spec.vocab_size)
     plain = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
                       micro_batches=args.micro_batches, max_new_tokens=args.steps, max_batch=args.batch,
@@ -200,6 +202,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     }
     finish_bench_result(report, spec)  # the tokens were checked against the failure-free run above
     report["source"] = source_of(args, ELASTIC_DEFAULT_RECIPE)
+    report["dtype"] = dtype.to_dict()
     print_result(report, args.json, _table)
     return code
 
@@ -332,6 +335,7 @@ def _table(r: dict[str, Any]) -> None:
         ("no failure: elastic/plain", f"{fmt3(nf['elastic_over_plain'])} (medians of "
                                       f"{len(nf['plain_tokens_per_s'])} A/B pairs, decode tokens/s)"),
         *_rebalancing_rows(r),
+        ("dtype", f"{r['dtype']['dtype']} ({r['dtype']['reason']})"),
         ("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, amx_bf16={m['amx_bf16']})"),
         ("load average", "start " + " ".join(f"{x:.2f}" for x in r["load_average"]["start"]) + ", end "
                          + " ".join(f"{x:.2f}" for x in r["load_average"]["end"])),

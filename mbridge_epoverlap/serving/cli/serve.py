@@ -26,6 +26,7 @@ from mbridge_epoverlap.serving.cli.args import (
     on_hosts,
     positive_seconds,
     progress_printer,
+    resolve_dtype,
     source_of,
 )
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
@@ -73,6 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="on SIGTERM/SIGINT, seconds the running requests get to finish (default 30)")
     online.add_argument("--api-key", metavar="KEY", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $MBRIDGE_EPOVERLAP_API_KEY)")
+    online.add_argument("--expert-metrics", choices=("top", "full"), default="top",
+                        help="expert load in /metrics: top, the 4 hottest experts of each MoE layer (bounded: "
+                             "layers x 4 series), or full, also a counter per layer and expert "
+                             "(mbe_expert_tokens_total: 58 x 256 series on DeepSeek-V3) (default top)")
     online.add_argument("--workers-plan", type=Path, default=None, metavar="FILE",
                         help="start no worker: write the engine plan to FILE for workers started elsewhere (srun)")
     online.add_argument("--worker-host", default="127.0.0.1", metavar="ADDR",
@@ -122,14 +127,16 @@ def handle_serve(args: argparse.Namespace) -> int:
                              "apply to --elastic serving; add --elastic")
         from mbridge_epoverlap.serving.frontend.server import serve_http
 
-        # No layout flag: the server measures its layout once its checks have passed (`engine.online_layout`);
+        # No layout flag: the server measures its layout once its checks have passed (`engine.choice.online`);
         # elastic EP and emulated hosts run disaggregated workers, and any layout flag is taken as given.
         args.choose_layout = not (layout_forced(args) or args.replicate_experts or args.elastic
                                   or args.emulate_hosts or args.workers_plan is not None)
         fill_layout_defaults(args)
+        resolve_dtype(args, source_of(args))
         return serve_http(args)
     if args.prompts is None:
         raise UsageError("give --prompts FILE (a batch of requests) or --http HOST:PORT (a server)")
+    dtype = resolve_dtype(args, source_of(args))
     spec = load_spec(source_of(args), dtype=args.dtype)
     from mbridge_epoverlap.serving.model.tokenizer import load_tokenizer
 
@@ -162,6 +169,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     finish_bench_result(result, spec)
     if choice is not None:
         result["layout_choice"] = _choice_field(choice)
+    result["dtype"] = dtype.to_dict()
     print_result(result, args.json, _serve_table)
     return code
 
@@ -192,6 +200,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
     check_backend(args.backend)
+    dtype = resolve_dtype(args, source_of(args))
     spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
     chosen = not layout_forced(args) and not args.emulate_hosts
     fill_layout_defaults(args)
@@ -219,6 +228,7 @@ def handle_bench(args: argparse.Namespace) -> int:
         result["layout_choice"] = _choice_field(choice)
     result["batch"] = batch
     result["balance_probes"] = probes
+    result["dtype"] = dtype.to_dict()
     finish_bench_result(result, spec, requests=requests, max_new_tokens=args.steps, succeeded=code == 0)
     if not args.json:
         result.pop("completions")
@@ -228,7 +238,7 @@ def handle_bench(args: argparse.Namespace) -> int:
 
 def _choose(spec: Any, requests: Any, max_new_tokens: int, max_batch: int) -> dict[str, Any]:
     """No layout flag: the layout a short measurement predicts fastest, said on stderr."""
-    from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+    from mbridge_epoverlap.serving.engine.choice.layout import choose_layout
 
     choice = choose_layout(spec, requests, max_new_tokens=max_new_tokens, max_batch=max_batch)
     print(f"  layout (no layout flag given; force one with --attn-workers/--expert-workers/--micro-batches/"
@@ -279,6 +289,8 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
         for f in result["elastic"].get("move_fallbacks", []):
             rows.append(("move fallback", f"{f['worker']} read experts {f['experts']} of epoch {f['epoch']} from the "
                          f"checkpoint (expert worker {f['from']} died during the move)"))
+    if "dtype" in result:
+        rows.append(("dtype", f"{result['dtype']['dtype']} ({result['dtype']['reason']})"))
     m = result["machine"]
     rows.append(("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, "
                  f"amx_bf16={m['amx_bf16']})"))

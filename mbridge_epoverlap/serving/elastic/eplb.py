@@ -13,6 +13,7 @@ exchanging maps.
 - `orphaned_experts`: experts whose every replica was on a dead GPU (their weights must be restored
   from a copy); `migration_plan`: the weight copies from one placement to the next (from a live
   replica, or from a copy); `check_elastic_layout`: the capacity check to run before start.
+- `group_nodes`: the node count for the hierarchical policy given a model's routing groups and the GPUs.
 - `logical_maps`: `log2phy` and `logcnt` derived from a `phy2log` table (the engine's router indexes them).
 - `choose_replicas`: the replica a token's expert runs on: its position modulo the replica count;
   `slot_gpus` and `experts_on_gpus` turn slots into workers and a placement into what each loads.
@@ -28,6 +29,7 @@ Physical slots are laid out GPU by GPU: GPU `g` holds slots `g * s .. g * s + s 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -128,12 +130,15 @@ def check_elastic_layout(num_logical_experts: int, num_replicas: int, num_gpus: 
 # ---------------------------------------------------------------------------------------------------
 
 
-def replicate_experts(load: torch.Tensor, num_physical: int) -> tuple[torch.Tensor, torch.Tensor]:
+def replicate_experts(load: torch.Tensor, num_physical: int, cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Give every expert one slot, then each extra slot to the expert with the highest load per replica.
 
     Args:
         load: `[rows, experts]` load (float64).
         num_physical: slots per row (>= experts).
+        cap: with `cap > 0`, an expert gets a replica beyond `cap` only once every expert of its row has `cap`:
+            the hierarchical policy replicates within a node of `cap` GPUs, where one more replica would share
+            a GPU with another and balance nothing.
 
     Returns:
         `(phy2log [rows, num_physical], logcnt [rows, experts])`; ties go to the lower expert id.
@@ -144,7 +149,12 @@ def replicate_experts(load: torch.Tensor, num_physical: int) -> tuple[torch.Tens
     logcnt = torch.ones(rows, experts, dtype=torch.long)
     row_ids = torch.arange(rows)
     for slot in range(experts, num_physical):
-        hottest = torch.argmax(load / logcnt, dim=1)  # first maximum on ties: deterministic
+        per_replica = load / logcnt
+        if cap > 0:
+            capped = logcnt >= cap
+            room = ~capped.all(dim=1, keepdim=True)
+            per_replica = torch.where(capped & room, torch.tensor(-1.0, dtype=load.dtype), per_replica)
+        hottest = torch.argmax(per_replica, dim=1)  # first maximum on ties: deterministic
         phy2log[:, slot] = hottest
         logcnt[row_ids, hottest] += 1
     return phy2log, logcnt
@@ -240,7 +250,7 @@ def _solve(load: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: in
 
     # 2. Replicate within each node.
     mid_load = load.gather(1, mid2log).view(layers * num_nodes, num_logical // num_nodes)
-    phy2mid, midcnt = replicate_experts(mid_load, slots_per_node)
+    phy2mid, midcnt = replicate_experts(mid_load, slots_per_node, cap=gpus_per_node if num_nodes > 1 else 0)
 
     # 3. Replicas onto the node's GPUs, by load per replica.
     replica_load = (mid_load / midcnt).gather(1, phy2mid)
@@ -282,6 +292,41 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
         phy2log = _solve(load, num_replicas, 1, 1, num_gpus)
     log2phy, logcnt = logical_maps(phy2log, num_logical)
     return ReplicaMaps(phy2log, log2phy, logcnt)
+
+
+def group_nodes(num_groups: int, num_gpus: int, num_slots: int, num_logical: int, num_hosts: int = 1) -> int:
+    """The node count the hierarchical policy should use for a model routed in `num_groups` expert groups
+    (1: use the global policy).
+
+    A group-limited router (DeepSeek-V3, GLM-4.5) sends a token's experts to at most `topk_group` groups, so
+    with each group's experts on one node a token's choices reach at most that many nodes. The nodes are:
+
+    - the hosts, when the GPUs span `num_hosts > 1` of them and the groups and GPUs divide over the hosts
+      (then a group staying on a host keeps its tokens off the link between hosts);
+    - otherwise sets of GPUs on one host: the most equal sets both the groups and the GPUs divide into (so a
+      group count that divides the GPUs gives a node of GPUs per group, and GPUs that divide the groups a node
+      of groups per GPU). With redundant slots a node keeps at least two GPUs where it can: the replicas are
+      made within a node, and a second replica on the same GPU balances nothing.
+
+    Args:
+        num_groups: the model's routing groups (`GroupedRouting.n_group`; 1 without).
+        num_gpus: GPUs (expert workers) at start.
+        num_slots: physical slots over all of them.
+        num_logical: logical experts per layer.
+        num_hosts: hosts the GPUs are spread over, evenly.
+    """
+    if num_groups <= 1 or num_logical % num_groups:
+        return 1
+    if num_hosts > 1:
+        return num_hosts if num_groups % num_hosts == 0 and num_gpus % num_hosts == 0 else 1
+    redundant = num_slots > num_logical
+    for nodes in range(math.gcd(num_groups, num_gpus), 1, -1):
+        if num_groups % nodes or num_gpus % nodes:
+            continue
+        # a GPU holds distinct experts of its node only; a replica needs a second GPU in the node
+        if num_logical // nodes >= num_slots // num_gpus and (not redundant or num_gpus // nodes >= 2):
+            return nodes
+    return 1
 
 
 def _alive_list(alive_gpus: Iterable[int], num_gpus: int) -> list[int]:

@@ -27,7 +27,7 @@ from `check_elastic` and `ElasticLayout.initial` here.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -67,6 +67,15 @@ def check_elastic(num_experts: int, expert_workers: int, redundant: int, kill: i
     eplb.check_elastic_layout(num_experts, total, expert_workers, kill)
 
 
+def expert_grouping(num_experts: int, workers: int, num_slots: int, groups: int = 1,
+                    hosts: int = 1) -> tuple[int, int]:
+    """`(groups, nodes)` of the placements for a model routed in `groups` expert groups on `workers` expert
+    workers spanning `hosts` hosts with `num_slots` slots: `eplb.group_nodes`, and `(1, 1)` (the global policy)
+    where no node split fits. Every process of a run calls it with the same arguments."""
+    nodes = eplb.group_nodes(groups, workers, num_slots, num_experts, hosts)
+    return (groups, nodes) if nodes > 1 else (1, 1)
+
+
 @dataclass(frozen=True)
 class ElasticLayout:
     """One placement of `num_experts` experts in `workers * slots_per_worker` slots, and who is alive.
@@ -76,27 +85,39 @@ class ElasticLayout:
         workers: expert workers at start.
         slots: `phy2log` of the placement: the expert in each physical slot (`eplb.EMPTY_SLOT` on a dead worker).
         alive: indices of the live expert workers.
+        groups: the model's expert routing groups the placement keeps together (1: none).
+        nodes: sets of expert workers the groups are packed onto (`eplb.group_nodes`; 1: the global policy).
+            Every process derives the same placements only if they all hold the same `groups` and `nodes`.
     """
 
     num_experts: int
     workers: int
     slots: tuple[int, ...]
     alive: frozenset[int]
+    groups: int = 1
+    nodes: int = 1
 
     @classmethod
-    def from_slots(cls, num_experts: int, workers: int, slots: Sequence[int]) -> ElasticLayout:
+    def from_slots(cls, num_experts: int, workers: int, slots: Sequence[int], groups: int = 1,
+                   nodes: int = 1) -> ElasticLayout:
         """The layout a slot table describes; a worker is alive when its slots hold experts."""
         per = len(slots) // workers
         alive = frozenset(w for w in range(workers) if slots[w * per] != eplb.EMPTY_SLOT)
-        return cls(num_experts, workers, tuple(int(e) for e in slots), alive)
+        return cls(num_experts, workers, tuple(int(e) for e in slots), alive, groups, nodes)
 
     @classmethod
-    def initial(cls, num_experts: int, workers: int, redundant: int) -> ElasticLayout:
-        """The start placement: `eplb.rebalance_experts` on a uniform load (no load measured yet)."""
+    def initial(cls, num_experts: int, workers: int, redundant: int, groups: int = 1,
+                hosts: int = 1) -> ElasticLayout:
+        """The start placement: `eplb.rebalance_experts` on a uniform load (no load measured yet).
+
+        `groups`: the model's routing groups (`GroupedRouting.n_group`; 1 without); `hosts`: hosts the expert
+        workers span. With groups the hierarchical policy keeps each group's experts on one node
+        (`eplb.group_nodes`), so a token's experts, drawn from a few groups, reach a few nodes."""
         check_elastic(num_experts, workers, redundant)
-        solved = eplb.rebalance_experts(torch.ones(1, num_experts), num_experts + redundant, 1, 1, workers)
-        slots = spread_replicas(solved.phy2log[0].tolist(), workers)
-        return cls(num_experts, workers, slots, frozenset(range(workers)))
+        groups, nodes = expert_grouping(num_experts, workers, num_experts + redundant, groups, hosts)
+        solved = eplb.rebalance_experts(torch.ones(1, num_experts), num_experts + redundant, groups, nodes, workers)
+        slots = spread_replicas(solved.phy2log[0].tolist(), workers, nodes)
+        return cls(num_experts, workers, slots, frozenset(range(workers)), groups, nodes)
 
     @property
     def slots_per_worker(self) -> int:
@@ -134,16 +155,47 @@ class ElasticLayout:
         every worker that calls it with the same alive set and load gets the same table."""
         alive = frozenset(alive)
         weight = torch.ones(1, self.num_experts) if load is None else load.reshape(1, -1).to(torch.float64)
-        solved = eplb.rebalance_over_survivors(weight, len(self.slots), self.workers, sorted(alive))
-        slots = spread_replicas(solved.phy2log[0].tolist(), self.workers)
-        return ElasticLayout(self.num_experts, self.workers, slots, alive)
+        solved = eplb.rebalance_over_survivors(weight, len(self.slots), self.workers, sorted(alive),
+                                               num_groups=self.groups, num_nodes=self.nodes)
+        slots = spread_replicas(solved.phy2log[0].tolist(), self.workers, self.nodes)
+        return replace(self, slots=slots, alive=alive)
+
+    def rejoined(self, joined: Iterable[int], load: torch.Tensor | None = None) -> ElasticLayout:
+        """This placement with the workers `joined` back: each empty slot of theirs, in slot order, takes the expert
+        of most load per replica (`load`: `[experts]` token counts; uniform when None, so the fewest replicas;
+        the lowest id on ties) that its worker does not hold yet, and every other slot stays.
+
+        Only the newcomers receive weights. A solve from scratch (`resolved`) places every copy anew, and on 8
+        workers moved all 16 copies at a rejoin, every survivor building and packing a new share and decoding
+        slower for the steps after it. Deterministic, as `resolved`.
+        """
+        joined = sorted(set(joined) - self.alive)
+        weight = [1.0] * self.num_experts if load is None else [float(x) for x in load.reshape(-1).tolist()]
+        slots = list(self.slots)
+        replicas = [0] * self.num_experts
+        for expert in slots:
+            if expert >= 0:
+                replicas[expert] += 1
+        per = self.slots_per_worker
+        for worker in joined:
+            held = {e for e in slots[worker * per:(worker + 1) * per] if e >= 0}
+            for slot in range(worker * per, (worker + 1) * per):
+                if slots[slot] >= 0:
+                    continue
+                free = [e for e in range(self.num_experts) if e not in held]
+                expert = max(free, key=lambda e: (weight[e] / max(replicas[e], 1) if replicas[e] else float("inf"),
+                                                  -e))
+                slots[slot] = expert
+                held.add(expert)
+                replicas[expert] += 1
+        return replace(self, slots=tuple(slots), alive=self.alive | set(joined))
 
     def rebalanced(self, load: torch.Tensor, goal: float) -> ElasticLayout:
         """This placement changed only where the balance needs it, for `load` (`[experts]` token counts), until
         max/mean load reaches `goal` (`incremental.incremental_slots`; same live workers). Deterministic, as
         `resolved`."""
         slots = incremental_slots(self.slots, self.workers, self.alive, load.reshape(-1).tolist(), goal)
-        return ElasticLayout(self.num_experts, self.workers, slots, self.alive)
+        return replace(self, slots=slots)
 
     def imbalance(self, load: torch.Tensor) -> float:
         """max/mean load over the live workers for `load` (`[experts]` token counts), replicas sharing evenly."""
@@ -158,21 +210,24 @@ class ElasticLayout:
         return Router(self)
 
 
-def spread_replicas(slots: Sequence[int], workers: int) -> tuple[int, ...]:
+def spread_replicas(slots: Sequence[int], workers: int, nodes: int = 1) -> tuple[int, ...]:
     """Move replicas of one expert that landed on one worker onto workers without it (deterministic swaps).
 
     The packing balances load only, so equal loads can put both replicas of an expert on one worker, where
     they protect nothing. Each such slot swaps with the first slot (in slot order) of another live worker
-    whose expert the first worker lacks and which lacks the duplicated expert.
+    whose expert the first worker lacks and which lacks the duplicated expert; workers of the same node
+    (`nodes` equal sets of consecutive workers) come first, so the swap keeps the node's expert groups on it.
     """
     table = list(slots)
     per = len(table) // workers
+    per_node = workers // nodes
     rows = [table[w * per:(w + 1) * per] for w in range(workers)]
     for w, row in enumerate(rows):
         for i, expert in enumerate(row):
             if expert == eplb.EMPTY_SLOT or row.index(expert) == i:
                 continue
-            for v, other in enumerate(rows):
+            for v in sorted(range(workers), key=lambda v: (v // per_node != w // per_node, v)):
+                other = rows[v]
                 if v == w or eplb.EMPTY_SLOT in other or expert in other:
                     continue
                 j = next((j for j, y in enumerate(other) if y not in row), None)

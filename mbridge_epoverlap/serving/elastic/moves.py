@@ -120,8 +120,8 @@ class WeightMover:
             if source == self.index:
                 if die_after is not None and len(pending.sent) >= die_after:
                     os.kill(os.getpid(), signal.SIGKILL)  # the test hook: a source lost in the middle of a move
-                w1, w2 = experts.export(ids)
-                tensors = [torch.tensor(ids, dtype=torch.int64), w1.contiguous(), w2.contiguous()]
+                # w1 and w2 (and the experts' biases, where the model has them)
+                tensors = [torch.tensor(ids, dtype=torch.int64), *(t.contiguous() for t in experts.export(ids))]
                 with contextlib.suppress(PeerError):  # a destination without a channel (its connect failed)
                     pending.sends.append(self.comm.isend(self.ranks[destination], tensors, epoch))
                     pending.sent.append({"to": destination, "experts": ids})
@@ -157,7 +157,7 @@ class WeightMover:
         overlap the attention workers' end of step; `finish` then only swaps). A source that died is replaced
         by the checkpoint copy (a fallback, in `Prefetch.fallbacks`)."""
         started = time.monotonic()
-        incoming: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        incoming: dict[int, tuple[torch.Tensor, ...]] = {}
         for source, ids, work in pending.receives:
             message = None
             if work is not None:
@@ -175,7 +175,7 @@ class WeightMover:
                 raise RuntimeError(f"expert worker {source} sent experts {got} for layout epoch {pending.epoch}, "
                                    f"expert worker {self.index} expected {ids}: the workers disagree on the layouts")
             for i, expert in enumerate(ids):
-                incoming[expert] = (message[1][:, i], message[2][:, i])
+                incoming[expert] = tuple(t[:, i] for t in message[1:])
             pending.received.append({"from": source, "experts": ids})
         for work in pending.sends:
             with contextlib.suppress(PeerError):  # a destination that died gets its share re-placed later

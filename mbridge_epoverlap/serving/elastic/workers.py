@@ -21,7 +21,8 @@ before):
   step s follows the last layer of step s - 1): at a sync step (`elastic.sync`) the attention workers merge
   what they know, every `rebalance_every` steps consider a rebalance for the load they recorded
   (`eplb.ExpertLoadRecorder`, fed by every dispatch), and admit a replacement expert worker
-  `rejoin_after_steps` after a loss. A rebalance is skipped while max/mean load is at most
+  `rejoin_after_steps` after a loss (the survivors' slots kept, its own filled: `ElasticLayout.rejoined`, so only
+  its experts move). A rebalance is skipped while max/mean load is at most
   `rebalance_threshold` (by default 1.1 or `routing_noise` of the window's pairs, the higher); otherwise the
   placement in force is changed slot by slot
   (`ElasticLayout.rebalanced`, aiming at the balance a solve from scratch gets), or solved from scratch when
@@ -267,10 +268,30 @@ class ElasticRouter(Transport):
         if not joined and load is None:
             return
         if joined:
-            candidate = self.layout.resolved(self.layout.alive | joined, load)
-            self._announce(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined))
+            self._rejoin(step, joined, load)
             return
         self._rebalance(step, load)
+
+    def _rejoin(self, step: int, joined: set[int], load: torch.Tensor | None) -> None:
+        """Announce the placement with the replacements `joined` back: the survivors' slots kept and the
+        newcomers' filled (`ElasticLayout.rejoined`: only their experts move), unless that leaves max/mean load
+        above the rebalance threshold and a solve from scratch lowers it by `MIN_REBALANCE_GAIN`, or the placement
+        packs routing groups onto node sets (the solve keeps them there)."""
+        alive = self.layout.alive | joined
+        candidate = self.layout.rejoined(joined, load)
+        scratch = self.layout.resolved(alive, load)
+        solve = "fill"
+        if self.layout.nodes > 1:  # the fill ignores which node set each routing group is packed onto
+            candidate, solve = scratch, "from scratch"
+        elif load is not None:
+            threshold = self.rebalance_threshold or max(DEFAULT_REBALANCE_THRESHOLD,
+                                                        routing_noise(int(load.sum()), len(alive)))
+            if candidate.imbalance(load) > threshold and \
+                    scratch.imbalance(load) < candidate.imbalance(load) * (1 - MIN_REBALANCE_GAIN):
+                candidate, solve = scratch, "from scratch"
+        from_scratch = sum(len(ids) for ids in transfers(self.layout, scratch).values())
+        self._announce(candidate, step, load, f"expert workers {sorted(joined)} rejoined", joined=sorted(joined),
+                       solve=solve, moved_from_scratch=from_scratch)
 
     def _rebalance(self, step: int, load: torch.Tensor) -> None:
         """Skip (within the threshold), keep (no solve helps enough), or announce a rebalanced placement: the
@@ -560,7 +581,8 @@ class ElasticExpertWorker(ExpertWorker):
         """Connect the newcomers of epoch `epoch` (the workers its table adds whose bit `mask`, the announcing
         controls' mask, sets: a table decided before a loss was seen may still hold the lost worker, which the
         switch drops again) and start its moves (`WeightMover.start`)."""
-        new = ElasticLayout.from_slots(self.layout.num_experts, self.layout.workers, slots)
+        new = ElasticLayout.from_slots(self.layout.num_experts, self.layout.workers, slots, self.layout.groups,
+                                       self.layout.nodes)
         self._follow(new.mask)  # losses the new epoch already accounts for, as within an epoch
         for worker in sorted(new.alive - self.layout.alive):
             if not mask >> worker & 1:

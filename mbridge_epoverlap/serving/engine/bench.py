@@ -50,13 +50,17 @@ def finish_bench_result(result: dict[str, Any], spec: Any, *, requests: Sequence
     """Add what a bench result carries beside the engine's own fields, in place, and return it.
 
     `matches_reference` (only when `requests` are given: whether every token equals the single-process
-    reference, False for a run that did not succeed), then `machine` and `model`.
+    reference, False for a run that did not succeed), then `machine`, `model` and `kv_cache_bytes_per_token` (over
+    all layers: a latent attention model's latents, another's keys and values).
     """
     if requests is not None:
         result["matches_reference"] = succeeded and matches_reference(spec, requests, result["completions"],
                                                                       max_new_tokens)
+    from mbridge_epoverlap.serving.model.kv_cache import kv_cache_bytes_per_token
+
     result["machine"] = machine()
     result["model"] = spec.describe()
+    result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(spec)
     return result
 
 

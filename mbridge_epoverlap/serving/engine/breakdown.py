@@ -64,8 +64,9 @@ def _instrument(model: Any, clock: _Clock) -> list[tuple[Any, str, Any]]:
     clock.wrap(attention, "post_step", "combine")
     clock.wrap(attention, "logits", "sampling")
     for block in attention.layers:
-        if block.router is not None:
-            clock.wrap(block.router, "softmax_topk", "router")
+        if block.router is not None:  # each router kind's routing methods (grouped routers have `route`)
+            for name in ("route",) if hasattr(block.router, "route") else ("softmax_topk", "topk_softmax"):
+                clock.wrap(block.router, name, "router")
     # Module functions `LocalModel` and `ExpertPart` look up at call time: the (token, slot) rows' trip to
     # the experts and back (dispatch), and the expert GEMMs inside it.
     patched = [(parts, name, getattr(parts, name))

@@ -7,6 +7,7 @@ checks an engine plan against it and fills in the plan's elastic fields.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from mbridge_epoverlap.comm.m2n import BACKENDS, communicator_class
 from mbridge_epoverlap.errors import UsageError
@@ -67,7 +68,7 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
                          f"after set-up and this backend opens no channel then; use --backend {' or '.join(joinable)}")
     spec = plan.load_spec()
     check_elastic(spec.num_experts, plan.expert_workers, redundant, kill)
-    layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant)
+    layout = ElasticLayout.initial(spec.num_experts, plan.expert_workers, redundant, routing_groups(spec))
     victims = kill_schedule(kill, kill_step, kill_every)
     moving = rebalance_every or rejoin_after_steps
     return replace(plan, elastic=True, slots=layout.slots, expert_restore=restore, kill=victims,
@@ -77,6 +78,13 @@ def make_elastic(plan: EnginePlan, *, redundant: int, kill: int = 0, kill_step: 
                    weight_slot_bytes=weight_slot_bytes(spec, layout.slots_per_worker) if moving else 0)
 
 
+def routing_groups(spec: Any) -> int:
+    """The expert groups the placement keeps together (`ElasticLayout.initial`): the model's routing groups for
+    a group-limited router (DeepSeek-V3, GLM-4.5), else 1. The expert workers share one host in this engine
+    (`engine.hosts` puts them all on the expert host), so the nodes are sets of workers."""
+    return spec.grouped_routing.n_group if spec.grouped_routing is not None else 1
+
+
 def kill_schedule(kill: int, kill_step: int, kill_every: int = 0) -> tuple[tuple[int, int], ...]:
     """Fault injection's `(expert worker, decode step)` pairs: the first `kill` workers, all at `kill_step`, or
     one every `kill_every` steps from it."""
@@ -84,12 +92,13 @@ def kill_schedule(kill: int, kill_step: int, kill_every: int = 0) -> tuple[tuple
 
 
 def check_kills(num_experts: int, expert_workers: int, redundant: int, victims: tuple[tuple[int, int], ...], *,
-                restore: bool, steps: int) -> None:
+                restore: bool, steps: int, groups: int = 1) -> None:
     """Raise UsageError (before start) for kills that cannot happen or cannot be survived.
 
     Each kill must fall inside decoding (before the last of `steps` tokens); without `restore` no kill may take
     every replica of an expert, followed through the re-placements the workers make (one loss after another,
-    or those of one step at once).
+    or those of one step at once); `groups`: the model's routing groups (`routing_groups`), which the
+    placements keep together.
     """
     last = max((step for _, step in victims), default=0)
     if last >= steps - 1:
@@ -97,7 +106,7 @@ def check_kills(num_experts: int, expert_workers: int, redundant: int, victims: 
                          f"steps 1..{steps - 2} are mid-decode); lower --kill-step or --kill-every, or raise --steps")
     if restore:
         return
-    layout = ElasticLayout.initial(num_experts, expert_workers, redundant)
+    layout = ElasticLayout.initial(num_experts, expert_workers, redundant, groups)  # as `make_elastic` places
     for step in sorted({step for _, step in victims}):
         dead = {worker for worker, at in victims if at == step}
         layout, orphans = layout.without(dead)

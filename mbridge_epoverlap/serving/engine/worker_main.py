@@ -87,12 +87,18 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
             if timer is not None:
                 timer.limit = ONLINE_TIMER_SAMPLES
         dist.barrier()  # every worker loaded its weights: start timing together
+        if plan.online and role is not None and not _m2n_on_process_groups(plan):
+            # Nothing uses the group after this barrier (the M2N channels and the store carry the rest), and gloo's
+            # transport thread wakes every 10 ms while it lives: half of what an idle server still cost. (The
+            # colocated transport keeps the group; the `torch` and `gloo` M2N backends run on process groups.)
+            dist.destroy_process_group()
         started = time.monotonic()
         if queue is not None:
             queue.start = started
         worker.run()
     _finish(worker, queue, payload, state, beat, started)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return EXIT_OK
 
 
@@ -176,6 +182,15 @@ def _serve_online(plan: EnginePlan, index: int, side: Any, transport: Any) -> No
                  events=transport.events)
 
 
+def _grouping(plan: EnginePlan, spec: Any) -> tuple[int, int]:
+    """`(groups, nodes)` of the run's placements, as `elastic_plan.make_elastic` chose them for the start one: every
+    worker must re-solve with the same, or their tables would differ after a loss or a rebalance."""
+    from mbridge_epoverlap.serving.elastic.layout import expert_grouping
+    from mbridge_epoverlap.serving.engine.elastic_plan import routing_groups
+
+    return expert_grouping(spec.num_experts, plan.expert_workers, len(plan.slots), routing_groups(spec))
+
+
 def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: Any, comm: Any, beat: Any,
                    progress: Any, store: Any) -> Worker:
     from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
@@ -184,7 +199,7 @@ def _build_elastic(plan: EnginePlan, spec: Any, role: Role, index: int, queue: A
     from mbridge_epoverlap.serving.workers.decode import AttentionWorker
 
     layout = ElasticLayout(spec.num_experts, plan.expert_workers, tuple(plan.slots),
-                           frozenset(range(plan.expert_workers)))
+                           frozenset(range(plan.expert_workers)), *_grouping(plan, spec))
     if role is Role.ATTENTION:
         import torch.distributed as dist
 
@@ -261,6 +276,11 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     spec = plan.load_spec()
     payload: dict[str, Any] = {"rank": rank, "role": "expert", "index": index, "generation": generation}
     state["payload"], state["out"] = payload, out / f"rank{rank}.json"
+    from mbridge_epoverlap.serving.model import packed as packed_gemm
+
+    # Before saying it is ready (the wait for admission is idle time): the packed expert GEMMs' kernels for decode's
+    # row counts, which the running workers created in their first steps.
+    packed_gemm.warm_up(spec.hidden_size, spec.expert_ffn, spec.torch_dtype(), plan.max_batch)
     elastic = dist.PrefixStore("elastic", store)
     elastic.set(f"ready/{index}/{generation}", str(os.getpid()))
     ready = time.monotonic()
@@ -271,7 +291,8 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
         payload.update({"events": [{"event": "not-admitted", "t": time.monotonic()}], "decode_steps": 0})
         _write(state["out"], payload)
         return EXIT_OK
-    layout = ElasticLayout.from_slots(spec.num_experts, plan.expert_workers, admission["slots"])
+    layout = ElasticLayout.from_slots(spec.num_experts, plan.expert_workers, admission["slots"],
+                                      *_grouping(plan, spec))
     prefix = rejoin_prefix(index, generation)
     comm = _m2n(plan, dist.PrefixStore("m2n", store), rank=rank, peers=plan.attention_ranks, key_prefix=prefix)
     state["comms"] = [comm]  # closed on failure (the worker does not exist yet)
@@ -291,6 +312,18 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     return EXIT_OK
 
 
+def _m2n_single_host(plan: EnginePlan) -> bool:
+    """What `_m2n` tells the backend about the ranks' hosts (`m2n` resolves to `shm` on one host)."""
+    return plan.backend != "torch" and not plan.emulate_hosts
+
+
+def _m2n_on_process_groups(plan: EnginePlan) -> bool:
+    """Whether the plan's M2N backend runs on torch.distributed process groups (`torch`, `gloo`)."""
+    from mbridge_epoverlap.comm.m2n import resolve_backend
+
+    return resolve_backend(plan.backend, single_host=_m2n_single_host(plan)) in ("torch", "gloo")
+
+
 def _m2n(plan: EnginePlan, store: Any, *, rank: int, peers: Sequence[int], key_prefix: str = "m2n",
          slot_bytes: int | None = None, slots: int | None = None) -> Any:
     """This rank's end of an M2N channel of the plan's backend to `peers` (named by role in errors); by default
@@ -301,7 +334,7 @@ def _m2n(plan: EnginePlan, store: Any, *, rank: int, peers: Sequence[int], key_p
                              slot_bytes=plan.slot_bytes if slot_bytes is None else slot_bytes,
                              slots=plan.micro_batches + 1 if slots is None else slots, timeout_s=plan.timeout_s,
                              roles={peer: plan.role_name(peer) for peer in peers}, world_size=plan.world,
-                             single_host=plan.backend != "torch" and not plan.emulate_hosts)
+                             single_host=_m2n_single_host(plan))
 
 
 def _report(worker: Worker | None, queue: Any, *, failed: bool = False) -> dict[str, Any]:

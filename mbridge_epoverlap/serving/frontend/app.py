@@ -75,7 +75,7 @@ class Settings:
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
-    # What the server runs and why (its layout, measured or from the flags), reported by `/health`.
+    # What the server runs and why (its layout, measured or from the flags; its compute dtype), reported by `/health`.
     serving: dict[str, Any] = field(default_factory=dict)
 
 

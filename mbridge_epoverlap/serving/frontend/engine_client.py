@@ -128,6 +128,7 @@ class EngineClient:
         self.on_ready: list[Callable[[], None]] = []
         self.external, self.link = external, link
         self._shutdown_sent = False
+        self._busy = False  # what the attention workers were last told (`_tell_busy`)
         self._drained_every_request = False  # the drain saw every request end before the workers left
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
         self.done_workers: set[int] = set()
@@ -260,7 +261,19 @@ class EngineClient:
         self.streams[stream.id] = stream
         self.outstanding[worker] += 1
         self._send(worker, submit)
+        self._tell_busy()
         return stream
+
+    def _tell_busy(self) -> None:
+        """Tell every attention worker when the engine turns busy (a request outstanding) or idle again
+        (`online.Busy`): each takes part in every step, and one without requests blocks on its socket (up to
+        `online.idle_wait_s`) only while no worker has any."""
+        busy = any(self.outstanding[w] for w in self._live_workers())
+        if busy == self._busy or self.attn_workers == 1:  # one worker: its own requests wake it
+            return
+        self._busy = busy
+        for worker in self._live_workers():
+            self._send(worker, online.Busy(busy))
 
     def _live_workers(self) -> list[int]:
         return [w for w in range(self.attn_workers) if w not in self.lost_attention]
@@ -284,6 +297,7 @@ class EngineClient:
             self.outstanding[target] += 1
             self._send(target, resumed)
             self.metrics.moved()
+        self._tell_busy()
         log.warning("attention worker %d (pid %d) was lost: its %d requests in flight go on from attention workers "
                     "%s", worker, self.pids[worker], moved, self._live_workers())
 
@@ -307,7 +321,8 @@ class EngineClient:
 
     async def _watch_silence(self) -> None:
         """Workers started elsewhere (their processes not seen from here): one that sent nothing for the plan's
-        timeout is lost, and the engine with it (an idle worker still reports every `online.KEEPALIVE_S`, so
+        timeout is lost, and the engine with it (an idle worker still reports at each empty step, every
+        `online.idle_wait_s(timeout)` at most, so
         silence is a loss even without requests: srun may stop the step before a worker's last word leaves)."""
         while not self._ended.is_set():
             await asyncio.sleep(0.5)
@@ -333,6 +348,7 @@ class EngineClient:
         self.streams.pop(stream.id, None)
         self.outstanding[stream.worker] -= 1
         self.metrics.finished(outcome, stream)
+        self._tell_busy()
 
     def _send(self, worker: int, message: Any) -> None:
         import zmq

@@ -14,8 +14,18 @@ Names (all prefixed `mbe_`):
   layers (what the elastic re-solve balances: every expert worker holds the same experts in every layer), over the
   last `LOAD_WINDOW_S` seconds of reports that carried load.
 - `mbe_expert_layer_load_imbalance{layer}`: the same max/mean for each MoE layer (`layer`: the model's layer id).
+  Both are over the window, not since start: they show the skew the re-solve would act on now, and a shift of the
+  load shows within `LOAD_WINDOW_S` instead of being diluted by everything served before.
+- `mbe_expert_layer_tokens_total{layer}`: (token, choice) pairs routed in each MoE layer since the server started.
+- `mbe_expert_hot_tokens{layer,rank}`, `mbe_expert_hot_expert{layer,rank}`: the `HOT_EXPERTS` experts of each MoE
+  layer with the most (token, choice) pairs since the start (`rank` 0 the hottest; ties to the lower expert id),
+  their counts and their expert ids. The expert id is a value, not a label, so the series count stays
+  2 x layers x `HOT_EXPERTS` however the ranking changes (a label would add a series per expert ever ranked).
+  Since start rather than over the window: the ranking is stable between scrapes and the counts add up with
+  `mbe_expert_layer_tokens_total`.
 - `mbe_expert_tokens_total{layer,expert}`: (token, choice) pairs routed to each expert of each MoE layer since the
-  server started.
+  server started; only with `serve --http --expert-metrics full` (one series per layer and expert: 58 x 256 =
+  14,848 on DeepSeek-V3, too many for most Prometheus set-ups to keep by default).
 - `mbe_elastic_workers_lost_total`: worker processes lost, each counted once: an expert worker (or one of its
   replacements) when an attention worker reports it detected the loss, any worker when the front end sees its
   process gone (whichever comes first).
@@ -24,6 +34,9 @@ Names (all prefixed `mbe_`):
   those epochs and at rejoins. Each layout epoch is counted once, from the first report of it (every attention
   worker enters the same ones, and any of them may be lost).
 - `mbe_requests_moved_total`: requests moved off a lost attention worker to a survivor (elastic mode).
+- `mbe_engine_steps{worker}`, `mbe_engine_idle_steps{worker}`: engine steps each attention worker ran, and of
+  those the empty ones (no request: what an idle server costs, one every `online.idle_wait_s` at most), as of its
+  last report.
 
 The load and the elastic events come from the attention workers' `online.Stats` (what their routers chose and
 what they saw); nothing here is estimated by the front end.
@@ -31,6 +44,7 @@ what they saw); nothing here is estimated by the front end.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter as Tally
@@ -43,6 +57,8 @@ log = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = ("finished", "aborted", "failed", "rejected")
 LOAD_WINDOW_S = 10.0  # the expert-load imbalance gauges cover the reports of the last this many seconds
+HOT_EXPERTS = 4  # experts per MoE layer in the default (`top`) view of the expert load
+EXPERT_METRICS = ("top", "full")  # `serve --http --expert-metrics`: the hottest experts per layer, or every expert
 
 
 def max_over_mean(counts: Sequence[int]) -> float | None:
@@ -54,13 +70,18 @@ def max_over_mean(counts: Sequence[int]) -> float | None:
 class ServerMetrics:
     """The server's Prometheus metrics (see the module docstring)."""
 
-    def __init__(self, moe_layers: Sequence[int] = ()) -> None:
+    def __init__(self, moe_layers: Sequence[int] = (), expert_metrics: str = "top") -> None:
         """Args:
             moe_layers: the model's MoE layer ids, ascending (the rows of every report's expert load).
+            expert_metrics: `top` (the `HOT_EXPERTS` hottest experts per layer) or `full` (also a counter per
+                layer and expert, `mbe_expert_tokens_total`).
         """
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        if expert_metrics not in EXPERT_METRICS:
+            raise ValueError(f"expert_metrics {expert_metrics!r} is not one of {EXPERT_METRICS}")
         self.moe_layers = list(moe_layers)
+        self.expert_metrics = expert_metrics
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("mbe_requests", "Requests by outcome", ["outcome"], registry=registry)
         for outcome in OUTCOMES:
@@ -78,8 +99,15 @@ class ServerMetrics:
                                "Max/mean tokens per expert over all MoE layers, last window", registry=registry)
         self.layer_imbalance = Gauge("mbe_expert_layer_load_imbalance", "Max/mean tokens per expert, last window",
                                      ["layer"], registry=registry)
+        self.layer_tokens = Counter("mbe_expert_layer_tokens", "(token, choice) pairs routed in each MoE layer",
+                                    ["layer"], registry=registry)
+        self.hot_tokens = Gauge("mbe_expert_hot_tokens", "(token, choice) pairs since start of the rank-th hottest "
+                                "expert of each MoE layer", ["layer", "rank"], registry=registry)
+        self.hot_expert = Gauge("mbe_expert_hot_expert", "Expert id of the rank-th hottest expert of each MoE layer",
+                                ["layer", "rank"], registry=registry)
         self.expert_tokens = Counter("mbe_expert_tokens", "(token, choice) pairs routed to each expert",
-                                     ["layer", "expert"], registry=registry)
+                                     ["layer", "expert"], registry=registry) if expert_metrics == "full" else None
+        self._tokens: list[list[int]] = [[] for _ in self.moe_layers]  # per layer, per expert, since start
         self.lost = Counter("mbe_elastic_workers_lost", "Worker processes lost", registry=registry)
         self.rejoined = Counter("mbe_elastic_workers_rejoined", "Replacement expert workers admitted",
                                 registry=registry)
@@ -89,6 +117,10 @@ class ServerMetrics:
                                   registry=registry)
         self.moved_copies = Counter("mbe_elastic_expert_copies_moved", "Expert copies that changed owner",
                                     registry=registry)
+        self.steps = Gauge("mbe_engine_steps", "Engine steps an attention worker ran, as of its last report",
+                           ["worker"], registry=registry)
+        self.idle_steps = Gauge("mbe_engine_idle_steps", "Engine steps an attention worker ran with no request",
+                                ["worker"], registry=registry)
         self._window: deque[tuple[float, list[list[int]]]] = deque()  # (arrival, load) of the last window
         self._lost: set[tuple[str, int, int]] = set()  # (role, index, replacement generation) counted lost
         self._generation: Tally[tuple[int, int]] = Tally()  # (attention worker, expert worker) -> rejoins seen
@@ -114,6 +146,8 @@ class ServerMetrics:
         self.running.set(sum(s.running for s in every))
         self.waiting.set(sum(s.waiting for s in every))
         self.kv_tokens.set(sum(s.kv_tokens for s in every))
+        self.steps.labels(str(latest.worker)).set(latest.steps)
+        self.idle_steps.labels(str(latest.worker)).set(latest.idle_steps)
         self._load(latest.expert_load)
         for event in latest.events:
             self._event(latest.worker, event)
@@ -122,10 +156,20 @@ class ServerMetrics:
         """Count a report's per-layer expert load and recompute the imbalance over the window."""
         if not any(any(row) for row in load):
             return
-        for layer, row in zip(self.moe_layers, load, strict=False):
+        for index, (layer, row) in enumerate(zip(self.moe_layers, load, strict=False)):
+            if not any(row):
+                continue
+            totals = self._tokens[index]
+            totals.extend([0] * (len(row) - len(totals)))
             for expert, count in enumerate(row):
-                if count:
+                totals[expert] += count
+                if count and self.expert_tokens is not None:
                     self.expert_tokens.labels(str(layer), str(expert)).inc(count)
+            self.layer_tokens.labels(str(layer)).inc(sum(row))
+            hottest = heapq.nsmallest(HOT_EXPERTS, range(len(totals)), key=lambda e: (-totals[e], e))
+            for rank, expert in enumerate(hottest):
+                self.hot_tokens.labels(str(layer), str(rank)).set(totals[expert])
+                self.hot_expert.labels(str(layer), str(rank)).set(expert)
         now = time.monotonic()
         self._window.append((now, load))
         while self._window and self._window[0][0] < now - LOAD_WINDOW_S:

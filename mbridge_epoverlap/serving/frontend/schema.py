@@ -142,7 +142,8 @@ def models_responses() -> dict[int | str, Any]:
 def health_responses() -> dict[int | str, Any]:
     health = {"type": "object", "required": ["status", "workers"],
               "properties": {"status": {"type": "string"}, "reason": {"type": "string"},
-                             "workers": {"type": "array"}, "layout": {"type": "object"}}}
+                             "workers": {"type": "array"}, "layout": {"type": "object"},
+                             "dtype": {"type": "object"}}}
     return {200: {"description": "serving (`ok`, or `degraded` after a worker loss the engine survived)",
                   "content": {"application/json": {"schema": health}}},
             # The connection limit answers every route with OpenAI's error body.

@@ -53,7 +53,8 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def serve_http(args: argparse.Namespace) -> int:
-    """Run the server the flags describe; the exit code (0 after a drain, 1 after an engine failure)."""
+    """Run the server the flags describe (`args.dtype_choice`: the dtype `serve` resolved); the exit code (0 after
+    a drain, 1 after an engine failure)."""
     from mbridge_epoverlap.serving.engine.hosts import emulate_hosts
     from mbridge_epoverlap.serving.engine.plan import model_source
     from mbridge_epoverlap.serving.engine.run import make_plan
@@ -68,6 +69,7 @@ def serve_http(args: argparse.Namespace) -> int:
     if args.prompts is not None:
         raise UsageError("--prompts is the batch command; with --http requests come over HTTP (drop one)")
     source = model_source(args.checkpoint, args.recipe)
+    dtype = args.dtype_choice  # `serve` resolved --dtype (auto: the checkpoint's where this CPU computes it)
     spec = load_spec(source, dtype=args.dtype)
     model_len = context_length(spec)
     if args.max_model_len is not None and args.max_model_len > model_len:
@@ -97,7 +99,7 @@ def serve_http(args: argparse.Namespace) -> int:
         return plan
 
     _log_to_stderr()
-    metrics = ServerMetrics(spec.moe_layer_ids)
+    metrics = ServerMetrics(spec.moe_layer_ids, args.expert_metrics)
     outcome: dict[str, Any] = {"code": EXIT_OK, "server": None}  # the exit code; uvicorn's server once it exists
 
     def engine_ended(reason: str | None) -> None:
@@ -116,25 +118,24 @@ def serve_http(args: argparse.Namespace) -> int:
         engine = EngineClient(plan_for, attn_workers=args.colocated or args.attn_workers, max_batch=args.max_batch,
                               max_waiting=args.max_waiting, metrics=metrics, on_end=engine_ended,
                               host=worker_host, external=external, link=link)
-        return _serve(args, engine, spec, name, max_model_len, api_key, metrics, outcome, host, port, layout)
+        return _serve(args, engine, spec, name, max_model_len, api_key, metrics, outcome, host, port, layout,
+                      dtype.to_dict())
 
 
 def _layout(args: argparse.Namespace, spec: Any, max_model_len: int) -> dict[str, Any]:
     """The layout the server runs, as `/health` reports it: measured now or earlier (`serve` without layout flags;
     `args` then take it) or the flags'."""
-    from mbridge_epoverlap.serving.cli.args import apply_layout
-
     if not getattr(args, "choose_layout", False):
         return {"source": "flags", "summary": _workers(args)}
-    from mbridge_epoverlap.serving.engine.online_layout import choose_online_layout
+    from mbridge_epoverlap.serving.engine.choice.online import as_flags, choose_online_layout
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
     choice = choose_online_layout(spec, max_batch=args.max_batch, max_model_len=max_model_len,
                                   timeout_s=args.timeout, backend=args.backend, progress=progress)
-    apply_layout(args, choice["layout"])
-    args.replicate_experts = bool(choice["layout"].get("replicated_experts"))
+    for name, value in as_flags(choice["layout"]).items():
+        setattr(args, name, value)
     print(f"  layout ({choice['source']}; no layout flag given, force one with --colocated/--replicate-experts/"
           f"--attn-workers/--expert-workers/--micro-batches/--threads): {choice['summary']}", file=sys.stderr,
           flush=True)
@@ -181,7 +182,8 @@ def _emulated_link(plan_for: Any, args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_model_len: int, api_key: str | None,
-           metrics: Any, outcome: dict[str, Any], host: str, port: int, layout: dict[str, Any]) -> int:
+           metrics: Any, outcome: dict[str, Any], host: str, port: int, layout: dict[str, Any],
+           dtype: dict[str, Any]) -> int:
     from mbridge_epoverlap.serving.frontend.app import Settings, build_app
     from mbridge_epoverlap.serving.frontend.connections import guarded_h11
     from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED
@@ -196,7 +198,7 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
     codec = TextCodec(spec.source if spec.is_checkpoint else None)
     settings = Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key,
                         body_timeout_s=args.read_timeout, max_connections=args.max_connections,
-                        serving={"layout": dict(layout, workers=_workers(args))})
+                        serving={"layout": dict(layout, workers=_workers(args)), "dtype": dtype})
     # The connections counted are uvicorn's own (`server` is bound below, before the first request).
     app = build_app(settings, engine, metrics, open_connections=lambda: len(server.server_state.connections))
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
@@ -209,7 +211,8 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
                 return
             await asyncio.sleep(0.02)
         chosen = f"; layout {layout['chosen']}, {layout['source']}" if "chosen" in layout else ""
-        print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {_workers(args)}{chosen})",
+        print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {_workers(args)}{chosen}; "
+              f"dtype {dtype['dtype']}: {dtype['reason']})",
               file=sys.stderr, flush=True)
 
     async def main() -> None:

@@ -3,14 +3,16 @@
 Nothing here knows processes or messages; workers hold these pieces and call them.
 
 - `spec`: `ModelSpec`, the small frozen description of a model every worker gets.
-- `architectures`: one module per Hugging Face architecture (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE) and the
-  registry: its config defaults, what its config.json means for the spec, and its tensor names.
+- `architectures`: one module per Hugging Face architecture (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DBRX, GPT-OSS,
+  GLM-4.5, DeepSeek-V3) and the registry: its config defaults, what its config.json means for the spec, and its
+  tensor names; GPT-OSS's MXFP4 weight format.
 - `checkpoint`: `load_spec` of a Hugging Face checkpoint directory (any registered architecture) or a recipe
   name, checked up front, and `CheckpointReader` for single tensors.
 - `hf_layout`: where each parameter lives in a Hugging Face checkpoint, and its expected shape (the spec's
   architecture module says).
 - `layers`: the shared pieces the architectures compose: attention (biases, q/k norm per head or over the
-  projection), SwiGLU MLPs, shared experts plain or sigmoid-gated, RMSNorm as `transformers` computes it.
+  projection, sinks), multi-head latent attention, SwiGLU MLPs, shared experts plain or sigmoid-gated, RMSNorm as
+  `transformers` computes it, the rotary embedding a spec asks for (default, YaRN, partial).
 - `parts`: the model in two parts, `AttentionPart` (attention side, router) and `ExpertPart` (some
   routed experts), `LocalModel` and `generate_reference`, the tokens every engine mode must reproduce.
 - `packed`: `PackedExperts`, the engine's expert GEMMs on oneDNN-packed weights (the reference model keeps
@@ -18,7 +20,7 @@ Nothing here knows processes or messages; workers hold these pieces and call the
 - `expert_store`: the expert weights one expert worker holds, and how they change (restores, moves).
 - `batch`: `TokenBatch`, the tokens of one step from several sequences, flat, and how they attend.
 - `kv_cache`: `KVCache`, the keys and values of every sequence, and decode attention over them (the one
-  owner of `decode_attention` and `cached_attention`).
+  owner of `decode_attention` and `cached_attention`); `LatentKVCache`, DeepSeek-V3's cache of latents.
 - `sampling`: greedy sampling and the stop rules.
 - `tokenizer`: text prompts for checkpoints that ship a `tokenizer.json`.
 

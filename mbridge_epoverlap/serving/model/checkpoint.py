@@ -9,18 +9,22 @@ header of every `*.safetensors` file (names, shapes and dtypes of all tensors). 
 Configuration semantics follow `transformers`' config classes: a field missing from `config.json` takes that
 class's default; what a field means for the model is its architecture module's (`serving.model.architectures`),
 the sizes every architecture has are read here. The rotary base is `rope_parameters.rope_theta` (5.x) or
-`rope_theta` (4.x); only the default (unscaled) rope is supported, and a `quantization_config` is refused.
+`rope_theta` (4.x); only the default (unscaled) rope is supported, except where an architecture reads a scaled
+one (GPT-OSS's YaRN), and a `quantization_config` is refused unless the architecture dequantizes its method
+(GPT-OSS's MXFP4 experts).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model import architectures
-from mbridge_epoverlap.serving.model.architectures.base import ConfigFields
+from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source
 from mbridge_epoverlap.serving.model.hf_layout import ARCHITECTURES, all_sources
 from mbridge_epoverlap.serving.model.spec import DTYPES, ModelSpec
 
@@ -34,6 +38,9 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # The config classes map `num_experts` to `num_local_experts` (Qwen checkpoints and OLMoE say `num_experts`;
 # transformers 5.x saves Qwen3-MoE's as `num_local_experts`).
 _ALIASES = {"num_experts": "num_local_experts"}
+
+log = logging.getLogger(__name__)
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 # Rotary base of the recipes' public models (their config.json `rope_theta`).
 _RECIPE_ROPE_THETA = {"qwen": 1e6, "mixtral": 1e6}
@@ -81,39 +88,42 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
     raw = _read_json(config_path, required=True)
     arch = architectures.get(_architecture(config_path, raw))
     raw = _resolve_aliases(config_path, raw)
-    if raw.get("quantization_config") is not None:
+    raw, names = arch.flatten_config(config_path, raw)
+    if raw.get("quantization_config") is not None and _quant_method(raw) not in arch.quantizations:
         raise UsageError(f"{config_path}: field 'quantization_config' is {raw['quantization_config']!r}; quantized "
                          "checkpoints are not supported (give the unquantized bf16/fp32 weights)")
-    cfg = ConfigFields(config_path, {**arch.defaults, **raw})
+    cfg = ConfigFields(config_path, {**arch.defaults, **raw}, names)
     for name in arch.required:
         if name not in raw:
             also = [a for a, n in _ALIASES.items() if n == name]
-            raise UsageError(f"{config_path}: field {name!r}{''.join(f' (or {a!r})' for a in also)} is missing "
-                             f"({arch.name} needs it)")
+            raise UsageError(f"{config_path}: field {cfg.name(name)!r}{''.join(f' (or {a!r})' for a in also)} is "
+                             f"missing ({arch.name} needs it)")
     hidden = cfg.positive_int("hidden_size")
     layers = cfg.positive_int("num_hidden_layers")
     heads = cfg.positive_int("num_attention_heads")
     kv_heads = heads if cfg.get("num_key_value_heads") is None else cfg.positive_int("num_key_value_heads")
     if heads % kv_heads:
-        raise UsageError(f"{config_path}: field 'num_attention_heads' ({heads}) is not a multiple of "
-                         f"'num_key_value_heads' ({kv_heads})")
+        raise UsageError(f"{config_path}: field {cfg.name('num_attention_heads')!r} ({heads}) is not a multiple of "
+                         f"{cfg.name('num_key_value_heads')!r} ({kv_heads})")
     head_dim = hidden // heads if cfg.get("head_dim") is None else cfg.positive_int("head_dim")
     if head_dim % 2:
-        raise UsageError(f"{config_path}: field 'head_dim' is {head_dim}; rotary embeddings need an even head size")
+        raise UsageError(f"{config_path}: field {cfg.name('head_dim')!r} is {head_dim}; rotary embeddings need an "
+                         "even head size")
     if cfg.get("hidden_act") != "silu":
-        raise UsageError(f"{config_path}: field 'hidden_act' is {cfg.get('hidden_act')!r}; only 'silu' "
+        raise UsageError(f"{config_path}: field {cfg.name('hidden_act')!r} is {cfg.get('hidden_act')!r}; only 'silu' "
                          "(SwiGLU experts) is supported")
     experts_field = "num_local_experts"
     experts, top_k = cfg.positive_int(experts_field), cfg.positive_int("num_experts_per_tok")
     if top_k > experts:
-        raise UsageError(f"{config_path}: field 'num_experts_per_tok' ({top_k}) exceeds {experts_field!r} "
+        raise UsageError(f"{config_path}: field {cfg.name('num_experts_per_tok')!r} ({top_k}) exceeds "
+                         f"{cfg.name(experts_field)!r} "
                          f"({experts})")
     semantics = arch.read_config(cfg, layers)
     moe_layers = semantics["moe_layers"]
     if not any(moe_layers):
         raise UsageError(f"{config_path}: no layer is a MoE layer (fields 'mlp_only_layers', "
                          "'decoder_sparse_step'); expert-parallel serving needs experts")
-    rope_theta = _rope_theta(config_path, cfg)
+    rope_theta = _rope_theta(config_path, cfg, arch.rope_types)
     files = _tensor_files(directory)
     spec = ModelSpec(
         architecture=arch.name, source=str(directory), num_layers=layers, hidden_size=hidden, num_heads=heads,
@@ -123,7 +133,18 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
         dtype=dtype, tensor_files=tuple(sorted(files.items())), **semantics,
     )
     _check_tensors(directory, spec, files)
+    _log_layers_past_the_model(directory, spec, files)
     return spec
+
+
+def _log_layers_past_the_model(directory: Path, spec: ModelSpec, files: dict[str, str]) -> None:
+    """Name the layers a checkpoint stores past `num_hidden_layers` (DeepSeek-V3's and GLM-4.5's multi-token
+    prediction layers): they are not part of the model `generate` runs, so they are not read."""
+    layers = {int(m.group(1)) for name in files if (m := _LAYER.match(name))}
+    extra = sorted(i for i in layers if i >= spec.num_layers)
+    if extra:
+        log.warning("%s: skipping layers %s past num_hidden_layers (%d): multi-token prediction layers are not served",
+                    directory, ", ".join(map(str, extra)), spec.num_layers)
 
 
 def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
@@ -166,15 +187,18 @@ def _resolve_aliases(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rope_theta(path: Path, cfg: ConfigFields) -> float:
+def _rope_theta(path: Path, cfg: ConfigFields, kinds: tuple[str, ...] = ("default",)) -> float:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
     if params is not None and not isinstance(params, dict):
         raise UsageError(f"{path}: field 'rope_parameters' must be an object, found {params!r}")
     params = params or {}
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise UsageError(f"{path}: field 'rope_parameters.rope_type' is {kind!r}; only the default rope is "
-                         "supported (no rope scaling)")
+    if kind not in kinds:
+        if kinds == ("default",):
+            raise UsageError(f"{path}: field 'rope_parameters.rope_type' is {kind!r}; only the default rope is "
+                             "supported (no rope scaling)")
+        raise UsageError(f"{path}: field 'rope_parameters.rope_type' is {kind!r}; supported: "
+                         f"{', '.join(repr(k) for k in kinds)}")
     if "rope_theta" in params:
         return ConfigFields(path, {"rope_parameters.rope_theta": params["rope_theta"]}).positive_float(
             "rope_parameters.rope_theta")
@@ -221,7 +245,9 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
     """Every tensor the model reads exists, with the shape the config implies and a float dtype."""
     from safetensors import safe_open
 
-    wanted = [(name, shape, source.fields) for source in all_sources(spec) for name, shape in source.parts]
+    # a fused tensor (every expert's rows in one) is wanted once per expert: check it once
+    wanted = list(dict.fromkeys((name, shape, source.fields) for source in all_sources(spec)
+                                for name, shape in source.parts))
     missing = [name for name, _, _ in wanted if name not in files]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -239,9 +265,20 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has shape {list(found)}, but "
                                      f"{CONFIG} implies {list(shape)} from its fields "
                                      f"{', '.join(repr(f) for f in fields)}")
-                if dtype not in FLOAT_DTYPES:
+                if dtype not in FLOAT_DTYPES and not (dtype == "U8" and _is_mxfp4(spec, name)):
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has dtype {dtype}; "
                                      f"expected one of {', '.join(FLOAT_DTYPES)}")
+
+
+def _quant_method(raw: dict[str, Any]) -> Any:
+    """`quantization_config.quant_method` (None when the field is not an object)."""
+    config = raw.get("quantization_config")
+    return config.get("quant_method") if isinstance(config, dict) else None
+
+
+def _is_mxfp4(spec: ModelSpec, name: str) -> bool:
+    """Whether `name` is an MXFP4 expert tensor (uint8 blocks and scales, `serving.model.mxfp4`)."""
+    return spec.expert_quantization == "mxfp4" and name.endswith(("_blocks", "_scales"))
 
 
 class CheckpointReader:
@@ -253,9 +290,32 @@ class CheckpointReader:
         self.directory = Path(spec.source)
         self.files = spec.file_of()
         self._handles: dict[str, Any] = {}
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name` as stored (dtype converted by the caller)."""
+        return self._handle(name).get_tensor(name)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the tensor `name` (dim 0), reading only those rows (one expert of a fused
+        tensor)."""
+        return self._handle(name).get_slice(name)[start:stop]
+
+    def byte_offset(self, name: str, row: int = 0) -> int:
+        """Where row `row` of tensor `name` starts in its file, in bytes (a memory map of the file puts it there)."""
+        file_name = self.files[name]
+        if file_name not in self._headers:
+            with open(self.directory / file_name, "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                self._headers[file_name] = (8 + length, json.loads(handle.read(length)))
+        data_start, header = self._headers[file_name]
+        entry = header[name]
+        rows = entry["shape"][0] if entry["shape"] else 1
+        row_bytes = (entry["data_offsets"][1] - entry["data_offsets"][0]) // max(rows, 1)
+        return data_start + entry["data_offsets"][0] + row * row_bytes
+
+    def _handle(self, name: str) -> Any:
+        """The open file holding tensor `name`."""
         from safetensors import safe_open
 
         file_name = self.files.get(name)
@@ -265,7 +325,17 @@ class CheckpointReader:
         if handle is None:
             handle = safe_open(str(self.directory / file_name), framework="pt")
             self._handles[file_name] = handle
-        return handle.get_tensor(name)
+        return handle
+
+    def read(self, source: Source) -> torch.Tensor:
+        """The parameter `source` describes: its tensors (or their row ranges) stacked along dim 0, transposed
+        where it says."""
+        import torch
+
+        pieces = [self.get(name) if span is None else self.rows(name, *span)
+                  for (name, _), span in zip(source.parts, source.row_ranges(), strict=True)]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return out.t() if source.transpose else out
 
     def close(self) -> None:
         self._handles.clear()
@@ -312,7 +382,9 @@ def context_length(spec: ModelSpec) -> int:
     """The longest sequence (prompt and generated tokens) the model takes: a checkpoint's
     `max_position_embeddings`, a recipe's `RECIPE_CONTEXT`."""
     if spec.is_checkpoint:
-        value = _read_json(Path(spec.source) / CONFIG, required=True).get("max_position_embeddings")
+        path = Path(spec.source) / CONFIG
+        raw, _ = architectures.get(spec.architecture).flatten_config(path, _read_json(path, required=True))
+        value = raw.get("max_position_embeddings")
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return RECIPE_CONTEXT

@@ -2,8 +2,10 @@
 
 The serving modules store the query, key and value projections as one matrix, and each SwiGLU's gate and
 up projections as one (gate rows first), as `moe.attention` and `moe.experts` do; a `Source` lists the
-checkpoint tensors that are concatenated (along dim 0) into one parameter. The names themselves are each
-architecture's (`serving.model.architectures`); this module looks up the spec's.
+checkpoint tensors that are concatenated (along dim 0) into one parameter, or the row ranges of them it takes
+(one expert of a tensor holding every expert, DBRX's) and whether the result is transposed
+(`CheckpointReader.read` reads it so). The names themselves are each architecture's
+(`serving.model.architectures`); this module looks up the spec's.
 """
 
 from __future__ import annotations

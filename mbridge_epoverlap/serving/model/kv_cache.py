@@ -16,6 +16,15 @@ sequence's own attention, so it runs one product per sequence; the engine's work
 `exact_decode=False` and run `padded_decode_attention`, the whole batch padded to its longest history in two
 batched products, 3-4x faster at 32 sequences and rounded differently in the last bits (as the packed expert
 GEMMs are). `MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1` gives the workers the exact one.
+
+A multi-head latent attention model (DeepSeek-V3) gets a `LatentKVCache` (`KVCache.for_spec` picks it): per token
+and layer its normalised latent and rotated rotary key, nothing per head, attended exactly
+(`exact_latent_attention`: per-head keys and values rebuilt, `transformers`' products) or, in the workers' decode
+batches, with the up-projections absorbed (`absorbed_decode_attention`; MBRIDGE_EPOVERLAP_MLA_ABSORB=0 or
+MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1: exact). Its projections are `layers.MultiLatentAttention`'s.
+
+Every attention here takes GPT-OSS's attention sinks (`sinks`: a logit per head that joins the softmax and is
+dropped after it) and a sliding window.
 """
 
 from __future__ import annotations
@@ -25,9 +34,10 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from mbridge_epoverlap.serving.model.batch import TokenBatch
-from mbridge_epoverlap.serving.model.spec import ModelSpec
+from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
 
 _INITIAL_CAPACITY = 64
 _INITIAL_ROWS = 8
@@ -56,6 +66,8 @@ class KVCache:
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, device: torch.device | None = None, *, exact_decode: bool = True) -> KVCache:
+        if spec.mla is not None:  # DeepSeek-V3: a cache of latents, not of per-head keys and values
+            return LatentKVCache.for_spec(spec, device, exact_decode=exact_decode)
         return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.torch_dtype(), device=device,
                    exact_decode=exact_decode)
 
@@ -63,6 +75,8 @@ class KVCache:
     def for_engine(cls, spec: ModelSpec) -> KVCache:
         """A cache for an engine worker: padded batched decode attention, unless
         MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 asks for the exact one."""
+        if spec.mla is not None:
+            return LatentKVCache.for_engine(spec)
         return cls.for_spec(spec, exact_decode=os.environ.get("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0") == "1")
 
     def add(self, seq_id: int) -> None:
@@ -146,7 +160,7 @@ class KVCache:
                 position + 1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TokenBatch, *,
-               sliding_window: int | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store the batch's keys and values for `layer` and attend each token's query to its sequence so far.
 
         Decode tokens (one per sequence) attend as one batch; a prompt (several tokens), or a lone decode
@@ -158,6 +172,7 @@ class KVCache:
             k, v: [T, kv_heads, head_dim] the tokens' keys (rotated) and values.
             batch: the tokens' sequence ids and positions; each sequence's tokens start at its cached length.
             sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
+            sinks: [heads] per-head logits that join each softmax (`cached_attention`), or None.
 
         Returns:
             [T, heads * head_dim].
@@ -169,11 +184,11 @@ class KVCache:
             keys, values, lengths = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts, k[rows],
                                                        v[rows])
             attention = decode_attention if self.exact_decode else padded_decode_attention
-            heads[rows] = attention(q[rows], keys, values, lengths, sliding_window=sliding_window)
+            heads[rows] = attention(q[rows], keys, values, lengths, sliding_window=sliding_window, sinks=sinks)
         for seg in groups.alone:
             keys, values = self.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
             heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
-                                               sliding_window=sliding_window)
+                                               sliding_window=sliding_window, sinks=sinks)
         return heads
 
     def _check(self, layer: int, seq_id: int, start: int) -> int:
@@ -201,11 +216,15 @@ class KVCache:
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, *,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new queries to all its keys so far.
 
     Eager arithmetic in the order Hugging Face's eager attention uses (scores = q k^T * scale, masked
-    entries excluded, fp32 softmax, weights @ v), so a decode step reproduces its logits.
+    entries excluded, fp32 softmax, weights @ v), so a decode step reproduces its logits. With a sliding window
+    the keys no query can see are left out (a decode token reads its last `sliding_window` keys, as
+    `transformers`' sliding-window cache holds them). With `sinks` (GPT-OSS) each head's sink logit is appended
+    to its scores, the row's maximum subtracted, a softmax taken in the scores' dtype and the sink's column
+    dropped, as `transformers`' GPT-OSS eager attention does.
 
     Args:
         q: [n, heads, head_dim] queries (rotated) of the tokens at `q_positions`.
@@ -213,6 +232,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
             included).
         q_positions: [n] int64 positions of the queries (each < m).
         sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
+        sinks: [heads] per-head logits that join the softmax (None: none).
 
     Returns:
         [n, heads * head_dim].
@@ -220,20 +240,27 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     n, heads, d = q.shape
     groups = k.shape[1]
     rep = heads // groups
+    first = 0
+    if sliding_window is not None:
+        first = max(0, int(q_positions.min()) - sliding_window + 1)
+        k, v = k[first:], v[first:]
     keys, values = _repeat_groups(k, rep), _repeat_groups(v, rep)
     scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * (d ** -0.5)
-    k_positions = torch.arange(k.shape[0], device=q.device)
+    k_positions = torch.arange(first, first + k.shape[0], device=q.device)
     hidden = k_positions[None, :] > q_positions[:, None]
     if sliding_window is not None:
         hidden |= q_positions[:, None] - k_positions[None, :] >= sliding_window
     scores = scores.masked_fill(hidden[None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        weights = _softmax_with_sinks(scores, sinks.reshape(heads, 1, 1).expand(heads, n, 1)).to(q.dtype)
     out = torch.matmul(weights, values)  # [heads, n, d]
     return out.transpose(0, 1).reshape(n, heads * d)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query per sequence to its cached keys: each sequence through `cached_attention` on its
     own, so each gets exactly the products (shapes, strides, kernels) it gets alone and that `transformers`' eager
     attention gives it, on every CPU.
@@ -250,6 +277,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
             `lengths[b]` positions.
         lengths: [B] int64 keys per sequence, the new token's included.
         sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
+        sinks: [heads] per-head logits that join the softmax (None: none).
 
     Returns:
         [B, heads * head_dim].
@@ -258,12 +286,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     out = q.new_empty(b, heads * d)
     for i, n in enumerate(lengths.tolist()):
         out[i] = cached_attention(q[i:i + 1], k[i, :, :n].transpose(0, 1), v[i, :, :n].transpose(0, 1),
-                                  torch.tensor([n - 1]), sliding_window=sliding_window)[0]
+                                  torch.tensor([n - 1]), sliding_window=sliding_window, sinks=sinks)[0]
     return out
 
 
 def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
-                            sliding_window: int | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention`'s result as one padded batch: every sequence's scores against the longest history in
     one product (the `rep` query heads of a key group as the rows of one GEMM, the keys read in place), the
     padding masked to -inf before an fp32 softmax, and one product with the values.
@@ -282,8 +310,20 @@ def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     if sliding_window is not None:
         hidden |= (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
     scores = scores.mul_(d ** -0.5).masked_fill_(hidden[:, None, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        weights = _softmax_with_sinks(scores, sinks.reshape(1, groups, rep, 1).expand(b, groups, rep, 1)).to(q.dtype)
     return torch.matmul(weights, v).reshape(b, heads * d)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over each row of `scores` with its sink logit (`sinks`, the scores' shape but one column) as one
+    more entry, that entry's probability dropped: transformers' GPT-OSS order (cat, minus the row maximum, a
+    softmax in the scores' dtype, slice), so bf16 rounds where it does there. A view of the probabilities."""
+    combined = torch.cat([scores, sinks.to(scores.dtype)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
 
 
 def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
@@ -293,3 +333,171 @@ def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
     if rep == 1:
         return t.contiguous()
     return t[:, None].expand(groups, rep, m, d).reshape(groups * rep, m, d)
+
+
+# --- multi-head latent attention (DeepSeek-V3; its projections are `layers.MultiLatentAttention`'s) ------------
+
+def exact_latent_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                           q_positions: torch.Tensor, kv_b: torch.Tensor, mla: LatentAttention) -> torch.Tensor:
+    """Causal attention of one sequence's new queries to all its latents so far, as `transformers`' DeepseekV3
+    eager attention computes it: every head's keys and values rebuilt from the latents (`kv_b_proj` over all of
+    them, keys assembled in a fresh [1, heads, m, qk] tensor), queries [1, heads, n, qk] contiguous, the scaled
+    scores, masked entries excluded, an fp32 softmax, weights @ values (a strided view, as there).
+
+    Args:
+        q_nope [n, heads, nope], q_rope [n, heads, rope]: the queries (rotary part rotated).
+        latent [m, kv_lora_rank], k_rope [m, rope]: the sequence's latents and rotated keys, positions 0..m-1.
+        q_positions: [n] int64 positions of the queries (each < m).
+        kv_b: [heads * (nope + v), kv_lora_rank] the layer's `kv_b_proj` weight; mla: the layer's sizes and scale.
+
+    Returns:
+        [n, heads * v].
+    """
+    n, heads = q_nope.shape[:2]
+    m = latent.shape[0]
+    nope, rope, v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    kv = F.linear(latent[None, None], kv_b).view(1, m, heads, nope + v_dim).transpose(1, 2)
+    k_nope, values = torch.split(kv, [nope, v_dim], dim=-1)
+    keys = kv.new_empty(1, heads, m, nope + rope)
+    keys[..., :nope].copy_(k_nope)
+    keys[..., nope:].copy_(k_rope[None, None].expand(1, heads, m, rope))
+    query = torch.cat((q_nope.transpose(0, 1)[None], q_rope.transpose(0, 1)[None]), dim=-1)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * mla.softmax_scale
+    hidden = torch.arange(m)[None, :] > q_positions[:, None]
+    scores = scores.masked_fill(hidden[None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights, values)  # [1, heads, n, v]
+    return out.transpose(1, 2).reshape(n, heads * v_dim)
+
+
+def absorbed_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                              lengths: torch.Tensor, kv_b: torch.Tensor, mla: LatentAttention) -> torch.Tensor:
+    """One new query per sequence attending to its cached latents with the up-projections absorbed, the batch
+    padded to its longest history.
+
+    score(h, s) = (q_nope[h] W_uk[h]) . latent[s] + q_rope[h] . k_rope[s], and
+    out[h] = (the softmax-weighted latents) W_uv[h]^T.
+    Per step this reads each latent once and multiplies heads x kv_lora_rank per cached token, instead of building
+    heads x (nope + v) keys and values per cached token.
+
+    Args:
+        q_nope [B, heads, nope], q_rope [B, heads, rope]: the queries, sequence b's at position lengths[b] - 1.
+        latent [B, longest, kv_lora_rank], k_rope [B, longest, rope]: sequence b's in its first lengths[b] positions.
+        lengths: [B] int64.
+        kv_b: the layer's `kv_b_proj` weight; mla: its sizes and scale.
+
+    Returns:
+        [B, heads * v].
+    """
+    b, heads = q_nope.shape[:2]
+    longest = latent.shape[1]
+    nope, v_dim = mla.qk_nope_head_dim, mla.v_head_dim
+    per_head = kv_b.view(heads, nope + v_dim, mla.kv_lora_rank)  # W_uk [heads, nope, rank], then W_uv [heads, v, rank]
+    q_latent = torch.matmul(q_nope.transpose(0, 1), per_head[:, :nope]).transpose(0, 1)  # [B, heads, rank]
+    scores = torch.matmul(q_latent, latent.transpose(1, 2)) + torch.matmul(q_rope, k_rope.transpose(1, 2))
+    padding = torch.arange(longest)[None, :] >= lengths[:, None]
+    scores = scores.mul_(mla.softmax_scale).masked_fill_(padding[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+    context = torch.matmul(weights, latent)  # [B, heads, rank]
+    out = torch.matmul(context.transpose(0, 1), per_head[:, nope:].transpose(1, 2))  # [heads, B, v]
+    return out.transpose(0, 1).reshape(b, heads * v_dim)
+
+
+class LatentKVCache(KVCache):
+    """The KV cache of an MLA model: per layer and sequence the normalised latents [positions, kv_lora_rank] and
+    the rotated keys [positions, rope], nothing per head. The bookkeeping (rows, lengths, growth) is `KVCache`'s,
+    with the latents where it keeps keys and the rotary keys where it keeps values (one "head" each).
+
+    Args:
+        num_layers, kv_lora_rank, rope_dim: the model's sizes.
+        dtype, device: of the stored tensors.
+        exact_decode: decode tokens attend through `exact_latent_attention`, each sequence alone (the reference
+            model's); False: through `absorbed_decode_attention` unless `absorb` is False.
+        absorb: with `exact_decode` False, the workers' absorbed decode (MBRIDGE_EPOVERLAP_MLA_ABSORB, default 1).
+    """
+
+    def __init__(self, num_layers: int, kv_lora_rank: int, rope_dim: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None, exact_decode: bool = True, absorb: bool = True) -> None:
+        super().__init__(num_layers, 1, kv_lora_rank, dtype=dtype, device=device, exact_decode=exact_decode)
+        self.rope_dim, self.absorb = rope_dim, absorb
+        self._values = [v.new_zeros(v.shape[0], 1, v.shape[2], rope_dim) for v in self._values]
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, device: torch.device | None = None, *, exact_decode: bool = True,
+                 absorb: bool = True) -> LatentKVCache:
+        if spec.mla is None:
+            raise ValueError(f"{spec.source} has no latent attention; use KVCache")
+        return cls(spec.num_layers, spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, dtype=spec.torch_dtype(),
+                   device=device, exact_decode=exact_decode, absorb=absorb)
+
+    @classmethod
+    def for_engine(cls, spec: ModelSpec) -> LatentKVCache:
+        """An engine worker's cache: absorbed decode, unless MBRIDGE_EPOVERLAP_MLA_ABSORB=0 or
+        MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 asks for the exact one."""
+        return cls.for_spec(spec, exact_decode=os.environ.get("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0") == "1",
+                            absorb=os.environ.get("MBRIDGE_EPOVERLAP_MLA_ABSORB", "1") != "0")
+
+    def empty_like(self) -> LatentKVCache:
+        return LatentKVCache(self.num_layers, self.head_dim, self.rope_dim, dtype=self.dtype, device=self.device,
+                             exact_decode=self.exact_decode, absorb=self.absorb)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes over all layers."""
+        return self.num_layers * (self.head_dim + self.rope_dim) * (torch.finfo(self.dtype).bits // 8)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TokenBatch, *,
+               sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        raise TypeError("an MLA model's cache holds latents; attend through "
+                        "`layers.MultiLatentAttention.attend`")
+
+    def attend_latent(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                      k_rope: torch.Tensor, batch: TokenBatch, kv_b: torch.Tensor,
+                      mla: LatentAttention) -> torch.Tensor:
+        """Store the batch's latents and rotated keys for `layer` and attend each token's query to its sequence so
+        far: decode tokens as one batch (absorbed, or each exactly), a prompt or a lone decode token exactly.
+
+        Args:
+            q_nope [T, heads, nope], q_rope [T, heads, rope] (rotated): the queries, rows in batch order.
+            latent [T, kv_lora_rank] (normalised), k_rope [T, rope] (rotated): the tokens' cache entries.
+            kv_b: [heads * (nope + v), kv_lora_rank] the layer's `kv_b_proj` weight; mla: its sizes and scale.
+
+        Returns:
+            [T, heads * v].
+        """
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1] * mla.v_head_dim)
+        groups = batch.attention_groups
+        if groups.decode:
+            rows = groups.decode_rows
+            lat, rope, lengths = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts,
+                                                    latent[rows][:, None], k_rope[rows][:, None])
+            if self.exact_decode or not self.absorb:
+                out[rows] = _each_exactly(q_nope[rows], q_rope[rows], lat, rope, lengths.tolist(), kv_b, mla)
+            else:
+                out[rows] = absorbed_decode_attention(q_nope[rows], q_rope[rows], lat[:, 0], rope[:, 0], lengths, kv_b,
+                                                      mla)
+        for seg in groups.alone:
+            lat, rope = self.append(layer, seg.seq_id, seg.start, latent[seg.rows][:, None], k_rope[seg.rows][:, None])
+            out[seg.rows] = exact_latent_attention(q_nope[seg.rows], q_rope[seg.rows], lat[:, 0], rope[:, 0],
+                                                   batch.positions[seg.rows], kv_b, mla)
+        return out
+
+
+def _each_exactly(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                  lengths: Sequence[int], kv_b: torch.Tensor, mla: LatentAttention) -> torch.Tensor:
+    """`exact_latent_attention` for each decode token alone (latent [B, 1, longest, rank], k_rope likewise)."""
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1] * mla.v_head_dim)
+    for i, n in enumerate(lengths):
+        out[i] = exact_latent_attention(q_nope[i:i + 1], q_rope[i:i + 1], latent[i, 0, :n], k_rope[i, 0, :n],
+                                        torch.tensor([n - 1]), kv_b, mla)[0]
+    return out
+
+
+def kv_cache_bytes_per_token(spec: ModelSpec) -> int:
+    """Bytes the KV cache holds per token over all layers: the latent and the rotary key of an MLA model, the
+    keys and values of every KV head otherwise."""
+    size = torch.finfo(spec.torch_dtype()).bits // 8
+    if spec.mla is not None:
+        per_layer = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+    else:
+        per_layer = 2 * spec.num_kv_heads * spec.head_dim
+    return spec.num_layers * per_layer * size

@@ -1,12 +1,16 @@
 """The pieces every architecture's attention side is built from, chosen by the `ModelSpec`'s fields.
 
 - `Attention`: q, k and v projections (with biases where the checkpoint has them), RMSNorm on queries and
-  keys per head (Qwen3-MoE) or over the whole projection (OLMoE), and the output projection. Decode
+  keys per head (Qwen3-MoE) or over the whole projection (OLMoE), the output projection (with a bias: GPT-OSS)
+  and GPT-OSS's per-head attention sinks (which the KV cache's attention uses). Decode
   attention itself is the KV cache's (`serving.model.kv_cache`); this module only projects in and out.
 - `SwiGLU`: a dense SwiGLU MLP, the MLP of a dense layer or a shared expert.
 - `SharedExpert`: the always-on expert of a MoE layer, plain or scaled by sigmoid(a [1, hidden] gate)
   (Qwen2-MoE).
 - `RMSNorm`, `make_norm`: the checkpoints' RMSNorm (or LayerNorm, as the spec says).
+- `MultiLatentAttention`: DeepSeek-V3's latent attention projections (queries directly or through a
+  `q_lora_rank` bottleneck, the compressed latent, its per-head up-projection, interleaved rotary); the attention
+  over the cached latents is the KV cache's (`LatentKVCache`).
 
 Routing is `moe.router.TopKRouter.softmax_topk` (softmax over all experts, top-k, renormalised or not) and the
 routed experts are `serving.model.parts.ExpertPart`'s. With `separate` (the reference model) every projection
@@ -21,24 +25,30 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.moe.norm import LayerNorm
+from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary, yarn_inv_freq
 from mbridge_epoverlap.moe.wgrad import Linear
-from mbridge_epoverlap.serving.model.spec import ModelSpec
+from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.kv_cache import LatentKVCache
+from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
 
 
 class RMSNorm(torch.nn.Module):
     """y = weight * (x / rms(x)), the normalised x computed in fp32 and rounded to x's dtype before the weight
     multiplies it in that dtype, as every architecture here does it in `transformers`. (`moe.norm.RMSNorm`
     multiplies by the weight in fp32 before rounding: the same in fp32, another bf16 result unless the weight
-    is all ones.)"""
+    is all ones.) With `round_after_weight` (GPT-OSS, `spec.norm_round_after_weight`) the weight multiplies the
+    fp32 normalised x and the product is rounded once, as `transformers` does for that model."""
 
-    def __init__(self, size: int, *, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, *, eps: float, dtype: torch.dtype, round_after_weight: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.round_after_weight = eps, round_after_weight
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.round_after_weight:  # GPT-OSS: the weight times the fp32 input (in fp32), rounded once
+            return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -46,7 +56,7 @@ def make_norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> torch.nn.Module
     """The spec's normalisation over `size` features."""
     if spec.normalization == "LayerNorm":
         return LayerNorm(size, eps=spec.norm_eps, dtype=dtype)
-    return RMSNorm(size, eps=spec.norm_eps, dtype=dtype)
+    return RMSNorm(size, eps=spec.norm_eps, dtype=dtype, round_after_weight=spec.norm_round_after_weight)
 
 
 class Attention(torch.nn.Module):
@@ -54,7 +64,9 @@ class Attention(torch.nn.Module):
 
     Parameters: `qkv.weight` [(heads + 2 * groups) * head_dim, hidden] (q rows, then k, then v), `qkv_bias`
     (same rows, `spec.qkv_bias`), `q_norm.weight` / `k_norm.weight` (`spec.qk_norm`: [head_dim] each per head,
-    or [heads * head_dim] / [groups * head_dim] over the projection), `proj.weight` [hidden, heads * head_dim].
+    or [heads * head_dim] / [groups * head_dim] over the projection), `proj.weight` [hidden, heads * head_dim],
+    `proj_bias` [hidden] (`spec.attention_out_bias`), `sinks` [heads] (`spec.attention_sinks`: one logit per
+    head that joins the softmax; the KV cache's attention uses it).
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
@@ -65,9 +77,13 @@ class Attention(torch.nn.Module):
         self.qkv = Linear(h, sum(self.widths), dtype=dtype)
         self.qkv_bias = torch.nn.Parameter(torch.empty(sum(self.widths), dtype=dtype)) if spec.qkv_bias else None
         self.proj = Linear(self.heads * d, h, dtype=dtype)
+        self.proj_bias = torch.nn.Parameter(torch.empty(h, dtype=dtype)) if spec.attention_out_bias else None
+        self.sinks = torch.nn.Parameter(torch.empty(self.heads, dtype=dtype)) if spec.attention_sinks else None
         if spec.qk_norm_scope not in ("head", "projection"):
             raise ValueError(f"qk_norm_scope {spec.qk_norm_scope!r} must be 'head' or 'projection'")
         self.norm_per_head = spec.qk_norm_scope == "head"
+        self.clip = spec.clip_qkv
+        self.fused = spec.fused_qkv
         q_size, k_size = (d, d) if self.norm_per_head else (self.widths[0], self.widths[1])
         self.q_norm = RMSNorm(q_size, eps=spec.norm_eps, dtype=dtype) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_size, eps=spec.norm_eps, dtype=dtype) if spec.qk_norm else None
@@ -75,13 +91,17 @@ class Attention(torch.nn.Module):
     def project_qkv(self, x: torch.Tensor, *, separate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, heads, head_dim], k and v [T, groups, head_dim] (q and k normalised, not rotated).
 
-        `separate`: three GEMMs over the stacked weight's row blocks, as checkpoints define the projections.
+        `separate`: three GEMMs over the stacked weight's row blocks, as checkpoints define the projections (one
+        where the checkpoint has one fused projection, `spec.fused_qkv`).
         """
         biases = self.qkv_bias.split(self.widths) if self.qkv_bias is not None else (None, None, None)
-        if separate:
+        if separate and not self.fused:
             q, k, v = (F.linear(x, w, b) for w, b in zip(self.qkv.weight.split(self.widths), biases, strict=True))
         else:
             q, k, v = F.linear(x, self.qkv.weight, self.qkv_bias).split(self.widths, dim=-1)
+        if self.clip is not None:
+            # DBRX clamps the fused projection; elementwise, so the same on q, k and v apart
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         norms = self.q_norm is not None and self.k_norm is not None
         if norms and not self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -94,6 +114,8 @@ class Attention(torch.nn.Module):
 
     def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
         """[T, heads * head_dim] attention output -> [T, hidden]."""
+        if self.proj_bias is not None:
+            return F.linear(heads_out, self.proj.weight, self.proj_bias)
         return self.proj(heads_out)
 
 
@@ -128,3 +150,127 @@ class SharedExpert(torch.nn.Module):
         if self.gate is None:
             return out
         return torch.sigmoid(F.linear(x, self.gate.weight)) * out
+
+
+def softmax_topk_pnorm(router: torch.nn.Module, x: torch.Tensor, top_k: int, *, in_dtype: bool,
+                       p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DBRX's routing: (expert ids [T, k], weights [T, k]) from a softmax over all experts' logits (in the
+    logits' dtype when `in_dtype`, else fp32), the k largest, divided by their p-norm (`torch.norm`, as
+    `transformers` does: for p=1 that is not always the same bits as a sum) unless `p` is None. The weights
+    stay in the softmax's dtype."""
+    logits = F.linear(x, router.weight)
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype if in_dtype else torch.float32)
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    if p is not None:
+        top = top / torch.norm(top, p=p, dim=-1, keepdim=True)
+    return experts, top
+
+
+# transformers builds DeepSeek-V3's `q_a_layernorm` and `kv_a_layernorm` with DeepseekV3RMSNorm's default epsilon,
+# not the config's `rms_norm_eps`
+LATENT_NORM_EPS = 1e-6
+
+
+class MultiLatentAttention(torch.nn.Module):
+    """The projections of one multi-head latent attention layer (DeepSeek-V2/V3, `ModelSpec.mla`); parameters
+    uninitialised.
+
+    A token's keys and values come from one compressed latent: `kv_a_proj` maps the input to `kv_lora_rank` values
+    (normalised by `kv_a_norm`) and a rotary key shared by every head; `kv_b_proj` expands the latent into each
+    head's key (`qk_nope_head_dim`, the shared rotary part appended) and value (`v_head_dim`). The cache holds only
+    the latent and the rotary key (`kv_cache.LatentKVCache`), and attends to them exactly (every head's keys and
+    values rebuilt, `transformers`' products) or with the up-projections absorbed into the query and the output
+    (the workers' decode batches, as DeepSeek's inference code, vLLM and SGLang decode).
+
+    Parameters: `q_proj.weight` [heads * qk, hidden] (no `q_lora_rank`) or `q_a_proj.weight` [q_lora_rank, hidden]
+    (+ `q_a_bias` with `attention_bias`), `q_a_norm.weight` [q_lora_rank], `q_b_proj.weight`
+    [heads * qk, q_lora_rank]; `kv_a_proj.weight` [kv_lora_rank + rope, hidden] (+ `kv_a_bias`), `kv_a_norm.weight`
+    [kv_lora_rank], `kv_b_proj.weight` [heads * (nope + v), kv_lora_rank]; `o_proj.weight` [hidden, heads * v]
+    (+ `o_bias`). qk = nope + rope: `qk_nope_head_dim` + `qk_rope_head_dim`.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, *, bias: bool = False) -> None:
+        super().__init__()
+        if spec.mla is None:
+            raise ValueError(f"{spec.source} has no latent attention (spec.mla is None)")
+        m: LatentAttention = spec.mla
+        h, self.heads = spec.hidden_size, spec.num_heads
+        self.mla = m
+        self.nope, self.rope, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        self.rank = m.kv_lora_rank
+        qk = self.nope + self.rope
+
+        def vector(size: int) -> torch.nn.Parameter | None:
+            return torch.nn.Parameter(torch.empty(size, dtype=dtype)) if bias else None
+
+        if m.q_lora_rank is None:
+            self.q_proj: Linear | None = Linear(h, self.heads * qk, dtype=dtype)
+            self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+            self.q_a_bias = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(h, m.q_lora_rank, dtype=dtype)
+            self.q_a_bias = vector(m.q_lora_rank)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, eps=LATENT_NORM_EPS, dtype=dtype)
+            self.q_b_proj = Linear(m.q_lora_rank, self.heads * qk, dtype=dtype)
+        self.kv_a_proj = Linear(h, self.rank + self.rope, dtype=dtype)
+        self.kv_a_bias = vector(self.rank + self.rope)
+        self.kv_a_norm = RMSNorm(self.rank, eps=LATENT_NORM_EPS, dtype=dtype)
+        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim), dtype=dtype)
+        self.o_proj = Linear(self.heads * self.v_dim, h, dtype=dtype)
+        self.o_bias = vector(h)
+
+    # --- projections --------------------------------------------------------------------------------
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (normalised) -> q [T, heads, nope + rope], the normalised latent [T, kv_lora_rank] and the
+        rotary key [T, rope] (neither rotated)."""
+        if self.q_proj is not None:
+            q = F.linear(x, self.q_proj.weight)
+        else:
+            assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None
+            q = F.linear(self.q_a_norm(F.linear(x, self.q_a_proj.weight, self.q_a_bias)), self.q_b_proj.weight)
+        compressed = F.linear(x, self.kv_a_proj.weight, self.kv_a_bias)
+        latent, k_rope = compressed.split([self.rank, self.rope], dim=-1)
+        return q.view(x.shape[0], self.heads, self.nope + self.rope), self.kv_a_norm(latent), k_rope
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, rope] by its tokens' angles (cos, sin [T, rope] fp32). With `rope_interleave` the
+        pairs are (x0, x1), (x2, x3), ... and the result holds the first of each pair, then the second (as
+        `transformers`' `apply_rotary_pos_emb_interleave` lays it out; queries and keys alike, so their dot
+        products are those of the interleaved rotation)."""
+        if not self.mla.rope_interleave:
+            return apply_rotary(x, cos, sin)
+        half = cos.shape[-1] // 2
+        c, s = cos[:, None, :half].to(x.dtype), sin[:, None, :half].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+    def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
+        """[T, heads * v] attention output -> [T, hidden]."""
+        return F.linear(heads_out, self.o_proj.weight, self.o_bias)
+
+    def attend(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: LatentKVCache,
+               cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The attention of layer `layer` for the batch's tokens (their latents go into `cache`) -> [T, heads * v]."""
+        q, latent, k_rope = self.project(x)
+        cos, sin = cos_sin
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        q_rope = self.rotate(q_rope, cos, sin)
+        k_rope = self.rotate(k_rope[:, None, :], cos, sin)[:, 0]
+        return cache.attend_latent(layer, q_nope, q_rope, latent, k_rope, batch, self.kv_b_proj.weight, self.mla)
+
+
+def rotary_for(spec: ModelSpec) -> RotaryEmbedding:
+    """The spec's rotary embedding: the default rope over its rotated dimensions, or YaRN's frequencies (cos and
+    sin scaled by its attention factor)."""
+    scaling = spec.rope_scaling
+    if scaling is None:
+        return RotaryEmbedding(spec.rope_dim, spec.rope_theta)
+    if scaling.kind != "yarn":
+        raise ValueError(f"rope scaling {scaling.kind!r} is not implemented (only 'yarn')")
+    inv_freq = yarn_inv_freq(spec.rope_dim, spec.rope_theta, factor=scaling.factor, beta_fast=scaling.beta_fast,
+                             beta_slow=scaling.beta_slow, truncate=scaling.truncate,
+                             original_max_position_embeddings=scaling.original_max_position_embeddings)
+    return RotaryEmbedding(spec.rope_dim, spec.rope_theta, inv_freq=inv_freq,
+                           attention_scaling=scaling.attention_factor)

@@ -17,23 +17,34 @@ ascending expert id starting from zero, as `index_add_` over experts does there.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.moe.experts import GroupedExperts, grouped_expert_swiglu
+from mbridge_epoverlap.moe.experts import GroupedExperts, clamped_swiglu, grouped_expert_swiglu
 from mbridge_epoverlap.moe.model import seeded_normal
-from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
-from mbridge_epoverlap.moe.router import TopKRouter
+from mbridge_epoverlap.moe.rotary import apply_partial_rotary, apply_rotary
+from mbridge_epoverlap.moe.router import GroupedSigmoidRouter, TopKRouter
 from mbridge_epoverlap.moe.wgrad import Linear
+from mbridge_epoverlap.serving.model import architectures
 from mbridge_epoverlap.serving.model import packed as packed_gemm
 from mbridge_epoverlap.serving.model.batch import TokenBatch
-from mbridge_epoverlap.serving.model.kv_cache import KVCache
-from mbridge_epoverlap.serving.model.layers import Attention, SharedExpert, SwiGLU, make_norm
+from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache
+from mbridge_epoverlap.serving.model.layers import (
+    Attention,
+    MultiLatentAttention,
+    SharedExpert,
+    SwiGLU,
+    make_norm,
+    rotary_for,
+    softmax_topk_pnorm,
+)
 from mbridge_epoverlap.serving.model.sampling import StopRule, greedy
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
@@ -67,9 +78,17 @@ class DecodeLayer(torch.nn.Module):
         super().__init__()
         h = spec.hidden_size
         self.input_norm = make_norm(spec, h, dtype)
-        self.attention = Attention(spec, dtype)
+        self.attention: Attention | MultiLatentAttention = (
+            MultiLatentAttention(spec, dtype, bias=spec.qkv_bias) if spec.mla is not None else Attention(spec, dtype))
         self.post_norm = make_norm(spec, h, dtype)
-        self.router = TopKRouter(h, spec.num_experts, spec.top_k, dtype=dtype) if spec.is_moe(layer) else None
+        self.router: GroupedSigmoidRouter | TopKRouter | None = None
+        if spec.is_moe(layer) and spec.grouped_routing is not None:  # DeepSeek-V3, GLM-4.5
+            g = spec.grouped_routing
+            self.router = GroupedSigmoidRouter(h, spec.num_experts, spec.top_k, n_group=g.n_group,
+                                               topk_group=g.topk_group, scaling=g.routed_scaling_factor,
+                                               normalize=spec.norm_topk_prob)
+        elif spec.is_moe(layer):
+            self.router = TopKRouter(h, spec.num_experts, spec.top_k, dtype=dtype, bias=spec.router_bias)
         self.mlp = None if spec.is_moe(layer) else SwiGLU(h, spec.dense_ffn, dtype)
         self.shared_expert = (SharedExpert(h, spec.shared_expert_ffn, gated=spec.shared_expert_gate, dtype=dtype)
                               if spec.is_moe(layer) and spec.shared_expert_ffn else None)
@@ -96,7 +115,7 @@ class AttentionPart(torch.nn.Module):
         self.layers = torch.nn.ModuleList(DecodeLayer(spec, i, dtype) for i in range(spec.num_layers))
         self.final_norm = make_norm(spec, spec.hidden_size, dtype)
         self.head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        self.rotary = rotary_for(spec)
         self.requires_grad_(False)
         # fp32 only: measured there; bf16 keeps F.linear (its own oneDNN path), whose tokens the bf16 figures show
         self._head = (packed_gemm.PackedLinear(self.embedding if self.head is None else self.head.weight)
@@ -125,17 +144,38 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
-        q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.sliding_window)
+        if isinstance(block.attention, MultiLatentAttention):  # DeepSeek-V3: its cache holds latents
+            if not isinstance(cache, LatentKVCache):
+                raise TypeError(f"{self.spec.architecture} attends over a LatentKVCache (KVCache.for_spec makes one)")
+            heads = block.attention.attend(layer, block.input_norm(x), batch, cache,
+                                           self.rotary.cos_sin(batch.positions))
+        else:
+            q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
+            cos, sin = self.rotary.cos_sin(batch.positions)
+            if self.spec.rotary_dim:  # GLM-4.5: only the head's first `rotary_dim` dimensions turn
+                q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.window_of(layer),
+                                 sinks=block.attention.sinks)
         resid = x + block.attention.project_out(heads)
         tokens = block.post_norm(resid)
         if block.router is None:
             return AttnOut(resid=resid, tokens=tokens, expert_ids=None, gate_weights=None)
-        routing = block.router.softmax_topk(tokens, normalize=self.spec.norm_topk_prob)
-        weights = routing.weights.to(tokens.dtype) if self.spec.router_weights_in_dtype else routing.weights
-        return AttnOut(resid=resid, tokens=tokens, expert_ids=routing.experts, gate_weights=weights)
+        if self.spec.grouped_routing is not None:
+            routing = block.router.route(tokens)
+            ids, weights = routing.experts, routing.weights
+        elif self.spec.router_softmax_after_topk:
+            routing = block.router.topk_softmax(tokens)
+            ids, weights = routing.experts, routing.weights
+        elif self.spec.router_softmax_in_dtype or self.spec.topk_norm_p is not None:
+            ids, weights = softmax_topk_pnorm(block.router, tokens, self.spec.top_k,
+                                              in_dtype=self.spec.router_softmax_in_dtype, p=self.spec.topk_norm_p)
+        else:
+            routing = block.router.softmax_topk(tokens, normalize=self.spec.norm_topk_prob)
+            ids, weights = routing.experts, routing.weights
+        weights = weights.to(tokens.dtype) if self.spec.router_weights_in_dtype else weights
+        return AttnOut(resid=resid, tokens=tokens, expert_ids=ids, gate_weights=weights)
 
     @torch.no_grad()
     def post_step(self, layer: int, attn: AttnOut, expert_out: torch.Tensor | None) -> torch.Tensor:
@@ -196,6 +236,20 @@ class ExpertPart(torch.nn.Module):
             str(layer): GroupedExperts(len(ids), spec.hidden_size, spec.expert_ffn, dtype=dtype)
             for layer in spec.moe_layer_ids
         })
+        if spec.expert_weights_in_out:
+            # transformers multiplies by the weights as a checkpoint stores them, [in, out]; holding them in that
+            # layout (w1, w2 are transposed views of it) makes each expert GEMM its GEMM (docs/numerics.md)
+            for e in self.experts.values():
+                e.w1.data = e.w1.data.transpose(1, 2).contiguous().transpose(1, 2)
+                e.w2.data = e.w2.data.transpose(1, 2).contiguous().transpose(1, 2)
+        self.biases = torch.nn.ModuleDict({
+            str(layer): ExpertBiases(len(ids), spec.hidden_size, spec.expert_ffn, dtype=dtype)
+            for layer in spec.moe_layer_ids
+        }) if spec.expert_bias else None
+        self.activation = expert_activation(spec)
+        # layer -> per local expert (gate [ffn, hidden], up [ffn, hidden], down [ffn, hidden]) as the checkpoint
+        # stores them, for the reference model of `spec.expert_gate_up_separate` (`load_expert_part` fills it)
+        self.stored: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.requires_grad_(False)
         self._packed = ({str(layer): packed_gemm.PackedExperts(e.w1, e.w2) for layer, e in self.experts.items()}
                         if packed and packed_gemm.available(dtype) else {})
@@ -204,6 +258,12 @@ class ExpertPart(torch.nn.Module):
         """Pack the weights now (loading does), not in the first step that needs them."""
         for experts in self._packed.values():
             experts.refresh()
+
+    @property
+    def packed_layers(self) -> dict[str, packed_gemm.PackedExperts]:
+        """Layer -> its packed experts; empty where the part computes on unpacked weights (not `packed`, or no
+        packed GEMMs in this torch for the dtype). `expert_store` reuses them for experts held across an epoch."""
+        return self._packed
 
     def owns(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """Boolean mask of the ids this part holds."""
@@ -230,18 +290,82 @@ class ExpertPart(torch.nn.Module):
         order = torch.argsort(local, stable=True)
         counts = torch.bincount(local, minlength=len(self.expert_ids)).tolist()
         rows = order if token_index is None else token_index[order]
+        extra = {}
+        if self.biases is not None:
+            extra = {"b1": self.biases[str(layer)].b1, "b2": self.biases[str(layer)].b2}
+        if self.activation is not None:
+            extra["activation"] = self.activation
         if str(layer) in self._packed:
-            done = packed_expert_swiglu(self._packed[str(layer)], tokens[rows], counts)
+            done = packed_expert_swiglu(self._packed[str(layer)], tokens[rows], counts, **extra)
+        elif str(layer) in self.stored and not extra:
+            done = separate_gate_up_swiglu(tokens[rows], self.stored[str(layer)], counts)
         else:
-            done = grouped_expert_swiglu(tokens[rows], experts.w1, experts.w2, counts)
+            done = grouped_expert_swiglu(tokens[rows], experts.w1, experts.w2, counts, **extra)
         out = torch.empty_like(done)
         out[order] = done
         return out
 
 
-def packed_expert_swiglu(experts: packed_gemm.PackedExperts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """`grouped_expert_swiglu` on packed weights (a module function, so `engine.breakdown` can time it)."""
-    return experts.swiglu(x, counts)
+def packed_expert_swiglu(experts: packed_gemm.PackedExperts, x: torch.Tensor, counts: list[int],
+                         **extra: Any) -> torch.Tensor:
+    """`grouped_expert_swiglu` on packed weights (a module function, so `engine.breakdown` can time it); `extra`:
+    the biases and activation of `PackedExperts.swiglu`."""
+    return experts.swiglu(x, counts, **extra)
+
+
+def separate_gate_up_swiglu(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                            counts: list[int]) -> torch.Tensor:
+    """`grouped_expert_swiglu` one expert at a time as `transformers` runs DBRX's: x [rows, hidden] grouped by
+    expert, `weights[e]` = (gate, up, down), each [ffn, hidden] as stored (down multiplied untransposed).
+
+    The gate and up projections are two GEMMs (a GEMM of one row rounds differently with twice the output
+    columns) and the activation runs on a contiguous gate (ATen's vector path, where a column slice of
+    [gate | up] may take the scalar one for the last elements)."""
+    out = x.new_empty(x.shape)
+    start = 0
+    for (gate_w, up_w, down_w), n in zip(weights, counts, strict=True):
+        if n:
+            rows = x[start:start + n]
+            out[start:start + n] = torch.matmul(F.silu(F.linear(rows, gate_w)) * F.linear(rows, up_w), down_w)
+        start += n
+    return out
+
+
+def _at_file_offset(tensor: torch.Tensor, offset: int | None) -> torch.Tensor:
+    """A copy of `tensor` starting `offset` bytes past a 64-byte boundary (None: wherever torch puts it).
+
+    `transformers` multiplies by a checkpoint tensor that keeps its stored dtype as a view of the memory-mapped
+    file, so at the address offset the file gives it, and a GEMM of one row (a matrix-vector product) rounds by
+    its weight's alignment: the reference model's copy sits at the same offset."""
+    size = tensor.element_size()
+    if offset is None or offset % size:
+        return tensor.clone()
+    buffer = torch.empty(tensor.numel() + 128 // size, dtype=tensor.dtype)
+    skip = next((k for k in range(128 // size) if (buffer.data_ptr() + k * size) % 64 == offset % 64), None)
+    if skip is None:
+        return tensor.clone()
+    out = buffer[skip:skip + tensor.numel()].view(tensor.shape)
+    out.copy_(tensor)
+    return out
+
+
+class ExpertBiases(torch.nn.Module):
+    """One MoE layer's expert biases (`spec.expert_bias`): b1 [experts, 2*ffn] (gate, then up, as w1's rows) and
+    b2 [experts, hidden]."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.b1 = torch.nn.Parameter(torch.empty(experts, 2 * ffn, dtype=dtype))
+        self.b2 = torch.nn.Parameter(torch.empty(experts, hidden, dtype=dtype))
+
+
+def expert_activation(spec: ModelSpec) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The spec's expert activation of [gate | up] rows; None for plain SwiGLU (the experts' default)."""
+    if spec.expert_activation == "swiglu":
+        return None
+    if spec.expert_activation == "clamped_swiglu":
+        return functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
+    raise ValueError(f"expert activation {spec.expert_activation!r} must be 'swiglu' or 'clamped_swiglu'")
 
 
 def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch.Tensor:
@@ -286,7 +410,7 @@ def load_attention_part(spec: ModelSpec, *, packed: bool = False) -> AttentionPa
 
         with CheckpointReader(spec) as reader, torch.no_grad():
             for name, source in attention_sources(spec).items():
-                part.get_parameter(name).copy_(torch.cat([reader.get(n) for n, _ in source.parts]))
+                part.get_parameter(name).copy_(reader.read(source))
     else:
         _init_attention(part, spec.seed)
     part.prepack()
@@ -306,12 +430,22 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool
         for layer in spec.moe_layer_ids:
             experts = part.experts[str(layer)]
             for local, e in enumerate(part.expert_ids):
-                if reader is not None:
+                weights = None if reader is None else architectures.get(spec.architecture).expert_weights(
+                    reader, spec, layer, e)
+                if weights is not None:  # an architecture that reads its experts itself (GPT-OSS's fused tensors)
+                    experts.w1[local].copy_(weights["w1"])
+                    experts.w2[local].copy_(weights["w2"])
+                    if part.biases is not None:
+                        part.biases[str(layer)].b1[local].copy_(weights["b1"])
+                        part.biases[str(layer)].b2[local].copy_(weights["b2"])
+                elif reader is not None:
                     from mbridge_epoverlap.serving.model.hf_layout import expert_sources
 
                     up, down = expert_sources(spec, layer, e)
-                    experts.w1[local].copy_(torch.cat([reader.get(n) for n, _ in up.parts]))
-                    experts.w2[local].copy_(reader.get(down.parts[0][0]))
+                    experts.w1[local].copy_(reader.read(up))
+                    experts.w2[local].copy_(reader.read(down))
+                    if spec.expert_gate_up_separate and not packed:
+                        part.stored.setdefault(str(layer), []).append(_stored_expert(reader, spec, up, down))
                 else:
                     key = f"{spec.seed}/layers.{layer}.experts.{e}"
                     experts.w1[local].copy_(seeded_normal(experts.w1.shape[1:], _std(spec.hidden_size), f"{key}.w1"))
@@ -320,6 +454,18 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool
         reader.close()
     part.prepack()
     return part
+
+
+def _stored_expert(reader: Any, spec: ModelSpec, up: Any, down: Any) -> tuple[torch.Tensor, ...]:
+    """(gate, up, down) of one expert as `transformers` holds them: each [ffn, hidden] in the model dtype, at the
+    address offset of its rows in the file when the file has that dtype (else a fresh, aligned conversion)."""
+    out = []
+    for source, j in ((up, 0), (up, 1), (down, 0)):
+        name, span = source.parts[j][0], source.row_ranges()[j]
+        rows = reader.get(name) if span is None else reader.rows(name, *span)
+        offset = reader.byte_offset(name, span[0] if span else 0) if rows.dtype == spec.torch_dtype() else None
+        out.append(_at_file_offset(rows.to(spec.torch_dtype()), offset))
+    return tuple(out)
 
 
 def _std(fan_in: int) -> float:

@@ -16,6 +16,64 @@ DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """YaRN rotary scaling, the fields of a config's `rope_parameters` (`transformers`' `_compute_yarn_parameters`
+    reads the same): interpolated frequencies `factor` times slower, blended into the original ones over the
+    dimensions between the `beta_fast` and `beta_slow` rotation counts of `original_max_position_embeddings`
+    (bounds floored / ceiled when `truncate`), cos and sin scaled by `attention_factor`."""
+
+    kind: str
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position_embeddings: int
+    truncate: bool
+    attention_factor: float
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3 / GLM-4.5 routing (`moe.router.GroupedSigmoidRouter`): sigmoid scores, a per-expert correction
+    bias added for the choice only, the experts split into `n_group` groups of which the `topk_group` best (by
+    the sum of each group's two best scores) are eligible, top-k within those, the chosen scores renormalised
+    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`."""
+
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        """The grouping can route: equal groups of at least two experts (a group ranks by its two best scores),
+        `topk_group` of them holding at least `top_k` experts. Raises ValueError naming the sizes."""
+        g, eligible = self.n_group, self.topk_group
+        if g < 1 or num_experts % g or num_experts // g < 2:
+            raise ValueError(f"{num_experts} experts cannot form {g} equal groups of at least 2 experts")
+        if not 1 <= eligible <= g:
+            raise ValueError(f"topk_group {eligible} must be between 1 and n_group {g}")
+        if eligible * (num_experts // g) < top_k:
+            raise ValueError(f"{eligible} groups of {num_experts // g} experts hold fewer than the {top_k} experts "
+                             "each token needs")
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """Multi-head latent attention (DeepSeek-V2/V3, `layers.MultiLatentAttention`): queries from `hidden` directly or
+    through a `q_lora_rank` bottleneck; keys and values from one compressed latent of `kv_lora_rank` values per
+    token plus a `qk_rope_head_dim` rotary key shared by every head; per head a query/key of
+    `qk_nope_head_dim + qk_rope_head_dim` and a value of `v_head_dim`. `rope_interleave`: the rotary dimensions
+    are pairs (x0, x1), (x2, x3), ... rather than two halves. `softmax_scale`: the scores' scale (1/sqrt of the
+    query width, times YaRN's mscale squared where the config asks)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape and semantics of a decoder-only MoE model, and where its weights come from.
 
@@ -40,6 +98,40 @@ class ModelSpec:
             outputs (Qwen3-MoE); else they stay fp32 (Mixtral). Only bf16 tells the two apart.
         rope_theta: the rotary base.
         sliding_window: attend only to the last `sliding_window` positions (None: all).
+        layer_windows: per layer, its own sliding window or None (GPT-OSS's `layer_types`); empty: every layer
+            has `sliding_window`.
+        attention_sinks: each query head has a learned logit (`attention.sinks` [heads]) that joins its softmax
+            denominator and is then dropped, so a head may attend to nothing (GPT-OSS).
+        attention_out_bias: the output projection has a bias (GPT-OSS; the q, k, v biases are `qkv_bias`).
+        norm_round_after_weight: the norm weight multiplies the fp32 normalised input and the product is rounded
+            to `dtype` (GPT-OSS); else the normalised input is rounded first and multiplied in `dtype`. Only bf16
+            tells the two apart.
+        router_bias: the router has a bias (`router.bias` [experts]).
+        router_softmax_after_topk: the k largest router logits are chosen first and a softmax over those k
+            (in the logits' dtype) gives the weights (GPT-OSS); else a softmax over all experts, then top-k.
+        expert_bias: each expert's gate/up and down projections have biases (`b1` [2*ffn], `b2` [hidden]).
+        expert_activation: "swiglu" (silu(gate) * up) or "clamped_swiglu" (GPT-OSS: gate clamped above at
+            `swiglu_limit`, up to +-`swiglu_limit`, then (up + 1) * gate * sigmoid(`swiglu_alpha` * gate)).
+        swiglu_limit, swiglu_alpha: the clamped SwiGLU's clamp and sigmoid gain.
+        expert_weights_in_out: `transformers` multiplies by the experts' weights stored [in, out] (GPT-OSS's fused
+            `gate_up_proj` / `down_proj`); the reference model runs that product on an [in, out] copy, because
+            an fp32 GEMM of a few rows rounds differently with the weight transposed (`docs/numerics.md`).
+        rope_scaling: the rotary embedding's scaling (`RopeScaling`, YaRN) or None for the plain rope.
+        expert_quantization: how the checkpoint stores the experts' weights: None (floats) or "mxfp4" (blocks and
+            scales, dequantized when an expert is loaded: `serving.model.mxfp4`).
+        clip_qkv: the q, k and v projections are clamped to [-clip_qkv, clip_qkv] (DBRX); None: not clamped.
+        router_softmax_in_dtype: the softmax over all experts runs in the logits' dtype, not fp32 (DBRX); only
+            bf16 tells the two apart.
+        fused_qkv: `transformers` projects q, k and v with one GEMM (DBRX's `Wqkv`), so the reference model does
+            too (a GEMM of a row or two rounds differently with fewer output columns).
+        expert_gate_up_separate: `transformers` runs an expert's gate and up projections as two GEMMs (DBRX's
+            `w1`, `v1`), so the reference model does too.
+        topk_norm_p: the k chosen probabilities are divided by their p-norm (`torch.norm`, DBRX's
+            `moe_normalize_expert_weights`) instead of `norm_topk_prob`'s sum; None: not this way.
+        rotary_dim: the rotary embedding turns only the first `rotary_dim` dimensions of each query and key head
+            (GLM-4.5's `partial_rotary_factor`); 0: the whole head (`rope_dim` reads it).
+        grouped_routing: DeepSeek-V3 / GLM-4.5 routing (`GroupedRouting`) instead of a softmax; None: not so.
+        mla: multi-head latent attention (`LatentAttention`, DeepSeek-V3) instead of q/k/v projections; None: not.
         tie_word_embeddings: the output head is the embedding matrix.
         eos_token_ids: generation stops after any of these (empty: only the token limit stops it).
         dtype: parameter and activation dtype ("float32" or "bfloat16").
@@ -71,6 +163,27 @@ class ModelSpec:
     router_weights_in_dtype: bool = False
     rope_theta: float = 10000.0
     sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    norm_round_after_weight: bool = False
+    router_bias: bool = False
+    router_softmax_after_topk: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    expert_weights_in_out: bool = False
+    rope_scaling: RopeScaling | None = None
+    expert_quantization: str | None = None
+    clip_qkv: float | None = None
+    router_softmax_in_dtype: bool = False
+    topk_norm_p: float | None = None
+    fused_qkv: bool = False
+    expert_gate_up_separate: bool = False
+    rotary_dim: int = 0
+    grouped_routing: GroupedRouting | None = None
+    mla: LatentAttention | None = None
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
@@ -89,6 +202,15 @@ class ModelSpec:
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
+
+    @property
+    def rope_dim(self) -> int:
+        """How many leading dimensions of a query or key head the rotary embedding turns."""
+        return self.rotary_dim or self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window
 
     def torch_dtype(self) -> torch.dtype:
         import torch

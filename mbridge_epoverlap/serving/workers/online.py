@@ -11,9 +11,13 @@ only connects (it listens on nothing).
 - at micro-batch 0's boundary it takes every message that arrived: new requests join the waiting queue (and
   so the next micro-batch with room, continuous batching as in the batch command), aborts mark their
   sequences finished (retired, their KV rows freed, at their own micro-batch's boundary), a shutdown ends
-  serving. With nothing running and nothing waiting it waits up to `IDLE_WAIT_S` for a message first: an
-  idle engine keeps stepping (empty micro-batches), slowly, so no worker spins a core and no wait between
-  workers runs into its timeout.
+  serving. With nothing running and nothing waiting it first blocks on its socket until a message comes, for at
+  most `idle_wait_s(timeout)` (`IDLE_STEP_S`, or a quarter of `--timeout` if that is less): an idle engine
+  costs no CPU between those rare empty steps, a request wakes it at once, and the empty steps still prove
+  every worker alive (a dead peer is found at the next one) and keep every wait between workers well inside
+  its timeout. Every attention worker takes part in each step, so the front end tells them all when the engine
+  turns busy (a request went to one of them) and idle again (`Busy`): an attention worker without requests
+  does not block while another has some, its empty micro-batches paced by the other's steps.
 - while it serves the worker counts as active, so the expert workers never answer stop; after `Shutdown`
   the worker is active only while it has requests, and the engine ends as the batch command does.
 - after each micro-batch's new tokens (`AttentionSide.on_sampled`) it sends them, with each sequence's
@@ -36,10 +40,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-IDLE_WAIT_S = 0.05  # how long an idle worker waits for a message at a step boundary
+# The longest an idle attention worker blocks on its socket at a step boundary before it runs an empty step.
+# Polling every 50 ms instead (an empty step each time, every worker woken) cost an idle server of 1 attention and
+# 1 expert worker 0.11-0.12 of a core (2-core AMD EPYC); one empty step every 2 s costs next to nothing, and still
+# finds a dead peer within seconds.
+IDLE_STEP_S = 2.0
 STATS_EVERY_S = 0.25  # how often a busy worker reports its queue and expert load
-KEEPALIVE_S = 1.0  # an idle worker still reports this often: a front end that did not start it hears it lives
+KEEPALIVE_S = 1.0  # an idle worker reports at each empty step after this long: a front end hears it lives
 STEP_LOG_KEPT = 4096  # decode steps of the attention side's step log an online worker keeps
+
+
+def idle_wait_s(timeout_s: float) -> float:
+    """How long an idle attention worker blocks for a message: `IDLE_STEP_S`, or a quarter of the workers'
+    `timeout_s` where that is less (the expert workers wait for the next step's dispatches up to `timeout_s`,
+    the other attention workers at an elastic step boundary too, and a front end that did not start the workers
+    names one lost after `timeout_s` without a report)."""
+    return min(IDLE_STEP_S, timeout_s / 4)
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,16 @@ class Shutdown:
     """Finish what runs, then leave (the engine ends once every attention worker is idle)."""
 
     kind: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True)
+class Busy:
+    """Whether any attention worker has requests (the front end says so to every one as it changes): while busy,
+    a worker without requests comes to each step at once instead of blocking on its socket for `idle_wait_s`,
+    since every attention worker takes part in each step."""
+
+    kind: ClassVar[str] = "busy"
+    busy: bool
 
 
 @dataclass(frozen=True)
@@ -127,9 +153,12 @@ class Stats:
     kv_tokens: int
     expert_load: list[list[int]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    steps: int = 0  # engine steps this worker ran so far, empty ones included
+    idle_steps: int = 0  # of those, the steps it ran with no request (what an idle server costs)
 
 
-MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Ready, Done, Tokens, Stats, Failed)}
+MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Busy, Ready, Done, Tokens, Stats,
+                                                 Failed)}
 
 
 def encode(message: Any) -> dict[str, Any]:
@@ -188,6 +217,9 @@ class OnlineSource:
         self.events = events
         self._events_sent = 0
         self._ready = False
+        self.idle_wait_s = idle_wait_s(side.timeout_s)
+        self.idle_steps = 0
+        self.engine_busy = False  # another attention worker has requests (`Busy`)
         self._last_stats: tuple[int, int, int] | None = None
         self._stats_at = 0.0
         self.queue.prefill_budget = prefill_budget
@@ -202,7 +234,9 @@ class OnlineSource:
                 self._send(Ready(self.worker, os.getpid()))
                 self._ready = True
             idle = self.serving and not self.queue.waiting and not self.queue.running
-            self._take(self._receive(IDLE_WAIT_S if idle else 0.0))
+            self._take(self._receive(self.idle_wait_s if idle and not self.engine_busy else 0.0))
+            if self.serving and not self.queue.waiting and not self.queue.running:
+                self.idle_steps += 1  # this worker's part of the step runs empty
             self.queue.done.clear()  # their tokens went out as they came; nobody reads them later
             if len(side.step_log) > 2 * STEP_LOG_KEPT:  # a server runs for days: keep the recent steps
                 del side.step_log[:-STEP_LOG_KEPT]
@@ -264,6 +298,8 @@ class OnlineSource:
                     self.aborts.add(message.id)
             elif isinstance(message, Shutdown):
                 self.serving = False
+            elif isinstance(message, Busy):
+                self.engine_busy = message.busy
 
     def refusal(self, message: Submit) -> str | None:
         """Why this worker cannot serve `message`, or None: what would otherwise fail inside a step and take the
@@ -294,7 +330,7 @@ class OnlineSource:
     def _report(self) -> None:
         """Send `Stats` when the queue changed (requests running or waiting), every `STATS_EVERY_S` while
         decoding (the KV cache grows every step: reported at that pace, not at every step), with new events,
-        and every `KEEPALIVE_S` anyway."""
+        and at any boundary `KEEPALIVE_S` after the last report (so an idle worker reports at each empty step)."""
         queue, side = self.queue, self.side
         now = time.monotonic()
         counts = (len(queue.running), len(queue.waiting), sum(s.length for s in queue.running))
@@ -306,7 +342,8 @@ class OnlineSource:
         if not queue_changed and not busy and not new_events and not quiet:
             return
         self._send(Stats(self.worker, *counts, expert_load=load.tolist(),
-                         events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events]))
+                         events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events],
+                         steps=side.decode_steps, idle_steps=self.idle_steps))
         self._load_sent += load
         self._events_sent += len(new_events)
         self._last_stats, self._stats_at = counts, now

@@ -8,6 +8,12 @@
   expert scaled by sigmoid(`shared_expert_gate`), 8 experts top-2 without renormalisation.
 - `tiny_olmoe_dir`: `OlmoeForCausalLM`, 2 layers, q/k RMSNorm over the whole projection, 8 experts top-2
   without renormalisation.
+- `tiny_dbrx_dir`: `DbrxForCausalLM`, 2 layers, GQA, fused `Wqkv` clamped by a `clip_qkv` the random
+  projections exceed, bias-free LayerNorms, 8 experts top-2 stored fused per projection.
+- `tiny_gpt_oss_dir`: `GptOssForCausalLM`, 3 layers (sliding, full, sliding attention with a window of 4, shorter
+  than the longest prompt), attention sinks, q/k/v/o, router and expert biases, 8 experts top-2 stored fused
+  with gate and up interleaved, a clamped SwiGLU whose `swiglu_limit` (0.8) the activations exceed, YaRN rope
+  (factor 4 over an original context of 64).
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
@@ -84,7 +90,7 @@ def _draw_vectors(model) -> None:
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, INIT_STD)
-            elif "norm" in name:
+            elif "norm" in name.split(".")[-2]:  # the module's own name (DBRX's `norm_attn_norm` holds attention)
                 param.normal_(1.0, INIT_STD)
 
 
@@ -122,6 +128,52 @@ def tiny_olmoe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_dbrx_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    torch.manual_seed(8642)
+    config = DbrxConfig(
+        vocab_size=TINY_VOCAB, d_model=32, n_heads=4, n_layers=2, max_seq_len=256, initializer_range=INIT_STD,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 0.3, "rope_theta": 10000.0},
+        ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 8, "moe_top_k": 2},
+        bos_token_id=None, eos_token_id=3,
+    )
+    model = DbrxForCausalLM(config).eval()
+    _draw_vectors(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_dbrx"))
+
+
+GPT_OSS_SWIGLU_LIMIT = 0.8
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(97)
+    config = GptOssConfig(  # widths multiples of 32: MXFP4 blocks (test_gpt_oss quantizes these experts)
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], max_position_embeddings=256,
+        initializer_range=INIT_STD, swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+        bos_token_id=None, eos_token_id=3,
+    )
+    model = GptOssForCausalLM(config).eval()
+    _draw_vectors(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj_bias"):  # the experts' fused biases (transformers starts them at 0)
+                param.normal_(0.0, INIT_STD)
+            elif name.endswith(".sinks"):  # large enough that a sink takes a real share of some softmax
+                param.normal_(0.0, 1.0)
+    return _save(model, tmp_path_factory.mktemp("tiny_gpt_oss"))
+
+
+@pytest.fixture(scope="session")
 def prompts() -> list[list[int]]:
     return [[5, 17, 42, 9, 100], [11], [77, 1, 2, 30, 4, 65, 6, 7, 8, 90, 10, 12, 13], [64, 31]]
 
@@ -149,3 +201,85 @@ def hf_greedy() -> Callable[..., list[list[int]]]:
         return out
 
     return generate
+
+
+# --- GLM-4.5 and DeepSeek-V3 (grouped sigmoid routing, shared experts, dense first layers) --------------------------
+
+GLM4_MOE_SCALING = 1.7
+
+
+def _draw_correction_bias(model) -> None:
+    """Each router's `e_score_correction_bias` (a buffer transformers starts at 0) ~ N(0, 0.5): comparable to the
+    sigmoid scores' spread, so it changes which experts are chosen but not their weights."""
+    import torch
+
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`Glm4MoeForCausalLM`: 3 layers, the first dense; GQA with head_dim 16 != hidden/heads, half of each head
+    rotated, q/k RMSNorm, q/k/v biases; 8 experts top-2 in 4 groups of which 2 are eligible, a shared expert,
+    `routed_scaling_factor` 1.7; the correction bias drawn."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(3141)
+    config = Glm4MoeConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, use_qk_norm=True,
+        attention_bias=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=GLM4_MOE_SCALING, norm_topk_prob=True,
+        max_position_embeddings=256, initializer_range=INIT_STD, bos_token_id=None, eos_token_id=3,
+    )
+    model = Glm4MoeForCausalLM(config).eval()
+    _draw_vectors(model)
+    _draw_correction_bias(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_glm4_moe"))
+
+
+DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                    "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def deepseek_v3_config(q_lora_rank: int | None):
+    """A tiny `DeepseekV3Config`: 3 layers, the first dense; 4 heads of latent attention (queries through a
+    `q_lora_rank` bottleneck or not, a 16-wide latent, 8 + 8 query/key and 12 value dimensions per head, the rotary
+    part interleaved); YaRN over an original context of 64 whose `mscale_all_dim` scales the softmax; 8 experts top-2
+    in 4 groups of which 2 are eligible, a shared expert, `routed_scaling_factor` 2.5."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=dict(DEEPSEEK_V3_ROPE), rope_interleave=True, max_position_embeddings=256,
+        initializer_range=INIT_STD, bos_token_id=None, eos_token_id=3,
+    )
+
+
+def _tiny_deepseek_v3(tmp_path_factory: pytest.TempPathFactory, q_lora_rank: int | None, seed: int) -> Path:
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(deepseek_v3_config(q_lora_rank)).eval()
+    _draw_vectors(model)
+    _draw_correction_bias(model)
+    return _save(model, tmp_path_factory.mktemp(f"tiny_deepseek_v3_q{q_lora_rank}"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`DeepseekV3ForCausalLM` with a 16-wide query bottleneck (`deepseek_v3_config`)."""
+    return _tiny_deepseek_v3(tmp_path_factory, 16, 2718)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_direct_q_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`DeepseekV3ForCausalLM` with queries projected directly (`q_lora_rank` null)."""
+    return _tiny_deepseek_v3(tmp_path_factory, None, 1618)

@@ -26,8 +26,9 @@ def leftovers(pids):
     return alive, [p for pid in pids for p in glob.glob(f"/dev/shm/mbe-m2n-{pid}-*")]
 
 
-def prefill_logits(directory, prompt: list[int], dtype: str):
-    """(the reference model's, `transformers`' eager) logits of one prompt's prefill in `dtype`."""
+def prefill_logits(directory, prompt: list[int], dtype: str, *, reference=None):
+    """(the reference model's, `transformers`' eager) logits of one prompt's prefill in `dtype`; `transformers`
+    loads `reference` where given (the same weights stored otherwise), else `directory`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -36,8 +37,8 @@ def prefill_logits(directory, prompt: list[int], dtype: str):
     from mbridge_epoverlap.serving.model.kv_cache import KVCache
     from mbridge_epoverlap.serving.model.parts import LocalModel, load_attention_part, load_expert_part
 
-    hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", experts_implementation="eager",
-                                              dtype=getattr(torch, dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(reference or directory, attn_implementation="eager",
+                                              experts_implementation="eager", dtype=getattr(torch, dtype)).eval()
     spec = load_spec(directory, dtype=dtype)
     model = LocalModel(load_attention_part(spec), [load_expert_part(spec, range(spec.num_experts))])
     cache = KVCache.for_spec(spec)

@@ -1,7 +1,8 @@
 """Each architecture module (`serving.model.architectures`) decodes its checkpoints exactly as `transformers` does,
 and refuses what it cannot serve before any weight is read.
 
-Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert, a dense layer) and OLMoE (q/k RMSNorm over the whole
+Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert, a dense layer), OLMoE (q/k RMSNorm over the whole
+projection) and DBRX (nested config, clamped fused q/k/v, LayerNorm, p-norm routing, experts fused in one tensor per
 projection) on tiny checkpoints written by `transformers` (the serving fixtures): greedy tokens equal
 `generate(do_sample=False)`, fp32 and bf16 prefill logits equal the eager model's bit for bit, experts split over parts
 and the disaggregated engine give the same tokens. Mixtral and Qwen3-MoE have the same checks in
@@ -25,7 +26,7 @@ from mbridge_epoverlap.serving.model.parts import generate_reference
 from tests.unit_tests.serving.engine_runs import prefill_logits
 
 MAX_NEW = 10
-FAMILIES = ["qwen2_moe", "olmoe"]
+FAMILIES = ["qwen2_moe", "olmoe", "dbrx"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -47,6 +48,22 @@ def test_logits_equal_transformers_bit_for_bit(checkpoint, prompts, dtype) -> No
     """In bf16 too: the fixtures' norm weights are not all ones, so the RMSNorm must round the normalised input to
     bf16 before the weight multiplies it, as `transformers` does."""
     ours, expected = prefill_logits(checkpoint, prompts[2], dtype)
+    assert torch.equal(ours, expected.float())
+
+
+@pytest.mark.parametrize(("family", "dtype"), [(f, "bfloat16") for f in FAMILIES] + [("dbrx", "float32")])
+def test_a_sharded_checkpoint_stored_in_the_serving_dtype(family, dtype, request, prompts, tmp_path) -> None:
+    """Published checkpoints are sharded (an index names each tensor's file) and stored in bf16. `transformers` then
+    multiplies by views of the files (no conversion copies them), and DBRX's experts are rows of fused tensors in
+    whichever shard holds them: the logits still equal its eager model's bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path / f"{family}_{dtype}"
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(f"tiny_{family}_dir"), dtype=dtype)
+    model.save_pretrained(directory, max_shard_size="24KB")
+    assert (directory / "model.safetensors.index.json").is_file()
+    assert len(set(load_spec(directory).file_of().values())) > 1
+    ours, expected = prefill_logits(directory, prompts[2], dtype)
     assert torch.equal(ours, expected.float())
 
 
@@ -96,8 +113,43 @@ def test_olmoe_spec(tiny_olmoe_dir) -> None:
     assert all(spec.moe_layers) and spec.expert_ffn == 24 and spec.head_dim == 8
 
 
+def test_dbrx_spec(tiny_dbrx_dir) -> None:
+    """The nested and renamed fields land where the shared code reads them."""
+    from mbridge_epoverlap.serving.model.checkpoint import context_length
+
+    spec = load_spec(tiny_dbrx_dir)
+    assert spec.architecture == "DbrxForCausalLM"
+    assert (spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (32, 4, 2, 8)
+    assert (spec.num_experts, spec.top_k, spec.expert_ffn, spec.vocab_size) == (8, 2, 24, 128)
+    assert (spec.normalization, spec.norm_eps, spec.clip_qkv, spec.topk_norm_p) == ("LayerNorm", 1e-5, 0.3, 1.0)
+    assert spec.router_softmax_in_dtype and not spec.norm_topk_prob and all(spec.moe_layers)
+    assert context_length(spec) == 256  # `max_seq_len`
+
+
+def test_dbrx_clip_qkv_fires_on_the_fixture(tiny_dbrx_dir, prompts) -> None:
+    """The clamp changes the projections of the fixture's prompts, so the tests above check it."""
+    from mbridge_epoverlap.serving.model.parts import load_attention_part
+
+    part = load_attention_part(load_spec(tiny_dbrx_dir))
+    attention = part.layers[0].attention
+    x = part.layers[0].input_norm(part.embed(torch.tensor(prompts[2])))
+    raw = torch.nn.functional.linear(x, attention.qkv.weight)
+    assert bool((raw.abs() > 0.3).any())
+    q, k, v = attention.project_qkv(x, separate=True)
+    assert max(t.abs().max().item() for t in (q, k, v)) <= torch.tensor(0.3).item()  # 0.3 in fp32
+
+
+def test_an_older_dbrx_config_gives_the_rotary_base_in_attn_config(tiny_dbrx_dir, tmp_path) -> None:
+    directory = Path(shutil.copytree(tiny_dbrx_dir, tmp_path / "ckpt"))
+    config = json.loads((directory / "config.json").read_text())
+    del config["rope_parameters"]
+    config["attn_config"]["rope_theta"] = 500000
+    (directory / "config.json").write_text(json.dumps(config))
+    assert load_spec(directory).rope_theta == 500000
+
+
 def test_every_registered_architecture_is_named_when_one_is_unknown(tiny_olmoe_dir, tmp_path) -> None:
-    directory = _copy_config_only(tiny_olmoe_dir, tmp_path, architectures=["DbrxForCausalLM"])
+    directory = _copy_config_only(tiny_olmoe_dir, tmp_path, architectures=["JambaForCausalLM"])
     with pytest.raises(UsageError, match="'architectures'") as info:
         load_spec(directory)
     assert all(name in str(info.value) for name in architectures.NAMES)
@@ -111,7 +163,12 @@ def _copy_config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
     directory.mkdir()
     shutil.copy(source / "config.json", directory / "config.json")
     config = json.loads((directory / "config.json").read_text())
-    config.update(changes)
+    for key, value in changes.items():  # `a.b`: field b of the object a
+        *outer, last = key.split(".")
+        target = config
+        for name in outer:
+            target = target[name]
+        target[last] = value
     (directory / "config.json").write_text(json.dumps(config))
     return directory
 
@@ -126,6 +183,12 @@ def _copy_config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
     ("olmoe", {"clip_qkv": 8.0}, ["'clip_qkv'", "8.0"]),
     ("olmoe", {"attention_bias": True}, ["'attention_bias'", "True"]),
     ("olmoe", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["'quantization_config'", "gptq"]),
+    ("dbrx", {"ffn_config.ffn_act_fn": {"name": "gelu"}}, ["'ffn_config.ffn_act_fn.name'", "'gelu'"]),
+    ("dbrx", {"ffn_config.moe_normalize_expert_weights": -1.0},
+     ["'ffn_config.moe_normalize_expert_weights'", "-1.0"]),
+    ("dbrx", {"attn_config.clip_qkv": 0}, ["'attn_config.clip_qkv'", "is 0"]),
+    ("dbrx", {"attn_config.kv_n_heads": 3}, ["'n_heads' (4)", "'attn_config.kv_n_heads' (3)"]),
+    ("dbrx", {"ffn_config": "moe"}, ["'ffn_config'", "'moe'"]),
 ])
 def test_unsupported_features_exit_2_naming_field_and_value(family, changes, named, request, tmp_path) -> None:
     from mbridge_epoverlap.cli import main
@@ -145,6 +208,8 @@ def test_unsupported_features_exit_2_naming_field_and_value(family, changes, nam
     ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", [2, 32], [1, 32]),
     ("qwen2_moe", "model.layers.2.self_attn.k_proj.bias", [32], [16]),
     ("olmoe", "model.layers.1.self_attn.q_norm.weight", [8], [32]),
+    ("dbrx", "transformer.blocks.1.ffn.experts.mlp.w2", [8, 24, 32], [192, 32]),
+    ("dbrx", "transformer.blocks.0.norm_attn_norm.attn.Wqkv.weight", [96, 32], [64, 32]),
 ])
 def test_a_tensor_whose_shape_disagrees_with_the_config_is_named(family, name, wrong, right, request,
                                                                  tmp_path) -> None:

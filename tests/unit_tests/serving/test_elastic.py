@@ -47,14 +47,18 @@ def test_router_follows_eplb_replica_choice():
     assert 1 not in router.workers(ids, positions).unique().tolist()  # nothing goes to the dead worker
 
 
-def test_killed_expert_worker_mid_decode_loses_no_request(tiny_mixtral_dir, prompts, hf_greedy):
-    spec = load_spec(tiny_mixtral_dir)
-    plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=MAX_NEW,
+# the other architectures: two prompts (a one-token and a long one), 6 tokens, still killed mid-decode
+@pytest.mark.parametrize(("family", "max_new"), [("mixtral", MAX_NEW), ("qwen2_moe", 6), ("olmoe", 6), ("dbrx", 6)])
+def test_killed_expert_worker_mid_decode_loses_no_request(family, max_new, request, prompts, hf_greedy):
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
+    prompts = prompts if family == "mixtral" else prompts[1:3]
+    spec = load_spec(directory)
+    plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=max_new,
                      timeout_s=20)
     plan = make_elastic(plan, redundant=4, kill=1, kill_step=2)
     pids: list[int] = []
     result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, MAX_NEW)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(directory, prompts, max_new)
     assert result["failed_requests"] == []
     elastic = result["elastic"]
     assert elastic["lost_workers"] == [0]

@@ -41,6 +41,17 @@ def test_transfers_bring_each_gained_expert_from_a_live_holder():
     assert sorted(set(sum(gains.values(), []))) == back.experts_of(2)  # the newcomer gets its whole share
 
 
+def test_a_rejoin_fills_the_newcomers_slots_and_moves_nothing_else():
+    after = ElasticLayout.initial(8, 8, 8).without({0})[0]
+    back = after.rejoined({0})
+    assert back.alive == set(range(8)) and back.slots[2:] == after.slots[2:]
+    moves = transfers(after, back)
+    assert {dst for _, dst in moves} == {0} and sorted(sum(moves.values(), [])) == back.experts_of(0)
+    assert sorted(back.replica_counts()) == [2] * 8  # the two experts that lost a replica get it back
+    hot = after.rejoined({0}, torch.tensor([10, 10, 10, 10, 10, 10, 80, 10]))
+    assert 6 in hot.experts_of(0)  # the most load per replica first
+
+
 @pytest.mark.numerics
 def test_expert_store_builds_a_share_from_held_and_received_weights(tiny_mixtral_dir):
     from mbridge_epoverlap.serving.model.expert_store import ExpertStore
@@ -54,6 +65,37 @@ def test_expert_store_builds_a_share_from_held_and_received_weights(tiny_mixtral
     tokens, ids = torch.randn(6, spec.hidden_size), torch.tensor([1, 3, 3, 1, 3, 1])
     layer = spec.moe_layer_ids[-1]
     assert torch.equal(mine(layer, tokens, ids), reference(layer, tokens, ids))
+
+
+def test_expert_store_computes_packed_and_repacks_only_what_it_gains(tiny_mixtral_dir):
+    from mbridge_epoverlap.serving.model import packed as packed_gemm
+    from mbridge_epoverlap.serving.model.expert_store import ExpertStore
+
+    spec = load_spec(tiny_mixtral_dir)
+    if not packed_gemm.available(spec.torch_dtype()):
+        pytest.skip("this torch has no packed expert GEMMs")
+    layer = spec.moe_layer_ids[-1]
+
+    def packed(part, expert):  # the (up, down) tensors the part computes `expert` with
+        return part.packed_layers[str(layer)].packed_of(int(part.local_index[expert]))
+
+    mine, theirs, reference = ExpertStore(spec, [0, 1]), ExpertStore(spec, [2, 3]), ExpertStore(spec, [0, 1, 2, 3])
+    assert [bool(p.packed_layers) for p in mine.parts] == [True]
+    held = {e: packed(mine.parts[0], e) for e in (0, 1)}
+    part = mine.build([1, 3], {3: tuple(t[:, 0] for t in theirs.export([3]))})
+    assert part.packed_layers and all(a is b for a, b in zip(packed(part, 1), held[1], strict=True))
+    assert not any(a is b for a in packed(part, 3) for b in packed(theirs.parts[0], 3))  # received: packed here
+    mine.adopt(part)
+    # a loss: expert 0 comes back from the retiring weights (their packed copy), expert 2 from the checkpoint
+    assert mine.ensure([0, 1, 2, 3]) == [0, 2] and all(p.packed_layers for p in mine.parts)
+    zero = next(p for p in mine.parts if 0 in p.expert_ids)
+    assert all(a is b for a, b in zip(packed(zero, 0), held[0], strict=True))
+    assert mine.retire() == []
+    two = next(p for p in mine.parts if p.expert_ids == (2,))
+    assert mine.build([2], {}) is two  # a part that is exactly the new share is kept, not rebuilt
+    tokens, ids = torch.randn(8, spec.hidden_size), torch.tensor([0, 1, 2, 3, 3, 2, 1, 0])
+    assert torch.equal(mine(layer, tokens, ids), reference(layer, tokens, ids))
+    assert [e.tolist() for e in mine.export([0, 3])] == [e.tolist() for e in reference.export([0, 3])]
 
 
 def test_rebalancing_while_decoding_moves_experts_and_keeps_tokens(tiny_mixtral_dir, prompts, hf_greedy):

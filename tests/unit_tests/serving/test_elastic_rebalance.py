@@ -152,3 +152,50 @@ def test_the_default_threshold_skips_what_random_routing_gives_and_not_a_hot_exp
     assert sum(c > 1.1 for c in chance) > 100  # where the fixed 1.1 alone would rebalance on noise
     hot = torch.tensor([pairs * 0.4, pairs * 0.2, pairs * 0.2, pairs * 0.2])  # one worker's experts twice as hot
     assert float(hot.max()) / float(hot.mean()) > routing_noise(pairs, workers)
+
+
+def _group_nodes(layout: ElasticLayout, group_size: int) -> dict[int, set[int]]:
+    """{group: the nodes (sets of consecutive workers) holding any replica of its experts}."""
+    per, per_node = layout.slots_per_worker, layout.workers // layout.nodes
+    out: dict[int, set[int]] = {}
+    for slot, expert in enumerate(layout.slots):
+        if expert >= 0:
+            out.setdefault(expert // group_size, set()).add(slot // per // per_node)
+    return out
+
+
+def test_group_limited_placements_keep_each_group_on_one_node():
+    # The tiny GLM-4.5's routing: 8 experts in 4 groups of 2. On 4 workers with 4 redundant slots the placement
+    # packs whole groups onto 2 nodes of 2 workers (a replica needs a second worker of its node): every replica
+    # of a group's experts on one node, at the start and after a solve from scratch for a skewed load.
+    layout = ElasticLayout.initial(8, 4, 4, groups=4)
+    assert (layout.groups, layout.nodes) == (4, 2)
+    load = torch.tensor([40, 5, 5, 20, 10, 10, 5, 5])
+    resolved = layout.resolved(layout.alive, load)
+    for placed in (layout, resolved):
+        assert all(len(nodes) == 1 for nodes in _group_nodes(placed, 2).values()), placed.slots
+        assert _no_twin_on_a_worker(placed) and min(placed.replica_counts()) >= 1
+    assert resolved.imbalance(load) < layout.imbalance(load)
+    # The grouping travels with every placement derived from it, as every worker must re-solve the same way.
+    assert {(p.groups, p.nodes) for p in (resolved, layout.rebalanced(load, 1.0), layout.without({1})[0])} == {(4, 2)}
+    survivors, _ = layout.without({1})  # a node short of a worker: the global policy, still every expert
+    assert survivors.nodes == 2 and min(survivors.replica_counts()) >= 1 and survivors.experts_of(1) == []
+    # Without groups, or where they do not divide over the workers, the global policy as before.
+    assert ElasticLayout.initial(8, 4, 4) == ElasticLayout.initial(8, 4, 4, groups=1)
+    three = ElasticLayout.initial(12, 4, 4, groups=3)
+    assert (three.groups, three.nodes) == (1, 1)
+
+
+def test_rebalancing_a_group_limited_model_keeps_every_token(tiny_glm4_moe_dir, prompts, hf_greedy):
+    # GLM-4.5's group-limited routing on the hierarchical placement, rebalanced while streaming: the tokens are
+    # transformers' greedy ones.
+    spec = load_spec(tiny_glm4_moe_dir)
+    plan = make_plan(spec, _requests(prompts), expert_workers=4, micro_batches=2, max_new_tokens=6, timeout_s=20)
+    plan = make_elastic(plan, redundant=4, rebalance_every=2, rebalance_threshold=1.0)
+    start = ElasticLayout.initial(spec.num_experts, 4, 4, groups=spec.grouped_routing.n_group)
+    assert start.nodes == 2 and tuple(plan.slots) == start.slots
+    pids: list[int] = []
+    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_glm4_moe_dir, prompts, 6)
+    assert [r for r in result["elastic"]["rebalances"] if not r["kept"]], result["elastic"]["rebalances"]
+    assert _leftovers(pids) == ([], [])

@@ -281,3 +281,29 @@ def test_property_survivors_cover_every_expert_when_room_allows(layout: tuple[to
         return
     placement = eplb.rebalance_over_survivors(load, replicas, gpus, alive, groups, nodes)
     check_placement(placement, load.shape[1], replicas, gpus, alive=sorted(alive))
+
+
+@pytest.mark.parametrize(("groups", "gpus", "slots", "experts", "hosts", "nodes"), [
+    (8, 16, 256 + 32, 256, 1, 8),  # DeepSeek-V3 on 16 workers: a pair of workers per group
+    (8, 4, 256, 256, 1, 4),  # no redundancy: two groups per worker
+    (8, 4, 256 + 32, 256, 1, 2),  # redundancy: two workers per node, so a replica can leave its twin's GPU
+    (8, 4, 256 + 32, 256, 2, 2),  # two hosts: the hosts are the nodes
+    (8, 6, 256 + 32, 256, 3, 1),  # 8 groups do not divide over 3 hosts: global
+    (4, 4, 8 + 4, 8, 1, 2),  # the tiny GLM-4.5 with 4 redundant slots
+    (3, 4, 12, 12, 1, 1),  # 3 groups and 4 workers share no divisor: global
+    (1, 4, 12, 8, 1, 1),  # no groups
+    (4, 4, 4 * 7, 8, 1, 1),  # 7 slots a worker but 2 or 4 experts a node: a node cannot fill its workers
+])
+def test_group_nodes_uses_hosts_then_sets_of_workers(groups, gpus, slots, experts, hosts, nodes) -> None:
+    assert eplb.group_nodes(groups, gpus, slots, experts, hosts) == nodes
+
+
+def test_hierarchical_replicas_of_an_expert_are_at_most_the_gpus_of_its_node() -> None:
+    # Expert 0 is hot enough for every extra slot of its node, but its node has 2 GPUs: a third replica would
+    # share a GPU with another and balance nothing, so the other extra slot goes to another expert of the node.
+    load = torch.tensor([[1000.0, 1, 1, 1, 1, 1, 1, 1]])
+    phy2log = eplb.rebalance_experts(load, 12, 4, 2, 4).phy2log[0].tolist()
+    assert phy2log.count(0) == 2
+    assert eplb.rebalance_experts(load, 12, 1, 1, 4).logcnt[0, 0] == 5  # the global policy has no such limit
+    for node in (phy2log[:6], phy2log[6:]):  # each node: whole groups of 2 experts, 2 of the 4
+        assert len({e // 2 for e in node}) == 2

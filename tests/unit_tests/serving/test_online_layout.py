@@ -1,4 +1,4 @@
-"""`serve --http` without layout flags measures its layout (`serving.engine.online_layout`): trial runs of the
+"""`serve --http` without layout flags measures its layout (`serving.engine.choice.online`): trial runs of the
 candidates with requests joining at every step, the fastest taken (one thread per process unless more threads win
 by the margin), replicated experts only where memory allows, and the choice cached per model, dtype, batch, cores
 and CPU so that the next start reuses it. The trial runs are replaced by given rates here (`trial`);
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 
-from mbridge_epoverlap.serving.engine import online_layout
-from mbridge_epoverlap.serving.engine.online_layout import candidates, choose_online_layout, expert_bytes
+from mbridge_epoverlap.serving.engine.choice import online as online_layout
+from mbridge_epoverlap.serving.engine.choice.online import candidates, choose_online_layout, expert_bytes
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
 
@@ -89,3 +89,14 @@ def test_one_core_runs_no_trial(tiny_mixtral_dir, tmp_path) -> None:
     choice = choose_online_layout(load_spec(tiny_mixtral_dir), max_batch=64, max_model_len=256, cores=1,
                                   cache_dir=tmp_path, trial=trial)
     assert choice["chosen"] == "colocated_1" and "the only layout" in choice["summary"]
+
+
+def test_each_candidate_maps_to_serve_flags(tiny_mixtral_dir) -> None:
+    from mbridge_epoverlap.serving.engine.choice.online import as_flags
+
+    options = candidates(load_spec(tiny_mixtral_dir), 2, available_bytes=10**12)
+    assert as_flags(options["colocated_2_replicated"]) == dict(
+        colocated=2, replicate_experts=True, attn_workers=1, expert_workers=1, micro_batches=1, order="sequential",
+        threads=1)
+    assert as_flags(options["disaggregated_1+1_m2"]) == dict(
+        colocated=0, replicate_experts=False, attn_workers=1, expert_workers=1, micro_batches=2, threads=1)

@@ -41,7 +41,7 @@ def test_workers_run_with_the_plans_threads_and_the_tokens_stay_the_same(tiny_mi
 
 def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir, prompts, monkeypatch):
     from mbridge_epoverlap.serving.engine import bench
-    from mbridge_epoverlap.serving.engine.layout_choice import choose_layout
+    from mbridge_epoverlap.serving.engine.choice.layout import choose_layout
 
     spec = load_spec(tiny_mixtral_dir)
     requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]

@@ -2,8 +2,10 @@
 
 - `base`: `Architecture` (the shared checkpoint layout; a module overrides only what differs),
   `ConfigFields` (typed config.json reads) and `Source` (the tensors one parameter is built from).
-- `mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`: one `Architecture` each: the config defaults, what its
-  config.json means for the `ModelSpec`, and its tensor names.
+- `mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`: one
+  `Architecture` each: the config defaults, what its config.json means for the `ModelSpec`, and its tensor
+  names.
+- `mxfp4`: GPT-OSS's MXFP4 expert weights (FP4 blocks, power-of-two scales), dequantized at load.
 
 Adding an architecture is one module here, its entry in `_ARCHITECTURES` and its tests. The arithmetic is
 not here: the spec's fields select the shared pieces of `serving.model.layers`.
@@ -12,12 +14,17 @@ not here: the spec's fields select the shared pieces of `serving.model.layers`.
 from __future__ import annotations
 
 from mbridge_epoverlap.serving.model.architectures.base import Architecture
+from mbridge_epoverlap.serving.model.architectures.dbrx import Dbrx
+from mbridge_epoverlap.serving.model.architectures.deepseek_v3 import DeepseekV3
+from mbridge_epoverlap.serving.model.architectures.glm4_moe import Glm4Moe
+from mbridge_epoverlap.serving.model.architectures.gpt_oss import GptOss
 from mbridge_epoverlap.serving.model.architectures.mixtral import Mixtral
 from mbridge_epoverlap.serving.model.architectures.olmoe import Olmoe
 from mbridge_epoverlap.serving.model.architectures.qwen2_moe import Qwen2Moe
 from mbridge_epoverlap.serving.model.architectures.qwen3_moe import Qwen3Moe
 
-_ARCHITECTURES: tuple[Architecture, ...] = (Mixtral(), Qwen3Moe(), Qwen2Moe(), Olmoe())
+_ARCHITECTURES: tuple[Architecture, ...] = (Mixtral(), Qwen3Moe(), Qwen2Moe(), Olmoe(), Dbrx(), GptOss(), Glm4Moe(),
+                                              DeepseekV3())
 REGISTRY: dict[str, Architecture] = {a.name: a for a in _ARCHITECTURES}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 

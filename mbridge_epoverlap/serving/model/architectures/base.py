@@ -24,33 +24,57 @@ from mbridge_epoverlap.serving.model.spec import ModelSpec
 @dataclass(frozen=True)
 class Source:
     """Checkpoint tensors (name, shape) concatenated along dim 0 into one parameter, and the config.json
-    fields their shapes come from (named when a shape does not match)."""
+    fields their shapes come from (named when a shape does not match).
+
+    `rows` (one entry per part, or empty for all whole): the part is rows [start, stop) of its tensor (dim 0),
+    as when a checkpoint stores every expert of a layer in one fused tensor (DBRX). `transpose`: the parameter
+    is the transpose of the concatenated rows (a down projection stored [ffn, hidden] rather than
+    [hidden, ffn]). `shape` is always the whole stored tensor's, the one the checks compare.
+    """
 
     parts: tuple[tuple[str, tuple[int, ...]], ...]
     fields: tuple[str, ...] = ("hidden_size",)
+    rows: tuple[tuple[int, int] | None, ...] = ()
+    transpose: bool = False
+
+    def row_ranges(self) -> tuple[tuple[int, int] | None, ...]:
+        """Each part's row range (None: the whole tensor)."""
+        return self.rows or (None,) * len(self.parts)
 
 
-def one(name: str, *shape: int, fields: tuple[str, ...] = ("hidden_size",)) -> Source:
-    """A parameter read from one tensor."""
-    return Source(((name, tuple(shape)),), fields)
+def one(name: str, *shape: int, fields: tuple[str, ...] = ("hidden_size",), rows: tuple[int, int] | None = None,
+        transpose: bool = False) -> Source:
+    """A parameter read from one tensor (or rows [start, stop) of it, transposed when `transpose`)."""
+    return Source(((name, tuple(shape)),), fields, () if rows is None else (rows,), transpose)
 
 
-def cat(*parts: tuple[str, tuple[int, ...]], fields: tuple[str, ...] = ("hidden_size",)) -> Source:
-    """A parameter made of several tensors stacked along dim 0 (q, k, v; gate and up)."""
-    return Source(tuple(parts), fields)
+def cat(*parts: tuple[str, tuple[int, ...]], fields: tuple[str, ...] = ("hidden_size",),
+        rows: tuple[tuple[int, int] | None, ...] = ()) -> Source:
+    """A parameter made of several tensors stacked along dim 0 (q, k, v; gate and up), each whole or the
+    row range `rows` gives it."""
+    if rows and len(rows) != len(parts):
+        raise ValueError(f"{len(rows)} row ranges for {len(parts)} tensors")
+    return Source(tuple(parts), fields, tuple(rows))
 
 
 class ConfigFields:
     """Typed reads of config fields; a wrong type is a UsageError naming the file and the field."""
 
-    def __init__(self, path: Path, values: dict[str, Any]) -> None:
+    def __init__(self, path: Path, values: dict[str, Any], names: dict[str, str] | None = None) -> None:
         self.path, self.values = path, values
+        # key of `values` -> the field's name in the file, where an architecture stores it elsewhere (DBRX's
+        # `d_model`, `attn_config.kv_n_heads`): messages name the field the user can find and fix
+        self.names = names or {}
+
+    def name(self, key: str) -> str:
+        """The field's name as config.json spells it."""
+        return self.names.get(key, key)
 
     def get(self, name: str) -> Any:
         return self.values.get(name)
 
     def bad(self, name: str, what: str) -> UsageError:
-        return UsageError(f"{self.path}: field {name!r} is {self.values.get(name)!r}; it must be {what}")
+        return UsageError(f"{self.path}: field {self.name(name)!r} is {self.values.get(name)!r}; it must be {what}")
 
     def positive_int(self, name: str) -> int:
         value = self.values.get(name)
@@ -82,8 +106,8 @@ class ConfigFields:
     def require(self, name: str, expected: Any, why: str) -> None:
         """The field must hold `expected` (its default): anything else is a feature the engine lacks."""
         if self.values.get(name) != expected:
-            raise UsageError(f"{self.path}: field {name!r} is {self.values.get(name)!r}; {why} is not supported "
-                             f"(only {expected!r})")
+            raise UsageError(f"{self.path}: field {self.name(name)!r} is {self.values.get(name)!r}; {why} is not "
+                             f"supported (only {expected!r})")
 
 
 ATTENTION_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -100,6 +124,10 @@ class Architecture:
         moe_block: the module holding a MoE layer's router and experts (`mlp`, `block_sparse_moe`).
         expert_projections: tensor names of an expert's gate, up and down projections.
         expert_ffn_field: the config field of an expert's FFN width.
+        rope_types: the `rope_parameters.rope_type` values it serves (a scaled rope is its `read_config`'s to
+            read into `rope_scaling`).
+        quantizations: the `quantization_config.quant_method` values whose weights it dequantizes at load
+            (any other quantized checkpoint is refused).
     """
 
     name: ClassVar[str]
@@ -109,8 +137,16 @@ class Architecture:
     moe_block: ClassVar[str] = "mlp"
     expert_projections: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
     expert_ffn_field: ClassVar[str] = "moe_intermediate_size"
+    rope_types: ClassVar[tuple[str, ...]] = ("default",)
+    quantizations: ClassVar[tuple[str, ...]] = ()
 
     # --- config.json -> spec ------------------------------------------------------------------------
+
+    def flatten_config(self, path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """config.json's fields under the names `checkpoint` reads (`hidden_size`, `num_key_value_heads`, ...),
+        and for each renamed one the name it has in the file. Most architectures use those names already; one
+        that nests or renames them (DBRX) maps them here."""
+        return raw, {}
 
     def read_config(self, cfg: ConfigFields, num_layers: int) -> dict[str, Any]:
         """The `ModelSpec` fields this architecture decides (which layers are MoE, FFN widths, attention and
@@ -175,6 +211,12 @@ class Architecture:
         gate, up, down = (f"{prefix}.{p}.weight" for p in self.expert_projections)
         fields = (self.expert_ffn_field, "hidden_size")
         return cat((gate, (f, h)), (up, (f, h)), fields=fields), one(down, h, f, fields=fields)
+
+    def expert_weights(self, reader: Any, spec: ModelSpec, layer: int, expert: int) -> dict[str, Any] | None:
+        """One expert's serving tensors read from the checkpoint (`w1` [2*ffn, hidden], gate rows first, `w2`
+        [hidden, ffn], and `b1` / `b2` where the spec has expert biases) by an architecture whose stored layout
+        `expert_sources` cannot describe (GPT-OSS: fused, gate and up interleaved); None: read `expert_sources`."""
+        return None
 
     # --- shared reads -------------------------------------------------------------------------------
 

@@ -162,8 +162,10 @@ def start_server(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="module")
 def server(chat_mixtral_dir: Path):
-    """One server for a module's tests: 1 attention and 1 expert worker, 4 sequences at once."""
-    process = ServerProcess(chat_mixtral_dir, "--max-batch", "4", "--max-waiting", "64", "--timeout", "60")
+    """One server for a module's tests: 1 attention and 1 expert worker, 4 sequences at once, every expert's load
+    in /metrics (`--expert-metrics full`)."""
+    process = ServerProcess(chat_mixtral_dir, "--max-batch", "4", "--max-waiting", "64", "--timeout", "60",
+                            "--expert-metrics", "full")
     try:
         process.wait_ready()
         yield process

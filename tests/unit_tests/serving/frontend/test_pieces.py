@@ -181,7 +181,7 @@ def test_metrics_count_each_lost_process_once_and_each_epoch_once():
 def test_metrics_sum_the_reported_expert_load_per_layer_and_expert():
     from mbridge_epoverlap.serving.frontend.metrics import ServerMetrics
 
-    metrics = ServerMetrics([1, 3])
+    metrics = ServerMetrics([1, 3], expert_metrics="full")
     metrics.worker_stats(online.Stats(0, 1, 0, 5, [[6, 2, 0, 0], [1, 1, 1, 1]]), [])
     metrics.worker_stats(online.Stats(1, 1, 0, 5, [[2, 2, 0, 4], [0, 0, 0, 0]]), [])
     got = _samples(metrics)
@@ -191,3 +191,49 @@ def test_metrics_sum_the_reported_expert_load_per_layer_and_expert():
     assert got["mbe_expert_layer_load_imbalance|layer=1"] == 8 / (16 / 4)  # both reports are in the window
     assert got["mbe_expert_layer_load_imbalance|layer=3"] == 1.0
     assert got["mbe_expert_load_imbalance"] == 9 / (20 / 4)  # expert 0 over both layers: 8 + 1
+    assert got["mbe_expert_layer_tokens_total|layer=1"] == 16
+    assert got["mbe_expert_layer_tokens_total|layer=3"] == 4
+
+
+def _series(metrics) -> dict[str, int]:
+    """Series per metric family in `/metrics` (histograms and counters count each sample line)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body, _ = metrics.render()
+    return {family.name: len(family.samples) for family in text_string_to_metric_families(body.decode())}
+
+
+@pytest.mark.parametrize("mode", ["top", "full"])
+def test_expert_metrics_stay_bounded_by_default_and_complete_when_asked(mode):
+    """256 experts in 58 MoE layers (DeepSeek-V3): by default the expert load costs a bounded number of series
+    (per-layer imbalance and token counts, and the HOT_EXPERTS hottest experts per layer); `full` adds a counter
+    per layer and expert."""
+    from mbridge_epoverlap.serving.frontend.metrics import HOT_EXPERTS, ServerMetrics
+
+    layers, experts = list(range(3, 61)), 256
+    metrics = ServerMetrics(layers, expert_metrics=mode)
+    for worker in range(2):
+        load = [[(layer * 7 + expert * (worker + 3)) % 11 + 1 for expert in range(experts)] for layer in layers]
+        metrics.worker_stats(online.Stats(worker, 1, 0, 5, load), [])
+    metrics.worker_stats(online.Stats(0, 1, 0, 5, [[0] * experts for _ in layers]), [])  # an idle report
+    series = _series(metrics)
+    expert_series = sum(n for name, n in series.items() if name.startswith("mbe_expert"))
+    # imbalance: 1 + one per layer; tokens per layer; the hot experts' counts and ids
+    bounded = 1 + len(layers) + len(layers) + 2 * HOT_EXPERTS * len(layers)
+    if mode == "top":
+        assert "mbe_expert_tokens" not in series
+        assert expert_series <= bounded + len(layers), series  # + the per-layer counter's _created samples
+        assert expert_series < 1000
+    else:
+        assert expert_series >= bounded + len(layers) * experts
+    got = _samples(metrics)
+    for layer in layers:
+        totals = [sum((layer * 7 + expert * (worker + 3)) % 11 + 1 for worker in range(2))
+                  for expert in range(experts)]
+        hottest = sorted(range(experts), key=lambda e: (-totals[e], e))[:HOT_EXPERTS]
+        assert [got[f"mbe_expert_hot_expert|layer={layer}|rank={rank}"] for rank in range(HOT_EXPERTS)] == hottest
+        assert [got[f"mbe_expert_hot_tokens|layer={layer}|rank={rank}"] for rank in range(HOT_EXPERTS)] == \
+            [totals[e] for e in hottest]
+        assert got[f"mbe_expert_layer_tokens_total|layer={layer}"] == sum(totals)
+        if mode == "full":
+            assert [got[f"mbe_expert_tokens_total|expert={e}|layer={layer}"] for e in range(experts)] == totals

@@ -159,6 +159,10 @@ def test_models_health_and_metrics(client, server):
         health = json.loads(answer.read())
     assert health["status"] == "ok"
     assert sorted((w["role"], w["alive"]) for w in health["workers"]) == [("attention", True), ("expert", True)]
+    # --dtype auto on a checkpoint saved in float32: float32, and why
+    assert health["dtype"]["dtype"] == "float32" and health["dtype"]["requested"] == "auto"
+    assert health["dtype"]["checkpoint_dtype"] == "float32" and "checkpoint's dtype" in health["dtype"]["reason"]
+    assert any("ready at" in line and "dtype float32" in line for line in server.stderr)
     metrics = _metrics(server)
     assert metrics['mbe_requests_total{outcome="finished"}'] >= 1
     for name in ("mbe_time_to_first_token_seconds_count", "mbe_time_per_output_token_seconds_count",
@@ -167,6 +171,25 @@ def test_models_health_and_metrics(client, server):
                  "mbe_elastic_workers_rejoined_total", "mbe_elastic_rebalances_total"):
         assert name in metrics
     assert metrics["mbe_expert_load_imbalance"] >= 1.0
+
+
+def test_an_idle_server_runs_almost_no_engine_steps_and_wakes_for_a_request(client, server):
+    """Idle, the attention worker blocks on its socket: one empty step (what proves the workers alive) every
+    `online.idle_wait_s` at most, not one every 50 ms; a request wakes it at once."""
+    from mbridge_epoverlap.serving.workers import online
+
+    idle_s, wait_s = 4.0, online.idle_wait_s(60.0)  # the module's server runs with --timeout 60
+    before = _idle_metrics(server)
+    time.sleep(idle_s)
+    after = _metrics(server)
+    steps = after['mbe_engine_steps{worker="0"}'] - before['mbe_engine_steps{worker="0"}']
+    idle = after['mbe_engine_idle_steps{worker="0"}'] - before['mbe_engine_idle_steps{worker="0"}']
+    # each empty step follows a full idle wait; a report may lag its step by one wait
+    assert idle == steps and steps <= idle_s / wait_s + 2, (steps, idle)  # polling every 50 ms ran ~80
+    started = time.monotonic()
+    answer = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+    assert time.monotonic() - started < wait_s  # not held until the next empty step
 
 
 def _per_layer(metrics: dict[str, float], name: str) -> dict[str, float]:
@@ -205,6 +228,8 @@ def test_metrics_count_every_routed_token_per_layer(client, server, chat_mixtral
     fed = answer.usage.prompt_tokens + answer.usage.completion_tokens - 1
     assert {layer: after[layer] - before.get(layer, 0.0) for layer in layers} == \
         {layer: float(fed * spec.top_k) for layer in layers}
+    per_layer = _per_layer(after_metrics, "mbe_expert_layer_tokens_total")
+    assert {layer: per_layer[layer] for layer in layers} == {layer: after[layer] for layer in layers}
     imbalance = _per_layer(after_metrics, "mbe_expert_layer_load_imbalance")
     assert sorted(imbalance) == sorted(layers)
     assert all(1.0 <= value <= spec.num_experts for value in imbalance.values())

@@ -370,12 +370,38 @@ def test_a_server_without_layout_flags_measures_its_layout(start_server, chat_mi
     entries = json.loads((tmp_path / "mbridge-epoverlap" / "online-layouts.json").read_text())
     assert [e["chosen"] for e in entries.values()] == [layout["chosen"]]
     # The next start of the same server reads it (no trial run: this one would fail).
-    from mbridge_epoverlap.serving.engine.online_layout import choose_online_layout
+    from mbridge_epoverlap.serving.engine.choice.online import choose_online_layout
     from mbridge_epoverlap.serving.engine.plan import available_cores
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     def no_trial(*args):
         raise AssertionError("measured again")
-    again = choose_online_layout(load_spec(chat_mixtral_dir), max_batch=8, max_model_len=256, cores=available_cores(),
+    again = choose_online_layout(load_spec(chat_mixtral_dir), max_batch=8, max_model_len=256,
+                                 cores=available_cores(),
                                  cache_dir=tmp_path / "mbridge-epoverlap", trial=no_trial)
     assert again["source"] == "cached" and again["chosen"] == layout["chosen"]
+
+
+def test_a_request_after_an_idle_step_wakes_every_attention_worker_at_once(start_server, chat_mixtral_dir):
+    """Idle attention workers block on their sockets up to `online.idle_wait_s`, and each engine step needs all of
+    them: the request goes to one and the other is told the engine is busy (`online.Busy`), so the request is not
+    held until the other's next empty step. Each request is sent just after an empty step (when a worker reports
+    it), the other's wait then just begun."""
+    from mbridge_epoverlap.serving.workers import online
+
+    wait_s = online.idle_wait_s(60.0)
+    server = start_server(chat_mixtral_dir, "--attn-workers", "2", "--expert-workers", "1", "--timeout", "60")
+    client = _client(server)
+
+    def idle_steps() -> float:  # 0 until the worker's first report
+        with contextlib.suppress(AssertionError):
+            return _metric(server, 'mbe_engine_idle_steps{worker="1"}')
+        return 0.0
+
+    for _ in range(3):
+        seen = _until(idle_steps, "an empty step of attention worker 1")
+        _until(lambda seen=seen: idle_steps() > seen, "the next empty step of attention worker 1", wait_s * 4)
+        started = time.monotonic()
+        answer = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=2, temperature=0)
+        assert answer.choices[0].finish_reason == "length"
+        assert time.monotonic() - started < wait_s / 2  # held for the other's idle wait, it takes ~wait_s

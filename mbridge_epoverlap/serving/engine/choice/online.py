@@ -3,7 +3,7 @@
 An online server is not an offline batch. Requests join at every step, so a layout whose processes meet at every
 layer (EP across processes, attention and expert workers) makes all of them wait whenever one prefills a new
 prompt or is slowed by the machine; processes that each hold every expert (`--replicate-experts`) never wait for
-each other. The offline choice (`layout_choice`) predicts decode steps from in-process probes and leaves those
+each other. The offline choice (`choice.layout`) predicts decode steps from in-process probes and leaves those
 exchanges out; here each candidate runs for real instead: the engine's own worker processes, transports and
 step agreement, `max_batch` sequences in flight and requests of different lengths, so that one finishes and a
 waiting one is prefilled into the batch at nearly every step, as an online server's arrivals are. The output
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.serving.engine.layout_choice import THREADS_MARGIN
+from mbridge_epoverlap.serving.engine.choice.layout import THREADS_MARGIN
 from mbridge_epoverlap.serving.engine.plan import available_cores
 
 TRIAL_STEPS = 8  # a trial request makes 4-12 tokens: joins at nearly every step, a few seconds a candidate
@@ -59,6 +59,16 @@ def candidates(spec: Any, cores: int, *, available_bytes: int | None = None) -> 
     out["disaggregated_1+1_m2"] = dict(attn_workers=1, expert_workers=1, micro_batches=2, threads=cores // 2)
     out["colocated_1"] = dict(colocated=1, micro_batches=1, order="sequential", threads=cores)
     return out
+
+
+def as_flags(layout: dict[str, Any]) -> dict[str, Any]:
+    """A candidate's layout as the values of `serve`'s layout flags (argparse destinations)."""
+    processes = layout.get("colocated", 0)
+    flags = {"micro_batches": layout["micro_batches"], "threads": layout["threads"], "colocated": processes,
+             "replicate_experts": bool(layout.get("replicated_experts"))}
+    if processes:
+        return dict(flags, attn_workers=1, expert_workers=1, order=layout.get("order", "sequential"))
+    return dict(flags, attn_workers=layout["attn_workers"], expert_workers=layout["expert_workers"])
 
 
 def expert_bytes(spec: Any) -> int:

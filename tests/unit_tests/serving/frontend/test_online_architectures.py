@@ -1,0 +1,58 @@
+"""`serve --http` on the other architectures' checkpoints: text through the tokenizer, greedy, via the `openai`
+client, equals `transformers`' greedy tokens (and their decoded text).
+
+The serving fixtures (`tiny_{family}_dir`, vocabulary of 128) get a small BPE tokenizer of their own (the
+front-end's byte-level one needs 256 ids for its alphabet alone). One server per architecture, two prompts of a
+few tokens each, 5 new tokens, the single-process engine (`--colocated 1`: the quickest to start).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.unit_tests.serving.conftest import TINY_VOCAB
+from tests.unit_tests.serving.frontend.conftest import MODEL_NAME
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["def serve(args):", "return x + y"]
+MAX_TOKENS = 5
+CORPUS = ["def serve(args):\n    return run(args)\n", "import torch\nclass Worker:\n    pass\n",
+          "return x + y if x else y\n", "for i in range(10):\n    print(i, args)\n"]
+
+
+def _with_tokenizer(source: Path, directory: Path) -> Path:
+    """A copy of the checkpoint beside a BPE tokenizer with fewer ids than its vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(source, directory)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB - 8, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "dbrx"])
+def test_text_prompts_equal_transformers_greedy(family, request, tmp_path, start_server, hf_greedy):
+    from transformers import AutoTokenizer
+
+    directory = _with_tokenizer(request.getfixturevalue(f"tiny_{family}_dir"), tmp_path / family)
+    server = start_server(directory, "--colocated", "1", "--max-batch", "2", "--timeout", "60")  # one process: quick
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    prompt_ids = [tokenizer(p).input_ids for p in PROMPTS]
+    assert all(max(ids) < TINY_VOCAB and tokenizer.unk_token_id not in ids for ids in prompt_ids)
+    expected = hf_greedy(directory, prompt_ids, MAX_TOKENS)
+    assert [c.model_extra["token_ids"] for c in answer.choices] == expected
+    assert [c.text for c in answer.choices] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+    assert answer.usage.prompt_tokens == sum(len(ids) for ids in prompt_ids)
