@@ -19,10 +19,8 @@ import torch
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.moe.router import GroupedSigmoidRouter
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
-from mbridge_epoverlap.serving.model.parts import generate_reference
 from mbridge_epoverlap.serving.model.spec import GroupedRouting
 from tests.unit_tests.serving.conftest import GLM4_MOE_SCALING
-from tests.unit_tests.serving.engine_runs import prefill_logits
 
 MAX_NEW = 10
 
@@ -90,36 +88,7 @@ def test_the_group_limit_and_the_correction_bias_change_choices() -> None:
     assert not torch.equal(ids, unbiased.route(x).experts.sort(dim=-1).values)
 
 
-def test_greedy_tokens_equal_transformers_generate(tiny_glm4_moe_dir, prompts, hf_greedy) -> None:
-    spec = load_spec(tiny_glm4_moe_dir)
-    ours = generate_reference(spec, prompts, MAX_NEW)
-    assert ours == hf_greedy(tiny_glm4_moe_dir, prompts, MAX_NEW)
-    assert len({tuple(o) for o in ours}) == len(prompts)  # different continuations: not a vacuous comparison
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logits_equal_transformers_bit_for_bit(tiny_glm4_moe_dir, prompts, dtype) -> None:
-    ours, expected = prefill_logits(tiny_glm4_moe_dir, prompts[2], dtype)
-    assert torch.equal(ours, expected.float())
-
-
-def test_experts_split_over_parts_give_the_same_tokens(tiny_glm4_moe_dir, prompts) -> None:
-    spec = load_spec(tiny_glm4_moe_dir)
-    groups = [[7, 0, 5], [1, 6], [2, 3, 4]]
-    assert generate_reference(spec, prompts, MAX_NEW, expert_groups=groups) == generate_reference(
-        spec, prompts, MAX_NEW)
-
-
-def test_disaggregated_engine_tokens_equal_transformers_greedy(tiny_glm4_moe_dir, prompts, hf_greedy) -> None:
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-    from tests.unit_tests.serving.engine_runs import requests_of
-
-    max_new = 6
-    plan = make_plan(load_spec(tiny_glm4_moe_dir), requests_of(prompts), max_new_tokens=max_new, timeout_s=20,
-                     micro_batches=2, expert_workers=2)
-    result = run_engine(plan)
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_glm4_moe_dir, prompts, max_new)
-    assert all(c["status"] == "ok" for c in result["completions"])
+# Tokens, logits, split experts and the disaggregated engine: `test_architectures.py` (FAMILIES).
 
 
 # --- refused before any weight is read --------------------------------------------------------------

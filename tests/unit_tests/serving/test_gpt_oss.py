@@ -109,42 +109,7 @@ def test_padded_decode_attention_with_sinks_is_each_sequence_alone_to_rounding(w
     assert not torch.allclose(exact, decode_attention(q, k, v, lengths, sliding_window=window), atol=1e-3)
 
 
-# --- tokens and logits ------------------------------------------------------------------------------
-
-def test_greedy_tokens_equal_transformers_generate(tiny_gpt_oss_dir, prompts, hf_greedy) -> None:
-    spec = load_spec(tiny_gpt_oss_dir)
-    ours = generate_reference(spec, prompts, MAX_NEW)
-    assert ours == hf_greedy(tiny_gpt_oss_dir, prompts, MAX_NEW)
-    assert len({tuple(o) for o in ours}) == len(prompts)  # different continuations: not a vacuous comparison
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logits_equal_transformers_bit_for_bit(tiny_gpt_oss_dir, prompts, dtype) -> None:
-    """The 13-token prompt runs past the sliding window. In bf16 too: the RMSNorm multiplies the fp32 normalised
-    input by the weight before rounding (GPT-OSS's order), the sinks' softmax and the router's softmax over the
-    top k run in bf16 as `transformers` runs them, and each expert's activation runs on its own rows (ATen's
-    sigmoid rounds an array's last elements on another path, so over all experts' rows at once it differs)."""
-    ours, expected = prefill_logits(tiny_gpt_oss_dir, prompts[2], dtype)
-    assert torch.equal(ours, expected.float())
-
-
-def test_experts_split_over_parts_give_the_same_tokens(tiny_gpt_oss_dir, prompts) -> None:
-    spec = load_spec(tiny_gpt_oss_dir)
-    groups = [[7, 0, 5], [1, 6], [2, 3, 4]]
-    assert generate_reference(spec, prompts, MAX_NEW, expert_groups=groups) == generate_reference(
-        spec, prompts, MAX_NEW)
-
-
-def test_disaggregated_engine_tokens_equal_transformers_greedy(tiny_gpt_oss_dir, prompts, hf_greedy) -> None:
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-    from tests.unit_tests.serving.engine_runs import requests_of
-
-    max_new = 6
-    plan = make_plan(load_spec(tiny_gpt_oss_dir), requests_of(prompts), max_new_tokens=max_new, timeout_s=20,
-                     micro_batches=2, expert_workers=2)
-    result = run_engine(plan)
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_gpt_oss_dir, prompts, max_new)
-    assert all(c["status"] == "ok" for c in result["completions"])
+# Tokens, logits, split experts and the disaggregated engine: `test_architectures.py` (FAMILIES).
 
 
 # --- MXFP4 experts -----------------------------------------------------------------------------------
