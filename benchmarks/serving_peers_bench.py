@@ -3,8 +3,10 @@
 Builds random checkpoints with `transformers` (a 57M Mixtral: hidden 512, 4 layers, 8 experts top-2;
 a 108M Qwen3-MoE: hidden 512, 4 layers, 64 experts top-8, expert FFN 256; a 108M GPT-OSS of the same width: 4 layers
 alternating 128-token sliding windows and full attention, attention sinks, biases, 32 experts top-4 with a clamped
-SwiGLU, YaRN; vocabulary 4096, no EOS; `--models` picks some) or takes others (`--checkpoint DIR`, repeatable),
-then runs the same prompts (64 of 32-128 random tokens,
+SwiGLU, YaRN; a DeepSeek-V3 of the same width in bf16: its latent sizes, kv_lora_rank 512 and qk_rope_head_dim 64,
+64 experts top-6 in 8 groups, a shared expert, a dense first layer, compared in bf16 unless `--dtype` says otherwise
+(vLLM's CPU MLA refuses float32); vocabulary 4096, no EOS; `--models` picks some) or takes others (`--checkpoint DIR`,
+repeatable), then runs the same prompts (64 of 32-128 random tokens,
 64 new tokens each, greedy) on every engine, interleaved A B C A B C ... `--repeats` times:
 
 - `transformers`: `generate(do_sample=False)` of one left-padded batch, eager attention and experts, in
@@ -18,7 +20,8 @@ tokens/s is generated tokens over the time from the first request's admission to
 start-up and model load excluded (vLLM's offline definition); the median over the repeats is reported,
 with time to first token P50/P99 (ms) of each engine (`transformers`: the batch's prefill, the same for
 every sequence), ratios to vLLM and to `transformers`, and how many sequences equal `transformers`'
-`generate` of each prompt alone (the tests' ground truth, run once, not timed) and of the batch.
+`generate` of each prompt alone (the tests' ground truth, run once, not timed) and of the batch, and the KV
+cache's bytes per token of the engine (its cache layout) and of vLLM (its cache space over the tokens it held).
 With `--breakdown` also one prefill and one decode step split by part (`serving.engine.breakdown`).
 
     python benchmarks/serving_peers_bench.py --vllm-python /work/vllm-venv/bin/python
@@ -46,7 +49,9 @@ sys.path.insert(0, str(REPO))
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 VOCAB = 4096
-MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m")
+MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16")
+# The dtype a model is compared in unless --dtype says otherwise: vLLM's CPU MLA refuses float32.
+MODEL_DTYPES = {"deepseek_v3_bf16": "bfloat16"}
 
 # name -> make_plan keywords; "default" is what `serve` picks without layout flags.
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -56,6 +61,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated_2": dict(colocated=2, micro_batches=1, order="sequential", threads=1),  # EP over two processes
 }
 
+VLLM_KV_GIB = 2  # VLLM_CPU_KVCACHE_SPACE
 _VLLM_DRIVER = r'''
 import json, sys, time
 def main():
@@ -64,7 +70,10 @@ def main():
     model, max_len, num, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     llm = LLM(model=model, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, max_model_len=max_len,
               max_num_seqs=num, seed=0, disable_log_stats=False)
-    print(json.dumps({"ready": True}), flush=True)
+    # The tokens its KV cache holds in VLLM_CPU_KVCACHE_SPACE (bytes per token = that space over them).
+    cache = llm.llm_engine.vllm_config.cache_config
+    tokens = (cache.num_gpu_blocks or 0) * cache.block_size
+    print(json.dumps({"ready": True, "kv_cache_tokens": tokens or None}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], ignore_eos=True)
@@ -90,6 +99,8 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
     is reused)."""
     import torch
     from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
         GptOssConfig,
         GptOssForCausalLM,
         MixtralConfig,
@@ -113,6 +124,14 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
             intermediate_size=512, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
             layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=False,
             **dict(common, max_position_embeddings=4096 * 32))),
+        # DeepSeek-V3's attention at this width: its latent sizes (kv_lora_rank 512, qk_rope_head_dim 64), 64
+        # experts top-6 in 8 groups of which 4 are eligible, a shared expert, a dense first layer; stored in bf16.
+        "deepseek_v3_bf16": (DeepseekV3ForCausalLM, DeepseekV3Config(
+            intermediate_size=1024, moe_intermediate_size=256, q_lora_rank=256, kv_lora_rank=512,
+            qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6,
+            n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, tie_word_embeddings=False, topk_method="noaux_tc",  # as DeepSeek's config.json
+            **dict(common, num_key_value_heads=8))),
     }
     out = {}
     for name, (cls, config) in configs.items():
@@ -121,7 +140,10 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
         path = directory / name
         if not (path / "config.json").is_file():
             torch.manual_seed(0)
-            cls(config).eval().save_pretrained(path)
+            model = cls(config).eval()
+            if MODEL_DTYPES.get(name) == "bfloat16":
+                model = model.to(torch.bfloat16)
+            model.save_pretrained(path)
         out[name] = path
     return out
 
@@ -202,12 +224,14 @@ class Vllm:
         with tempfile.NamedTemporaryFile("w", suffix="_vllm_driver.py", delete=False) as script:
             script.write(_VLLM_DRIVER)
         self.script = script.name
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_LOGGING_LEVEL="WARNING")
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(VLLM_KV_GIB), VLLM_LOGGING_LEVEL="WARNING")
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([python, self.script, str(checkpoint), "512", str(num), dtype],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
-        self._read()  # ready
+        ready = self._read()
+        tokens = ready.get("kv_cache_tokens")
+        self.kv_cache_bytes_per_token = VLLM_KV_GIB * 2**30 / tokens if tokens else None
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -268,16 +292,21 @@ class Engine:
 
 def compare(name: str, checkpoint: Path, args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0))
+    dtype = args.dtype or MODEL_DTYPES.get(name, "float32")
     # Each engine has the machine to itself while it runs: the peers are started for their run and closed
     # after it (start-up is outside every figure). Resident, vLLM's idle server (it polls: ~0.1 core) and the
     # `transformers` model slowed the engine's prefill here (time to first token 1.75 s alone, 2.9 s with both).
-    engines: dict[str, Any] = {"transformers": lambda: Transformers(checkpoint, cores, args.dtype)}
+    engines: dict[str, Any] = {"transformers": lambda: Transformers(checkpoint, cores, dtype)}
     if args.vllm_python:
-        engines["vllm"] = lambda: Vllm(args.vllm_python, checkpoint, len(prompts), args.dtype)
-    engines["engine_default"] = Engine(checkpoint, None, args.dtype)
+        engines["vllm"] = lambda: Vllm(args.vllm_python, checkpoint, len(prompts), dtype)
+    engines["engine_default"] = Engine(checkpoint, None, dtype)
     for layout in args.layouts:
-        engines[f"engine_{layout}"] = Engine(checkpoint, LAYOUTS[layout], args.dtype)
+        engines[f"engine_{layout}"] = Engine(checkpoint, LAYOUTS[layout], dtype)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in engines}
+    from mbridge_epoverlap.serving.model.kv_cache import kv_cache_bytes_per_token
+
+    # The engine's from its cache layout; vLLM's from the tokens its cache space held.
+    kv_bytes: dict[str, float] = {"engine": kv_cache_bytes_per_token(engines["engine_default"].spec)}
     for repeat in range(args.repeats):
         for engine_name, engine in engines.items():
             if not isinstance(engine, Engine):  # a peer: started for this run
@@ -288,6 +317,8 @@ def compare(name: str, checkpoint: Path, args: argparse.Namespace, prompts: list
                     continue
                 try:
                     r = peer.run(prompts, args.max_new_tokens)
+                    if getattr(peer, "kv_cache_bytes_per_token", None):
+                        kv_bytes[engine_name] = peer.kv_cache_bytes_per_token
                 finally:
                     peer.close()
                     del peer
@@ -299,7 +330,7 @@ def compare(name: str, checkpoint: Path, args: argparse.Namespace, prompts: list
             print(f"  {name} repeat {repeat}: {engine_name}: {r['tokens'] / r['wall_s']:.1f} tokens/s",
                   file=sys.stderr, flush=True)
     batched = runs["transformers"][0]["outputs"]
-    reference = Transformers(checkpoint, cores, args.dtype).one_at_a_time(prompts, args.max_new_tokens)
+    reference = Transformers(checkpoint, cores, dtype).one_at_a_time(prompts, args.max_new_tokens)
     rows: dict[str, Any] = {}
     for engine_name, rs in runs.items():
         if not rs:  # a peer that did not start
@@ -330,7 +361,8 @@ def compare(name: str, checkpoint: Path, args: argparse.Namespace, prompts: list
     pred = rows["engine_default"].get("predicted_tokens_per_s")
     if pred and rows["engine_default"]["decode_tokens_per_s"]:
         ratios["default_replay_error"] = pred / rows["engine_default"]["decode_tokens_per_s"] - 1.0
-    return {"checkpoint": str(checkpoint), "engines": rows, "ratios": ratios}
+    return {"checkpoint": str(checkpoint), "dtype": dtype, "engines": rows, "ratios": ratios,
+            "kv_cache_bytes_per_token": kv_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype of every engine (default float32, bfloat16 for deepseek_v3_bf16)")
     parser.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS),
                         help="the built checkpoints to compare on (default all)")
@@ -358,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.prompts)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, avx512_bf16={info['avx512_bf16']}, "
-          f"amx_bf16={info['amx_bf16']}; {args.dtype}; {len(prompts)} prompts of 32-128 tokens, "
+          f"amx_bf16={info['amx_bf16']}; {args.dtype or 'float32 (deepseek_v3_bf16: bfloat16)'}; "
+          f"{len(prompts)} prompts of 32-128 tokens, "
           f"{args.max_new_tokens} new tokens, greedy; A B A B x{args.repeats}")
     doc: dict[str, Any] = {"machine": info, "dtype": args.dtype, "prompts": len(prompts),
                            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "models": {}}
@@ -370,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # With the threads each process of the default layout ran with (comparable with its stage times).
             threads = result["engines"]["engine_default"]["threads_per_process"]
-            result["breakdown"] = step_breakdown(load_spec(checkpoint, dtype=args.dtype), prompts, threads=threads)
+            result["breakdown"] = step_breakdown(load_spec(checkpoint, dtype=result["dtype"]), prompts,
+                                                 threads=threads)
         doc["models"][name] = result
         print(f"\n{name}:")
         print("| engine | tokens/s | TTFT P50 / P99 (ms) | = transformers (alone / batched) | "
@@ -386,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         if choice:
             print(f"default layout: {choice['summary']}")
         print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in result["ratios"].items()))
+        print(f"dtype {result['dtype']}; KV cache bytes per token: "
+              + ", ".join(f"{k} {v:,.0f}" for k, v in result["kv_cache_bytes_per_token"].items()))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0

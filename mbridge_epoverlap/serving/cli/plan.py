@@ -92,6 +92,11 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "--link-util", type=float, default=None,
         help="share of NIC bandwidth M2N transfers reach, in (0, 1] (default 0.7)"
     )
+    parser.add_argument(
+        "--engine-workers", type=int, default=None, metavar="N",
+        help="also print the `serve` layout flags that run this deployment with at most N worker processes "
+             "(shrunk in the plan's proportions where it has more nodes)"
+    )
     parser.add_argument("--list", action="store_true", help="list the known models and GPUs and exit")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(handler=handle)
@@ -166,10 +171,18 @@ def handle(args: argparse.Namespace) -> int:
             experts_per_group=args.experts_per_group,
             **common,
         )
+    row = result.to_dict()
+    if args.engine_workers is not None:
+        from mbridge_epoverlap.serving.planning.to_engine import engine_layout
+
+        layout = engine_layout(result, workers=args.engine_workers, num_experts=catalog.get_model(args.model).experts)
+        row["engine"] = {"flags": layout.flags(), "shrunk": layout.shrunk, "why": layout.why}
     if args.json:
-        _dump(result.to_dict())
+        _dump(row)
     else:
-        _print_plan(result.to_dict())
+        _print_plan(row)
+        if "engine" in row:
+            _console().print(f"engine layout: serve {' '.join(row['engine']['flags'])} ({row['engine']['why']})")
     return 0
 
 
@@ -184,6 +197,8 @@ def _check_combinations(args: argparse.Namespace) -> None:
     if args.link_util is not None and not 0 < args.link_util <= 1:
         raise UsageError(f"--link-util is the share of NIC bandwidth M2N transfers reach, between 0 (excluded) and 1; "
                          f"got {args.link_util:g}; pass e.g. --link-util 0.7")
+    if args.engine_workers is not None and args.compare:
+        raise UsageError("--engine-workers turns one plan into serve flags; --compare ranks many: drop one of them")
     if args.colocated and args.compare:
         raise UsageError("--compare already ranks colocated EP beside every GPU pair; drop --colocated")
     if args.gpus is not None and not args.compare:

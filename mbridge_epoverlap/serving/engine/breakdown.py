@@ -2,7 +2,8 @@
 
 `step_breakdown` prefills a batch of prompts, then decodes, with timers around the model's pieces:
 attention (norms, projections, rotary, KV cache, attention itself), router, dispatch (grouping the
-(token, slot) rows by expert and scattering the results back), experts (the expert GEMMs), combine
+(token, slot) rows by expert and scattering the results back), experts (the expert GEMMs), shared_expert
+(an always-on shared expert, where the model has one: it runs on the attention side, in `post_step`), combine
 (the gate-weighted sum and the residual), sampling (final norm, head, argmax) and the rest of the step
 (Python and scheduling overhead: building the batch, the loop, bookkeeping). Idle time does not exist in
 one process; an engine run's stage timers give it (`utilization` in the run result).
@@ -20,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-PARTS = ("attention", "router", "dispatch", "experts", "combine", "sampling", "overhead")
+PARTS = ("attention", "router", "dispatch", "experts", "shared_expert", "combine", "sampling", "overhead")
 
 
 class _Clock:
@@ -64,6 +65,8 @@ def _instrument(model: Any, clock: _Clock) -> list[tuple[Any, str, Any]]:
     clock.wrap(attention, "post_step", "combine")
     clock.wrap(attention, "logits", "sampling")
     for block in attention.layers:
+        if block.shared_expert is not None:  # nn.Module calls `self.forward`: an instance attribute shadows it
+            clock.wrap(block.shared_expert, "forward", "shared_expert")
         if block.router is not None:  # each router kind's routing methods (grouped routers have `route`)
             for name in ("route",) if hasattr(block.router, "route") else ("softmax_topk", "topk_softmax"):
                 clock.wrap(block.router, name, "router")

@@ -192,4 +192,4 @@ def test_bench_across_two_emulated_hosts() -> None:
     doc = json.loads(result.stdout)
     assert doc["emulate_link_gbps"] == 10 and doc["backend"] == "torch"
     assert doc["results"][0]["link_us"] == round(65536 * 8 / 10e3, 2)
-    assert set(existing_namespaces()) == before
+    assert set(existing_namespaces()) <= before  # none left (a stale one may be swept meanwhile)

@@ -168,7 +168,8 @@ def check_cli(argv: list[str]) -> None:
     `validate`, `simulate` (without writing its picture) and `plan` run as a user would run them: a
     usage error (unknown key, bad value, unknown model or GPU) fails the test, and so does a `validate`
     example that finds errors (exit 1): examples in code blocks show configs that work. `profile`
-    needs traces and `serve`/`serve-bench` start worker processes, so only their options are checked.
+    needs traces and `serve`/`serve-bench`/`elastic-bench` start worker processes (their runs are the serving
+    tests'), so only their options are checked.
     """
     from mbridge_epoverlap.errors import UsageError
 
@@ -180,7 +181,7 @@ def check_cli(argv: list[str]) -> None:
 
             parse_window(args.window)
             return
-        if args.command in ("serve", "serve-bench"):
+        if args.command in ("serve", "serve-bench", "elastic-bench"):
             return
         if args.command == "simulate":
             args.png = None  # the docs' pictures are drawn by `generate_docs.py --images`, not by tests

@@ -14,10 +14,12 @@ TINY = ("-g", "cpu", "-ng", "2", "--max_steps", "3", "-sl", "64")
 
 
 def test_ep_overlap_ab_locally(tmp_path):
-    # As on a CPU without native bf16: the runtime computes in fp32, and the cases must still agree bitwise.
+    """As on a CPU without native bf16: the runtime computes in fp32, and the cases must still agree bitwise.
+    -pyp true (Megatron-Bridge's flag) records Kineto traces on -g cpu; the analyzer reads them into the table."""
     out = tmp_path / "local" / "ab.json"
     done = run_harness("-m", "qwen", "-mr", "qwen3_30b_a3b", *TINY, "--ab", "ep_overlap", "--stable_window", "2:3",
-                       "--results_json", str(out), env={**os.environ, CPU_FLAGS_ENV: "avx avx2 fma"}, timeout=240)
+                       "-pyp", "true", "--results_json", str(out), env={**os.environ, CPU_FLAGS_ENV: "avx avx2 fma"},
+                       timeout=240)
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert {"recipe", "task", "gpu", "num_gpus", "environment", "cases"} <= set(data)
@@ -47,10 +49,15 @@ def test_ep_overlap_ab_locally(tmp_path):
         assert 0 <= case["comm_hidden_worst_rank"] <= case["comm_hidden"] <= 1
         assert case["predicted"]["measured_hidden_fraction"] == case["comm_hidden"]
     assert base["comm_hidden"] < 0.5  # without overlap every collective is waited for right after its issue
+    for case in data["cases"]:  # the traces, read by the analyzer
+        assert case["trace_dir"] and 0 <= case["comm_hidden_pct"] <= 100, case
+        assert case["exposed_comm_per_iter_s"] > 0
+    assert data["cases"][1]["comm_hidden_pct"] > base["comm_hidden_pct"]
     assert "### Simulator against the measurement" in done.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} |" in table for name in CASES) and "bitwise" in table
+    assert "comm hidden % (trace)" in table and "exposed comm / iter (trace)" in table
     assert "| ep_overlap_on |" in done.stdout  # the table is printed too
     assert "[run] ep_overlap_on (case 2/3, repeat 1/1" in done.stderr  # progress on stderr
     assert "Traceback" not in done.stderr
@@ -65,21 +72,3 @@ def test_failed_local_run_writes_nothing(tmp_path):
     assert "Traceback" not in done.stderr
     assert not out.exists() and not out.with_suffix(".md").exists() and not out.with_suffix(".png").exists()
     assert list(tmp_path.iterdir()) == []
-
-
-def test_pytorch_profiler_flag_adds_trace_columns(tmp_path):
-    """-pyp true (Megatron-Bridge's flag) records Kineto traces on -g cpu; the analyzer reads them into the table."""
-    out = tmp_path / "pyp" / "ab.json"
-    done = run_harness("-mr", "qwen3_30b_a3b", "-g", "cpu", "-ng", "2", "--max_steps", "2", "-sl", "64", "--ab",
-                       "comm_overlap.overlap_moe_expert_parallel_comm", "--stable_window", "2:2", "-pyp", "true",
-                       "--results_json", str(out), timeout=240)
-    assert done.returncode == 0, done.stderr
-    cases = json.loads(out.read_text())["cases"]
-    for case in cases:
-        assert case["trace_dir"] and 0 <= case["comm_hidden_pct"] <= 100, case
-        assert case["exposed_comm_per_iter_s"] > 0
-    plain, overlapped = cases  # the recipe runs without overlap; the second case switches it on
-    assert overlapped["overrides"] == ["comm_overlap.overlap_moe_expert_parallel_comm=true"]
-    assert overlapped["comm_hidden_pct"] > plain["comm_hidden_pct"]
-    table = out.with_suffix(".md").read_text()
-    assert "comm hidden % (trace)" in table and "exposed comm / iter (trace)" in table

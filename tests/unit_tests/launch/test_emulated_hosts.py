@@ -50,7 +50,7 @@ def test_ranks_share_their_hosts_namespace_and_a_replacement_starts_in_it(tmp_pa
     hosts = {key: value["host"] for key, value in seen.items()}
     assert hosts["rank0.g0"] == hosts["rank1.g0"] != hosts["rank2.g0"] == hosts["rank3.g1"]
     assert hosts["rank0.g0"].startswith(("198.18.", "198.19."))
-    assert set(existing_namespaces()) == before  # everything removed
+    assert set(existing_namespaces()) <= before  # everything removed (a stale one may be swept meanwhile)
 
 
 def test_emulated_hosts_must_cover_every_rank() -> None:

@@ -216,17 +216,38 @@ def test_experts_split_over_parts_give_the_same_tokens(tiny_deepseek_v3_dir, pro
         spec, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("absorb", ["1", "0"])
-def test_disaggregated_engine_tokens_equal_transformers_greedy(tiny_deepseek_v3_dir, prompts, hf_greedy, absorb,
-                                                               monkeypatch) -> None:
+def test_disaggregated_engine_on_the_exact_path_equals_transformers_greedy(tiny_deepseek_v3_dir, prompts, hf_greedy,
+                                                                          monkeypatch) -> None:
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
     from tests.unit_tests.serving.engine_runs import requests_of
 
-    monkeypatch.setenv("MBRIDGE_EPOVERLAP_MLA_ABSORB", absorb)
+    monkeypatch.setenv("MBRIDGE_EPOVERLAP_MLA_ABSORB", "0")
     max_new = 6
     plan = make_plan(load_spec(tiny_deepseek_v3_dir), requests_of(prompts), max_new_tokens=max_new, timeout_s=20,
                      micro_batches=2, expert_workers=2)
     result = run_engine(plan)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_deepseek_v3_dir, prompts, max_new)
+    assert all(c["status"] == "ok" for c in result["completions"])
+
+
+def test_the_planners_deepseek_v3_deployment_runs_on_the_engine(tiny_deepseek_v3_dir, prompts, hf_greedy) -> None:
+    """The planner's DeepSeek-V3 deployment (H20 attention, L40S experts), shrunk to 4 processes, served on the
+    tiny checkpoint with absorbed decode: its layout is what the engine runs, and the tokens are transformers'."""
+    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+    from mbridge_epoverlap.serving.planning.search import best_disaggregated
+    from mbridge_epoverlap.serving.planning.to_engine import engine_layout
+    from tests.unit_tests.serving.engine_runs import requests_of
+
+    deployment = best_disaggregated("DeepSeek-V3", "H20", "L40S")
+    spec = load_spec(tiny_deepseek_v3_dir)
+    layout = engine_layout(deployment, workers=4, num_experts=spec.num_experts)
+    assert layout.shrunk and layout.micro_batches == deployment.m > 1
+    assert layout.attn_workers + layout.expert_workers == 4 and spec.num_experts % layout.expert_workers == 0
+    max_new = 6
+    plan = make_plan(spec, requests_of(prompts), max_new_tokens=max_new, timeout_s=20, **layout.plan_kwargs())
+    result = run_engine(plan)
+    assert (result["attn_workers"], result["expert_workers"], result["micro_batches"]) == (
+        layout.attn_workers, layout.expert_workers, layout.micro_batches)
     assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_deepseek_v3_dir, prompts, max_new)
     assert all(c["status"] == "ok" for c in result["completions"])
 

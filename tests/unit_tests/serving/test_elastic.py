@@ -48,7 +48,8 @@ def test_router_follows_eplb_replica_choice():
 
 
 # the other architectures: two prompts (a one-token and a long one), 6 tokens, still killed mid-decode
-@pytest.mark.parametrize(("family", "max_new"), [("mixtral", MAX_NEW), ("qwen2_moe", 6), ("olmoe", 6), ("dbrx", 6)])
+@pytest.mark.parametrize(("family", "max_new"), [("mixtral", MAX_NEW)] + [
+    (family, 6) for family in ("qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3")])
 def test_killed_expert_worker_mid_decode_loses_no_request(family, max_new, request, prompts, hf_greedy):
     directory = request.getfixturevalue(f"tiny_{family}_dir")
     prompts = prompts if family == "mixtral" else prompts[1:3]

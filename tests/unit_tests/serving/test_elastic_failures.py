@@ -103,7 +103,7 @@ def test_two_failures_one_after_another_across_emulated_hosts(tiny_mixtral_dir, 
     assert [(r["step"], r["workers"]) for r in rows] == [(2, [0]), (5, [1])]
     assert all(r["interruption_s"] is not None and r["detection_s"] is not None for r in rows)
     assert _leftovers(pids) == ([], [])
-    assert set(existing_namespaces()) == before
+    assert set(existing_namespaces()) <= before  # none left (a stale one may be swept meanwhile)
 
 
 def test_elastic_bench_kill_every_reports_the_failure_table(tiny_mixtral_dir, capsys):

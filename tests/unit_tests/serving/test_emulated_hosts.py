@@ -46,7 +46,9 @@ def test_a_replacement_rejoins_across_emulated_hosts(tiny_mixtral_dir, prompts, 
     before = set(existing_namespaces())
     spec = load_spec(tiny_mixtral_dir)
     plan = make_plan(spec, _requests(prompts), attn_workers=2, expert_workers=4, micro_batches=2,
-                     max_new_tokens=MAX_NEW, timeout_s=20, backend=backend)
+                     max_new_tokens=MAX_NEW, timeout_s=40, backend=backend)
+    # The hold waits up to half the timeout for the replacement: its start (torch, and mooncake's engine in a
+    # namespace) took over 10 s on a loaded 2-core machine.
     plan = emulate_hosts(make_elastic(plan, redundant=4, kill=1, kill_step=2, rejoin_after_steps=2, rejoin_hold=True),
                          2, 10.0)
     pids: list[int] = []
@@ -55,7 +57,7 @@ def test_a_replacement_rejoins_across_emulated_hosts(tiny_mixtral_dir, prompts, 
     assert result["failed_requests"] == []
     assert result["elastic"]["lost_workers"] == [0] and result["elastic"]["rejoined_workers"] == [0]
     assert _leftovers(pids) == ([], [])
-    assert set(existing_namespaces()) == before
+    assert set(existing_namespaces()) <= before  # none left (a stale one may be swept meanwhile)
 
 
 @pytest.mark.parametrize("command", ["serve-bench", "elastic-bench"])

@@ -34,9 +34,10 @@ MODES = [
     ("tiny_qwen3_moe_dir", dict(colocated=2, order="sequential", micro_batches=1, replicated_experts=True)),
 ]
 # Every layout on the other architectures (m=2 disaggregated is `test_architectures.py`'s), on two prompts.
-MODES += [(f"tiny_{family}_dir", layout) for family in ("qwen2_moe", "olmoe", "dbrx") for layout in (
+OTHER_FAMILIES = ("qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3")
+MODES += [(f"tiny_{family}_dir", layout) for family in OTHER_FAMILIES for layout in (
     dict(micro_batches=1), dict(micro_batches=3), dict(colocated=2), dict(colocated=2, replicated_experts=True))]
-FEW_PROMPTS = ("tiny_qwen2_moe_dir", "tiny_olmoe_dir", "tiny_dbrx_dir")
+FEW_PROMPTS = tuple(f"tiny_{family}_dir" for family in OTHER_FAMILIES)
 
 
 def _requests(prompts):
