@@ -10,6 +10,8 @@ Names (all prefixed `mbe_`):
   submission to the last token).
 - `mbe_requests_running`, `mbe_requests_waiting`: gauges, summed over the attention workers' last reports.
 - `mbe_kv_cache_tokens`: tokens held in the attention workers' KV caches (freed rows leave it).
+- `mbe_kv_cache_bytes_per_token`: bytes one token takes in the KV cache over all layers, in the compute dtype (a
+  latent attention model's latents, another's keys and values): times `mbe_kv_cache_tokens`, the cache in use.
 - `mbe_expert_load_imbalance`: max/mean of the (token, choice) pairs routed to each expert, summed over the MoE
   layers (what the elastic re-solve balances: every expert worker holds the same experts in every layer), over the
   last `LOAD_WINDOW_S` seconds of reports that carried load.
@@ -70,11 +72,13 @@ def max_over_mean(counts: Sequence[int]) -> float | None:
 class ServerMetrics:
     """The server's Prometheus metrics (see the module docstring)."""
 
-    def __init__(self, moe_layers: Sequence[int] = (), expert_metrics: str = "top") -> None:
+    def __init__(self, moe_layers: Sequence[int] = (), expert_metrics: str = "top",
+                 kv_bytes_per_token: int | None = None) -> None:
         """Args:
             moe_layers: the model's MoE layer ids, ascending (the rows of every report's expert load).
             expert_metrics: `top` (the `HOT_EXPERTS` hottest experts per layer) or `full` (also a counter per
                 layer and expert, `mbe_expert_tokens_total`).
+            kv_bytes_per_token: the KV cache's bytes per token (`kv_cache.kv_cache_bytes_per_token`), if known.
         """
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -95,6 +99,10 @@ class ServerMetrics:
         self.running = Gauge("mbe_requests_running", "Requests decoding", registry=registry)
         self.waiting = Gauge("mbe_requests_waiting", "Requests waiting for a slot", registry=registry)
         self.kv_tokens = Gauge("mbe_kv_cache_tokens", "Tokens held in the KV caches", registry=registry)
+        self.kv_bytes = Gauge("mbe_kv_cache_bytes_per_token", "Bytes one token takes in the KV cache, all layers",
+                              registry=registry)
+        if kv_bytes_per_token is not None:
+            self.kv_bytes.set(kv_bytes_per_token)
         self.imbalance = Gauge("mbe_expert_load_imbalance",
                                "Max/mean tokens per expert over all MoE layers, last window", registry=registry)
         self.layer_imbalance = Gauge("mbe_expert_layer_load_imbalance", "Max/mean tokens per expert, last window",

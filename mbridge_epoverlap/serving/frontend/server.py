@@ -99,7 +99,9 @@ def serve_http(args: argparse.Namespace) -> int:
         return plan
 
     _log_to_stderr()
-    metrics = ServerMetrics(spec.moe_layer_ids, args.expert_metrics)
+    from mbridge_epoverlap.serving.model.kv_cache import kv_cache_bytes_per_token
+
+    metrics = ServerMetrics(spec.moe_layer_ids, args.expert_metrics, kv_cache_bytes_per_token(spec))
     outcome: dict[str, Any] = {"code": EXIT_OK, "server": None}  # the exit code; uvicorn's server once it exists
 
     def engine_ended(reason: str | None) -> None:

@@ -153,7 +153,7 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(client):
     assert all(0 <= t < VOCAB for t in first)
 
 
-def test_models_health_and_metrics(client, server):
+def test_models_health_and_metrics(client, server, chat_mixtral_dir):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     with urllib.request.urlopen(f"{server.url}/health", timeout=10) as answer:
         health = json.loads(answer.read())
@@ -171,6 +171,10 @@ def test_models_health_and_metrics(client, server):
                  "mbe_elastic_workers_rejoined_total", "mbe_elastic_rebalances_total"):
         assert name in metrics
     assert metrics["mbe_expert_load_imbalance"] >= 1.0
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    spec = load_spec(chat_mixtral_dir)  # a GQA model in float32: each layer's keys and values of its KV heads
+    assert metrics["mbe_kv_cache_bytes_per_token"] == spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
 
 
 def test_an_idle_server_runs_almost_no_engine_steps_and_wakes_for_a_request(client, server):
