@@ -314,8 +314,11 @@ def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Nam
 
 # --- the run -------------------------------------------------------------------------------------------------
 def cpu_seconds(server: Server) -> float:
-    """CPU time (user + system) of every live process of the server's session (it starts its own)."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    """CPU time (user + system) of the server and every live process below it (its workers run in sessions of
+    their own, so the session alone would leave them out)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -324,8 +327,15 @@ def cpu_seconds(server: Server) -> float:
                 fields = stat.read().rsplit(")", 1)[1].split()
         except OSError:  # it exited meanwhile
             continue
-        if int(fields[3]) == server.proc.pid:  # the session id: the server's own pid
-            total += (int(fields[11]) + int(fields[12])) / tick
+        parent[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for pid, seconds in used.items():
+        ancestor = pid
+        while ancestor > 1 and ancestor != server.proc.pid:
+            ancestor = parent.get(ancestor, 0)
+        if ancestor == server.proc.pid:
+            total += seconds
     return total
 
 
