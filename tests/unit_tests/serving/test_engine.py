@@ -37,7 +37,10 @@ MODES = [
 OTHER_FAMILIES = ("qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3")
 MODES += [(f"tiny_{family}_dir", layout) for family in OTHER_FAMILIES for layout in (
     dict(micro_batches=1), dict(micro_batches=3), dict(colocated=2), dict(colocated=2, replicated_experts=True))]
-FEW_PROMPTS = tuple(f"tiny_{family}_dir" for family in OTHER_FAMILIES)
+# DeepSeek-V3 with its queries projected directly (no q_lora_rank): the disaggregated and the colocated engine.
+MODES += [("tiny_deepseek_v3_direct_q_dir", dict(micro_batches=2, expert_workers=2)),
+          ("tiny_deepseek_v3_direct_q_dir", dict(colocated=2))]
+FEW_PROMPTS = (*(f"tiny_{family}_dir" for family in OTHER_FAMILIES), "tiny_deepseek_v3_direct_q_dir")
 
 
 def _requests(prompts):
