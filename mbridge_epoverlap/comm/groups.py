@@ -7,6 +7,7 @@ their block) form an expert-data-parallel (EDP) group that reduces expert gradie
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -52,6 +53,14 @@ def init_distributed(rank: int, world: int, *, backend: str, timeout_s: float, i
     }
     if init_method is not None:
         kwargs["init_method"] = init_method
+    elif "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        # Every rank opens the rendezvous store itself (what env:// would do), so that rank 0's server takes over
+        # the listening socket the local launcher held for it (`launch.ranks.STORE_FD_ENV`): no other run can take
+        # the port between its pick and the bind.
+        from mbridge_epoverlap.comm.store import open_store
+
+        kwargs["store"] = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world=world,
+                                     is_server=rank == 0, timeout_s=timeout_s)
     if backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(**kwargs)

@@ -48,9 +48,31 @@ def open_store(host: str, port: int, *, world: int | None, is_server: bool, time
         # /etc/hosts): only an address is bound; a name keeps the store's default of every interface.
         return dist.TCPStore(host, port, world, True, timeout=timeout, wait_for_workers=wait_for_workers)
     # The store's server takes the descriptor over: detached, Python never closes it under the store.
-    fd = listening_socket(host, port).detach()
+    fd = _inherited_listener(port)
+    if fd is None:
+        fd = listening_socket(host, port).detach()
     return dist.TCPStore(host, port, world, True, timeout=timeout, wait_for_workers=wait_for_workers,
                          master_listen_fd=fd)
+
+
+def _inherited_listener(port: int) -> int | None:
+    """The listening socket the launcher bound to `port` and passed to this rank (`STORE_FD_ENV`), or None; taken
+    once (the variable is cleared)."""
+    import os
+
+    from mbridge_epoverlap.launch.ranks import STORE_FD_ENV
+
+    value = os.environ.pop(STORE_FD_ENV, None)
+    if value is None:
+        return None
+    try:
+        sock = socket.socket(fileno=int(value))
+    except (OSError, ValueError):
+        return None
+    if sock.getsockname()[1] != port:
+        sock.detach()  # not ours to close
+        return None
+    return sock.detach()
 
 
 def _is_address(host: str) -> bool:

@@ -34,6 +34,11 @@ TAIL_LINES = 15  # stderr lines of a failed rank shown in the failure message
 DEFAULT_ACTIVITY = "its work"  # what the processes do, when the caller does not say
 
 
+# Rank 0's inherited listening socket of the rendezvous (read by `comm.store.open_store`): a port picked free and
+# closed again can be taken by another run's rank 0 before this one's binds it (two runs at once then share a
+# store); a socket that stays bound from the pick to the store's start cannot.
+STORE_FD_ENV = "MBRIDGE_EPOVERLAP_STORE_FD"
+
 @dataclass
 class Rank:
     """One process of a rank (the first, or a replacement) and its output files."""
@@ -103,14 +108,16 @@ class Ranks:
             r.out.close()
             r.err.close()
 
-    def start(self, rank: int, command: list[str], env: dict[str, str], generation: int = 0) -> None:
-        """Start `command` as rank `rank` in its own session (so its whole process group can be killed)."""
+    def start(self, rank: int, command: list[str], env: dict[str, str], generation: int = 0,
+              pass_fds: tuple[int, ...] = ()) -> None:
+        """Start `command` as rank `rank` in its own session (so its whole process group can be killed), with the
+        descriptors `pass_fds` inherited."""
         name = f"rank{rank}" + (f".g{generation}" if generation else "")
         out_path, err_path = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
         out, err = open(out_path, "wb"), open(err_path, "wb")  # noqa: SIM115 - closed in __exit__
         proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
-        self.envs[rank] = env
+                                start_new_session=True, pass_fds=pass_fds)
+        self.envs[rank] = {k: v for k, v in env.items() if k != STORE_FD_ENV}  # a replacement inherits nothing
         self.ranks.append(Rank(rank, proc, out, err, out_path, err_path, generation=generation))
 
     def supervise(self, *, timeout_s: float, progress: Callable[[str], None] | None) -> None:

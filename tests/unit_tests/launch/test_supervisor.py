@@ -3,6 +3,7 @@ replacement, and failure messages that say what the processes were doing."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -90,3 +91,34 @@ def test_training_ranks_fail_after_training(monkeypatch):
     cfg = cpu_overlap_case("qwen3_30b_a3b", 2, overlap=False, delay_wgrad=False)
     with pytest.raises(RunFailedError, match=r"rank 1 failed with exit code 1 \(after training\)"):
         training_launch.launch_ranks(cfg, timeout_s=60)
+
+
+# Rank 0 checks the rendezvous socket it inherited: bound to MASTER_PORT and listening, while nobody else may bind
+# that port; rank 1 has none.
+RENDEZVOUS_CHECK = """
+import json, os, socket, sys
+fd = os.environ.get("MBRIDGE_EPOVERLAP_STORE_FD")
+seen = {"rank": os.environ["RANK"], "fd": fd}
+if fd is not None:
+    sock = socket.socket(fileno=int(fd))
+    seen["port_is_master_port"] = sock.getsockname()[1] == int(os.environ["MASTER_PORT"])
+    seen["listening"] = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+    other = socket.socket()
+    try:
+        other.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        seen["port_free"] = True
+    except OSError:
+        seen["port_free"] = False
+open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w").write(json.dumps(seen))
+"""
+
+
+def test_rank_0_inherits_the_rendezvous_port_bound_from_its_pick(tmp_path):
+    """A port picked free and closed again could be taken by another run's rank 0 before this one's binds it (two
+    runs at once then meet in one store): the launcher keeps it bound and hands the socket to rank 0."""
+    launch_processes(2, lambda rank: [sys.executable, "-c", RENDEZVOUS_CHECK, str(tmp_path)],
+                     collect=lambda workdir: {}, timeout_s=60)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert rank0["port_is_master_port"] and rank0["listening"] and rank0["port_free"] is False
+    assert rank1["fd"] is None
