@@ -42,6 +42,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),
+    ("MBRIDGE_EPOVERLAP_STORE_FD", "set by the local launcher for rank 0: the descriptor of the rendezvous socket it "
+     "bound at MASTER_PORT, which rank 0's store takes over (no other run can take the port meanwhile)"),
     ("MBRIDGE_EPOVERLAP_SUPERVISOR_PID", "set by the launcher: its pid; a rank exits when that process is gone"),
 )
 
