@@ -1,10 +1,12 @@
-"""Helpers of the serving tests: requests from prompts, what a run left behind, and the reference model's
-prefill logits beside `transformers`'."""
+"""Helpers of the serving tests: requests from prompts, what a run left behind, the reference model's prefill
+logits beside `transformers`', and a checkpoint's config alone, edited, refused before any weight is read."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
+from pathlib import Path
 
 from mbridge_epoverlap.serving.workers.requests import Request
 
@@ -47,3 +49,38 @@ def prefill_logits(directory, prompt: list[int], dtype: str, *, reference=None):
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
     return model.attention.logits(x), expected
+
+
+def config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
+    """The checkpoint's config.json with `changes` (`a.b`: field b of the object a), and no weights: a refusal
+    here came before any was read."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    for key, value in changes.items():
+        *outer, last = key.split(".")
+        target = config
+        for name in outer:
+            target = target[name]
+        target[last] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def assert_refused_before_weights(directory: Path, named: list[str], tmp_path: Path) -> None:
+    """`load_spec` refuses `directory` naming its config.json and every string of `named`, and `serve` on it
+    exits 2."""
+    import pytest
+
+    from mbridge_epoverlap.cli import main
+    from mbridge_epoverlap.errors import UsageError
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    with pytest.raises(UsageError) as info:
+        load_spec(directory)
+    message = str(info.value)
+    assert str(directory / "config.json") in message
+    assert all(n in message for n in named), message
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p0", "prompt_ids": [1, 2]}) + "\n")
+    assert main(["serve", "--checkpoint", str(directory), "--prompts", str(prompts)]) == 2

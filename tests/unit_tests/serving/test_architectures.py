@@ -23,7 +23,7 @@ from mbridge_epoverlap.serving.model import architectures
 from mbridge_epoverlap.serving.model.architectures.base import ConfigFields
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.model.parts import generate_reference
-from tests.unit_tests.serving.engine_runs import prefill_logits
+from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, config_only, prefill_logits
 
 MAX_NEW = 10
 # The reference-model and disaggregated-engine checks of every architecture module but Mixtral and Qwen3-MoE
@@ -155,29 +155,13 @@ def test_an_older_dbrx_config_gives_the_rotary_base_in_attn_config(tiny_dbrx_dir
 
 
 def test_every_registered_architecture_is_named_when_one_is_unknown(tiny_olmoe_dir, tmp_path) -> None:
-    directory = _copy_config_only(tiny_olmoe_dir, tmp_path, architectures=["JambaForCausalLM"])
+    directory = config_only(tiny_olmoe_dir, tmp_path, architectures=["JambaForCausalLM"])
     with pytest.raises(UsageError, match="'architectures'") as info:
         load_spec(directory)
     assert all(name in str(info.value) for name in architectures.NAMES)
 
 
 # --- refused before any weight is read --------------------------------------------------------------
-
-def _copy_config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
-    """The checkpoint's config.json with `changes`, and no weights: a refusal here came before any was read."""
-    directory = tmp_path / "ckpt"
-    directory.mkdir()
-    shutil.copy(source / "config.json", directory / "config.json")
-    config = json.loads((directory / "config.json").read_text())
-    for key, value in changes.items():  # `a.b`: field b of the object a
-        *outer, last = key.split(".")
-        target = config
-        for name in outer:
-            target = target[name]
-        target[last] = value
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
 
 @pytest.mark.parametrize(("family", "changes", "named"), [
     ("qwen2_moe", {"quantization_config": {"quant_method": "fp8"}}, ["'quantization_config'", "fp8"]),
@@ -197,17 +181,8 @@ def _copy_config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
     ("dbrx", {"ffn_config": "moe"}, ["'ffn_config'", "'moe'"]),
 ])
 def test_unsupported_features_exit_2_naming_field_and_value(family, changes, named, request, tmp_path) -> None:
-    from mbridge_epoverlap.cli import main
-
-    directory = _copy_config_only(request.getfixturevalue(f"tiny_{family}_dir"), tmp_path, **changes)
-    with pytest.raises(UsageError) as info:
-        load_spec(directory)
-    message = str(info.value)
-    assert str(directory / "config.json") in message
-    assert all(n in message for n in named), message
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p0", "prompt_ids": [1, 2]}) + "\n")
-    assert main(["serve", "--checkpoint", str(directory), "--prompts", str(prompts)]) == 2
+    directory = config_only(request.getfixturevalue(f"tiny_{family}_dir"), tmp_path, **changes)
+    assert_refused_before_weights(directory, named, tmp_path)
 
 
 @pytest.mark.parametrize(("family", "name", "wrong", "right"), [

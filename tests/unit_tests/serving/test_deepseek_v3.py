@@ -11,7 +11,6 @@ disaggregated engine (absorbed decode, or exact with MBRIDGE_EPOVERLAP_MLA_ABSOR
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -19,14 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache, kv_cache_bytes_per_token
 from mbridge_epoverlap.serving.model.layers import MultiLatentAttention, rotary_for
 from mbridge_epoverlap.serving.model.parts import generate_reference
 from tests.unit_tests.serving.conftest import deepseek_v3_config
-from tests.unit_tests.serving.engine_runs import prefill_logits
+from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, config_only, prefill_logits
 
 MAX_NEW = 10
 
@@ -269,20 +267,6 @@ def test_layers_past_the_model_are_skipped_and_named(tiny_deepseek_v3_dir, tmp_p
 
 # --- refused before any weight is read --------------------------------------------------------------
 
-def _config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
-    directory = tmp_path / "ckpt"
-    directory.mkdir()
-    config = json.loads((source / "config.json").read_text())
-    for key, value in changes.items():
-        *outer, last = key.split(".")
-        target = config
-        for name in outer:
-            target = target[name]
-        target[last] = value
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.mark.parametrize(("changes", "named"), [
     ({"topk_method": "greedy"}, ["'topk_method'", "'greedy'", "'noaux_tc'"]),
     ({"scoring_func": "softmax"}, ["'scoring_func'", "'softmax'"]),
@@ -293,14 +277,4 @@ def _config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
     ({"qk_rope_head_dim": 7}, ["'qk_rope_head_dim'", "is 7"]),
 ])
 def test_unsupported_values_are_named_before_weights_load(tiny_deepseek_v3_dir, tmp_path, changes, named) -> None:
-    directory = _config_only(tiny_deepseek_v3_dir, tmp_path, **changes)
-    with pytest.raises(UsageError) as info:
-        load_spec(directory)
-    message = str(info.value)
-    assert str(directory / "config.json") in message
-    assert all(n in message for n in named), message
-    from mbridge_epoverlap.cli import main
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p0", "prompt_ids": [1, 2]}) + "\n")
-    assert main(["serve", "--checkpoint", str(directory), "--prompts", str(prompts)]) == 2
+    assert_refused_before_weights(config_only(tiny_deepseek_v3_dir, tmp_path, **changes), named, tmp_path)

@@ -9,7 +9,6 @@ equal the eager model's bit for bit, experts split over parts and the disaggrega
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from mbridge_epoverlap.moe.router import GroupedSigmoidRouter
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.model.spec import GroupedRouting
 from tests.unit_tests.serving.conftest import GLM4_MOE_SCALING
+from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, config_only
 
 MAX_NEW = 10
 
@@ -93,24 +93,6 @@ def test_the_group_limit_and_the_correction_bias_change_choices() -> None:
 
 # --- refused before any weight is read --------------------------------------------------------------
 
-def _config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
-    """The checkpoint's config.json with `changes` (None: the field removed), and no weights."""
-    directory = tmp_path / "ckpt"
-    directory.mkdir()
-    config = json.loads((source / "config.json").read_text())
-    for key, value in changes.items():
-        *outer, last = key.split(".")
-        target = config
-        for name in outer:
-            target = target[name]
-        if value is None:
-            target.pop(last, None)
-        else:
-            target[last] = value
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.mark.parametrize(("changes", "named"), [
     ({"topk_method": "greedy"}, ["'topk_method'", "'greedy'", "'noaux_tc'"]),
     ({"scoring_func": "softmax"}, ["'scoring_func'", "'softmax'", "'sigmoid'"]),
@@ -122,17 +104,7 @@ def _config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
     ({"routed_scaling_factor": 0}, ["'routed_scaling_factor'", "is 0"]),
 ])
 def test_unsupported_values_are_named_before_weights_load(tiny_glm4_moe_dir, tmp_path, changes, named) -> None:
-    directory = _config_only(tiny_glm4_moe_dir, tmp_path, **changes)
-    with pytest.raises(UsageError) as info:
-        load_spec(directory)
-    message = str(info.value)
-    assert str(directory / "config.json") in message
-    assert all(n in message for n in named), message
-    from mbridge_epoverlap.cli import main
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p0", "prompt_ids": [1, 2]}) + "\n")
-    assert main(["serve", "--checkpoint", str(directory), "--prompts", str(prompts)]) == 2
+    assert_refused_before_weights(config_only(tiny_glm4_moe_dir, tmp_path, **changes), named, tmp_path)
 
 
 def test_a_missing_correction_bias_is_named(tiny_glm4_moe_dir, tmp_path) -> None:

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.model.parts import generate_reference, load_attention_part, load_expert_part
 from tests.unit_tests.serving.conftest import GPT_OSS_SWIGLU_LIMIT
-from tests.unit_tests.serving.engine_runs import prefill_logits
+from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, config_only, prefill_logits
 
 MAX_NEW = 10
 
@@ -158,17 +157,6 @@ def test_mxfp4_greedy_tokens_equal_transformers_generate(mxfp4_dirs, prompts, hf
 
 # --- refused before any weight is read --------------------------------------------------------------
 
-def _copy_config_only(source: Path, tmp_path: Path, **changes: object) -> Path:
-    """The checkpoint's config.json with `changes`, and no weights: a refusal here came before any was read."""
-    directory = tmp_path / "ckpt"
-    directory.mkdir()
-    shutil.copy(source / "config.json", directory / "config.json")
-    config = json.loads((directory / "config.json").read_text())
-    config.update(changes)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}
 
 
@@ -183,17 +171,7 @@ _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
      ["'layer_types'", "chunked_attention"]),
 ])
 def test_unsupported_features_exit_2_naming_field_and_value(tiny_gpt_oss_dir, changes, named, tmp_path) -> None:
-    from mbridge_epoverlap.cli import main
-
-    directory = _copy_config_only(tiny_gpt_oss_dir, tmp_path, **changes)
-    with pytest.raises(UsageError) as info:
-        load_spec(directory)
-    message = str(info.value)
-    assert str(directory / "config.json") in message
-    assert all(n in message for n in named), message
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "p0", "prompt_ids": [1, 2]}) + "\n")
-    assert main(["serve", "--checkpoint", str(directory), "--prompts", str(prompts)]) == 2
+    assert_refused_before_weights(config_only(tiny_gpt_oss_dir, tmp_path, **changes), named, tmp_path)
 
 
 # --- elastic expert moves carry the biases ----------------------------------------------------------
