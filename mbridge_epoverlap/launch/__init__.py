@@ -3,9 +3,10 @@ leave no process or network namespace behind. The training runtime (`runtime.lau
 (`serving.engine.run`) and the M2N benchmark (`comm.m2n.bench`) all start their processes here. Torch-free.
 
 - `processes`: `launch_processes`, the one launcher: scratch directory, base environment, rendezvous
-  port (`free_port`), optional link emulation, results.
-- `ranks`: `Ranks`, the processes of one run: start, supervise, replace expendable ones, kill, and the
-  failure message that names the rank that caused it.
+  port, optional link emulation, results; `free_port` for a port someone else binds later.
+- `ranks`: `Ranks`, the processes of one run: start (rank 0 with the rendezvous socket `reserved_listener`
+  holds for it), supervise, replace expendable ones, kill, and the failure message that names the rank that
+  caused it.
 - `heartbeat`: the tiny per-rank status file a process writes and the supervisor reads, to tell a hung
   rank from one waiting for it.
 - `netns`: an emulated inter-node link, one network namespace per rank (or per emulated host) behind a
@@ -15,6 +16,6 @@ leave no process or network namespace behind. The training runtime (`runtime.lau
 """
 
 from mbridge_epoverlap.launch.processes import base_env, free_port, launch_processes
-from mbridge_epoverlap.launch.ranks import Ranks
+from mbridge_epoverlap.launch.ranks import Ranks, reserved_listener
 
-__all__ = ["Ranks", "base_env", "free_port", "launch_processes"]
+__all__ = ["Ranks", "base_env", "free_port", "launch_processes", "reserved_listener"]

@@ -22,7 +22,7 @@ from typing import Any
 from mbridge_epoverlap.errors import RunFailedError
 from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.launch.orphan import SUPERVISOR_PID_ENV
-from mbridge_epoverlap.launch.ranks import DEFAULT_ACTIVITY, STORE_FD_ENV, Ranks
+from mbridge_epoverlap.launch.ranks import DEFAULT_ACTIVITY, Ranks, reserved_listener
 from mbridge_epoverlap.launch.signals import interruptible
 
 M2N_HOST_ENV = "MBRIDGE_EPOVERLAP_M2N_HOST"  # read by `comm.m2n.make_communicator` (mooncake's listen address)
@@ -118,13 +118,7 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
                                 LOCAL_WORLD_SIZE=str(world))
                 if link is not None:  # where a rank's M2N endpoints listen (mooncake): its namespace's address
                     rank_env.setdefault(M2N_HOST_ENV, link.address(rank))
-                inherited: tuple[int, ...] = ()
-                if rank == 0 and reserved is not None:
-                    inherited = (reserved.fileno(),)
-                    rank_env[STORE_FD_ENV] = str(reserved.fileno())
-                ranks.start(rank, prefix + command, rank_env, pass_fds=inherited)
-                if inherited:  # rank 0 holds it now; the launcher's copy would only keep the port after it ends
-                    reserved.close()
+                ranks.start(rank, prefix + command, rank_env, rendezvous=reserved if rank == 0 else None)
             if on_start is not None:
                 on_start([r.proc.pid for r in ranks.ranks])
             try:
@@ -142,20 +136,6 @@ def launch_processes(world: int, command_for: Callable[[int], list[str]], *, env
             return json.loads(results.read_text())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def reserved_listener(host: str = "127.0.0.1") -> Any:
-    """A TCP socket bound to a free port of `host` and listening (closed on exit): the rendezvous port, held from
-    its pick until rank 0's store takes it over (`STORE_FD_ENV`)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        sock.listen(1024)
-        yield sock
-    finally:
-        sock.close()
 
 
 def free_port() -> int:

@@ -14,9 +14,10 @@ import contextlib
 import os
 import select
 import signal
+import socket
 import subprocess
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -109,15 +110,25 @@ class Ranks:
             r.err.close()
 
     def start(self, rank: int, command: list[str], env: dict[str, str], generation: int = 0,
-              pass_fds: tuple[int, ...] = ()) -> None:
-        """Start `command` as rank `rank` in its own session (so its whole process group can be killed), with the
-        descriptors `pass_fds` inherited."""
+              rendezvous: socket.socket | None = None) -> None:
+        """Start `command` as rank `rank` in its own session (so its whole process group can be killed).
+
+        `rendezvous`: the run's store socket, bound and listening (`reserved_listener`), handed to this rank (rank
+        0, whose store takes it over: `STORE_FD_ENV`) and closed here: the launcher's copy would only keep the
+        port after the rank ends."""
         name = f"rank{rank}" + (f".g{generation}" if generation else "")
         out_path, err_path = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
         out, err = open(out_path, "wb"), open(err_path, "wb")  # noqa: SIM115 - closed in __exit__
-        proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, pass_fds=pass_fds)
-        self.envs[rank] = {k: v for k, v in env.items() if k != STORE_FD_ENV}  # a replacement inherits nothing
+        inherited, started_env = (), env
+        if rendezvous is not None:
+            inherited, started_env = (rendezvous.fileno(),), {**env, STORE_FD_ENV: str(rendezvous.fileno())}
+        try:
+            proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=started_env,
+                                    start_new_session=True, pass_fds=inherited)
+        finally:
+            if rendezvous is not None:
+                rendezvous.close()
+        self.envs[rank] = env  # a replacement inherits no rendezvous socket
         self.ranks.append(Rank(rank, proc, out, err, out_path, err_path, generation=generation))
 
     def supervise(self, *, timeout_s: float, progress: Callable[[str], None] | None) -> None:
@@ -246,3 +257,17 @@ def _tail(path: Path) -> str:
     except OSError:
         return ""
     return "\n".join("    " + line for line in lines[-TAIL_LINES:])
+
+
+@contextlib.contextmanager
+def reserved_listener(host: str = "127.0.0.1") -> Iterator[socket.socket]:
+    """A TCP socket bound to a free port of `host` and listening (closed on exit): a run's rendezvous port, held
+    from its pick until rank 0's store takes it over (`Ranks.start(rendezvous=...)`)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(1024)
+        yield sock
+    finally:
+        sock.close()

@@ -110,7 +110,7 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
     """
     from mbridge_epoverlap.comm.m2n import MOONCAKE_INSTALL, mooncake_available, resolve_backend
     from mbridge_epoverlap.comm.m2n.shm import remove_leftovers
-    from mbridge_epoverlap.launch import Ranks, free_port
+    from mbridge_epoverlap.launch import Ranks, reserved_listener
 
     concrete = resolve_backend(backend, single_host=emulate_link_gbps is None)
     if concrete == "shm" and emulate_link_gbps is not None:
@@ -134,22 +134,26 @@ def run_bench(backend: str, *, senders: int, receivers: int, sizes: Sequence[int
         env = _rank_env()
         env.update({_PREFIX + "BACKEND": concrete, _PREFIX + "SENDERS": str(senders), _PREFIX + "WORLD": str(world),
                     _PREFIX + "SIZES": ",".join(str(s) for s in sizes), _PREFIX + "ITERS": str(iters),
-                    _PREFIX + "DIR": str(workdir), _PREFIX + "TIMEOUT_S": str(min(60.0, timeout_s / 2)),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GLOO_SOCKET_IFNAME": "lo"})
+                    _PREFIX + "DIR": str(workdir), _PREFIX + "TIMEOUT_S": str(min(60.0, timeout_s / 2))})
         with contextlib.ExitStack() as stack:
-            link = None
+            link, reserved = None, None
             if emulate_link_gbps is not None:
                 from mbridge_epoverlap.launch.netns import IFNAME, EmulatedLink
 
                 link = stack.enter_context(EmulatedLink(world, emulate_link_gbps, [0] * senders + [1] * receivers))
                 env.update(MASTER_ADDR=link.address(0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME=IFNAME)
+            else:
+                reserved = stack.enter_context(reserved_listener())
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(reserved.getsockname()[1]),
+                           GLOO_SOCKET_IFNAME="lo")
             ranks = stack.enter_context(Ranks(workdir))
             for rank in range(world):
                 prefix, rank_env = [], dict(env, RANK=str(rank))
                 if link is not None:
                     prefix = link.command_prefix(rank)
                     rank_env["MBRIDGE_EPOVERLAP_M2N_HOST"] = link.address(rank)
-                ranks.start(rank, [*prefix, sys.executable, "-m", "mbridge_epoverlap.comm.m2n.bench"], rank_env)
+                ranks.start(rank, [*prefix, sys.executable, "-m", "mbridge_epoverlap.comm.m2n.bench"], rank_env,
+                            rendezvous=reserved if rank == 0 else None)
                 pids.append(ranks.ranks[-1].proc.pid)
             ranks.supervise(timeout_s=timeout_s, progress=progress)
         samples: dict[int, list[float]] = {size: [] for size in sizes}
