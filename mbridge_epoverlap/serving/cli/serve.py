@@ -61,8 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online.add_argument("--max-model-len", type=positive, default=None, metavar="N",
                         help="longest prompt plus max_tokens (default: the model's max_position_embeddings)")
     online.add_argument("--max-prefill-tokens", type=positive, default=2048, metavar="N",
-                        help="prompt tokens one engine step may start, shared by its attention workers (default "
-                             "2048, the per-step token budget of vLLM's CPU server); a longer prompt starts alone")
+                        help="prompt tokens one engine step may feed, shared by its attention workers (default "
+                             "2048, the per-step token budget of vLLM's CPU server); a longer prompt is fed in "
+                             "chunks over several steps while the other sequences decode")
     online.add_argument("--max-waiting", type=count, default=256, metavar="N",
                         help="requests that may wait for a slot; more answer 503 at once (default 256)")
     online.add_argument("--max-connections", type=positive, default=1024, metavar="N",

@@ -64,8 +64,8 @@ class EnginePlan:
             N data-parallel engines behind one front end (N times the expert memory; each process reads every
             expert's weights each step).
         prefill_budget: online serving: the prompt tokens one admission (a micro-batch's step boundary; a
-            colocated rank's step) may start, one request always (`RequestQueue.prefill_budget`); 0 means
-            `max_model_len`.
+            colocated rank's step) may feed, a longer prompt in chunks over several steps
+            (`RequestQueue.prefill_budget`); 0 means `max_model_len`.
         emulate_hosts: emulated hosts (`engine.hosts`): attention workers on host 0, expert workers on host 1,
             each host a network namespace joined by a link shaped to `emulate_link_gbps` (0: one real host).
         emulate_link_gbps: the emulated link's rate in Gbit/s.

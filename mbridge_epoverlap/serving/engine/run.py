@@ -66,11 +66,11 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     """Check a layout against the model and deal the requests to the attention workers (round robin).
 
     Online serving (`online_requests`, one front-end endpoint per attention worker, and `online_events`) deals
-    none: requests arrive while the workers run, each at most `max_model_len` tokens long, and an engine step starts
-    at most `max_prefill_tokens` prompt tokens over its attention workers (0: `max_model_len` per admission; a
-    longer prompt still starts, alone). `replicated_experts`: colocated processes hold every expert each (no
-    all-to-all; `EnginePlan.replicated_experts`). `threads` is torch's
-    intra-op threads per worker process; 0 shares the cores evenly (`plan.default_threads`).
+    none: requests arrive while the workers run, each at most `max_model_len` tokens long, and an engine step feeds
+    at most `max_prefill_tokens` prompt tokens over its attention workers (0: `max_model_len` per admission); a
+    longer prompt is fed in chunks over several steps. `replicated_experts`: colocated processes hold every expert
+    each (no all-to-all; `EnginePlan.replicated_experts`). `threads` is torch's intra-op threads per worker
+    process; 0 shares the cores evenly (`plan.default_threads`).
 
     Raises:
         UsageError: a count below one, more expert workers than experts, a placement that does not fit,
@@ -99,7 +99,7 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     # prefill carries the prompt; later steps one token per sequence). A micro-batch holds at most its
     # share of the batch limit (`AttentionSide.refill`).
     prefill_budget = 0
-    if online_requests:  # an admission starts its budget's prompt tokens (or one prompt) beside its decoding ones
+    if online_requests:  # an admission feeds its budget's prompt tokens (chunks of longer prompts) beside decoding
         prefill_budget = admission_budget(max_prefill_tokens, colocated or attn_workers,
                                           1 if colocated else micro_batches) if max_prefill_tokens else 0
         rows = (max(max_model_len, prefill_budget) + micro_batch_limit(max_batch, micro_batches, 0)) * spec.top_k

@@ -34,7 +34,8 @@ class MicroBatchHandle:
     seqs: list[RunningSequence] = field(default_factory=list)
     batch: Any = None  # TokenBatch
     x: torch.Tensor | None = None  # hidden states entering the next attention
-    last_rows: list[int] = field(default_factory=list)  # row of each sequence's last token
+    last_rows: list[int] = field(default_factory=list)  # row of each sampling sequence's last token
+    sampling: list[RunningSequence] = field(default_factory=list)  # the sequences this step gives a token
     attn: Any = None  # AttnOut of the current layer
     routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per expert worker: (token, slot)
     receives: list[Any] = field(default_factory=list)  # combine Works, one per expert worker
@@ -45,7 +46,8 @@ class MicroBatchHandle:
 
     @property
     def empty(self) -> bool:
-        return not self.seqs
+        """No token this step (no sequence, or only prefills that wait for a later chunk)."""
+        return not any(seq.feeds for seq in self.seqs)
 
 
 def split_micro_batches(seqs: Sequence[RunningSequence], micro_batches: int) -> list[MicroBatchHandle]:
@@ -53,7 +55,7 @@ def split_micro_batches(seqs: Sequence[RunningSequence], micro_batches: int) -> 
     handles = [MicroBatchHandle(i) for i in range(micro_batches)]
     loads = [0] * micro_batches
     for seq in seqs:
-        tokens = seq.length if not seq.prefilled else 1
+        tokens = seq.chunk if not seq.prefilled else 1
         target = loads.index(min(loads))
         handles[target].seqs.append(seq)
         loads[target] += tokens
@@ -127,9 +129,10 @@ class AttentionSide:
         h.seqs = [seq for seq in h.seqs if not seq.finished]
         limit = micro_batch_limit(self.queue.max_batch, self.m, h.index)
         share = -(-len(self.queue.waiting) // (self.m - h.index))
-        for seq in self.queue.admit(min(share, limit - len(h.seqs))):
+        for seq in self.queue.admit(min(share, limit - len(h.seqs)), continuing=h.seqs):
             h.cache.add(seq.slot)
             h.seqs.append(seq)
+        self.queue.assign_chunks(h.seqs)
         if h.index == 0:  # the control every dispatch of this step carries (read by the experts at micro-batch 0)
             self.active = bool(self.queue.waiting) or any(not s.finished for g in self.handles for s in g.seqs)
             self.active = self.active or (self.source is not None and self.source.serving)
@@ -172,15 +175,24 @@ class AttentionSide:
             h.attn = self.part.attention_step(layer, h.x, h.batch, h.cache or self.cache)
 
     def _build_batch(self, h: MicroBatchHandle) -> None:
-        """The micro-batch's tokens: a new sequence's whole prompt (prefill), else its last token."""
-        chunks = []
+        """The micro-batch's tokens: a prefilling sequence's chunk of its prompt (the whole prompt unless a
+        prefill budget splits it), else its last token; the rows sampled are the last of each sequence whose
+        prefill ends here and of each decoding one."""
+        chunks, h.sampling = [], []
         for seq in h.seqs:
             if seq.prefilled:  # one new token, at the end of what the cache holds
                 chunks.append((seq.slot, seq.output_ids[-1:], seq.length - 1))
+            elif seq.chunk:
+                text = list(seq.request.prompt_ids) + seq.output_ids
+                chunks.append((seq.slot, text[seq.fed:seq.fed + seq.chunk], seq.fed))
             else:
-                chunks.append((seq.slot, list(seq.request.prompt_ids) + seq.output_ids, 0))
+                continue  # its prefill waits for a later step's budget
+            if seq.samples:
+                h.sampling.append(seq)
         h.batch = self.TokenBatch.from_chunks(chunks)
-        h.last_rows = h.batch.last_rows()[0].tolist()
+        last_rows, seq_ids = h.batch.last_rows()
+        sampled_slots = {seq.slot for seq in h.sampling}
+        h.last_rows = [row for row, slot in zip(last_rows.tolist(), seq_ids, strict=True) if slot in sampled_slots]
         h.x = self.part.embed(h.batch.token_ids)
 
     def _post(self, h: MicroBatchHandle, layer: int) -> None:
@@ -194,13 +206,17 @@ class AttentionSide:
             h.x = self.part.post_step(layer, h.attn, expert_out)
             h.attn, h.expert_out = None, None
             if layer == self.spec.num_layers - 1:
+                for seq in h.seqs:
+                    if not seq.prefilled and seq.chunk:  # this chunk of its prefill is in the cache now
+                        seq.fed += seq.chunk
+                        seq.chunk = 0
                 with self.timer.time(SAMPLE_STAGE):  # the head and the choice of tokens: once per step
-                    tokens = self._next_tokens(h)
-                for seq, token in zip(h.seqs, tokens, strict=True):
+                    tokens = self._next_tokens(h) if h.sampling else []
+                for seq, token in zip(h.sampling, tokens, strict=True):
                     self.queue.append_token(seq, int(token))
                     if seq.error is not None:
                         seq.finished = True
-                self.tokens_generated += len(h.seqs)
+                self.tokens_generated += len(h.sampling)
                 for listener in self.on_sampled:
                     listener(h)
 
@@ -210,7 +226,7 @@ class AttentionSide:
         its `error` set and the greedy token, and ends alone: its settings are its own, the batch's are not."""
         logits = self.part.logits(h.x[h.last_rows])
         tokens = self.greedy(logits)
-        for row, seq in enumerate(h.seqs):
+        for row, seq in enumerate(h.sampling):
             params = seq.request.sampling
             if params is not None:
                 from mbridge_epoverlap.serving.model.sampling import sample

@@ -190,7 +190,8 @@ class OnlineSource:
         requests_addr: the front end's PUSH endpoint for this worker (`tcp://127.0.0.1:PORT`).
         events_addr: the front end's PULL endpoint.
         side: the attention side it feeds (`AttentionSide`); the source attaches itself to it.
-        prefill_budget: the prompt tokens one micro-batch boundary may start (`RequestQueue.prefill_budget`).
+        prefill_budget: the prompt tokens one micro-batch boundary may feed, a longer prompt in chunks
+            (`RequestQueue.prefill_budget`).
         max_model_len: the longest sequence a request may reach (0: the model's context).
         events: the transport's event list (elastic mode), forwarded by name; None: none.
     """
@@ -249,7 +250,7 @@ class OnlineSource:
 
     def sampled(self, h: Any) -> None:
         """Send a micro-batch's new tokens (a sequence whose sampling failed: its failure instead)."""
-        items = [(s.request.id, s.output_ids[-1], self.queue.stop_reason(s)) for s in h.seqs
+        items = [(s.request.id, s.output_ids[-1], self.queue.stop_reason(s)) for s in h.sampling
                  if not s.aborted and s.error is None]
         if items:
             self._send(Tokens(self.worker, items))

@@ -93,7 +93,9 @@ class RunningSequence:
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     admitted_at: float = 0.0
-    prefilled: bool = False
+    prefilled: bool = False  # its prompt is in the KV cache and it has sampled a token
+    fed: int = 0  # tokens of its prefill text (`prefill_ids`) already in the KV cache: a chunked prefill's progress
+    chunk: int = 0  # tokens of its prefill text it feeds in the step being built (`RequestQueue.assign_chunks`)
     finished: bool = False
     aborted: bool = False  # the client went away: finished without a reason of its own
     generator: Any = None  # its random generator, made at its first sampled token (`sampling.sample`)
@@ -102,6 +104,22 @@ class RunningSequence:
     @property
     def length(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_left(self) -> int:
+        """Tokens of its prefill text (prompt, then any tokens it produced elsewhere) not yet in the KV cache."""
+        return 0 if self.prefilled else self.length - self.fed
+
+    @property
+    def feeds(self) -> bool:
+        """Whether it has tokens in the step being built: a decoding sequence always, a prefilling one when its
+        chunk is not empty."""
+        return self.prefilled or self.chunk > 0
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step being built gives it a token: its chunk ends its prefill text (or it decodes)."""
+        return self.prefilled or (self.chunk > 0 and self.fed + self.chunk == self.length)
 
     def completion(self, status: str = "ok") -> dict[str, Any]:
         if self.error is not None:
@@ -139,8 +157,10 @@ class RequestQueue:
         self.max_batch, self.max_new_tokens, self.eos_ids = max_batch, max_new_tokens, frozenset(eos_ids)
         self._next_slot = 0
         self.start = time.monotonic()
-        # Online serving: the prompt tokens one `admit` may start at most (one request always starts), so a
-        # micro-batch's prefill fits the M2N slot; None: no limit (every request is known up front).
+        # Online serving: the prompt tokens one admission's step may feed at most; a longer prompt is prefilled in
+        # chunks over several steps (`assign_chunks`), so the sequences decoding beside it wait for at most this
+        # many prompt tokens a step, and a micro-batch fits the M2N slot. None: whole prompts (offline: every
+        # request is known up front).
         self.prefill_budget: int | None = None
 
     @property
@@ -148,9 +168,12 @@ class RequestQueue:
         return not self.waiting and not self.running
 
     def step_boundary(self) -> tuple[list[RunningSequence], list[RunningSequence]]:
-        """Retire finished sequences and admit waiting ones; return (admitted, retired)."""
+        """Retire finished sequences, admit waiting ones and give every prefilling sequence its chunk; return
+        (admitted, retired)."""
         retired = self.retire(self.running)
-        return self.admit(self.max_batch - len(self.running)), retired
+        admitted = self.admit(self.max_batch - len(self.running), continuing=self.running)
+        self.assign_chunks(self.running)
+        return admitted, retired
 
     def retire(self, seqs: Sequence[RunningSequence]) -> list[RunningSequence]:
         """Move the finished ones of `seqs` (running sequences) to done; return them."""
@@ -161,19 +184,36 @@ class RequestQueue:
             self.done += retired
         return retired
 
-    def admit(self, limit: int) -> list[RunningSequence]:
-        """Start up to `limit` waiting requests (never past `max_batch` running); return them."""
+    def admit(self, limit: int, *, continuing: Sequence[RunningSequence] = ()) -> list[RunningSequence]:
+        """Start up to `limit` waiting requests (never past `max_batch` running); return them.
+
+        With a `prefill_budget`, requests start while the step has prompt tokens left to feed: the prefills of
+        `continuing` (the sequences of the same step whose prefill goes on) come first, and the last request
+        admitted may get only part of its prompt this step (`assign_chunks`).
+        """
         admitted: list[RunningSequence] = []
-        tokens = 0
+        tokens = sum(s.prefill_left for s in continuing)
         while self.waiting and len(admitted) < limit and len(self.running) < self.max_batch:
-            tokens += len(self.waiting[0].prompt_ids)
-            if admitted and self.prefill_budget is not None and tokens > self.prefill_budget:
+            if self.prefill_budget is not None and tokens >= self.prefill_budget:
                 break
+            tokens += len(self.waiting[0].prompt_ids)
             seq = RunningSequence(self.waiting.popleft(), self._next_slot, admitted_at=self.start)
             self._next_slot += 1
             self.running.append(seq)
             admitted.append(seq)
         return admitted
+
+    def assign_chunks(self, seqs: Sequence[RunningSequence]) -> None:
+        """Give each prefilling sequence of `seqs` (one admission's step, oldest first) its chunk: the rest of
+        its prefill text while the `prefill_budget` lasts, then what is left of the budget, then nothing (it
+        waits for the next step). Without a budget every prefill is whole."""
+        budget = self.prefill_budget
+        for seq in seqs:
+            if seq.prefilled:
+                continue
+            seq.chunk = seq.prefill_left if budget is None else min(seq.prefill_left, budget)
+            if budget is not None:
+                budget -= seq.chunk
 
     def append_token(self, seq: RunningSequence, token: int) -> None:
         seq.output_ids.append(token)

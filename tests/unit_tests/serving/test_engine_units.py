@@ -215,10 +215,36 @@ def test_an_online_step_starts_at_most_its_prefill_tokens_over_its_attention_wor
     assert small.prefill_budget == 0 and small.slot_bytes < plan.slot_bytes  # no budget: max_model_len each
 
 
-def test_an_admission_always_starts_one_request_and_stops_at_the_prefill_budget():
+def test_an_admission_fills_the_prefill_budget_and_the_last_prompt_starts_with_a_chunk():
     queue = RequestQueue([Request(str(i), tuple(range(40))) for i in range(5)], max_batch=8, max_new_tokens=4,
                          eos_ids=())
     queue.prefill_budget = 100
-    assert [s.request.id for s in queue.admit(8)] == ["0", "1"]  # 80 tokens; a third would make 120
+    admitted, _ = queue.step_boundary()
+    assert [s.request.id for s in admitted] == ["0", "1", "2"]  # 40 + 40 + the first 20 of the third
+    assert [s.chunk for s in admitted] == [40, 40, 20] and [s.samples for s in admitted] == [True, True, False]
+    for seq in admitted:  # the step ran: the chunks are in the cache, the whole prompts sampled a token
+        seq.fed, seq.chunk = seq.fed + seq.chunk, 0
+        if seq.fed == seq.length:
+            queue.append_token(seq, 7)
     queue.prefill_budget = 10
-    assert [s.request.id for s in queue.admit(8)] == ["2"]  # longer than the budget: it still starts, alone
+    admitted, _ = queue.step_boundary()
+    assert admitted == []  # the third's 20 left fill the budget: nobody new starts
+    third = queue.running[2]
+    assert (third.chunk, third.samples, third.prefill_left) == (10, False, 20)
+    assert all(s.chunk == 0 and s.feeds and s.samples for s in queue.running[:2])  # they decode
+
+
+def test_prefilling_sequences_past_the_budget_wait_for_a_later_step():
+    queue = RequestQueue([Request(str(i), tuple(range(30))) for i in range(3)], max_batch=8, max_new_tokens=4,
+                         eos_ids=())
+    queue.prefill_budget = 1000
+    queue.step_boundary()  # all three start whole
+    queue.prefill_budget = 45
+    queue.assign_chunks(queue.running)  # the same step's chunks under a smaller budget
+    assert [s.chunk for s in queue.running] == [30, 15, 0]
+    assert [s.feeds for s in queue.running] == [True, True, False]
+    queue.prefill_budget = None  # offline: every prompt whole, in one step
+    queue.assign_chunks(queue.running)
+    assert [s.chunk for s in queue.running] == [30, 30, 30]
+
+
