@@ -178,7 +178,8 @@ class AttentionSide:
         """The micro-batch's tokens: a prefilling sequence's chunk of its prompt (the whole prompt unless a
         prefill budget splits it), else its last token; the rows sampled are the last of each sequence whose
         prefill ends here and of each decoding one."""
-        chunks, h.sampling = [], []
+        chunks, h.sampling, h.last_rows = [], [], []
+        rows = 0
         for seq in h.seqs:
             if seq.prefilled:  # one new token, at the end of what the cache holds
                 chunks.append((seq.slot, seq.output_ids[-1:], seq.length - 1))
@@ -187,12 +188,11 @@ class AttentionSide:
                 chunks.append((seq.slot, text[seq.fed:seq.fed + seq.chunk], seq.fed))
             else:
                 continue  # its prefill waits for a later step's budget
+            rows += len(chunks[-1][1])
             if seq.samples:
                 h.sampling.append(seq)
+                h.last_rows.append(rows - 1)
         h.batch = self.TokenBatch.from_chunks(chunks)
-        last_rows, seq_ids = h.batch.last_rows()
-        sampled_slots = {seq.slot for seq in h.sampling}
-        h.last_rows = [row for row, slot in zip(last_rows.tolist(), seq_ids, strict=True) if slot in sampled_slots]
         h.x = self.part.embed(h.batch.token_ids)
 
     def _post(self, h: MicroBatchHandle, layer: int) -> None:

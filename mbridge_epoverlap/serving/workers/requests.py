@@ -94,7 +94,7 @@ class RunningSequence:
     token_times: list[float] = field(default_factory=list)
     admitted_at: float = 0.0
     prefilled: bool = False  # its prompt is in the KV cache and it has sampled a token
-    fed: int = 0  # tokens of its prefill text (`prefill_ids`) already in the KV cache: a chunked prefill's progress
+    fed: int = 0  # tokens of its prefill text (prompt, then outputs) in the KV cache: a chunked prefill's progress
     chunk: int = 0  # tokens of its prefill text it feeds in the step being built (`RequestQueue.assign_chunks`)
     finished: bool = False
     aborted: bool = False  # the client went away: finished without a reason of its own

@@ -5,48 +5,27 @@ token at every one of those steps instead of waiting for the whole prompt.
 
 from __future__ import annotations
 
-import json
 import random
 import threading
-import urllib.request
 from collections.abc import Callable
 
 import pytest
 
 from tests.unit_tests.serving.frontend.conftest import MODEL_NAME, VOCAB
 
+openai = pytest.importorskip("openai")
+
 BUDGET = 4  # prompt tokens an engine step feeds
 LONG = 240  # a prompt of 60 budgets (the context is 256)
 
 
-def _stream(url: str, prompt_ids: list[int], max_tokens: int, on_token: Callable[[], None],
-            done: threading.Event | None = None) -> list[str]:
-    """Stream a greedy completion of token ids; `on_token()` at each event with text (a byte-level tokenizer holds
-    back a token that ends inside a character, so there may be fewer events than tokens); the texts."""
-    body = json.dumps({"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "logprobs": None}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    text = []
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        for raw in answer:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
-            if event.get("choices"):
-                text.append(event["choices"][0]["text"])
-                on_token()
-    if done is not None:
-        done.set()
-    return text
-
-
-def _complete(url: str, prompt_ids: list[int], max_tokens: int) -> str:
-    body = json.dumps({"model": MODEL_NAME, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as answer:
-        return json.load(answer)["choices"][0]["text"]
+def _stream(client: openai.OpenAI, prompt_ids: list[int], max_tokens: int, on_text: Callable[[], None]) -> None:
+    """Stream a greedy completion of token ids; `on_text()` at each event with text (a byte-level tokenizer holds
+    back a token that ends inside a character, so there may be fewer events than tokens)."""
+    for event in client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=max_tokens,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True}):
+        if event.choices:
+            on_text()
 
 
 @pytest.mark.parametrize("layout", [("--colocated", "1"), ("--attn-workers", "1", "--expert-workers", "1")],
@@ -56,6 +35,7 @@ def test_a_long_prompt_is_fed_in_chunks_that_equal_transformers_while_others_dec
     from transformers import AutoTokenizer
 
     server = start_server(plain_mixtral_dir, *layout, "--max-prefill-tokens", str(BUDGET), "--timeout", "60")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120.0, max_retries=0)
     rng = random.Random(11)
     long_prompt = [rng.randrange(3, VOCAB) for _ in range(LONG)]
     short_prompt = [rng.randrange(3, VOCAB) for _ in range(5)]
@@ -64,7 +44,9 @@ def test_a_long_prompt_is_fed_in_chunks_that_equal_transformers_while_others_dec
     tokenizer = AutoTokenizer.from_pretrained(str(plain_mixtral_dir))
     for prompt in (long_prompt, long_prompt[:BUDGET], short_prompt, long_prompt[:BUDGET + 1]):
         expected = tokenizer.decode(hf_greedy(plain_mixtral_dir, [prompt], 8)[0], skip_special_tokens=True)
-        assert _complete(server.url, prompt, 8) == expected, f"a prompt of {len(prompt)} tokens"
+        answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.choices[0].text == expected, f"a prompt of {len(prompt)} tokens"
 
     # A decoding stream gets tokens while the long prompt's chunks are fed, one per engine step.
     short_tokens, at_long_first = [0], []
@@ -74,11 +56,15 @@ def test_a_long_prompt_is_fed_in_chunks_that_equal_transformers_while_others_dec
         short_tokens[0] += 1
         short_started.set()
 
-    short = threading.Thread(target=_stream, args=(server.url, short_prompt, 150, short_token, short_done))
+    def short_stream() -> None:
+        _stream(client, short_prompt, 150, short_token)
+        short_done.set()
+
+    short = threading.Thread(target=short_stream)
     short.start()
     assert short_started.wait(60)
     before = short_tokens[0]
-    _stream(server.url, long_prompt, 2, lambda: at_long_first.append(short_tokens[0]) if not at_long_first else None)
+    _stream(client, long_prompt, 2, lambda: at_long_first.append(short_tokens[0]) if not at_long_first else None)
     short.join(120)
     assert short_done.is_set()
     # 60 chunks: the short stream decodes in each of those steps, a text event for most of its tokens (without
