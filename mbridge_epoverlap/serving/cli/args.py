@@ -87,8 +87,10 @@ def layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False
                         help="attention workers (default 1 when a layout flag is given, else chosen)")
     parser.add_argument("--expert-workers", type=positive, default=None, metavar="E",
                         help="expert workers (default 1 when a layout flag is given, else chosen)")
+    one_process = "" if colocated_flag else ", 1 with --colocated 1"
     parser.add_argument("--micro-batches", type=positive, default=None, metavar="M",
-                        help="micro-batches in flight (default 2 when a layout flag is given, else chosen)")
+                        help=f"micro-batches in flight (default 2 when a layout flag is given{one_process}, else "
+                             "chosen)")
     if colocated_flag:
         parser.add_argument("--colocated", action="store_true",
                             help="the colocated baseline on A+E processes instead")
@@ -109,7 +111,13 @@ def layout_forced(args: argparse.Namespace) -> bool:
 
 
 def fill_layout_defaults(args: argparse.Namespace) -> None:
-    """The layout flags not given take their defaults."""
+    """The layout flags not given take their defaults. One colocated process (`--colocated 1`) runs one
+    micro-batch: it has no exchange for a second to hide, and each micro-batch streams every expert's weights once
+    a step (two took 24 ms a decode step of 8 sequences on the 57M Mixtral online against 14.5 ms with one, AMD
+    EPYC, one thread)."""
+    colocated = getattr(args, "colocated", 0)
+    if colocated == 1 and colocated is not True and args.micro_batches is None:
+        args.micro_batches = 1
     for name, value in LAYOUT_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -129,13 +129,14 @@ def _layout(args: argparse.Namespace, spec: Any, max_model_len: int) -> dict[str
     `args` then take it) or the flags'."""
     if not getattr(args, "choose_layout", False):
         return {"source": "flags", "summary": _workers(args)}
-    from mbridge_epoverlap.serving.engine.choice.online import as_flags, choose_online_layout
+    from mbridge_epoverlap.serving.engine.choice.online import as_flags, choose_keeping_frontend
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
-    choice = choose_online_layout(spec, max_batch=args.max_batch, max_model_len=max_model_len,
-                                  timeout_s=args.timeout, backend=args.backend, progress=progress)
+    choice = choose_keeping_frontend(spec, frontend_cores=args.frontend_cores, max_batch=args.max_batch,
+                                     max_model_len=max_model_len, timeout_s=args.timeout, backend=args.backend,
+                                     progress=progress)
     for name, value in as_flags(choice["layout"]).items():
         setattr(args, name, value)
     print(f"  layout ({choice['source']}; no layout flag given, force one with --colocated/--replicate-experts/"

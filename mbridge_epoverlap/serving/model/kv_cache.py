@@ -98,11 +98,27 @@ class KVCache:
                        exact_decode=self.exact_decode)
 
     def free(self, seq_id: int) -> None:
-        """Drop a finished sequence's keys and values."""
+        """Drop a finished sequence's keys and values.
+
+        The sequence in the highest row moves into the freed row (its cached positions copied, every layer), so
+        the live rows stay 0..n-1 and a decode batch of all of them reads its history as one view of the
+        buffers (`append_decode`) instead of gathering a copy at every layer of every step: a move copies one
+        sequence once, the gather copied every sequence twice a layer (8 MB a step at 13 sequences of 130 tokens
+        in a 4-layer Mixtral online, 1.8 ms of a 33 ms step, AMD EPYC, one thread).
+        """
         if seq_id not in self._row:
             raise KeyError(f"sequence {seq_id} is not in the KV cache")
-        heapq.heappush(self._free_rows, self._row.pop(seq_id))
+        row = self._row.pop(seq_id)
         del self._lengths[seq_id]
+        last = max(self._row.values(), default=-1)
+        if last > row:
+            mover = next(seq for seq, r in self._row.items() if r == last)
+            for layer, filled in enumerate(self._lengths[mover]):
+                for store in (self._keys, self._values):
+                    store[layer][row, :, :filled] = store[layer][last, :, :filled]
+            self._row[mover] = row
+            row = last
+        heapq.heappush(self._free_rows, row)
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._row
@@ -134,13 +150,15 @@ class KVCache:
         return k_buf[row, :, :end].transpose(0, 1), v_buf[row, :, :end].transpose(0, 1)
 
     def append_decode(self, layer: int, seq_ids: Sequence[int], starts: Sequence[int], keys: torch.Tensor,
-                      values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store one new token per sequence (keys/values [B, kv_heads, head_dim], token b of `seq_ids[b]` at
         position `starts[b]`) and return every sequence's history at once.
 
         Returns:
-            (keys, values) each [B, kv_heads, longest, head_dim], sequence b valid in its first
-            `lengths[b]` positions (the rest is padding), and `lengths` [B] int64.
+            (keys, values) each [B, kv_heads, longest, head_dim], entry i valid in its first `lengths[i]`
+            positions (the rest is padding), `lengths` [B] int64, and `order`: None when entry i is batch
+            sequence i, else the batch position of each entry (the rows of a whole batch are a contiguous range
+            of the buffers in another order: read in place, in row order, rather than copied into batch order).
         """
         rows = [self._check(layer, seq_id, start) for seq_id, start in zip(seq_ids, starts, strict=True)]
         longest = max(starts) + 1
@@ -152,12 +170,18 @@ class KVCache:
         v_buf[row_index, :, position] = values
         for seq_id, start in zip(seq_ids, starts, strict=True):
             self._lengths[seq_id][layer] = start + 1
-        if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive rows in batch order: a view
-            span = slice(rows[0], rows[0] + len(rows))
-            return k_buf[span, :, :longest], v_buf[span, :, :longest], position + 1
+        low = min(rows)
+        if max(rows) - low + 1 == len(rows):  # the rows are a contiguous range (`free` keeps them so): a view
+            span = slice(low, low + len(rows))
+            order = None
+            if rows != list(range(low, low + len(rows))):
+                order = torch.empty(len(rows), dtype=torch.int64)
+                order[row_index - low] = torch.arange(len(rows))
+                position = position[order]
+            return k_buf[span, :, :longest], v_buf[span, :, :longest], position + 1, order
         # index_select of the filled positions copies whole rows; advanced indexing is about twice as slow here.
         return (k_buf[:, :, :longest].index_select(0, row_index), v_buf[:, :, :longest].index_select(0, row_index),
-                position + 1)
+                position + 1, None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TokenBatch, *,
                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,9 +205,10 @@ class KVCache:
         groups = batch.attention_groups
         if groups.decode:
             rows = groups.decode_rows
-            keys, values, lengths = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts, k[rows],
-                                                       v[rows])
+            keys, values, lengths, order = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts,
+                                                              k[rows], v[rows])
             attention = decode_attention if self.exact_decode else padded_decode_attention
+            rows = _in_order(rows, order)
             heads[rows] = attention(q[rows], keys, values, lengths, sliding_window=sliding_window, sinks=sinks)
         for seg in groups.alone:
             keys, values = self.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
@@ -213,6 +238,11 @@ class KVCache:
                 new = old.new_zeros(rows or old.shape[0], old.shape[1], capacity or old.shape[2], old.shape[3])
                 new[:old.shape[0], :, :old.shape[2]] = old
                 store[index] = new
+
+
+def _in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """The batch rows of a decode group in the order `append_decode` returned their histories."""
+    return rows if order is None else rows[order]
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, *,
@@ -468,8 +498,9 @@ class LatentKVCache(KVCache):
         groups = batch.attention_groups
         if groups.decode:
             rows = groups.decode_rows
-            lat, rope, lengths = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts,
-                                                    latent[rows][:, None], k_rope[rows][:, None])
+            lat, rope, lengths, order = self.append_decode(layer, groups.decode_seq_ids, groups.decode_starts,
+                                                           latent[rows][:, None], k_rope[rows][:, None])
+            rows = _in_order(rows, order)
             if self.exact_decode or not self.absorb:
                 out[rows] = _each_exactly(q_nope[rows], q_rope[rows], lat, rope, lengths.tolist(), kv_b, mla)
             else:

@@ -21,6 +21,8 @@ workers) q, k, v and gate, up run as one GEMM each, the same sums rounded differ
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -87,6 +89,9 @@ class Attention(torch.nn.Module):
         q_size, k_size = (d, d) if self.norm_per_head else (self.widths[0], self.widths[1])
         self.q_norm = RMSNorm(q_size, eps=spec.norm_eps, dtype=dtype) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_size, eps=spec.norm_eps, dtype=dtype) if spec.qk_norm else None
+        # oneDNN-packed copies of the fused q/k/v and output weights (`AttentionPart(packed=True)` sets them)
+        self.packed_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.packed_proj: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def project_qkv(self, x: torch.Tensor, *, separate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, heads, head_dim], k and v [T, groups, head_dim] (q and k normalised, not rotated).
@@ -97,6 +102,9 @@ class Attention(torch.nn.Module):
         biases = self.qkv_bias.split(self.widths) if self.qkv_bias is not None else (None, None, None)
         if separate and not self.fused:
             q, k, v = (F.linear(x, w, b) for w, b in zip(self.qkv.weight.split(self.widths), biases, strict=True))
+        elif self.packed_qkv is not None:
+            fused = self.packed_qkv(x)
+            q, k, v = (fused if self.qkv_bias is None else fused + self.qkv_bias).split(self.widths, dim=-1)
         else:
             q, k, v = F.linear(x, self.qkv.weight, self.qkv_bias).split(self.widths, dim=-1)
         if self.clip is not None:
@@ -114,6 +122,9 @@ class Attention(torch.nn.Module):
 
     def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
         """[T, heads * head_dim] attention output -> [T, hidden]."""
+        if self.packed_proj is not None:
+            out = self.packed_proj(heads_out)
+            return out if self.proj_bias is None else out + self.proj_bias
         if self.proj_bias is not None:
             return F.linear(heads_out, self.proj.weight, self.proj_bias)
         return self.proj(heads_out)

@@ -98,13 +98,15 @@ class AttentionPart(torch.nn.Module):
     """Embedding, attention, routers, dense MLPs, final norm and head; parameters uninitialised
     (`load_attention_part` fills them).
 
-    With `packed` (the engine's workers, fp32) the head runs on a oneDNN-packed copy of its weight
-    (`serving.model.packed.PackedLinear`): faster at decode's rows, rounded differently in the last bits, and
-    q, k and v (and a SwiGLU's gate and up) come from one fused GEMM. Without it (the reference model) every
-    GEMM is `transformers`', bit for bit on every CPU: the head's, q, k and v as three projections, gate and up
-    as two (`docs/numerics.md`). The attention projections stay `F.linear`: packed too (1.2-1.7x on them), they
-    changed one Mixtral sequence of the 64 of `serving_peers_bench.py` against `transformers` (at its token 50,
-    a near tie); the head alone changes none.
+    With `packed` (the engine's workers, fp32) the head and the fused q/k/v and output projections run on
+    oneDNN-packed copies of their weights (`serving.model.packed.PackedLinear`): faster, rounded differently in
+    the last bits, and q, k and v (and a SwiGLU's gate and up) come from one fused GEMM. Without it (the reference
+    model) every GEMM is `transformers`', bit for bit on every CPU: the head's, q, k and v as three projections,
+    gate and up as two (`docs/numerics.md`). MKL runs `F.linear` with its AVX2 kernels on AMD CPUs: a
+    [1,024 x 512] x [512 -> 1,024] GEMM at ~100 GFLOP/s against oneDNN's ~240 on the same core (Zen 4, one
+    thread), so packing the projections took a 1,024-token prefill of the 57M Mixtral from 305 to 267 ms and a
+    64-sequence decode step from 33.7 to 30.7 ms. The price is a near tie now and then: one Mixtral sequence of
+    the 64 of `serving_peers_bench.py` leaves `transformers`' greedy tokens at its token 50.
     """
 
     def __init__(self, spec: ModelSpec, *, packed: bool = False) -> None:
@@ -121,11 +123,20 @@ class AttentionPart(torch.nn.Module):
         self._head = (packed_gemm.PackedLinear(self.embedding if self.head is None else self.head.weight)
                       if packed and dtype == torch.float32 and packed_gemm.available(dtype) else None)
         self._separate = not packed
+        self._packed_attention: list[packed_gemm.PackedLinear] = []
+        if self._head is not None:
+            for block in self.layers:
+                if isinstance(block.attention, Attention):
+                    block.attention.packed_qkv = packed_gemm.PackedLinear(block.attention.qkv.weight)
+                    block.attention.packed_proj = packed_gemm.PackedLinear(block.attention.proj.weight)
+                    self._packed_attention += [block.attention.packed_qkv, block.attention.packed_proj]
 
     def prepack(self) -> None:
         """Pack the head now (loading does), not in the first step that needs it."""
         if self._head is not None:
             self._head.refresh()
+        for linear in self._packed_attention:
+            linear.refresh()
 
     @torch.no_grad()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -69,8 +69,8 @@ def test_kv_cache_batched_decode_reads_every_history_past_the_first_rows() -> No
         history[seq] = torch.randn(n, 2, 4, generator=gen)
         cache.append(0, seq, 0, history[seq], -history[seq])
     new = torch.randn(20, 2, 4, generator=gen)
-    keys, values, got = cache.append_decode(0, list(range(20)), lengths, new, -new)
-    assert got.tolist() == [n + 1 for n in lengths] and keys.shape == (20, 2, max(lengths) + 1, 4)
+    keys, values, got, order = cache.append_decode(0, list(range(20)), lengths, new, -new)
+    assert order is None and got.tolist() == [n + 1 for n in lengths] and keys.shape == (20, 2, max(lengths) + 1, 4)
     for seq, n in enumerate(lengths):
         expected = torch.cat([history[seq], new[seq:seq + 1]]).transpose(0, 1)
         assert torch.equal(keys[seq, :, :n + 1], expected) and torch.equal(values[seq, :, :n + 1], -expected)
@@ -79,17 +79,30 @@ def test_kv_cache_batched_decode_reads_every_history_past_the_first_rows() -> No
         cache.append_decode(0, [0], [3], new[:1], new[:1])
     # Sequences admitted together hold consecutive rows: their histories are read in place, not copied.
     assert keys.untyped_storage().data_ptr() == cache._keys[0].untyped_storage().data_ptr()
-    # A batch whose rows are not consecutive (sequence 5 left, and the order differs) is copied, same values.
+    # Sequence 5 leaves: the sequence of the highest row (19) moves into its row, its history with it.
     cache.free(5)
-    order = [7, 2, 9, 0]
+    assert cache._row[19] == 5 and sorted(cache._row.values()) == list(range(19))
+    # A batch of some rows (not a contiguous range) is copied into batch order, same values.
+    picked = [7, 2, 19, 0]
     later = torch.randn(4, 2, 4, generator=gen)
-    keys, _, got = cache.append_decode(0, order, [lengths[s] + 1 for s in order], later, later)
-    assert keys.untyped_storage().data_ptr() != cache._keys[0].untyped_storage().data_ptr()
-    for b, seq in enumerate(order):
+    keys, _, got, order = cache.append_decode(0, picked, [lengths[s] + 1 for s in picked], later, later)
+    assert order is None and keys.untyped_storage().data_ptr() != cache._keys[0].untyped_storage().data_ptr()
+    for b, seq in enumerate(picked):
         expected = torch.cat([history[seq], new[seq:seq + 1], later[b:b + 1]]).transpose(0, 1)
         assert torch.equal(keys[b, :, :lengths[seq] + 2], expected)
-    cache.add(99)  # the lowest free row (sequence 5's) is reused first
-    assert cache._row[99] == 5
+    # Every live sequence in another order than its rows: read in place, `order` names each entry's batch slot.
+    batch = [19] + [s for s in range(1, 19) if s != 5] + [0]
+    step = [lengths[s] + (2 if s in picked else 1) for s in batch]
+    final = torch.randn(len(batch), 2, 4, generator=gen)
+    keys, _, got, order = cache.append_decode(0, batch, step, final, final)
+    assert order is not None and keys.untyped_storage().data_ptr() == cache._keys[0].untyped_storage().data_ptr()
+    for entry, b in enumerate(order.tolist()):
+        seq = batch[b]
+        parts = [history[seq], new[seq:seq + 1]] + ([later[picked.index(seq)][None]] if seq in picked else [])
+        expected = torch.cat(parts + [final[b:b + 1]]).transpose(0, 1)
+        assert got[entry] == step[b] + 1 and torch.equal(keys[entry, :, :step[b] + 1], expected)
+    cache.add(99)  # the lowest free row (19, left by the move) is taken
+    assert cache._row[99] == 19
 
 
 @pytest.mark.parametrize("window", [None, 4])

@@ -9,7 +9,13 @@ from __future__ import annotations
 import json
 
 from mbridge_epoverlap.serving.engine.choice import online as online_layout
-from mbridge_epoverlap.serving.engine.choice.online import candidates, choose_online_layout, expert_bytes
+from mbridge_epoverlap.serving.engine.choice.online import (
+    candidates,
+    choose_keeping_frontend,
+    choose_online_layout,
+    expert_bytes,
+    worker_cores,
+)
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
 
@@ -100,3 +106,59 @@ def test_each_candidate_maps_to_serve_flags(tiny_mixtral_dir) -> None:
         threads=1)
     assert as_flags(options["disaggregated_1+1_m2"]) == dict(
         colocated=0, replicate_experts=False, attn_workers=1, expert_workers=1, micro_batches=2, threads=1)
+
+
+def test_the_front_end_keeps_a_core_unless_every_core_decodes_a_few_sequences_clearly_faster(tiny_mixtral_dir,
+                                                                                              tmp_path) -> None:
+    """`--frontend-cores` (default 1) keeps cores for the HTTP front end and the clients: on 2 cores one worker
+    with one thread, unless the best layout on both cores decodes `SMALL_BATCH` sequences `SPARE_MARGIN` times
+    faster (a model whose steps stream many expert weights); the decision is cached with the rates."""
+    assert [worker_cores(n, 1) for n in (1, 2, 16)] == [1, 1, 15] and worker_cores(2, 0) == 2
+    spec = load_spec(tiny_mixtral_dir)
+    calls: list[tuple[str, int]] = []
+
+    def trial_with(small: dict[str, float]):
+        def trial(layout, batch, prompt_len):
+            name = "kept" if layout.get("colocated") == 1 and layout["threads"] == 1 else "every"
+            calls.append((name, batch))
+            if batch == online_layout.SMALL_BATCH:
+                return {"tokens_per_s": small[name]}
+            ep = layout.get("colocated") == 2 and not layout.get("replicated_experts")  # EP wins the full batch
+            return {"tokens_per_s": 700.0 if ep else 300.0}
+        return trial
+
+    common = dict(max_batch=64, max_model_len=256, cores=2, frontend_cores=1)
+    # The few-sequence rates of the 57M Mixtral here: one worker as fast as two -> the front end keeps its core.
+    kept = choose_keeping_frontend(spec, cache_dir=tmp_path / "a", trial=trial_with({"kept": 475.0, "every": 474.0}),
+                                   **common)
+    assert kept["chosen"] == "colocated_1" and kept["layout"]["threads"] == 1 and kept["source"] == "measured"
+    assert "1 core kept for the front end" in kept["summary"] and "--frontend-cores" in kept["summary"]
+    assert ("kept", online_layout.SMALL_BATCH) in calls and ("every", online_layout.SMALL_BATCH) in calls
+    # The 108M Qwen3-MoE's: two processes 1.3x faster -> every core.
+    every = choose_keeping_frontend(spec, cache_dir=tmp_path / "b", trial=trial_with({"kept": 263.0, "every": 348.0}),
+                                    **common)
+    assert every["chosen"] == "colocated_2" and "every core" in every["summary"]
+    # Cached: the next start measures nothing.
+    calls.clear()
+    again = choose_keeping_frontend(spec, cache_dir=tmp_path / "b", trial=trial_with({"kept": 1.0, "every": 1.0}),
+                                    **common)
+    assert calls == [] and again["source"] == "cached" and again["chosen"] == "colocated_2"
+    # No core kept: the every-core choice as before, no few-sequence trial.
+    assert choose_keeping_frontend(spec, cache_dir=tmp_path / "b", trial=trial_with({}),
+                                   **dict(common, frontend_cores=0))["chosen"] == "colocated_2"
+
+
+def test_one_colocated_process_defaults_to_one_micro_batch() -> None:
+    """`--colocated 1` has no exchange for a second micro-batch to hide (each would stream every expert once a
+    step): it runs one unless `--micro-batches` says otherwise; more processes keep the default 2."""
+    import argparse
+
+    from mbridge_epoverlap.serving.cli.args import fill_layout_defaults
+
+    def filled(**given):
+        args = argparse.Namespace(attn_workers=None, expert_workers=None, micro_batches=None, colocated=0)
+        vars(args).update(given)
+        fill_layout_defaults(args)
+        return args.micro_batches
+    assert (filled(colocated=1), filled(colocated=2), filled(colocated=0)) == (1, 2, 2)
+    assert filled(colocated=1, micro_batches=2) == 2 and filled(colocated=True) == 2

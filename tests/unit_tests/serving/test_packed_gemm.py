@@ -1,6 +1,6 @@
-"""The engine's expert, attention and head GEMMs on oneDNN-packed weights: the same results as the reference's to
-fp32 rounding, the weights repacked when they change in place, and the reference model left bit for bit (no
-packing)."""
+"""The engine's expert, attention-projection and head GEMMs on oneDNN-packed weights: the same results as the
+reference's to fp32 rounding, the weights repacked when they change in place, and the reference model left bit for
+bit (no packing)."""
 
 from __future__ import annotations
 
@@ -79,10 +79,12 @@ def test_a_packed_linear_equals_f_linear_to_fp32_rounding_and_follows_its_weight
     torch.testing.assert_close(gemm(x), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-6)
 
 
-def test_only_the_engine_packs_the_head_and_its_attention_stays_bit_for_bit(tiny_qwen3_moe_dir):
+def test_only_the_engine_packs_the_head_and_the_attention_projections(tiny_qwen3_moe_dir):
     spec = load_spec(tiny_qwen3_moe_dir)
     reference, engine = load_attention_part(spec), load_attention_part(spec, packed=True)
     assert reference._head is None and engine._head is not None
+    assert all(b.attention.packed_qkv is None and b.attention.packed_proj is None for b in reference.layers)
+    assert all(b.attention.packed_qkv is not None and b.attention.packed_proj is not None for b in engine.layers)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(9, spec.hidden_size, generator=g)
     batch = TokenBatch.from_chunks([(0, [5, 6, 7, 8], 0), (1, [9, 10, 11, 12, 13], 0)])
@@ -93,5 +95,19 @@ def test_only_the_engine_packs_the_head_and_its_attention_stays_bit_for_bit(tiny
         cache.add(1)
         outs.append((part.attention_step(spec.moe_layer_ids[0], x, batch, cache), part.logits(x[:2])))
     (want, want_logits), (got, got_logits) = outs
-    assert torch.equal(got.resid, want.resid) and torch.equal(got.expert_ids, want.expert_ids)  # not packed
+    torch.testing.assert_close(got.resid, want.resid, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.expert_ids, want.expert_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_take_the_activation_per_expert_with_the_same_bits(monkeypatch):
+    """A prefill's rows (`PER_EXPERT_ROWS` or more) run each expert's activation after its own GEMM instead of once
+    over every row: the same arithmetic, bit for bit."""
+    w1, w2 = _weights(ffn=40)  # 40 columns: a vector's worth and a tail per row
+    counts = [70, 0, 3, 130, 1, 56]
+    x = torch.randn(sum(counts), w1.shape[2], generator=torch.Generator().manual_seed(7))
+    experts = packed.PackedExperts(w1, w2)
+    monkeypatch.setattr(packed, "PER_EXPERT_ROWS", 10**9)
+    whole = experts.swiglu(x, counts)
+    monkeypatch.setattr(packed, "PER_EXPERT_ROWS", sum(counts))
+    assert torch.equal(experts.swiglu(x, counts), whole)

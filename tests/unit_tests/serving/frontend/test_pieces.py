@@ -134,6 +134,22 @@ def test_sampling_narrowed_to_one_token_is_greedy_and_a_seed_repeats():
     assert draws[0] == draws[1] and len(set(draws[0])) > 1
 
 
+def test_draw_follows_the_probabilities_never_a_zero_one_and_refuses_no_mass():
+    from mbridge_epoverlap.serving.model.sampling import draw
+
+    gen = torch.Generator().manual_seed(4)
+    probs = torch.softmax(2 * torch.randn(12, generator=gen), dim=-1)
+    probs[[0, 5, 11]] = 0.0  # the first, a middle and the last token cannot be drawn
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(20_000)]), minlength=12)
+    assert counts[[0, 5, 11]].tolist() == [0, 0, 0]
+    # within 4 standard errors of each token's share (the share over the mass left: draw takes unnormalised ones)
+    share, drawn = probs / probs.sum(), counts / 20_000
+    assert bool(((drawn - share).abs() <= 4 * (share * (1 - share) / 20_000).sqrt() + 1e-9).all()), (drawn, share)
+    for empty in (torch.zeros(12), torch.full((12,), float("nan"))):
+        with pytest.raises(ValueError, match="no token to draw"):
+            draw(empty, gen)
+
+
 def test_online_messages_round_trip():
     for message in (online.Submit("r1", [1, 2], 5, True, 0.5, 0.9, 3, 7), online.Abort("r1"), online.Shutdown(),
                     online.Done(1), online.Failed(0, "r3", "its prompt is not a non-empty list of token ids"),

@@ -355,7 +355,9 @@ def test_a_server_without_layout_flags_measures_its_layout(start_server, chat_mi
     """Trial runs of the candidates, the choice in the ready line and in /health, cached for the next start; the
     chosen layout serves (greedy text equal to the fixed layout's)."""
     cache = {"XDG_CACHE_HOME": str(tmp_path)}
-    server = start_server(chat_mixtral_dir, "--max-batch", "8", choose_layout=True, env=cache)
+    # --frontend-cores 0: every core to the workers, so that a 2-core machine has candidates to try
+    server = start_server(chat_mixtral_dir, "--max-batch", "8", "--frontend-cores", "0", choose_layout=True,
+                          env=cache)
     log = "".join(server.stderr)
     assert "layout trial 1/" in log and "layout (measured; no layout flag given" in log
     status, health = _get(server, "/health")
