@@ -142,8 +142,11 @@ def _layout(args: argparse.Namespace, spec: Any, max_model_len: int) -> dict[str
     print(f"  layout ({choice['source']}; no layout flag given, force one with --colocated/--replicate-experts/"
           f"--attn-workers/--expert-workers/--micro-batches/--threads): {choice['summary']}", file=sys.stderr,
           flush=True)
-    return {"source": choice["source"], "chosen": choice["chosen"], "summary": choice["summary"],
-            "candidates": {n: c.get("tokens_per_s") for n, c in choice["candidates"].items()}}
+    layout = {"source": choice["source"], "chosen": choice["chosen"], "summary": choice["summary"],
+              "candidates": {n: c.get("tokens_per_s") for n, c in choice["candidates"].items()}}
+    if "few_sequences" in choice:  # the trial that decided whether the front end keeps its cores
+        layout["few_sequences"] = choice["few_sequences"]
+    return layout
 
 
 def _workers(args: argparse.Namespace) -> str:

@@ -133,6 +133,7 @@ def test_the_front_end_keeps_a_core_unless_every_core_decodes_a_few_sequences_cl
                                    **common)
     assert kept["chosen"] == "colocated_1" and kept["layout"]["threads"] == 1 and kept["source"] == "measured"
     assert "1 core kept for the front end" in kept["summary"] and "--frontend-cores" in kept["summary"]
+    assert kept["few_sequences"] == {"colocated_1 on 1 core": 475.0, "colocated_2 on 2 cores": 474.0}
     assert ("kept", online_layout.SMALL_BATCH) in calls and ("every", online_layout.SMALL_BATCH) in calls
     # The 108M Qwen3-MoE's: two processes 1.3x faster -> every core.
     every = choose_keeping_frontend(spec, cache_dir=tmp_path / "b", trial=trial_with({"kept": 263.0, "every": 348.0}),

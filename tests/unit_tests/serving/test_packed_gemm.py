@@ -100,7 +100,7 @@ def test_only_the_engine_packs_the_head_and_the_attention_projections(tiny_qwen3
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_many_rows_take_the_activation_per_expert_with_the_same_bits(monkeypatch):
+def test_many_rows_take_the_activation_per_expert_bitwise(monkeypatch):
     """A prefill's rows (`PER_EXPERT_ROWS` or more) run each expert's activation after its own GEMM instead of once
     over every row: the same arithmetic, bit for bit."""
     w1, w2 = _weights(ffn=40)  # 40 columns: a vector's worth and a tail per row

@@ -165,12 +165,14 @@ def choose_keeping_frontend(spec: Any, *, frontend_cores: int, cores: int | None
         _write_cache(cache, key, rates)
     keep = rates["every"] < SPARE_MARGIN * rates["kept"]
     chosen = kept if keep else every
-    verdict = (f"{frontend_cores} core{'s' if frontend_cores != 1 else ''} kept for the front end and its clients"
+    spare = cores - workers
+    verdict = (f"{spare} core{'s' if spare != 1 else ''} kept for the front end and its clients"
                if keep else f"every core: {SPARE_MARGIN:g}x or more at a few sequences")
     summary = (f"{chosen['summary']}; at {SMALL_BATCH} sequences {names[1]} {rates['kept']:,.0f} tokens/s, "
                f"{names[0]} {rates['every']:,.0f}: {verdict} (--frontend-cores)")
     source = "measured" if measured or every["source"] == "measured" else "cached"
-    return dict(chosen, summary=summary, source=source)
+    return dict(chosen, summary=summary, source=source,
+                few_sequences={names[1]: rates["kept"], names[0]: rates["every"]})
 
 
 def _best(measured: dict[str, dict[str, Any]]) -> tuple[str, bool]:
