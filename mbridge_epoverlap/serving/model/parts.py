@@ -120,11 +120,12 @@ class AttentionPart(torch.nn.Module):
         self.rotary = rotary_for(spec)
         self.requires_grad_(False)
         # fp32 only: measured there; bf16 keeps F.linear (its own oneDNN path), whose tokens the bf16 figures show
+        pack = packed and dtype == torch.float32 and packed_gemm.available(dtype)
         self._head = (packed_gemm.PackedLinear(self.embedding if self.head is None else self.head.weight)
-                      if packed and dtype == torch.float32 and packed_gemm.available(dtype) else None)
+                      if pack else None)
         self._separate = not packed
         self._packed_attention: list[packed_gemm.PackedLinear] = []
-        if self._head is not None:
+        if pack:
             for block in self.layers:
                 if isinstance(block.attention, Attention):
                     block.attention.packed_qkv = packed_gemm.PackedLinear(block.attention.qkv.weight)

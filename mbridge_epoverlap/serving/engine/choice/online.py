@@ -97,14 +97,14 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
     """
     cores = available_cores() if cores is None else cores
     batch = max(1, min(max_batch, TRIAL_MAX_BATCH))
-    prompt_len = max(1, min(TRIAL_PROMPT_LEN, max_model_len - TRIAL_STEPS - 1))
+    prompt_len = _trial_prompt_len(max_model_len)
     options = candidates(spec, cores)
     key = _cache_key(spec, cores, batch, list(options))
     cache = _cache_path(cache_dir)
     cached = _read_cache(cache).get(key)
     if cached is not None and cached.get("chosen") in options:
         return dict(cached, layout=options[cached["chosen"]], source="cached")
-    run = trial or (lambda layout, b, n: _trial_run(spec, layout, b, n, timeout_s=timeout_s, backend=backend))
+    run = _runner(spec, trial, timeout_s=timeout_s, backend=backend)
     measured: dict[str, dict[str, Any]] = {}
     for name, layout in options.items():
         if len(options) == 1:
@@ -155,8 +155,7 @@ def choose_keeping_frontend(spec: Any, *, frontend_cores: int, cores: int | None
     rates = _read_cache(cache).get(key)
     measured = not isinstance(rates, dict) or not {"every", "kept"} <= set(rates)
     if measured:
-        run = trial or (lambda layout, b, n: _trial_run(spec, layout, b, n, timeout_s=timeout_s, backend=backend))
-        prompt_len = max(1, min(TRIAL_PROMPT_LEN, max_model_len - TRIAL_STEPS - 1))
+        run, prompt_len = _runner(spec, trial, timeout_s=timeout_s, backend=backend), _trial_prompt_len(max_model_len)
         rates = {}
         for which, choice, name in (("every", every, names[0]), ("kept", kept, names[1])):
             if progress is not None:
@@ -173,6 +172,17 @@ def choose_keeping_frontend(spec: Any, *, frontend_cores: int, cores: int | None
     source = "measured" if measured or every["source"] == "measured" else "cached"
     return dict(chosen, summary=summary, source=source,
                 few_sequences={names[1]: rates["kept"], names[0]: rates["every"]})
+
+
+def _trial_prompt_len(max_model_len: int) -> int:
+    """Tokens per synthetic trial prompt: `TRIAL_PROMPT_LEN`, less where the context leaves no room for the steps."""
+    return max(1, min(TRIAL_PROMPT_LEN, max_model_len - TRIAL_STEPS - 1))
+
+
+def _runner(spec: Any, trial: Callable[..., dict[str, Any]] | None, *, timeout_s: float,
+            backend: str) -> Callable[..., dict[str, Any]]:
+    """`trial` (tests), or a real engine run of a layout: (layout, batch, prompt_len) -> {"tokens_per_s", ...}."""
+    return trial or (lambda layout, b, n: _trial_run(spec, layout, b, n, timeout_s=timeout_s, backend=backend))
 
 
 def _best(measured: dict[str, dict[str, Any]]) -> tuple[str, bool]:
