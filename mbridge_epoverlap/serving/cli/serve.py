@@ -67,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     online.add_argument("--frontend-cores", type=count, default=1, metavar="N",
                         help="cores the server may keep for its HTTP front end and the clients on this host when "
                              "it picks its layout (no layout flag given): kept unless the layout on every core "
-                             "decodes 8 sequences 1.15x faster in a trial (default 1, as vLLM's CPU build keeps "
+                             "decodes 8 sequences 1.08x faster in a trial (default 1, as vLLM's CPU build keeps "
                              "one for its API server; 0: every core to the workers)")
     online.add_argument("--max-waiting", type=count, default=256, metavar="N",
                         help="requests that may wait for a slot; more answer 503 at once (default 256)")

@@ -149,6 +149,29 @@ def test_the_front_end_keeps_a_core_unless_every_core_decodes_a_few_sequences_cl
                                    **dict(common, frontend_cores=0))["chosen"] == "colocated_2"
 
 
+def test_the_few_sequence_trial_alternates_its_runs_and_keeps_each_layouts_best(tiny_mixtral_dir, tmp_path) -> None:
+    """One disturbed run does not decide: the few-sequence runs alternate (every core, kept, every core, kept) and
+    each layout's best counts. Here the every-core layout's first run reads low (268, a tie with one process);
+    its second (382) is the one that counts, so every core is taken."""
+    spec = load_spec(tiny_mixtral_dir)
+    small_runs = {"every": [268.0, 382.0], "kept": [269.0, 262.0]}
+    order: list[str] = []
+
+    def trial(layout, batch, prompt_len):
+        if batch != online_layout.SMALL_BATCH:
+            ep = layout.get("colocated") == 2 and not layout.get("replicated_experts")
+            return {"tokens_per_s": 700.0 if ep else 300.0}
+        name = "kept" if layout.get("colocated") == 1 and layout["threads"] == 1 else "every"
+        order.append(name)
+        return {"tokens_per_s": small_runs[name].pop(0)}
+
+    choice = choose_keeping_frontend(spec, cache_dir=tmp_path, trial=trial, max_batch=64, max_model_len=256, cores=2,
+                                     frontend_cores=1)
+    assert order == ["every", "kept"] * online_layout.SMALL_BATCH_RUNS
+    assert choice["chosen"] == "colocated_2" and "every core" in choice["summary"]
+    assert choice["few_sequences"] == {"colocated_1 on 1 core": 269.0, "colocated_2 on 2 cores": 382.0}
+
+
 def test_one_colocated_process_defaults_to_one_micro_batch() -> None:
     """`--colocated 1` has no exchange for a second micro-batch to hide (each would stream every expert once a
     step): it runs one unless `--micro-batches` says otherwise; more processes keep the default 2."""
