@@ -141,6 +141,36 @@ def test_padded_decode_attention_is_each_sequence_alone_to_rounding_and_ignores_
     assert torch.equal(padded_decode_attention(q, k2, v2, lengths, sliding_window=window), padded)
 
 
+def test_engine_caches_attend_prompts_of_one_shape_together_as_each_alone_to_rounding() -> None:
+    """An engine cache (`exact_decode=False`) attends the prompts of one length at one position in one call
+    (`prompt_attention`): fresh prompts, then chunks after the first, beside decode tokens and a prompt of
+    another length. Each token's result is the exact cache's to rounding, and both caches hold the same keys and
+    values, bit for bit, at the same lengths."""
+    layers, groups, heads, d = 2, 2, 4, 16
+    exact, engine = KVCache(layers, groups, d), KVCache(layers, groups, d, exact_decode=False)
+    for cache in (exact, engine):
+        for seq in range(6):
+            cache.add(seq)
+    gen = torch.Generator().manual_seed(5)
+    steps = [
+        [(0, [1] * 6, 0), (1, [2] * 6, 0), (2, [3] * 4, 0), (3, [4] * 6, 0), (4, [5], 0), (5, [6] * 4, 0)],
+        [(0, [1] * 3, 6), (1, [2] * 3, 6), (3, [7], 6), (2, [3] * 3, 4), (4, [8], 1), (5, [9] * 3, 4)],
+    ]
+    for chunks in steps:
+        batch = TokenBatch.from_chunks(chunks)
+        q = torch.randn(len(batch), heads, d, generator=gen)
+        k, v = torch.randn(len(batch), groups, d, generator=gen), torch.randn(len(batch), groups, d, generator=gen)
+        for layer in range(layers):
+            torch.testing.assert_close(engine.attend(layer, q, k, v, batch), exact.attend(layer, q, k, v, batch),
+                                       rtol=1e-5, atol=1e-6)
+    for seq in range(6):
+        assert [engine.length(seq, layer) for layer in range(layers)] == [exact.length(seq, layer)] * layers
+        for layer in range(layers):
+            n = exact.length(seq, layer)
+            for mine, theirs in ((engine._keys, exact._keys), (engine._values, exact._values)):
+                assert torch.equal(mine[layer][engine._row[seq], :, :n], theirs[layer][exact._row[seq], :, :n])
+
+
 def test_engine_caches_decode_padded_unless_exact_attention_is_asked(monkeypatch) -> None:
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
