@@ -344,7 +344,8 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         [B, heads, n, head_dim].
     """
     n, m = q.shape[2], k.shape[2]
-    mask = None if start == 0 else torch.arange(m)[None, :] <= torch.arange(start, start + n)[:, None]
+    mask = None if start == 0 else (torch.arange(m, device=q.device)[None, :]
+                                    <= torch.arange(start, start + n, device=q.device)[:, None])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
