@@ -45,6 +45,22 @@ class AttentionGroups(NamedTuple):
     decode_starts: list[int]
 
 
+class PromptGroup(NamedTuple):
+    """The segments of several tokens (prompts or prompt chunks) that start at one position and have one length:
+    what one batched attention call takes.
+
+    Attributes:
+        start, length: the position of their first token and their token count.
+        segments: the segments, in batch order.
+        rows: [len(segments) * length] int64 batch rows, segment by segment.
+    """
+
+    start: int
+    length: int
+    segments: tuple[Segment, ...]
+    rows: torch.Tensor
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """A flat batch of tokens.
@@ -96,6 +112,20 @@ class TokenBatch:
         alone = tuple(seg for seg in self.segments if seg.length > 1) if decode else self.segments
         return AttentionGroups(decode, alone, torch.tensor([seg.rows.start for seg in decode], dtype=torch.int64),
                                [seg.seq_id for seg in decode], [seg.start for seg in decode])
+
+    @cached_property
+    def prompt_groups(self) -> tuple[PromptGroup, ...]:
+        """The segments of several tokens grouped by (start, length), in order of first appearance; computed once
+        per batch, as `attention_groups` is."""
+        shapes: dict[tuple[int, int], list[Segment]] = {}
+        for seg in self.segments:
+            if seg.length > 1:
+                shapes.setdefault((seg.start, seg.length), []).append(seg)
+        return tuple(
+            PromptGroup(start, length, tuple(segs),
+                        torch.tensor([r for seg in segs for r in range(seg.rows.start, seg.rows.stop)],
+                                     dtype=torch.int64))
+            for (start, length), segs in shapes.items())
 
     def last_rows(self) -> tuple[torch.Tensor, list[int]]:
         """(rows of each sequence's last token in this batch, their sequence ids), in batch order."""

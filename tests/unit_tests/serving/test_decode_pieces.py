@@ -40,6 +40,14 @@ def test_token_batch_segments_last_rows_and_round_trip() -> None:
         TokenBatch(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([0, 2]))
 
 
+def test_token_batch_groups_its_prompts_by_start_and_length_once() -> None:
+    batch = TokenBatch.from_chunks([(1, [5] * 3, 0), (2, [6], 9), (3, [7] * 2, 4), (4, [8] * 3, 0), (5, [9] * 2, 4)])
+    groups = batch.prompt_groups
+    assert [(g.start, g.length, [s.seq_id for s in g.segments], g.rows.tolist()) for g in groups] == [
+        (0, 3, [1, 4], [0, 1, 2, 6, 7, 8]), (4, 2, [3, 5], [4, 5, 9, 10])]
+    assert batch.prompt_groups is groups  # every layer reads the same grouping
+
+
 def test_kv_cache_grows_past_its_first_buffer_and_frees() -> None:
     cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4)
     cache.add(1)
