@@ -17,6 +17,9 @@ of cache, [512 -> 4,096] 2,644 against 1,720 us (4,238 / 2,957). The attention p
 ([512 -> 1,024] 655 against 395 us; `parts.AttentionPart` packs them); the router's [512 -> 8] is faster
 unpacked (10 against 20 us).
 
+A decode step's experts with a few rows each (up to `small_gemm.SMALL_ROWS`) run in one call of `small_gemm`
+instead, in fp32 on one thread, where its library builds: oneDNN's ~10 us a call outweighs the arithmetic there.
+
 Where the ops do not exist (a torch built without oneDNN) or the dtype has no packed kernel, `available` is
 False and the caller keeps `moe.experts.grouped_expert_swiglu`.
 """
@@ -26,9 +29,12 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from mbridge_epoverlap.serving.model import small_gemm
 
 ROWS_HINT = 8  # the row count the packed layout is chosen for (decode's rows per expert); any count works
 # From this many rows in a layer (a prefill) each expert's activation follows its GEMM: at 128 rows (one 64-token
@@ -109,34 +115,68 @@ class PackedLinear:
         return out.view(*lead, out.shape[-1])
 
 
+class PackedExpert(NamedTuple):
+    """One expert's weights as the engine multiplies them: oneDNN-packed (up [2*ffn, hidden], down [hidden, ffn]),
+    and tiled for `small_gemm` where it runs (None otherwise)."""
+
+    up: torch.Tensor
+    down: torch.Tensor
+    up_tiles: torch.Tensor | None = None
+    down_tiles: torch.Tensor | None = None
+
+
 class PackedExperts:
     """One MoE layer's experts, w1 [experts, 2*ffn, hidden] (gate rows, then up) and w2 [experts, hidden, ffn],
-    packed per expert; `swiglu` is `grouped_expert_swiglu` on them."""
+    packed per expert; `swiglu` is `grouped_expert_swiglu` on them.
+
+    In fp32 on one thread each expert is also tiled for `small_gemm` (where it builds here and both weights tile):
+    an expert with `small_gemm.SMALL_ROWS` rows or fewer runs there, every such expert of a layer in one call; the
+    others on oneDNN. The tiles are a third copy of the weights (the originals, oneDNN's, these).
+    """
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         self.w1, self.w2 = w1, w2
         self._packed_at: tuple[int, int] | None = None
-        self._up: list[torch.Tensor] = []
-        self._down: list[torch.Tensor] = []
+        self._experts: list[PackedExpert] = []
+        self.tiles = (w1.dtype == torch.float32 and small_gemm.fits(w1.shape[1]) and small_gemm.fits(w2.shape[1])
+                      and small_gemm.available())
 
-    def refresh(self, reuse: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def refresh(self, reuse: Mapping[int, PackedExpert] | None = None) -> None:
         """Pack the weights if they changed since they were last packed.
 
-        `reuse`: local expert -> its (up, down) packed already (`packed_of` of a holder of the same weights), taken
+        `reuse`: local expert -> its packed weights already (`packed_of` of a holder of the same weights), taken
         as they are instead of packed again: an elastic layout epoch repacks only the experts that moved.
         """
         at = (self.w1._version, self.w2._version)
         if at != self._packed_at:
             reuse = reuse or {}
             with torch.no_grad():
-                self._up = [reuse[e][0] if e in reuse else _pack(w) for e, w in enumerate(self.w1)]
-                self._down = [reuse[e][1] if e in reuse else _pack(w) for e, w in enumerate(self.w2)]
+                self._experts = [self._reused(e, reuse[e]) if e in reuse else self._pack_expert(e)
+                                 for e in range(self.w1.shape[0])]
             self._packed_at = at
 
-    def packed_of(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local expert `local`'s packed (up, down), current with the weights (what `refresh(reuse=...)` takes)."""
+    def _pack_expert(self, e: int) -> PackedExpert:
+        up, down = self.w1[e], self.w2[e]
+        if not self.tiles:
+            return PackedExpert(_pack(up), _pack(down))
+        return PackedExpert(_pack(up), _pack(down), small_gemm.tiled(up), small_gemm.tiled(down))
+
+    def _reused(self, e: int, expert: PackedExpert) -> PackedExpert:
+        """A holder's packed expert e for this layer (the same weights): its tiles too, or tiles of this layer's
+        own copy where the holder has none, or none where this layer does not tile."""
+        if not self.tiles:
+            return PackedExpert(expert.up, expert.down)
+        if expert.up_tiles is None or expert.down_tiles is None:
+            return expert._replace(up_tiles=small_gemm.tiled(self.w1[e]), down_tiles=small_gemm.tiled(self.w2[e]))
+        return expert
+
+    def packed_of(self, local: int) -> PackedExpert:
+        """Local expert `local`'s packed weights, current with the weights (what `refresh(reuse=...)` takes)."""
         self.refresh()
-        return self._up[local], self._down[local]
+        return self._experts[local]
+
+    def _small(self, counts: list[int]) -> bool:
+        return self.tiles and torch.get_num_threads() == 1 and min(counts) <= small_gemm.SMALL_ROWS
 
     @torch.no_grad()
     def swiglu(self, x: torch.Tensor, counts: list[int], *, b1: torch.Tensor | None = None,
@@ -153,19 +193,34 @@ class PackedExperts:
             return torch.empty_like(x)
         if activation is None and b1 is None and b2 is None and x.shape[0] >= PER_EXPERT_ROWS:
             return self._swiglu_each(x, groups)
+        small = self._small([n for _, _, n in groups])
         # Per expert only the two GEMMs; the activation runs once over every row (fewer small ops per expert:
         # a decode layer has 32-64 experts with a few rows each, and each op costs microseconds of dispatch).
-        hidden = torch.cat([_linear(x[start:start + n], self._up[e]) for e, start, n in groups])
+        hidden = x.new_empty(x.shape[0], 2 * self.w2.shape[-1])
+        self._gemms(x, groups, hidden, up=True, small=small)
         if b1 is not None:
             hidden = hidden + torch.cat([b1[e].expand(n, -1) for e, _, n in groups])
         if activation is None:
             gate, up = hidden.chunk(2, dim=-1)
             act = F.silu(gate) * up
         else:
-            act = activation(hidden)
-        done = torch.cat([_linear(act[start:start + n], self._down[e]) for e, start, n in _restarted(groups)])
+            act = activation(hidden).contiguous()
+        done = x.new_empty(x.shape[0], self.w2.shape[1])
+        self._gemms(act, groups, done, up=False, small=small)
         return done if b2 is None else done + torch.cat([b2[e].expand(n, -1) for e, _, n in groups])
 
+    def _gemms(self, x: torch.Tensor, groups: list[tuple[int, int, int]], out: torch.Tensor, *, up: bool,
+               small: bool) -> None:
+        """out[rows of each group] = its expert's up (or down) GEMM of x's rows: the experts of `SMALL_ROWS` rows
+        or fewer in one `small_gemm` call where `small`, the others one oneDNN call each."""
+        few = [(e, start, n) for e, start, n in groups if n <= small_gemm.SMALL_ROWS] if small else []
+        for e, start, n in groups:
+            if not (small and n <= small_gemm.SMALL_ROWS):
+                expert = self._experts[e]
+                out[start:start + n] = _linear(x[start:start + n], expert.up if up else expert.down)
+        if few:
+            tiles = [self._experts[e].up_tiles if up else self._experts[e].down_tiles for e, _, _ in few]
+            small_gemm.grouped(x, [(start, n) for _, start, n in few], tiles, out)
 
     def _swiglu_each(self, x: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
         """`swiglu` for many rows (a prefill): each expert's activation right after its up GEMM, written into one
@@ -174,13 +229,18 @@ class PackedExperts:
         (one thread, AMD EPYC), each over tensors far larger than the cache; the step takes 408 ms this way against
         520 (alternated, medians of 8)."""
         ffn = self.w2.shape[-1]
+        small = self._small([n for _, _, n in groups])
         act = x.new_empty(x.shape[0], ffn)
         for e, start, n in groups:
-            gate, up = _linear(x[start:start + n], self._up[e]).chunk(2, dim=-1)
+            if small and n <= small_gemm.SMALL_ROWS:
+                hidden = x.new_empty(n, 2 * ffn)
+                small_gemm.grouped(x[start:start + n], [(0, n)], [self._experts[e].up_tiles], hidden)
+            else:
+                hidden = _linear(x[start:start + n], self._experts[e].up)
+            gate, up = hidden.chunk(2, dim=-1)
             torch.mul(F.silu(gate), up, out=act[start:start + n])
         out = x.new_empty(x.shape[0], self.w2.shape[1])
-        for e, start, n in groups:
-            out[start:start + n] = _linear(act[start:start + n], self._down[e])
+        self._gemms(act, groups, out, up=False, small=small)
         return out
 
 
@@ -190,12 +250,3 @@ def _starts(counts: list[int]) -> list[int]:
         starts.append(at)
         at += n
     return starts
-
-
-def _restarted(groups: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    """The groups' rows renumbered without the empty experts (the rows of `hidden`, which holds only theirs)."""
-    out, at = [], 0
-    for e, _, n in groups:
-        out.append((e, at, n))
-        at += n
-    return out

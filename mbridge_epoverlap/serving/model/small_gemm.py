@@ -1,0 +1,174 @@
+"""fp32 GEMMs of one to a few rows on weights tiled for streaming (`small_gemm.c`), for a decode step's experts.
+
+At a decode step most experts get one to a few rows (64 experts top-8 at 8-16 sequences: 1-2 rows each), and
+each oneDNN call costs ~10 us before any arithmetic: two calls per expert, ~40-60 experts a layer. One call here
+runs every small expert of a layer, each tile of its weight read once, front to back. Measured on an AMD EPYC
+(Zen 4, one thread, weights out of cache): [256 -> 512] at 1 row 21-27 against 33-45 us, [512 -> 512] 35-55
+against 46-64 us; at 4 rows a GEMM alone is level, at 8 oneDNN is faster (it computes near the core's peak).
+Whole decode steps, alternated (`PackedExperts` sending experts of up to `SMALL_ROWS` rows here): the 108M
+Qwen3-MoE (64 experts of [512 -> 512] and [256 -> 512]) at 8 sequences 0.73-0.81x the step's time, at 16
+0.76-0.85x, at 32 0.92x, at 64 0.96-1.00x; the 57M Mixtral (8 experts of [512 -> 2,048] and [1,024 -> 512])
+at 8 sequences 0.87x, at 16 0.95-0.98x, at 64 1.02x. Up to 2 rows the Qwen3-MoE gained less (0.78-0.83x at 8-16),
+up to 6-8 the Mixtral lost (1.02-1.05x at 16-32).
+
+Every output is one chain of multiplies and adds in k order, compiled without fused multiply-adds: the bits
+are the same on every CPU and for a row whatever rows it is multiplied with (`reference_tiled_gemm` is the same
+arithmetic in torch, the tests' check). The shared library is compiled at first use with the system's C
+compiler (`$CC`, else `cc`) for this CPU and cached under `$XDG_CACHE_HOME/mbridge-epoverlap/native`; where no
+compiler builds it, or `MBRIDGE_EPOVERLAP_SMALL_GEMM=0`, `available()` is False and every expert runs on oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("small_gemm.c")
+TILE = 32  # outputs per tile, as small_gemm.c's TILE
+SMALL_ROWS = 4  # an expert with this many rows or fewer runs here (the docstring's step timings chose it)
+FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def enabled() -> bool:
+    """`MBRIDGE_EPOVERLAP_SMALL_GEMM` is not 0."""
+    return os.environ.get("MBRIDGE_EPOVERLAP_SMALL_GEMM", "1") != "0"
+
+
+def available() -> bool:
+    """Whether the tiled GEMMs run here: enabled, and the library built and loaded."""
+    return enabled() and _library() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (None where it is True)."""
+    if not enabled():
+        return "MBRIDGE_EPOVERLAP_SMALL_GEMM=0"
+    return _build_error() if _library() is None else None
+
+
+def fits(out_features: int) -> bool:
+    """Whether a weight with `out_features` rows tiles (whole tiles only)."""
+    return out_features % TILE == 0
+
+
+def tiled(weight: torch.Tensor) -> torch.Tensor:
+    """weight [O, K] fp32 -> its tiles [O / TILE, K, TILE] (a copy; O a multiple of TILE)."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.float32 or not fits(out_features):
+        raise ValueError(f"a tiled weight is fp32 with a multiple of {TILE} rows, got {weight.dtype} "
+                         f"[{out_features}, {in_features}]")
+    return weight.detach().view(out_features // TILE, TILE, in_features).transpose(1, 2).contiguous()
+
+
+def grouped(x: torch.Tensor, groups: Sequence[tuple[int, int]], weights: Sequence[torch.Tensor],
+            out: torch.Tensor) -> None:
+    """For each group (start, count) and its tiled weight: out[start:start+count] = x[start:start+count] @ W.T.
+
+    x [rows, K] and out [rows, O] fp32, contiguous; `weights[g]` [O / TILE, K, TILE] (`tiled`). One call."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the tiled GEMMs do not run here: {unavailable_reason()}")
+    if not groups:
+        return
+    if not (x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"the tiled GEMMs take contiguous fp32 rows, got x {x.dtype} "
+                         f"{'contiguous' if x.is_contiguous() else 'strided'}, out {out.dtype} "
+                         f"{'contiguous' if out.is_contiguous() else 'strided'}")
+    n = len(groups)
+    starts = (_I64 * n)(*(start for start, _ in groups))
+    counts = (_I64 * n)(*(count for _, count in groups))
+    addresses = (_I64 * n)(*(w.data_ptr() for w in weights))
+    lib.small_gemm_groups(x.data_ptr(), x.shape[1], x.shape[1], starts, counts, addresses, n, out.shape[1],
+                          out.data_ptr(), out.shape[1])
+
+
+def reference_tiled_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, K] @ weight[O, K].T as `small_gemm.c` computes it, in torch: per output, a product then a sum, k in
+    order from zero (fp32 multiplies and adds round the same in both). Slow: for tests."""
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k:k + 1] * weight[:, k][None, :]
+    return acc
+
+
+# --- building the library ---------------------------------------------------------------------------
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mbridge-epoverlap" / "native"
+
+
+def _compiler() -> str | None:
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _arch_flags(compiler: str) -> list[str]:
+    """-march=native where the compiler takes it (the tiles' loops vectorise to this CPU's widest registers)."""
+    probe = subprocess.run([compiler, "-march=native", "-E", "-x", "c", "-"], input="", capture_output=True,
+                           text=True, timeout=COMPILE_TIMEOUT_S)
+    return ["-march=native"] if probe.returncode == 0 else []
+
+
+_errors: list[str] = []
+
+
+def _build_error() -> str:
+    return _errors[-1] if _errors else "not built"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled library (built once per source, compiler and CPU; cached on disk), or None with the reason
+    in `_errors`."""
+    compiler = _compiler()
+    if compiler is None:
+        named = os.environ.get("CC")
+        _errors.append(f"CC={named} is not a program here" if named else "no C compiler (install gcc, or set CC)")
+        return None
+    try:
+        flags = [*FLAGS, *_arch_flags(compiler)]
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=COMPILE_TIMEOUT_S).stdout.splitlines()[:1]
+        from mbridge_epoverlap.machine import cpu_flags, cpu_model
+
+        key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *version, *flags, cpu_model(),
+                                        " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
+        path = _cache_dir() / f"small_gemm-{key}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Built beside its final name and renamed: processes starting together never load a half-written file.
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True,
+                                        text=True, timeout=COMPILE_TIMEOUT_S)
+                if result.returncode != 0:
+                    _errors.append(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-400:]}")
+                    return None
+                os.replace(built, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        _errors.append(f"building {SOURCE.name}: {exc}")
+        return None
+    lib.small_gemm_tile.restype = ctypes.c_int
+    if lib.small_gemm_tile() != TILE:
+        _errors.append(f"{path.name} tiles by {lib.small_gemm_tile()}, expected {TILE}")
+        return None
+    lib.small_gemm_groups.restype = None
+    lib.small_gemm_groups.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
+                                      ctypes.POINTER(_I64), _I64, _I64, _PTR, _I64]
+    return lib
