@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mbridge_epoverlap.serving.model import small_gemm
+from mbridge_epoverlap.serving.model.kernels import small_gemm
 
 ROWS_HINT = 8  # the row count the packed layout is chosen for (decode's rows per expert); any count works
 # From this many rows in a layer (a prefill) each expert's activation follows its GEMM: at 128 rows (one 64-token

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mbridge_epoverlap.moe.experts import grouped_expert_swiglu
-from mbridge_epoverlap.serving.model import packed, small_gemm
+from mbridge_epoverlap.serving.model import packed
+from mbridge_epoverlap.serving.model.kernels import small_gemm
 
 needs_library = pytest.mark.skipif(not small_gemm.available(), reason=f"{small_gemm.unavailable_reason()}")
 

@@ -5,11 +5,12 @@ each oneDNN call costs ~10 us before any arithmetic: two calls per expert, ~40-6
 runs every small expert of a layer, each tile of its weight read once, front to back. Measured on an AMD EPYC
 (Zen 4, one thread, weights out of cache): [256 -> 512] at 1 row 21-27 against 33-45 us, [512 -> 512] 35-55
 against 46-64 us; at 4 rows a GEMM alone is level, at 8 oneDNN is faster (it computes near the core's peak).
-Whole decode steps, alternated (`PackedExperts` sending experts of up to `SMALL_ROWS` rows here): the 108M
-Qwen3-MoE (64 experts of [512 -> 512] and [256 -> 512]) at 8 sequences 0.73-0.81x the step's time, at 16
-0.76-0.85x, at 32 0.92x, at 64 0.96-1.00x; the 57M Mixtral (8 experts of [512 -> 2,048] and [1,024 -> 512])
-at 8 sequences 0.87x, at 16 0.95-0.98x, at 64 1.02x. Up to 2 rows the Qwen3-MoE gained less (0.78-0.83x at 8-16),
-up to 6-8 the Mixtral lost (1.02-1.05x at 16-32).
+Whole decode steps, alternated (`PackedExperts` sending experts of up to `SMALL_ROWS` = 4 rows here): the 108M
+Qwen3-MoE (64 experts of [512 -> 512] and [256 -> 512]) at 8 sequences 0.72-0.73x the step's time, at 16
+0.75-0.76x, at 32 0.92x; the 57M Mixtral (8 experts of [512 -> 2,048] and [1,024 -> 512]) at 16 sequences 0.95x.
+Up to 2 rows: the Qwen3-MoE 0.71x at 4 sequences, 0.78-0.81x at 8, 0.83-0.85x at 16, 0.93-0.97x at 32, 0.97x at
+64; the Mixtral 0.95x at 4, 0.87x at 8, 0.98x at 16, 1.02x at 64. Up to 6-8 rows the Mixtral lost (1.02-1.05x at
+16-32).
 
 Every output is one chain of multiplies and adds in k order, compiled without fused multiply-adds: the bits
 are the same on every CPU and for a row whatever rows it is multiplied with (`reference_tiled_gemm` is the same
