@@ -5,7 +5,7 @@ Every result that carries figures carries `machine()` beside them (the perf harn
 
 The CPU's flags come from /proc/cpuinfo; `MBRIDGE_EPOVERLAP_CPU_FLAGS` (space- or comma-separated flags)
 replaces them, so tests and users can try either branch of the CPU dtype choice (`config.cpu_precision`) on
-any machine. Torch-free.
+any machine. `cache_dir` is where what is measured or built for this machine is kept. Torch-free.
 """
 
 from __future__ import annotations
@@ -14,12 +14,20 @@ import os
 import platform
 import socket
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 CPU_FLAGS_ENV = "MBRIDGE_EPOVERLAP_CPU_FLAGS"
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # The flags that decide CPU GEMM speed, recorded next to every CPU measurement.
 REPORTED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cache_dir() -> Path:
+    """The project's cache on this machine: `$XDG_CACHE_HOME/mbridge-epoverlap`, or `~/.cache/mbridge-epoverlap`
+    (the online server's measured layouts, the compiled kernels)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mbridge-epoverlap"
 
 
 def cpu_flags(env: Mapping[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:

@@ -245,8 +245,9 @@ def _trial_run(spec: Any, layout: dict[str, Any], batch: int, prompt_len: int, *
 
 def _cache_path(cache_dir: Path | None) -> Path:
     if cache_dir is None:
-        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        cache_dir = Path(base) / "mbridge-epoverlap"
+        from mbridge_epoverlap.machine import cache_dir as machine_cache_dir
+
+        cache_dir = machine_cache_dir()
     return cache_dir / CACHE_NAME
 
 

@@ -106,11 +106,6 @@ def reference_tiled_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 # --- building the library ---------------------------------------------------------------------------
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mbridge-epoverlap" / "native"
-
-
 def _compiler() -> str | None:
     named = os.environ.get("CC")
     if named:
@@ -145,11 +140,11 @@ def _library() -> ctypes.CDLL | None:
         flags = [*FLAGS, *_arch_flags(compiler)]
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=COMPILE_TIMEOUT_S).stdout.splitlines()[:1]
-        from mbridge_epoverlap.machine import cpu_flags, cpu_model
+        from mbridge_epoverlap.machine import cache_dir, cpu_flags, cpu_model
 
         key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *version, *flags, cpu_model(),
                                         " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
-        path = _cache_dir() / f"small_gemm-{key}.so"
+        path = cache_dir() / "native" / f"small_gemm-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             # Built beside its final name and renamed: processes starting together never load a half-written file.
