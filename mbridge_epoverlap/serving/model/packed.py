@@ -175,8 +175,10 @@ class PackedExperts:
         self.refresh()
         return self._experts[local]
 
-    def _small(self, counts: list[int]) -> bool:
-        return self.tiles and torch.get_num_threads() == 1 and min(counts) <= small_gemm.SMALL_ROWS
+    def _tiled_rows(self) -> int:
+        """The most rows an expert may have to run on its tiles now: `small_gemm.SMALL_ROWS` in fp32 on one thread
+        where the library runs, else 0 (every expert on oneDNN)."""
+        return small_gemm.SMALL_ROWS if self.tiles and torch.get_num_threads() == 1 else 0
 
     @torch.no_grad()
     def swiglu(self, x: torch.Tensor, counts: list[int], *, b1: torch.Tensor | None = None,
@@ -193,11 +195,11 @@ class PackedExperts:
             return torch.empty_like(x)
         if activation is None and b1 is None and b2 is None and x.shape[0] >= PER_EXPERT_ROWS:
             return self._swiglu_each(x, groups)
-        small = self._small([n for _, _, n in groups])
+        tiled_rows = self._tiled_rows()
         # Per expert only the two GEMMs; the activation runs once over every row (fewer small ops per expert:
         # a decode layer has 32-64 experts with a few rows each, and each op costs microseconds of dispatch).
         hidden = x.new_empty(x.shape[0], 2 * self.w2.shape[-1])
-        self._gemms(x, groups, hidden, up=True, small=small)
+        self._gemms(x, groups, hidden, up=True, tiled_rows=tiled_rows)
         if b1 is not None:
             hidden = hidden + torch.cat([b1[e].expand(n, -1) for e, _, n in groups])
         if activation is None:
@@ -206,16 +208,18 @@ class PackedExperts:
         else:
             act = activation(hidden).contiguous()
         done = x.new_empty(x.shape[0], self.w2.shape[1])
-        self._gemms(act, groups, done, up=False, small=small)
+        self._gemms(act, groups, done, up=False, tiled_rows=tiled_rows)
         return done if b2 is None else done + torch.cat([b2[e].expand(n, -1) for e, _, n in groups])
 
     def _gemms(self, x: torch.Tensor, groups: list[tuple[int, int, int]], out: torch.Tensor, *, up: bool,
-               small: bool) -> None:
-        """out[rows of each group] = its expert's up (or down) GEMM of x's rows: the experts of `SMALL_ROWS` rows
-        or fewer in one `small_gemm` call where `small`, the others one oneDNN call each."""
-        few = [(e, start, n) for e, start, n in groups if n <= small_gemm.SMALL_ROWS] if small else []
+               tiled_rows: int) -> None:
+        """out[rows of each group] = its expert's up (or down) GEMM of x's rows: the experts of `tiled_rows` rows
+        or fewer in one `small_gemm` call, the others one oneDNN call each."""
+        few = []
         for e, start, n in groups:
-            if not (small and n <= small_gemm.SMALL_ROWS):
+            if n <= tiled_rows:
+                few.append((e, start, n))
+            else:
                 expert = self._experts[e]
                 out[start:start + n] = _linear(x[start:start + n], expert.up if up else expert.down)
         if few:
@@ -229,10 +233,10 @@ class PackedExperts:
         (one thread, AMD EPYC), each over tensors far larger than the cache; the step takes 408 ms this way against
         520 (alternated, medians of 8)."""
         ffn = self.w2.shape[-1]
-        small = self._small([n for _, _, n in groups])
+        tiled_rows = self._tiled_rows()
         act = x.new_empty(x.shape[0], ffn)
         for e, start, n in groups:
-            if small and n <= small_gemm.SMALL_ROWS:
+            if n <= tiled_rows:
                 hidden = x.new_empty(n, 2 * ffn)
                 small_gemm.grouped(x[start:start + n], [(0, n)], [self._experts[e].up_tiles], hidden)
             else:
@@ -240,7 +244,7 @@ class PackedExperts:
             gate, up = hidden.chunk(2, dim=-1)
             torch.mul(F.silu(gate), up, out=act[start:start + n])
         out = x.new_empty(x.shape[0], self.w2.shape[1])
-        self._gemms(act, groups, out, up=False, small=small)
+        self._gemms(act, groups, out, up=False, tiled_rows=tiled_rows)
         return out
 
 
