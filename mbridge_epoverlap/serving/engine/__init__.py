@@ -11,6 +11,8 @@ it knows processes, the workers below it do not.
 - `run`: `make_plan` and `run_engine`: start the workers, gather their reports, merge one result.
 - `replay`: the measured stage times fed to the simulator with the order the engine ran.
 - `worker_main`: the entry point of one worker process.
+- `heap`: `keep_freed_memory`, a worker's freed memory kept by malloc for its next step (no page faults on
+  a warm prefill's large tensors).
 - `bench`: `serve-bench` pieces (synthetic requests, balanced sizing, the reference check) and
   `finish_bench_result`, the one place a bench result is finished.
 - `breakdown`: `step_breakdown`, where a prefill and a decode step's time goes (attention, router, dispatch,

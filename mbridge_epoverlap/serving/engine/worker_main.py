@@ -34,6 +34,7 @@ from mbridge_epoverlap.launch.orphan import exit_when_orphaned
 from mbridge_epoverlap.runtime.options import PREFIX
 from mbridge_epoverlap.runtime.worker import rank_and_world
 from mbridge_epoverlap.schedule.program import Role
+from mbridge_epoverlap.serving.engine.heap import keep_freed_memory
 from mbridge_epoverlap.serving.engine.plan import COLOCATED, EnginePlan
 from mbridge_epoverlap.serving.workers.protocol import Worker
 
@@ -58,6 +59,7 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     if world != plan.world:
         raise UsageError(f"the plan is for {plan.world} processes but WORLD_SIZE is {world}")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    keep_freed_memory()
     timeout = timedelta(seconds=plan.timeout_s)
     store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world=world,
                        is_server=rank == 0 and not plan.store_hosted, timeout_s=plan.timeout_s)
@@ -269,6 +271,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
         raise UsageError(f"--rejoin applies to the expert ranks of a plan with rejoin_after_steps (rank {rank} is "
                          f"{plan.role_name(rank)})")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    keep_freed_memory()
     store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world=world, is_server=False,
                        timeout_s=plan.timeout_s)
     beat_dir = os.environ.get(PREFIX + "HEARTBEAT_DIR")

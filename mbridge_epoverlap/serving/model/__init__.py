@@ -17,7 +17,8 @@ Nothing here knows processes or messages; workers hold these pieces and call the
   routed experts), `LocalModel` and `generate_reference`, the tokens every engine mode must reproduce.
 - `packed`: `PackedExperts`, the engine's expert GEMMs on oneDNN-packed weights (the reference model keeps
   transformers' GEMMs), and on tiled weights for experts of a few rows.
-- `kernels`: compiled kernels (`small_gemm`: the tiled GEMM of a few rows), built at first use.
+- `kernels`: compiled kernels (`small_gemm`: the tiled GEMM of a few rows; `combine`: a MoE layer's combine in
+  one pass), built at first use.
 - `expert_store`: the expert weights one expert worker holds, and how they change (restores, moves).
 - `batch`: `TokenBatch`, the tokens of one step from several sequences, flat, and how they attend.
 - `kv_cache`: `KVCache`, the keys and values of every sequence, and decode attention over them (the one

@@ -35,6 +35,7 @@ from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.model import architectures
 from mbridge_epoverlap.serving.model import packed as packed_gemm
 from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.kernels import combine
 from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache
 from mbridge_epoverlap.serving.model.layers import (
     Attention,
@@ -203,16 +204,10 @@ class AttentionPart(torch.nn.Module):
             shape = None if expert_out is None else list(expert_out.shape)
             raise ValueError(f"layer {layer}: expert outputs {shape} do not match expert ids "
                              f"{list(attn.expert_ids.shape)} (expected [T, k, hidden])")
-        order = torch.argsort(attn.expert_ids, dim=1)
-        tokens, k, hidden = expert_out.shape
-        # Rows in ascending expert id per token: one index_select over [T * k] rows (a gather along dim 1 of
-        # [T, k, hidden] does the same copy several times slower on CPU).
-        flat = (torch.arange(tokens)[:, None] * k + order).reshape(-1)
-        outs = expert_out.reshape(tokens * k, hidden).index_select(0, flat).view(tokens, k, hidden)
-        weights = attn.gate_weights.gather(1, order)
-        mlp = torch.zeros_like(attn.resid)
-        for j in range(outs.shape[1]):
-            mlp = mlp + (outs[:, j] * weights[:, j, None]).to(mlp.dtype)
+        if block.shared_expert is None and combine.applies(expert_out, attn.expert_ids, attn.gate_weights, attn.resid):
+            # gate_weighted_sum and the residual in one pass, the same bits (kernels/combine.py)
+            return combine.weighted_sum(expert_out, attn.expert_ids, attn.gate_weights, attn.resid)
+        mlp = gate_weighted_sum(expert_out, attn.expert_ids, attn.gate_weights, attn.resid.dtype)
         if block.shared_expert is not None:
             mlp = mlp + block.shared_expert(attn.tokens, separate=self._separate)
         return attn.resid + mlp
@@ -224,6 +219,23 @@ class AttentionPart(torch.nn.Module):
             return self._head(self.final_norm(x_last)).float()
         weight = self.embedding if self.head is None else self.head.weight
         return F.linear(self.final_norm(x_last), weight).float()
+
+
+def gate_weighted_sum(expert_out: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """[T, hidden] in `dtype`: per token, 0 + each expert output [T, k, hidden] times its gate, added in ascending
+    expert id, each product rounded to `dtype` before its sum (as `transformers`' `index_add_` over experts)."""
+    order = torch.argsort(expert_ids, dim=1)
+    tokens, k, hidden = expert_out.shape
+    # Rows in ascending expert id per token: one index_select over [T * k] rows (a gather along dim 1 of
+    # [T, k, hidden] does the same copy several times slower on CPU).
+    flat = (torch.arange(tokens)[:, None] * k + order).reshape(-1)
+    outs = expert_out.reshape(tokens * k, hidden).index_select(0, flat).view(tokens, k, hidden)
+    weights = gates.gather(1, order)
+    mlp = torch.zeros(tokens, hidden, dtype=dtype)
+    for j in range(k):
+        mlp = mlp + (outs[:, j] * weights[:, j, None]).to(dtype)
+    return mlp
 
 
 class ExpertPart(torch.nn.Module):
@@ -307,15 +319,16 @@ class ExpertPart(torch.nn.Module):
             extra = {"b1": self.biases[str(layer)].b1, "b2": self.biases[str(layer)].b2}
         if self.activation is not None:
             extra["activation"] = self.activation
+        grouped = tokens.index_select(0, rows)  # a third of the time of tokens[rows] (advanced indexing) here
         if str(layer) in self._packed:
-            done = packed_expert_swiglu(self._packed[str(layer)], tokens[rows], counts, **extra)
+            done = packed_expert_swiglu(self._packed[str(layer)], grouped, counts, **extra)
         elif str(layer) in self.stored and not extra:
-            done = separate_gate_up_swiglu(tokens[rows], self.stored[str(layer)], counts)
+            done = separate_gate_up_swiglu(grouped, self.stored[str(layer)], counts)
         else:
-            done = grouped_expert_swiglu(tokens[rows], experts.w1, experts.w2, counts, **extra)
-        out = torch.empty_like(done)
-        out[order] = done
-        return out
+            done = grouped_expert_swiglu(grouped, experts.w1, experts.w2, counts, **extra)
+        # Back in input order as a gather through the inverse permutation: half the time of out[order] = done.
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+        return done.index_select(0, inverse)
 
 
 def packed_expert_swiglu(experts: packed_gemm.PackedExperts, x: torch.Tensor, counts: list[int],

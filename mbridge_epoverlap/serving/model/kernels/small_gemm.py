@@ -23,23 +23,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from mbridge_epoverlap.serving.model.kernels import build
+
 SOURCE = Path(__file__).with_name("small_gemm.c")
 TILE = 32  # outputs per tile, as small_gemm.c's TILE
 SMALL_ROWS = 4  # an expert with this many rows or fewer runs here (the docstring's step timings chose it)
-FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
-COMPILE_TIMEOUT_S = 120
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+_errors: list[str] = []
 
 
 def enabled() -> bool:
@@ -56,7 +53,7 @@ def unavailable_reason() -> str | None:
     """Why `available()` is False (None where it is True)."""
     if not enabled():
         return "MBRIDGE_EPOVERLAP_SMALL_GEMM=0"
-    return _build_error() if _library() is None else None
+    return (_errors[-1] if _errors else "not built") if _library() is None else None
 
 
 def fits(out_features: int) -> bool:
@@ -104,65 +101,17 @@ def reference_tiled_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-# --- building the library ---------------------------------------------------------------------------
-
-def _compiler() -> str | None:
-    named = os.environ.get("CC")
-    if named:
-        return shutil.which(named)
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _arch_flags(compiler: str) -> list[str]:
-    """-march=native where the compiler takes it (the tiles' loops vectorise to this CPU's widest registers)."""
-    probe = subprocess.run([compiler, "-march=native", "-E", "-x", "c", "-"], input="", capture_output=True,
-                           text=True, timeout=COMPILE_TIMEOUT_S)
-    return ["-march=native"] if probe.returncode == 0 else []
-
-
-_errors: list[str] = []
-
-
-def _build_error() -> str:
-    return _errors[-1] if _errors else "not built"
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled library (built once per source, compiler and CPU; cached on disk), or None with the reason
-    in `_errors`."""
-    compiler = _compiler()
-    if compiler is None:
-        named = os.environ.get("CC")
-        _errors.append(f"CC={named} is not a program here" if named else "no C compiler (install gcc, or set CC)")
-        return None
+    """The compiled library (`build.shared_library`), or None with the reason in `_errors`."""
     try:
-        flags = [*FLAGS, *_arch_flags(compiler)]
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=COMPILE_TIMEOUT_S).stdout.splitlines()[:1]
-        from mbridge_epoverlap.machine import cache_dir, cpu_flags, cpu_model
-
-        key = hashlib.sha256("\n".join([SOURCE.read_text(), compiler, *version, *flags, cpu_model(),
-                                        " ".join(sorted(cpu_flags()))]).encode()).hexdigest()[:16]
-        path = cache_dir() / "native" / f"small_gemm-{key}.so"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Built beside its final name and renamed: processes starting together never load a half-written file.
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                built = Path(tmp) / path.name
-                result = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True,
-                                        text=True, timeout=COMPILE_TIMEOUT_S)
-                if result.returncode != 0:
-                    _errors.append(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-400:]}")
-                    return None
-                os.replace(built, path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        _errors.append(f"building {SOURCE.name}: {exc}")
+        lib = build.shared_library(SOURCE)
+    except build.BuildError as exc:
+        _errors.append(str(exc))
         return None
     lib.small_gemm_tile.restype = ctypes.c_int
     if lib.small_gemm_tile() != TILE:
-        _errors.append(f"{path.name} tiles by {lib.small_gemm_tile()}, expected {TILE}")
+        _errors.append(f"{SOURCE.stem} tiles by {lib.small_gemm_tile()}, expected {TILE}")
         return None
     lib.small_gemm_groups.restype = None
     lib.small_gemm_groups.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
