@@ -40,6 +40,10 @@ ROWS_HINT = 8  # the row count the packed layout is chosen for (decode's rows pe
 # From this many rows in a layer (a prefill) each expert's activation follows its GEMM: at 128 rows (one 64-token
 # prompt, top-2) both ways take 20 ms a step, at 256 35 against 37, at 512 61 against 66, at 4,096 408 against 520
 PER_EXPERT_ROWS = 256
+# ... and where its experts average this many rows: a decode step that takes one 64-token prompt of the Qwen3-MoE
+# gives 64 experts ~9 rows each, where three small ops an expert cost more than one pass over every row (10
+# sequences and a prompt, one thread, AMD EPYC: 36.0-38.2 against 40.5-40.6 ms a step, alternated)
+EACH_ROWS_PER_EXPERT = 32
 _OPS = getattr(torch.ops, "mkldnn", None)
 
 
@@ -193,7 +197,8 @@ class PackedExperts:
         groups = [(e, start, n) for e, (start, n) in enumerate(zip(_starts(counts), counts, strict=True)) if n]
         if not groups:
             return torch.empty_like(x)
-        if activation is None and b1 is None and b2 is None and x.shape[0] >= PER_EXPERT_ROWS:
+        if (activation is None and b1 is None and b2 is None and x.shape[0] >= PER_EXPERT_ROWS
+                and x.shape[0] >= EACH_ROWS_PER_EXPERT * len(groups)):
             return self._swiglu_each(x, groups)
         tiled_rows = self._tiled_rows()
         # Per expert only the two GEMMs; the activation runs once over every row (fewer small ops per expert:

@@ -111,3 +111,22 @@ def test_many_rows_take_the_activation_per_expert_bitwise(monkeypatch):
     whole = experts.swiglu(x, counts)
     monkeypatch.setattr(packed, "PER_EXPERT_ROWS", sum(counts))
     assert torch.equal(experts.swiglu(x, counts), whole)
+
+
+def test_a_step_of_many_experts_with_a_few_rows_each_keeps_one_activation_pass(monkeypatch):
+    """Past `PER_EXPERT_ROWS` rows the activation follows each expert's GEMM only where the experts average
+    `EACH_ROWS_PER_EXPERT` rows or more (a prefill of many tokens); a decode step that takes one prompt gives 64
+    experts ~9 rows each, where 3 small ops an expert cost more than one pass over every row."""
+    w1, w2 = _weights(ffn=40)
+    each = []
+    run_each = packed.PackedExperts._swiglu_each
+    monkeypatch.setattr(packed.PackedExperts, "_swiglu_each", lambda self, *a: each.append(1) or run_each(self, *a))
+    monkeypatch.setattr(packed, "PER_EXPERT_ROWS", 64)
+    experts = packed.PackedExperts(w1, w2)
+    gen = torch.Generator().manual_seed(8)
+    spread = [20, 20, 20, 20, 20, 20]  # 120 rows, 20 an expert
+    experts.swiglu(torch.randn(sum(spread), w1.shape[2], generator=gen), spread)
+    assert each == []
+    bunched = [70, 0, 3, 130, 1, 56]  # 260 rows, 52 an expert
+    experts.swiglu(torch.randn(sum(bunched), w1.shape[2], generator=gen), bunched)
+    assert each == [1]

@@ -91,6 +91,7 @@ def test_experts_of_a_few_rows_take_the_tiled_gemm_and_all_equal_the_reference(o
     assert torch.equal(got[start:start + counts[4]],
                        small_gemm.reference_tiled_gemm(torch.nn.functional.silu(gate) * up, w2[4]))
     monkeypatch.setattr(packed, "PER_EXPERT_ROWS", 1)  # the prefill path routes the same experts the same way
+    monkeypatch.setattr(packed, "EACH_ROWS_PER_EXPERT", 1)
     assert torch.equal(experts.swiglu(x, counts), got)
 
 
