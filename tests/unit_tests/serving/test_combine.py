@@ -56,6 +56,10 @@ def test_it_applies_only_to_fp32_rows_it_can_read():
         combine.weighted_sum(*wide)
     with pytest.raises(ValueError, match="resid must be fp32"):
         combine.weighted_sum(out, ids, gates, resid[:3])
+    with pytest.raises(ValueError, match="fp32 expert outputs with contiguous rows"):
+        combine.weighted_sum(out.bfloat16(), ids, gates, resid)
+    with pytest.raises(ValueError, match=r"must be \[4, 2\]"):
+        combine.weighted_sum(out, ids[:, :1], gates, resid)
 
 
 def test_without_a_compiler_it_is_unavailable_and_the_loop_runs(monkeypatch, tmp_path):

@@ -53,7 +53,12 @@ def weighted_sum(expert_out: torch.Tensor, expert_ids: torch.Tensor, gates: torc
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the one-pass combine does not run here: {unavailable_reason()}")
+    if expert_out.dtype != torch.float32 or gates.dtype != torch.float32 or expert_out.stride(2) != 1:
+        raise ValueError(f"the one-pass combine takes fp32 expert outputs with contiguous rows and fp32 gates, got "
+                         f"{expert_out.dtype} (row stride {expert_out.stride(2)}) and {gates.dtype} gates")
     tokens, k, hidden = expert_out.shape
+    if expert_ids.shape != (tokens, k) or gates.shape != (tokens, k):
+        raise ValueError(f"expert ids {list(expert_ids.shape)} and gates {list(gates.shape)} must be [{tokens}, {k}]")
     ids = expert_ids.to(torch.int64).contiguous()
     gates = gates.contiguous()
     if resid is not None:
