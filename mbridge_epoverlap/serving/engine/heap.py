@@ -13,7 +13,6 @@ engines preload.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 # mallopt's parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -23,14 +22,11 @@ TRIM_BYTES = 256 << 20  # free memory at the heap's top handed back only past th
 
 
 def keep_freed_memory() -> bool:
-    """Tell glibc's malloc to serve every allocation from the heap and keep what is freed; False (and nothing
-    changed) where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
+    """Tell glibc's malloc to serve allocations below `MAP_FROM_BYTES` from the heap and keep up to `TRIM_BYTES` of
+    it free; False (and nothing changed) where the C library has no `mallopt` or refuses the settings."""
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # Fixed thresholds: glibc's own moving ones trim the heap to twice the last freed mapping's size, so a step
