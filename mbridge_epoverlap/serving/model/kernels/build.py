@@ -9,6 +9,7 @@ version, the flags and the CPU's model and flags, so another machine or source n
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -32,11 +33,15 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _arch_flags(cc: str) -> list[str]:
-    """-march=native where the compiler takes it (loops vectorise to this CPU's widest registers)."""
+@functools.cache
+def _toolchain(cc: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(flags, the compiler's version line) for `cc`, asked once per process whatever the number of kernels:
+    -march=native where the compiler takes it (loops vectorise to this CPU's widest registers)."""
     probe = subprocess.run([cc, "-march=native", "-E", "-x", "c", "-"], input="", capture_output=True, text=True,
                            timeout=COMPILE_TIMEOUT_S)
-    return ["-march=native"] if probe.returncode == 0 else []
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=COMPILE_TIMEOUT_S).stdout.splitlines()[:1]
+    return (*FLAGS, *(["-march=native"] if probe.returncode == 0 else [])), tuple(version)
 
 
 def shared_library(source: Path) -> ctypes.CDLL:
@@ -46,9 +51,7 @@ def shared_library(source: Path) -> ctypes.CDLL:
         named = os.environ.get("CC")
         raise BuildError(f"CC={named} is not a program here" if named else "no C compiler (install gcc, or set CC)")
     try:
-        flags = [*FLAGS, *_arch_flags(cc)]
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 timeout=COMPILE_TIMEOUT_S).stdout.splitlines()[:1]
+        flags, version = _toolchain(cc)
         from mbridge_epoverlap.machine import cache_dir, cpu_flags, cpu_model
 
         key = hashlib.sha256("\n".join([source.read_text(), cc, *version, *flags, cpu_model(),
