@@ -70,3 +70,18 @@ def shared_library(source: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"building {source.name}: {exc}") from exc
+
+
+def load(source: Path, errors: list[str]) -> ctypes.CDLL | None:
+    """`shared_library(source)`, or None with the reason appended to `errors` (a kernel module's record of why it
+    does not run here)."""
+    try:
+        return shared_library(source)
+    except BuildError as exc:
+        errors.append(str(exc))
+        return None
+
+
+def last_error(errors: list[str]) -> str:
+    """The latest reason in a kernel module's `errors`, or "not built" before any attempt."""
+    return errors[-1] if errors else "not built"

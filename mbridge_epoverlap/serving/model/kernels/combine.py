@@ -34,7 +34,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why `available()` is False (None where it is True)."""
-    return (_errors[-1] if _errors else "not built") if _library() is None else None
+    return build.last_error(_errors) if _library() is None else None
 
 
 def applies(expert_out: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor, resid: torch.Tensor) -> bool:
@@ -77,10 +77,9 @@ def weighted_sum(expert_out: torch.Tensor, expert_ids: torch.Tensor, gates: torc
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        lib = build.shared_library(SOURCE)
-    except build.BuildError as exc:
-        _errors.append(str(exc))
+    """The compiled library (`build.load`), or None with the reason in `_errors`."""
+    lib = build.load(SOURCE, _errors)
+    if lib is None:
         return None
     lib.combine_rows.restype = ctypes.c_int
     lib.combine_rows.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR]

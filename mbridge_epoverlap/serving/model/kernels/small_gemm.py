@@ -53,7 +53,7 @@ def unavailable_reason() -> str | None:
     """Why `available()` is False (None where it is True)."""
     if not enabled():
         return "MBRIDGE_EPOVERLAP_SMALL_GEMM=0"
-    return (_errors[-1] if _errors else "not built") if _library() is None else None
+    return build.last_error(_errors) if _library() is None else None
 
 
 def fits(out_features: int) -> bool:
@@ -103,11 +103,9 @@ def reference_tiled_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """The compiled library (`build.shared_library`), or None with the reason in `_errors`."""
-    try:
-        lib = build.shared_library(SOURCE)
-    except build.BuildError as exc:
-        _errors.append(str(exc))
+    """The compiled library (`build.load`), or None with the reason in `_errors`."""
+    lib = build.load(SOURCE, _errors)
+    if lib is None:
         return None
     lib.small_gemm_tile.restype = ctypes.c_int
     if lib.small_gemm_tile() != TILE:
