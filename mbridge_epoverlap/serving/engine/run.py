@@ -229,6 +229,7 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
         "mode": plan.mode, "order": plan.order, "micro_batches": plan.micro_batches,
         "threads_per_process": plan.threads_per_process,
         "worker_threads": [r.get("torch_threads") for r in sorted(ranks, key=lambda r: r["rank"])],
+        "worker_cores": [r.get("step_cores") for r in sorted(ranks, key=lambda r: r["rank"])],
         "attn_workers": plan.attn_workers if plan.mode != COLOCATED else plan.processes,
         "expert_workers": plan.expert_workers if plan.mode != COLOCATED else plan.processes,
         "completions": ordered, "generated_tokens": tokens, "wall_s": wall,

@@ -84,6 +84,9 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     with torch.no_grad():
         worker = _build(plan, spec, role, index, placement, queue, store, beat, progress)
         state["worker"] = worker
+        cores = getattr(getattr(worker, "side", None), "cores", None)
+        if cores is not None:
+            payload["step_cores"] = cores.summary  # what the process does with its threads at each step
         if plan.online:  # a server runs for days: keep a window of stage times, not every one
             timer = worker.side.timer if role is Role.ATTENTION else getattr(worker, "timer", None)
             if timer is not None:
@@ -127,6 +130,7 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
 
         from mbridge_epoverlap.comm.alltoall import CommContext
         from mbridge_epoverlap.serving.workers.colocated import colocated_worker
+        from mbridge_epoverlap.serving.workers.step_cores import StepCores, experts_tile
 
         ctx = CommContext.for_device(torch.device("cpu"), plan.timeout_s, comm_thread=False)
         group, comm = None, None
@@ -145,6 +149,7 @@ def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement
         attention = parts.load_attention_part(spec, packed=True)
         worker = colocated_worker(spec, attention, parts.KVCache.for_engine(spec), queue, experts, placement,
                                   plan.order, plan.micro_batches, group, ctx, beat, progress, comm)
+        worker.side.cores = StepCores(torch.get_num_threads(), experts_tile(spec))
         _serve_online(plan, index, worker.side, worker.transport)
         return worker
     from mbridge_epoverlap.serving.workers.decode import AttentionWorker

@@ -18,7 +18,9 @@ of cache, [512 -> 4,096] 2,644 against 1,720 us (4,238 / 2,957). The attention p
 unpacked (10 against 20 us).
 
 A decode step's experts with a few rows each (up to `small_gemm.SMALL_ROWS`) run in one call of `small_gemm`
-instead, in fp32 on one thread, where its library builds: oneDNN's ~10 us a call outweighs the arithmetic there.
+instead, in fp32 where its library builds and torch has one thread: oneDNN's ~10 us a call outweighs the
+arithmetic there; where the tiled calls have threads of their own (`small_gemm.set_threads`), every expert of up
+to `small_gemm.SPLIT_ROWS` rows does.
 
 Where the ops do not exist (a torch built without oneDNN) or the dtype has no packed kernel, `available` is
 False and the caller keeps `moe.experts.grouped_expert_swiglu`.
@@ -133,9 +135,10 @@ class PackedExperts:
     """One MoE layer's experts, w1 [experts, 2*ffn, hidden] (gate rows, then up) and w2 [experts, hidden, ffn],
     packed per expert; `swiglu` is `grouped_expert_swiglu` on them.
 
-    In fp32 on one thread each expert is also tiled for `small_gemm` (where it builds here and both weights tile):
-    an expert with `small_gemm.SMALL_ROWS` rows or fewer runs there, every such expert of a layer in one call; the
-    others on oneDNN. The tiles are a third copy of the weights (the originals, oneDNN's, these).
+    In fp32 each expert is also tiled for `small_gemm` (where it builds here and both weights tile): with torch on
+    one thread an expert with `small_gemm.SMALL_ROWS` rows or fewer (`SPLIT_ROWS` where the tiled calls have
+    several threads) runs there, every such expert of a layer in one call; the others on oneDNN. The tiles are a
+    third copy of the weights (the originals, oneDNN's, these).
     """
 
     def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -180,9 +183,12 @@ class PackedExperts:
         return self._experts[local]
 
     def _tiled_rows(self) -> int:
-        """The most rows an expert may have to run on its tiles now: `small_gemm.SMALL_ROWS` in fp32 on one thread
-        where the library runs, else 0 (every expert on oneDNN)."""
-        return small_gemm.SMALL_ROWS if self.tiles and torch.get_num_threads() == 1 else 0
+        """The most rows an expert may have to run on its tiles now, in fp32 where the library runs and torch has
+        one thread: `small_gemm.SMALL_ROWS`, or `small_gemm.SPLIT_ROWS` where the tiled calls have several threads
+        (`small_gemm.set_threads`); else 0 (every expert on oneDNN)."""
+        if not self.tiles or torch.get_num_threads() != 1:
+            return 0
+        return small_gemm.SMALL_ROWS if small_gemm.threads() == 1 else small_gemm.SPLIT_ROWS
 
     @torch.no_grad()
     def swiglu(self, x: torch.Tensor, counts: list[int], *, b1: torch.Tensor | None = None,

@@ -98,6 +98,9 @@ class AttentionSide:
         # Online serving (`workers.online.OnlineSource`): polled at every step boundary for new requests and
         # aborts; while it serves, this worker counts as active, so the experts never answer stop.
         self.source: Any = None
+        # A process with several cores: torch's or the tiled expert GEMMs' threads, as each step's size asks
+        # (`workers.step_cores.StepCores`); None leaves the threads as they are.
+        self.cores: Any = None
         # (token, choice) pairs routed to each expert, `[MoE layers, experts]`, since the start: the report's
         # and the online server's expert-load figures (what the router chose, counted where it chose it).
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
@@ -172,6 +175,8 @@ class AttentionSide:
         with self.timer.time(ATTN.name):
             if layer == 0:
                 self._build_batch(h)
+                if self.cores is not None:
+                    self.cores.for_step(len(h.batch))
             h.attn = self.part.attention_step(layer, h.x, h.batch, h.cache or self.cache)
 
     def _build_batch(self, h: MicroBatchHandle) -> None:

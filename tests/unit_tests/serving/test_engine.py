@@ -28,6 +28,7 @@ MODES = [
     ("tiny_mixtral_dir", dict(micro_batches=2, max_batch=1)),  # continuous batching: requests wait and join
     ("tiny_mixtral_dir", dict(micro_batches=3)),
     ("tiny_mixtral_dir", dict(colocated=1)),  # the single-process engine
+    ("tiny_mixtral_dir", dict(colocated=1, threads=2)),  # ... on two cores: the tiled expert GEMMs split
     ("tiny_mixtral_dir", dict(colocated=2, order="two_batch_overlap")),
     ("tiny_qwen3_moe_dir", dict(micro_batches=2, expert_workers=2, attn_workers=2)),
     ("tiny_qwen3_moe_dir", dict(colocated=2, order="sequential", micro_batches=1)),
@@ -65,6 +66,8 @@ def test_engine_tokens_equal_transformers_greedy(request, mode, prompts, hf_gree
     assert all(c["status"] == "ok" for c in result["completions"])
     assert result["generated_tokens"] == sum(len(e) for e in expected)
     assert result["predicted"]["tokens_per_s"] > 0 and result["stage_ms"]["experts"] > 0
+    if layout.get("threads") == 2:  # its decode steps ran the tiled expert GEMMs on both threads
+        assert "tiled expert GEMMs" in result["worker_cores"][0]
     for c in result["completions"]:
         assert c["ttft_ms"] > 0 and len(c["tbt_ms"]) == len(c["output_ids"]) - 1
     if layout.get("max_batch") == 1:

@@ -31,8 +31,9 @@ def rates(spec, table: dict[str, float], calls: list[str] | None = None):
     return trial
 
 
-def test_the_fastest_trial_wins_and_is_said(tiny_mixtral_dir, tmp_path) -> None:
+def test_the_fastest_trial_wins_and_is_said(tiny_mixtral_dir, tmp_path, monkeypatch) -> None:
     spec = load_spec(tiny_mixtral_dir)
+    monkeypatch.setattr(online_layout, "experts_tile", lambda spec: False)  # every op of colocated_1 on OpenMP
     table = {"colocated_2_replicated": 900.0, "colocated_2": 800.0, "disaggregated_1+1_m2": 500.0,
              "colocated_1": 700.0}
     choice = choose_online_layout(spec, max_batch=64, max_model_len=256, cores=2, cache_dir=tmp_path,
@@ -52,10 +53,31 @@ def test_the_fastest_trial_wins_and_is_said(tiny_mixtral_dir, tmp_path) -> None:
     assert choice["chosen"] == "colocated_1" and choice["layout"]["threads"] == 2
 
 
+def test_exchanging_layouts_must_win_by_the_exchange_margin(tiny_mixtral_dir, tmp_path, monkeypatch) -> None:
+    """Online the front end takes turns with the workers: processes that exchange at every layer must beat one
+    that does not by `EXCHANGE_MARGIN`, and one process whose steps split the tiled expert GEMMs has no OpenMP
+    handicap."""
+    spec = load_spec(tiny_mixtral_dir)
+    monkeypatch.setattr(online_layout, "experts_tile", lambda spec: True)
+    table = {"colocated_2_replicated": 500.0, "colocated_2": 959.0, "disaggregated_1+1_m2": 619.0,
+             "colocated_1": 854.0}  # the 108M Qwen3-MoE's trial: EP 1.12x one process on both cores
+    choice = choose_online_layout(spec, max_batch=64, max_model_len=256, cores=2, cache_dir=tmp_path / "a",
+                                  trial=rates(spec, table))
+    assert choice["chosen"] == "colocated_1" and choice["layout"]["threads"] == 2
+    assert "colocated_2 not 1.2x faster: its processes wait for each other at every layer" in choice["summary"]
+    table = dict(table, colocated_2=1.25 * 854.0)
+    choice = choose_online_layout(spec, max_batch=64, max_model_len=256, cores=2, cache_dir=tmp_path / "b",
+                                  trial=rates(spec, table))
+    assert choice["chosen"] == "colocated_2" and "not" not in choice["summary"]
+    assert online_layout.handicap(dict(colocated=2, threads=1, replicated_experts=True), splits=True)[0] == 1.0
+    assert online_layout.handicap(dict(attn_workers=1, expert_workers=1, threads=1), splits=True)[0] == 1.2
+    assert online_layout.handicap(dict(colocated=1, threads=2), splits=False)[0] == online_layout.THREADS_MARGIN
+
+
 def test_the_choice_is_cached_per_model_batch_and_cores(tiny_mixtral_dir, tmp_path) -> None:
     spec = load_spec(tiny_mixtral_dir)
     calls: list[str] = []
-    table = {"colocated_2_replicated": 600.0, "colocated_2": 800.0, "disaggregated_1+1_m2": 500.0,
+    table = {"colocated_2_replicated": 600.0, "colocated_2": 900.0, "disaggregated_1+1_m2": 500.0,
              "colocated_1": 700.0}
     first = choose_online_layout(spec, max_batch=64, max_model_len=256, cores=2, cache_dir=tmp_path,
                                  trial=rates(spec, table, calls))
@@ -186,3 +208,29 @@ def test_one_colocated_process_defaults_to_one_micro_batch() -> None:
         return args.micro_batches
     assert (filled(colocated=1), filled(colocated=2), filled(colocated=0)) == (1, 2, 2)
     assert filled(colocated=1, micro_batches=2) == 2 and filled(colocated=True) == 2
+
+
+def test_one_process_splitting_its_expert_gemms_keeps_every_core_without_the_few_sequence_trial(
+        tiny_mixtral_dir, tmp_path, monkeypatch) -> None:
+    """Where one process on every core wins (its narrow steps share the tiled expert GEMMs, so the front end taking a
+    core only leaves a helper's units to the caller), no core is kept for the front end and no 8-sequence trial
+    runs; where its experts do not tile, the few-sequence trial still decides."""
+    spec = load_spec(tiny_mixtral_dir)
+    calls: list[str] = []
+    table = {"colocated_2_replicated": 500.0, "colocated_2": 959.0, "disaggregated_1+1_m2": 619.0,
+             "colocated_1": 854.0}
+    monkeypatch.setattr(online_layout, "experts_tile", lambda spec: True)
+    choice = choose_keeping_frontend(spec, frontend_cores=1, cores=2, max_batch=64, max_model_len=256,
+                                     cache_dir=tmp_path / "a", trial=rates(spec, table, calls))
+    assert choice["chosen"] == "colocated_1" and choice["layout"]["threads"] == 2 and len(calls) == 4
+    assert "helper threads leave their work" in choice["summary"]
+    monkeypatch.setattr(online_layout, "experts_tile", lambda spec: False)
+    table = dict(table, colocated_1=1.4 * 959.0)
+    calls.clear()
+
+    def few(layout, batch, prompt_len):
+        return {"tokens_per_s": 300.0} if batch == online_layout.SMALL_BATCH else rates(spec, table, calls)(
+            layout, batch, prompt_len)
+    choice = choose_keeping_frontend(spec, frontend_cores=1, cores=2, max_batch=64, max_model_len=256,
+                                     cache_dir=tmp_path / "b", trial=few)
+    assert choice["chosen"] == "colocated_1" and choice["layout"]["threads"] == 1  # the few-sequence trial kept one

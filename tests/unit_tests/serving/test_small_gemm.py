@@ -161,3 +161,89 @@ def test_strided_rows_are_refused_not_misread():
     tiles = small_gemm.tiled(torch.zeros(32, 8))
     with pytest.raises(ValueError, match="contiguous fp32 rows"):
         small_gemm.grouped(torch.zeros(8, 2).T, [(0, 1)], [tiles], torch.zeros(2, 32))
+
+
+@pytest.fixture
+def kernel_threads():
+    """Restores one thread for the tiled calls after a test that asks for more."""
+    yield small_gemm.set_threads
+    small_gemm.set_threads(1)
+
+
+@needs_library
+@pytest.mark.numerics
+@pytest.mark.parametrize("threads", [2, 3])
+def test_calls_shared_among_threads_give_the_bits_of_one_thread(kernel_threads, threads):
+    """Each (expert, tile) unit is computed whole by whichever thread takes it: the same bits at any thread count,
+    for groups of 1 to 70 rows, a call of one unit, and many calls in a row (helpers spinning, then sleeping)."""
+    g = torch.Generator().manual_seed(7)
+    weights = [small_gemm.tiled(torch.randn(64, 48, generator=g) * 0.1) for _ in range(9)]
+    counts = [1, 70, 3, 4, 0, 5, 17, 2, 33]
+    groups = [(sum(counts[:i]), n) for i, n in enumerate(counts)]
+    x = torch.randn(sum(counts), 48, generator=g)
+    one = torch.full((x.shape[0], 64), float("nan"))
+    small_gemm.grouped(x, groups, weights, one)
+    assert kernel_threads(threads) == threads == small_gemm.threads()
+    for call in range(50):
+        out = torch.full_like(one, float("nan"))
+        small_gemm.grouped(x, groups, weights, out)
+        assert torch.equal(out, one), f"call {call}"
+    single = torch.full((1, 64), float("nan"))
+    small_gemm.grouped(x[:1], [(0, 1)], weights[:1], single)
+    assert torch.equal(single, one[:1])
+    assert kernel_threads(1) == 1 and small_gemm.threads() == 1
+
+
+@needs_library
+def test_a_forked_child_computes_without_its_parents_helper_threads(kernel_threads):
+    """A fork keeps the parent's settings but not its threads: the child's calls run on its own thread, and its
+    own `set_threads` starts helpers of its own."""
+    import multiprocessing
+
+    kernel_threads(2)
+    weight, x = small_gemm.tiled(_rand(64, 32, seed=2)), _rand(6, 32, seed=3)
+    expected = torch.empty(6, 64)
+    small_gemm.grouped(x, [(0, 6)], [weight], expected)
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        results = pool.apply_async(_child_calls, (x, weight)).get(timeout=60)
+    assert all(torch.equal(r, expected) for r in results)
+
+
+def _child_calls(x, weight):
+    out = []
+    for threads in (None, 2):
+        if threads:
+            small_gemm.set_threads(threads)
+        y = torch.empty(x.shape[0], weight.shape[0] * weight.shape[2])
+        small_gemm.grouped(x, [(0, x.shape[0])], [weight], y)
+        out.append(y)
+    return out
+
+
+@needs_library
+@pytest.mark.skipif(not packed.available(torch.float32), reason="this torch has no oneDNN linear ops")
+def test_with_several_threads_experts_of_up_to_split_rows_take_the_tiles(one_thread, kernel_threads, monkeypatch):
+    """With the tiled calls on several threads an expert of up to `SPLIT_ROWS` rows runs there, not on oneDNN: its
+    bits are the tiled GEMM's; a larger one stays on oneDNN."""
+    g = torch.Generator().manual_seed(8)
+    w1, w2 = torch.randn(3, 64, 32, generator=g) * 0.05, torch.randn(3, 32, 32, generator=g) * 0.05
+    counts = [small_gemm.SPLIT_ROWS, 9, small_gemm.SPLIT_ROWS + 1]
+    x = torch.randn(sum(counts), 32, generator=g)
+    experts = packed.PackedExperts(w1, w2)
+    kernel_threads(2)
+    tiled_groups = []
+    grouped = small_gemm.grouped
+    monkeypatch.setattr(small_gemm, "grouped", lambda x, groups, *rest: (tiled_groups.append(groups),
+                                                                         grouped(x, groups, *rest)))
+    got = experts.swiglu(x, counts)
+    assert tiled_groups == [[(0, counts[0]), (counts[0], 9)]] * 2  # the up and the down GEMMs
+
+    def tiled_expert(e):
+        rows = x[sum(counts[:e]):sum(counts[:e + 1])]
+        gate, up = small_gemm.reference_tiled_gemm(rows, w1[e]).chunk(2, dim=-1)
+        return small_gemm.reference_tiled_gemm(torch.nn.functional.silu(gate) * up, w2[e])
+
+    assert torch.equal(got[:counts[0]], tiled_expert(0))
+    assert torch.equal(got[counts[0]:counts[0] + 9], tiled_expert(1))
+    torch.testing.assert_close(got, grouped_expert_swiglu(x, w1, w2, counts), rtol=1e-5, atol=1e-6)

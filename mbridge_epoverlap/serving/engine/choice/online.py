@@ -15,9 +15,14 @@ Candidates on `cores` cores (one core: one process, nothing to try):
   memory: left out when that would take more than half of the memory available);
 - `colocated_{N}`: the same processes with EP across them (each holds 1/N of the experts);
 - `disaggregated_1+1_m2`: one attention and one expert worker, half the cores each, two micro-batches;
-- `colocated_1`: one process with every core. OpenMP threads in one process stall each other on a shared
-  machine (every op waits for its slowest thread), so it must beat the best one-thread layout by
-  `THREADS_MARGIN` (the offline choice's rule).
+- `colocated_1`: one process with every core: its narrow steps share the experts' tiled GEMMs among threads of
+  their own and its wide ones run on torch's (`workers.step_cores`). Where the experts do not tile, its every op
+  runs on OpenMP threads, which stall each other on a shared machine (every op waits for its slowest thread).
+
+The trial runs without the front end, whose clients take turns with the workers on the same cores once it serves;
+so each candidate's trial is weighed by its `handicap`: processes that exchange tokens at every layer must win by
+`EXCHANGE_MARGIN` (when the OS runs the front end in place of one of them, the others wait), OpenMP threads in one
+process by `THREADS_MARGIN` (the offline choice's rule).
 
 A trial takes a few seconds per candidate on the bundled sizes, so a choice is kept in a cache file
 (`$XDG_CACHE_HOME/mbridge-epoverlap/online-layouts.json`, or `~/.cache/...`) under the model's config, the dtype,
@@ -36,6 +41,7 @@ from typing import Any
 
 from mbridge_epoverlap.serving.engine.choice.layout import THREADS_MARGIN
 from mbridge_epoverlap.serving.engine.plan import available_cores
+from mbridge_epoverlap.serving.workers.step_cores import experts_tile
 
 TRIAL_STEPS = 8  # a trial request makes 4-12 tokens: joins at nearly every step, a few seconds a candidate
 TRIAL_PROMPT_LEN = 32  # tokens per synthetic prompt (capped by the model's context)
@@ -52,6 +58,12 @@ SMALL_BATCH_RUNS = 2
 # online every core served it better at every rate (one process: 0.60-0.67x vLLM's tokens/s at a burst, P99 TPOT
 # 2.0-2.5x at 8/s, against 0.79x and 1.75x). 1.15 left the Qwen3-MoE on one process whenever the machine was slow.
 SPARE_MARGIN = 1.08
+# How much faster offline a layout whose processes exchange tokens at every layer must be than one whose processes
+# do not: online the front end and its clients take turns on the same cores, and each time the OS runs them in
+# place of one worker the others wait for it at the next exchange. The 108M Qwen3-MoE's two EP processes traded
+# 959 tokens/s against one process on both cores' 854 in the trial (64 sequences, 2-core AMD EPYC), and online
+# served a burst at 603-714 against 848-875 tokens/s and Poisson 8/s at median TPOT 47-66 against 32-39 ms.
+EXCHANGE_MARGIN = 1.2
 MEMORY_SHARE = 0.5  # replicated experts may take at most this share of the available memory
 CACHE_NAME = "online-layouts.json"
 
@@ -126,8 +138,8 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
         figures = run(layout, batch, prompt_len)
         measured[name] = {"layout": layout, "tokens_per_s": figures["tokens_per_s"],
                           "trial_s": round(time.perf_counter() - started, 2)}
-    best, margin = _best(measured)
-    summary = _summary(best, measured, batch, cores, margin)
+    best, passed_over = _best(measured, splits=experts_tile(spec))
+    summary = _summary(best, measured, batch, cores, passed_over)
     choice = {"chosen": best, "layout": options[best], "summary": summary, "cores": cores, "batch": batch,
               "candidates": measured, "source": "measured" if len(options) > 1 else "only"}
     if len(options) > 1:
@@ -159,6 +171,11 @@ def choose_keeping_frontend(spec: Any, *, frontend_cores: int, cores: int | None
     workers = worker_cores(cores, frontend_cores)
     if workers >= cores:
         return every
+    if every["layout"].get("colocated") == 1 and handicap(every["layout"], splits=experts_tile(spec))[0] == 1.0:
+        # One process whose narrow steps share the tiled expert GEMMs: when the front end takes a core, its helper
+        # leaves its units to the caller, nobody waits for it; on fewer cores it would only lose the bursts' speed.
+        return dict(every, summary=f"{every['summary']}; every core: one process, its helper threads leave their "
+                                   "work to the others when the front end runs")
     kept = choose_online_layout(spec, cores=workers, **common)
     names = (f"{every['chosen']} on {cores} cores", f"{kept['chosen']} on {workers} core{'s' if workers > 1 else ''}")
     cache = _cache_path(cache_dir)
@@ -197,27 +214,40 @@ def _runner(spec: Any, trial: Callable[..., dict[str, Any]] | None, *, timeout_s
     return trial or (lambda layout, b, n: _trial_run(spec, layout, b, n, timeout_s=timeout_s, backend=backend))
 
 
-def _best(measured: dict[str, dict[str, Any]]) -> tuple[str, bool]:
-    """The fastest candidate, one thread per process unless more threads win by `THREADS_MARGIN`."""
+def handicap(layout: dict[str, Any], *, splits: bool) -> tuple[float, str]:
+    """(how much faster a layout's trial must be, why) against a layout of one-thread processes that never wait for
+    each other: `THREADS_MARGIN` for several OpenMP threads in one process (not where its steps split the experts'
+    tiled GEMMs instead, `workers.step_cores`: a helper the OS does not schedule only leaves its share to the
+    others), `EXCHANGE_MARGIN` for processes that exchange tokens at every layer (EP across processes, attention
+    and expert workers); 1 otherwise."""
+    if layout.get("attn_workers") or (layout.get("colocated", 0) > 1 and not layout.get("replicated_experts")):
+        return EXCHANGE_MARGIN, "its processes wait for each other at every layer"
+    if layout["threads"] > 1 and not splits:
+        return THREADS_MARGIN, "OpenMP threads in one process"
+    return 1.0, ""
+
+
+def _best(measured: dict[str, dict[str, Any]], *, splits: bool) -> tuple[str, str]:
+    """The candidate of the best trial after each one's `handicap`, and why the fastest was not taken ("" where it
+    was)."""
     rated = {n: c["tokens_per_s"] for n, c in measured.items() if "tokens_per_s" in c}
     if not rated:
-        return next(iter(measured)), False
-    best = max(rated, key=rated.__getitem__)
-    singles = [n for n in rated if measured[n]["layout"]["threads"] == 1]
-    if measured[best]["layout"]["threads"] > 1 and singles:
-        runner_up = max(singles, key=rated.__getitem__)
-        if rated[best] < THREADS_MARGIN * rated[runner_up]:
-            return runner_up, True
-    return best, False
+        return next(iter(measured)), ""
+    fastest = max(rated, key=rated.__getitem__)
+    margins = {n: handicap(measured[n]["layout"], splits=splits) for n in rated}
+    best = max(rated, key=lambda n: rated[n] / margins[n][0])
+    if best == fastest:
+        return best, ""
+    margin, why = margins[fastest]
+    return best, f"{fastest} not {margin:g}x faster: {why}"
 
 
-def _summary(best: str, measured: dict[str, dict[str, Any]], batch: int, cores: int, margin: bool) -> str:
+def _summary(best: str, measured: dict[str, dict[str, Any]], batch: int, cores: int, passed_over: str) -> str:
     if "tokens_per_s" not in measured[best]:
         return f"{best}: the only layout on {cores} core{'s' if cores != 1 else ''}"
     others = ", ".join(f"{n} {c['tokens_per_s']:,.0f}" for n, c in measured.items() if n != best)
     return (f"{best}: {measured[best]['tokens_per_s']:,.0f} tokens/s in a trial of {batch} sequences with joins "
-            f"on {cores} cores; {others}" + (f" (not {THREADS_MARGIN:g}x faster: one thread per process)"
-                                             if margin else ""))
+            f"on {cores} cores; {others}" + (f" ({passed_over})" if passed_over else ""))
 
 
 def _trial_run(spec: Any, layout: dict[str, Any], batch: int, prompt_len: int, *, timeout_s: float,

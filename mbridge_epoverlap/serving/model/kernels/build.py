@@ -1,9 +1,9 @@
 """Compiling a kernel's C source into a shared library at first use, cached per source, compiler and CPU.
 
 The library is built with the system's C compiler (`$CC`, else `cc`), `-O3 -ffp-contract=off` (no fused
-multiply-adds: the kernels promise the same bits on every CPU) and `-march=native` where the compiler takes it,
-into `$XDG_CACHE_HOME/mbridge-epoverlap/native/<name>-<key>.so`; the key hashes the source, the compiler and its
-version, the flags and the CPU's model and flags, so another machine or source never loads a stale build.
+multiply-adds: the kernels promise the same bits on every CPU), `-pthread` and `-march=native` where the compiler
+takes it, into `$XDG_CACHE_HOME/mbridge-epoverlap/native/<name>-<key>.so`; the key hashes the source, the compiler
+and its version, the flags and the CPU's model and flags, so another machine or source never loads a stale build.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
 COMPILE_TIMEOUT_S = 120
 
 

@@ -6,9 +6,19 @@
  * adds over k = 0 .. K-1 in order, built with -ffp-contract=off: the same bits on every CPU (no fused
  * multiply-add, no reordering), whatever the vector width, and the same for a row whatever other rows it is
  * multiplied with.
+ *
+ * With more than one thread (small_gemm_set_threads) the (expert, tile) units of a call are shared out one at a
+ * time from an atomic counter by the caller and helper threads; a unit is computed whole by one thread, so the bits
+ * do not depend on the thread count, and a helper the OS does not schedule only leaves its units to the others.
+ * Between calls a helper spins for a while (a layer's next call comes within microseconds to a millisecond), then
+ * sleeps on a condition variable until the next call.
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #define TILE 32
 #define VECS (TILE / 8)
@@ -48,26 +58,134 @@ ROW_BLOCK(2)
 ROW_BLOCK(3)
 ROW_BLOCK(4)
 
-/* y[n][O] (row stride ldy) = x[n][K] (row stride ldx) times the tiled weight's transpose. */
-static void tiled_gemm(const float *x, int64_t ldx, int64_t n, int64_t K, const float *tiled, int64_t O, float *y,
-                       int64_t ldy) {
-    for (int64_t t = 0; t < O / TILE; t++) {
-        const float *tile = tiled + t * K * TILE;
-        int64_t r = 0;
-        for (; r + 4 <= n; r += 4) rows4(x + r * ldx, ldx, tile, K, y + r * ldy + t * TILE, ldy);
-        if (n - r == 3) rows3(x + r * ldx, ldx, tile, K, y + r * ldy + t * TILE, ldy);
-        if (n - r == 2) rows2(x + r * ldx, ldx, tile, K, y + r * ldy + t * TILE, ldy);
-        if (n - r == 1) rows1(x + r * ldx, ldx, tile, K, y + r * ldy + t * TILE, ldy);
-    }
+int small_gemm_tile(void) { return TILE; }
+
+/* One call's work: for each group g, rows starts[g] .. starts[g] + counts[g] of x [.][K] (row stride ldx) times the
+ * transpose of the tiled weight at weights[g], into the same rows of y [.][O] (row stride ldy); a unit is one
+ * group's one tile of TILE outputs. */
+struct job {
+    const float *x;
+    int64_t ldx, K;
+    const int64_t *starts, *counts, *weights;
+    int64_t O;
+    float *y;
+    int64_t ldy, units;
+};
+
+static void run_unit(const struct job *j, int64_t unit) {
+    int64_t tiles = j->O / TILE, g = unit / tiles, t = unit % tiles;
+    const float *tile = (const float *)(intptr_t)j->weights[g] + t * j->K * TILE;
+    const float *x = j->x + j->starts[g] * j->ldx;
+    float *y = j->y + j->starts[g] * j->ldy + t * TILE;
+    int64_t n = j->counts[g], r = 0;
+    for (; r + 4 <= n; r += 4) rows4(x + r * j->ldx, j->ldx, tile, j->K, y + r * j->ldy, j->ldy);
+    if (n - r == 3) rows3(x + r * j->ldx, j->ldx, tile, j->K, y + r * j->ldy, j->ldy);
+    if (n - r == 2) rows2(x + r * j->ldx, j->ldx, tile, j->K, y + r * j->ldy, j->ldy);
+    if (n - r == 1) rows1(x + r * j->ldx, j->ldx, tile, j->K, y + r * j->ldy, j->ldy);
 }
 
-int small_gemm_tile(void) { return TILE; }
+/* --- the helper threads --------------------------------------------------------------------------------------
+ * `generation` is even while a job is published, odd while the caller rewrites it; a helper takes part in a job
+ * only between counting itself `active` and seeing the same even generation, so the caller rewrites a job only
+ * when no helper reads it. */
+#define MAX_HELPERS 63
+static struct job current;
+static _Atomic int64_t next_unit;
+static _Atomic uint64_t generation;
+static _Atomic int active, sleeping, wanted = 1;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static int helpers;      /* helper threads started in this process */
+static pid_t helpers_of; /* the process that started them (a forked child has none) */
+static int64_t spin_ns = 300000;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void take_units(void) {
+    for (int64_t u; (u = atomic_fetch_add(&next_unit, 1)) < current.units;) run_unit(&current, u);
+}
+
+static void *helper_main(void *arg) {
+    int index = (int)(intptr_t)arg;
+    uint64_t seen = atomic_load(&generation);
+    for (;;) {
+        int64_t since = now_ns();
+        uint64_t g;
+        while (((g = atomic_load(&generation)) == seen || (g & 1)) && now_ns() - since < spin_ns) relax();
+        if (g == seen || (g & 1)) {
+            pthread_mutex_lock(&lock);
+            atomic_fetch_add(&sleeping, 1);
+            while ((g = atomic_load(&generation)) == seen || (g & 1)) pthread_cond_wait(&wake, &lock);
+            atomic_fetch_sub(&sleeping, 1);
+            pthread_mutex_unlock(&lock);
+        }
+        seen = g;
+        if (index + 1 >= atomic_load(&wanted)) continue; /* fewer threads asked for since it started */
+        atomic_fetch_add(&active, 1);
+        if (atomic_load(&generation) == g) take_units();
+        atomic_fetch_sub(&active, 1);
+    }
+    return 0;
+}
+
+/* Threads a call uses from now on (the caller and threads - 1 helpers), and how long a helper spins for the next
+ * call before it sleeps. Returns the threads in use (fewer where a helper did not start). */
+int64_t small_gemm_set_threads(int64_t threads, int64_t spin_us) {
+    if (helpers_of != getpid()) { /* a fresh process, or a fork: no helper runs here */
+        helpers = 0;
+        helpers_of = getpid();
+        pthread_mutex_init(&lock, 0);
+        pthread_cond_init(&wake, 0);
+        atomic_store(&active, 0);
+        atomic_store(&sleeping, 0);
+    }
+    if (threads < 1) threads = 1;
+    if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
+    spin_ns = spin_us * 1000;
+    while (helpers < threads - 1) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)helpers);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        helpers++;
+    }
+    if (threads > helpers + 1) threads = helpers + 1;
+    atomic_store(&wanted, (int)threads);
+    return threads;
+}
 
 /* For each group g: rows starts[g] .. starts[g] + counts[g] of x, times the tiled weight at address weights[g],
  * into the same rows of y. One call for all of a layer's small experts. */
 void small_gemm_groups(const float *x, int64_t ldx, int64_t K, const int64_t *starts, const int64_t *counts,
                        const int64_t *weights, int64_t groups, int64_t O, float *y, int64_t ldy) {
-    for (int64_t g = 0; g < groups; g++)
-        tiled_gemm(x + starts[g] * ldx, ldx, counts[g], K, (const float *)(intptr_t)weights[g], O,
-                   y + starts[g] * ldy, ldy);
+    struct job j = {x, ldx, K, starts, counts, weights, O, y, ldy, groups * (O / TILE)};
+    if (atomic_load(&wanted) < 2 || helpers_of != getpid() || j.units < 2) {
+        for (int64_t u = 0; u < j.units; u++) run_unit(&j, u);
+        return;
+    }
+    atomic_fetch_add(&generation, 1); /* odd: no helper starts on the job being written */
+    while (atomic_load(&active)) relax();
+    current = j;
+    atomic_store(&next_unit, 0);
+    atomic_fetch_add(&generation, 1); /* even: published */
+    if (atomic_load(&sleeping)) {
+        pthread_mutex_lock(&lock);
+        pthread_cond_broadcast(&wake);
+        pthread_mutex_unlock(&lock);
+    }
+    take_units();
+    while (atomic_load(&active)) relax(); /* the units helpers took are written before the call returns */
 }
