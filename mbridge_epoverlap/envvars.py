@@ -32,9 +32,12 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
      "epoch EPOCH, the lowest-index expert worker that sends weights SIGKILLs itself after MESSAGES of its messages"),
     ("MBRIDGE_EPOVERLAP_PACKED_GEMM", "1 (default) or 0: the serving workers run their expert GEMMs on oneDNN-packed "
      "weights (1) or on the reference model's GEMMs (0; docs/numerics.md says what each promises)"),
-    ("MBRIDGE_EPOVERLAP_SMALL_GEMM", "1 (default) or 0: in fp32 on one thread the serving workers run the experts "
-     "with a few rows of a step (up to 4) in one call of a tiled GEMM compiled here with the system's C compiler (1), "
-     "or every expert on oneDNN (0); where no compiler builds it, oneDNN"),
+    ("MBRIDGE_EPOVERLAP_SMALL_GEMM", "1 (default) or 0: in fp32 the serving workers run the experts with a few rows "
+     "of a narrow step (up to 4 on one thread, up to 64 where the call shares its work among the cores) in one call "
+     "of a tiled GEMM compiled here with the system's C compiler (1), or every expert on oneDNN (0); where no "
+     "compiler builds it, oneDNN"),
+    ("MBRIDGE_EPOVERLAP_SMALL_GEMM_SPIN_US", "microseconds (default 300) a helper thread of the tiled GEMM waits "
+     "spinning for the next call before it sleeps; lower leaves more of the cores to other processes between steps"),
     ("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0 (default) or 1: the serving workers' decode attention runs the whole "
      "batch padded in two products (0) or each sequence's own products as the reference model does, bit for bit "
      "transformers' eager attention on every CPU (1)"),

@@ -15,4 +15,6 @@
 - `online`: online serving's request source (`OnlineSource`, polled at step boundaries) and its ZeroMQ
   messages to and from the front end.
 - `stage_timer`: `StageTimer`, per-stage durations and utilization.
+- `step_cores`: `StepCores`, how a process with several cores spends them at each step (torch's threads at
+  wide steps, the tiled expert GEMMs' threads at narrow ones).
 """
