@@ -39,6 +39,10 @@ Names (all prefixed `mbe_`):
 - `mbe_engine_steps{worker}`, `mbe_engine_idle_steps{worker}`: engine steps each attention worker ran, and of
   those the empty ones (no request: what an idle server costs, one every `online.idle_wait_s` at most), as of its
   last report.
+- `mbe_engine_step_seconds{worker}`, `mbe_iteration_tokens{worker}`: histograms of each attention worker's steps
+  that fed tokens: the step's time, and the token rows it fed (prompt chunks and decoding tokens, as vLLM's
+  `vllm:iteration_tokens_total`). A step that feeds a large prefill beside decoding sequences is the inter-token
+  latency those sequences see: the two histograms side by side show what `--max-prefill-tokens` costs them.
 
 The load and the elastic events come from the attention workers' `online.Stats` (what their routers chose and
 what they saw); nothing here is estimated by the front end.
@@ -56,6 +60,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 OUTCOMES = ("finished", "aborted", "failed", "rejected")
 LOAD_WINDOW_S = 10.0  # the expert-load imbalance gauges cover the reports of the last this many seconds
@@ -129,6 +134,10 @@ class ServerMetrics:
                            ["worker"], registry=registry)
         self.idle_steps = Gauge("mbe_engine_idle_steps", "Engine steps an attention worker ran with no request",
                                 ["worker"], registry=registry)
+        self.step_seconds = Histogram("mbe_engine_step_seconds", "Time of an engine step that fed tokens",
+                                      ["worker"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.step_tokens = Histogram("mbe_iteration_tokens", "Token rows an engine step fed (prompt and decoding)",
+                                     ["worker"], buckets=_STEP_TOKEN_BUCKETS, registry=registry)
         self._window: deque[tuple[float, list[list[int]]]] = deque()  # (arrival, load) of the last window
         self._lost: set[tuple[str, int, int]] = set()  # (role, index, replacement generation) counted lost
         self._generation: Tally[tuple[int, int]] = Tally()  # (attention worker, expert worker) -> rejoins seen
@@ -156,6 +165,10 @@ class ServerMetrics:
         self.kv_tokens.set(sum(s.kv_tokens for s in every))
         self.steps.labels(str(latest.worker)).set(latest.steps)
         self.idle_steps.labels(str(latest.worker)).set(latest.idle_steps)
+        seconds, tokens = self.step_seconds.labels(str(latest.worker)), self.step_tokens.labels(str(latest.worker))
+        for step_s, rows in zip(latest.step_seconds, latest.step_tokens, strict=False):
+            seconds.observe(step_s)
+            tokens.observe(rows)
         self._load(latest.expert_load)
         for event in latest.events:
             self._event(latest.worker, event)

@@ -93,6 +93,10 @@ class AttentionSide:
         self.active = False  # this worker had work when micro-batch 0 started the step (every dispatch says)
         self.tokens_generated = 0
         self.step_log: list[tuple[float, int]] = []  # (seconds, tokens generated) of each decode step
+        self.rows_fed = 0  # token rows run through the layers since the start: prompt chunks and decoding tokens
+        self._rows_at_step = 0
+        # Called with (seconds, rows fed) after each step that fed tokens (the online server's step metrics).
+        self.on_step: Callable[[float, int], None] | None = None
         self.handles: list[MicroBatchHandle] = []  # streamed steps: the m micro-batches, each with its cache
         self.on_sampled: list[Callable[[MicroBatchHandle], None]] = []  # after a micro-batch's new tokens
         # Online serving (`workers.online.OnlineSource`): polled at every step boundary for new requests and
@@ -158,6 +162,9 @@ class AttentionSide:
         `overhead` stage (not for a step without tokens: an idle server's step is its wait for requests)."""
         self.step_log.append((seconds, tokens))
         self.timer.step_done(record=tokens > 0)
+        rows, self._rows_at_step = self.rows_fed - self._rows_at_step, self.rows_fed
+        if self.on_step is not None and rows > 0:
+            self.on_step(seconds, rows)
 
     def progress_line(self) -> str | None:
         """Every `PROGRESS_EVERY` decode steps, the line that says how far decoding is (else None); done counts
@@ -199,6 +206,7 @@ class AttentionSide:
                 h.last_rows.append(rows - 1)
         h.batch = self.TokenBatch.from_chunks(chunks)
         h.x = self.part.embed(h.batch.token_ids)
+        self.rows_fed += rows
 
     def _post(self, h: MicroBatchHandle, layer: int) -> None:
         if h.empty:

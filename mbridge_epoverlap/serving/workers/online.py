@@ -48,6 +48,7 @@ IDLE_STEP_S = 2.0
 STATS_EVERY_S = 0.25  # how often a busy worker reports its queue and expert load
 KEEPALIVE_S = 1.0  # an idle worker reports at each empty step after this long: a front end hears it lives
 STEP_LOG_KEPT = 4096  # decode steps of the attention side's step log an online worker keeps
+STEP_TIMES_KEPT = 1024  # step times a report carries at most (reports go every STATS_EVERY_S while busy)
 
 
 def idle_wait_s(timeout_s: float) -> float:
@@ -155,6 +156,10 @@ class Stats:
     events: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0  # engine steps this worker ran so far, empty ones included
     idle_steps: int = 0  # of those, the steps it ran with no request (what an idle server costs)
+    # Each step that fed tokens since the last report: its seconds and the token rows it fed (prompt chunks
+    # and decoding tokens), at most `STEP_TIMES_KEPT` of the latest.
+    step_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
 
 
 MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Busy, Ready, Done, Tokens, Stats,
@@ -221,12 +226,14 @@ class OnlineSource:
         self.idle_wait_s = idle_wait_s(side.timeout_s)
         self.idle_steps = 0
         self.engine_busy = False  # another attention worker has requests (`Busy`)
+        self._steps_unsent: list[tuple[float, int]] = []  # (seconds, rows fed) of the steps since the last report
         self._last_stats: tuple[int, int, int] | None = None
         self._stats_at = 0.0
         self.queue.prefill_budget = prefill_budget
         side.source = self
         self._load_sent = side.expert_load.clone()  # the side counts from the start; the front end gets the rest
         side.on_sampled.append(self.sampled)
+        side.on_step = self.stepped
 
     def at_boundary(self, side: Any, seqs: Sequence[Any], *, first: bool) -> None:
         """A micro-batch's step boundary: take the messages (at micro-batch 0's), end the aborted of `seqs`."""
@@ -247,6 +254,12 @@ class OnlineSource:
                 if seq.request.id in self.aborts:
                     seq.finished = seq.aborted = True
                     self.aborts.discard(seq.request.id)
+
+    def stepped(self, seconds: float, rows: int) -> None:
+        """A step that fed tokens ended: kept for the next report (`Stats.step_seconds`)."""
+        self._steps_unsent.append((seconds, rows))
+        if len(self._steps_unsent) > 2 * STEP_TIMES_KEPT:
+            del self._steps_unsent[:-STEP_TIMES_KEPT]
 
     def sampled(self, h: Any) -> None:
         """Send a micro-batch's new tokens (a sequence whose sampling failed: its failure instead)."""
@@ -342,9 +355,12 @@ class OnlineSource:
         quiet = now - self._stats_at >= KEEPALIVE_S
         if not queue_changed and not busy and not new_events and not quiet:
             return
+        steps = self._steps_unsent[-STEP_TIMES_KEPT:]
         self._send(Stats(self.worker, *counts, expert_load=load.tolist(),
                          events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events],
-                         steps=side.decode_steps, idle_steps=self.idle_steps))
+                         steps=side.decode_steps, idle_steps=self.idle_steps,
+                         step_seconds=[round(s, 6) for s, _ in steps], step_tokens=[r for _, r in steps]))
+        self._steps_unsent = []
         self._load_sent += load
         self._events_sent += len(new_events)
         self._last_stats, self._stats_at = counts, now

@@ -217,6 +217,29 @@ def _idle_metrics(server) -> dict[str, float]:
         time.sleep(0.05)
 
 
+def test_step_histograms_count_every_step_and_every_token_row_it_fed(client, server):
+    """A request of 3 prompt tokens and 4 new ones: a prefill step feeding 3 rows, then 3 decoding steps of 1 row
+    (the last token is sampled, never fed), each timed in `mbe_engine_step_seconds`."""
+    before = _idle_metrics(server)
+    answer = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 30
+    while True:  # the last step's report follows the request's end
+        after = _idle_metrics(server)
+        steps = sum(after.get(f'mbe_engine_step_seconds_count{{worker="{w}"}}', 0)
+                    - before.get(f'mbe_engine_step_seconds_count{{worker="{w}"}}', 0) for w in range(4))
+        if steps >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    rows = sum(after.get(f'mbe_iteration_tokens_sum{{worker="{w}"}}', 0)
+               - before.get(f'mbe_iteration_tokens_sum{{worker="{w}"}}', 0) for w in range(4))
+    assert (steps, rows) == (4, 3 + 3)
+    seconds = sum(after.get(f'mbe_engine_step_seconds_sum{{worker="{w}"}}', 0)
+                  - before.get(f'mbe_engine_step_seconds_sum{{worker="{w}"}}', 0) for w in range(4))
+    assert 0 < seconds < 60
+
+
 def test_metrics_count_every_routed_token_per_layer(client, server, chat_mixtral_dir):
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
