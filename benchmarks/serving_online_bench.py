@@ -52,6 +52,7 @@ from mbridge_epoverlap.launch.signals import stop_gracefully  # noqa: E402
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 READY_S = 600.0
+STATS_LAG_S = 0.5  # an attention worker reports its steps every 0.25 s while busy (`online.STATS_EVERY_S`)
 NAME = "bench-model"
 TUNED_LAYOUT = "--colocated 2 --micro-batches 1 --order sequential --replicate-experts"
 SHAPES = {"mixtral": dict(hidden=512, layers=4, experts=8, vocab=4096, context=512, text_files=200),
@@ -67,6 +68,7 @@ def poisson_rates(text: str) -> list[float]:
     if not rates or any(not 0 < r < float("inf") for r in rates):
         raise SystemExit(f"error: --rates {text!r}: every rate must be a positive number")
     return rates
+STEP_FIGURES = ("engine_steps", "mean_step_ms", "mean_step_tokens", "steps_over_200ms")
 FIGURES = ("output_tokens_per_s", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms",
            "p99_itl_ms", "mean_tpot_ms", "idle_server_cpu")
 
@@ -177,6 +179,37 @@ def server_layout(server: Server) -> dict[str, Any] | None:
 
     with urllib.request.urlopen(f"{server.url}/health", timeout=30) as answer:
         return json.loads(answer.read()).get("layout")
+
+
+def engine_step_totals(server: Server) -> dict[str, float]:
+    """The project's server's step histograms (`/metrics`), summed over its attention workers: steps, their
+    seconds and token rows, and the steps of at most 0.2 s."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    totals = dict.fromkeys(("steps", "seconds", "tokens", "short"), 0.0)
+    names = {"mbe_engine_step_seconds_count": "steps", "mbe_engine_step_seconds_sum": "seconds",
+             "mbe_iteration_tokens_sum": "tokens"}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        base = name.partition("{")[0]
+        if base in names:
+            totals[names[base]] += float(value)
+        elif base == "mbe_engine_step_seconds_bucket" and 'le="0.2"' in name:
+            totals["short"] += float(value)
+    return totals
+
+
+def step_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """A case's engine steps from the totals before and after it: how many, their mean time and token rows, and
+    how many took over 0.2 s (a large prefill beside decoding: what the decoding sequences' ITL P99 shows)."""
+    steps = after["steps"] - before["steps"]
+    if steps <= 0:
+        return {}
+    return {"engine_steps": steps, "mean_step_ms": 1000 * (after["seconds"] - before["seconds"]) / steps,
+            "mean_step_tokens": (after["tokens"] - before["tokens"]) / steps,
+            "steps_over_200ms": steps - (after["short"] - before["short"])}
 
 
 def vllm(python: str, checkpoint: Path, context: int, max_seqs: int) -> Server:
@@ -342,7 +375,7 @@ def cpu_seconds(server: Server) -> float:
 def median_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One case's rounds: the median of each figure, every round's tokens/s, and failures over all rounds."""
     out: dict[str, Any] = {}
-    for name in FIGURES:
+    for name in FIGURES + STEP_FIGURES:
         values = [r[name] for r in runs if r.get(name) is not None]
         out[name] = statistics.median(values) if values else None
     out["output_tokens_per_s_rounds"] = [r["output_tokens_per_s"] for r in runs]
@@ -431,9 +464,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {repeat + 1}/{args.repeats}: {label} {case}", file=sys.stderr, flush=True)
                     idle = [other for other in servers.values() if other is not server]
                     before = sum(cpu_seconds(other) for other in idle)
+                    steps_before = engine_step_totals(server) if label == "mbridge-epoverlap" else None
                     started = time.perf_counter()
                     figures = measure(server, rate)
                     wall = time.perf_counter() - started
+                    if steps_before is not None:
+                        time.sleep(STATS_LAG_S)  # the workers' last report of the case arrives
+                        figures.update(step_figures(steps_before, engine_step_totals(server)))
                     figures["idle_server_cpu"] = (sum(cpu_seconds(other) for other in idle) - before) / wall
                     rounds[label][case].append(figures)
     finally:
@@ -500,6 +537,11 @@ def _print(doc: dict[str, Any]) -> None:
               f"{fmt(c['p50_tpot_ms']) + ' / ' + fmt(c['p99_tpot_ms']):>18} "
               f"{fmt(c['p50_itl_ms']) + ' / ' + fmt(c['p99_itl_ms']):>18} {c['failed']:>6}  {rounds}"
               + (f"; {idle:.2f} core" if idle is not None else ""))
+    for case, c in doc["servers"].get("mbridge-epoverlap", {}).items():
+        if c.get("engine_steps") is not None:
+            print(f"mbridge-epoverlap engine steps, {case}: {c['engine_steps']:.0f} per round, mean "
+                  f"{c['mean_step_ms']:.1f} ms and {c['mean_step_tokens']:.1f} token rows, "
+                  f"{c['steps_over_200ms']:.0f} over 200 ms (medians)")
     for key, value in doc.get("ratios", {}).items():
         per_round = ", ".join(f"{v:.2f}" for v in value["rounds"])
         print(f"mbridge-epoverlap / vllm, {key}: {fmt_ratio(value['median'])} (rounds: {per_round})")

@@ -6,6 +6,9 @@ workers' side), starts the engine (`serving.engine.run.run_engine`) on a thread,
 - `submit` sends a request to the least-loaded attention worker (fewest requests outstanding), or refuses it
   (`Unavailable`, a 503) while the engine is not serving or when it would wait behind more than
   `max_waiting` others;
+- colocated processes that each hold every expert (`--replicate-experts`) are engines of their own: one without
+  requests blocks on its socket, and its cores are lent to those with requests (`online.Cores`) until a request
+  comes to it;
 - a task on the event loop reads the workers' messages and puts each request's tokens on its
   `RequestStream`; the workers' `Stats` feed the gauges;
 - `abort` tells the worker to drop a request (its KV rows are freed at its next step boundary);
@@ -129,6 +132,11 @@ class EngineClient:
         self.external, self.link = external, link
         self._shutdown_sent = False
         self._busy = False  # what the attention workers were last told (`_tell_busy`)
+        # Colocated processes that each hold every expert step alone (no exchange between them): one without
+        # requests blocks on its socket whatever the others do, and its cores go to those with requests.
+        self._independent = bool(getattr(self.plan, "replicated_experts", False)) and attn_workers > 1
+        self._own_cores = max(1, int(getattr(self.plan, "threads", 1) or 1))
+        self._cores = [self._own_cores] * attn_workers  # what each attention worker was last told (`_lend_cores`)
         self._drained_every_request = False  # the drain saw every request end before the workers left
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
         self.done_workers: set[int] = set()
@@ -268,12 +276,30 @@ class EngineClient:
         """Tell every attention worker when the engine turns busy (a request outstanding) or idle again
         (`online.Busy`): each takes part in every step, and one without requests blocks on its socket (up to
         `online.idle_wait_s`) only while no worker has any."""
+        if self._independent:
+            self._lend_cores()
+            return
         busy = any(self.outstanding[w] for w in self._live_workers())
         if busy == self._busy or self.attn_workers == 1:  # one worker: its own requests wake it
             return
         self._busy = busy
         for worker in self._live_workers():
             self._send(worker, online.Busy(busy))
+
+    def _lend_cores(self) -> None:
+        """Independent processes: share every live process's cores among those with requests (`online.Cores`),
+        so that a lone request decodes on all of them; one without requests keeps its own. Told on change only,
+        and read at each worker's next step boundary."""
+        live = self._live_workers()
+        busy = [w for w in live if self.outstanding[w]]
+        total = self._own_cores * len(live)
+        for worker in live:
+            share = self._own_cores
+            if worker in busy:
+                share = total // len(busy) + (busy.index(worker) < total % len(busy))
+            if share != self._cores[worker]:
+                self._cores[worker] = share
+                self._send(worker, online.Cores(share))
 
     def _live_workers(self) -> list[int]:
         return [w for w in range(self.attn_workers) if w not in self.lost_attention]

@@ -100,6 +100,17 @@ class Busy:
 
 
 @dataclass(frozen=True)
+class Cores:
+    """The cores this attention worker may compute on from its next step (`StepCores.use`). Colocated processes
+    that each hold every expert decode their own sequences alone: while some have no request, the front end lends
+    their cores to those that have (a lone request decodes on every core, as in one process), and takes them
+    back as requests reach the others."""
+
+    kind: ClassVar[str] = "cores"
+    cores: int
+
+
+@dataclass(frozen=True)
 class Failed:
     """A request this attention worker could not serve; it alone ends, `error` saying why."""
 
@@ -162,7 +173,7 @@ class Stats:
     step_tokens: list[int] = field(default_factory=list)
 
 
-MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Busy, Ready, Done, Tokens, Stats,
+MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Busy, Cores, Ready, Done, Tokens, Stats,
                                                  Failed)}
 
 
@@ -314,6 +325,8 @@ class OnlineSource:
                 self.serving = False
             elif isinstance(message, Busy):
                 self.engine_busy = message.busy
+            elif isinstance(message, Cores) and self.side.cores is not None:
+                self.side.cores.use(message.cores)
 
     def refusal(self, message: Submit) -> str | None:
         """Why this worker cannot serve `message`, or None: what would otherwise fail inside a step and take the

@@ -47,11 +47,22 @@ class StepCores:
     """
 
     def __init__(self, cores: int, tiles: bool) -> None:
-        self.cores = max(1, cores)
-        self.splits = self.cores > 1 and tiles
+        self.tiles = tiles
+        self.cores = self.splits = 0
         self._wide: bool | None = None
+        self.use(cores)
+
+    def use(self, cores: int) -> None:
+        """Compute on `cores` cores from the next step on (an online server lends an idle process's cores to a
+        busy one whose sequences are its own: `online.Cores`)."""
+        cores = max(1, cores)
+        if cores == self.cores:
+            return
+        self.cores, self.splits, self._wide = cores, cores > 1 and self.tiles, None
         if not self.splits:
-            torch.set_num_threads(self.cores)
+            torch.set_num_threads(cores)
+            if self.tiles:  # back from lent cores: the tiled GEMMs' helpers stand down
+                small_gemm.set_threads(1)
 
     def for_step(self, tokens: int) -> None:
         """Before a step of `tokens` tokens: torch on every core from `WIDE_TOKENS`, else the tiled GEMMs."""

@@ -49,3 +49,15 @@ def test_experts_tile_in_fp32_on_whole_tiles_only(tiny_mixtral_dir) -> None:
     fits = small_gemm.fits(2 * spec.expert_ffn) and small_gemm.fits(spec.hidden_size)
     assert experts_tile(spec) == (fits and small_gemm.available())
     assert not experts_tile(load_spec(tiny_mixtral_dir, dtype="bfloat16"))
+
+
+@pytest.mark.skipif(not small_gemm.available(), reason=f"{small_gemm.unavailable_reason()}")
+def test_lent_cores_split_the_narrow_steps_until_they_are_taken_back(threads_restored) -> None:
+    torch.set_num_threads(1)
+    cores = StepCores(1, tiles=True)
+    cores.use(2)  # an idle process's core lent to this one
+    cores.for_step(10)
+    assert torch.get_num_threads() == 1 and small_gemm.threads() == 2
+    cores.use(1)  # taken back: the helpers stand down before the next step
+    cores.for_step(10)
+    assert torch.get_num_threads() == 1 and small_gemm.threads() == 1 and cores.summary == "one thread"

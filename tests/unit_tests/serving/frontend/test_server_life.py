@@ -10,6 +10,7 @@ survivor, which re-prefills each prompt with the tokens generated so far).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -407,3 +408,32 @@ def test_a_request_after_an_idle_step_wakes_every_attention_worker_at_once(start
         answer = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=2, temperature=0)
         assert answer.choices[0].finish_reason == "length"
         assert time.monotonic() - started < wait_s / 2  # held for the other's idle wait, it takes ~wait_s
+
+
+def test_independent_processes_block_while_idle_and_lend_their_core(start_server, chat_mixtral_dir):
+    """Colocated processes that each hold every expert are engines of their own: while one decodes, the other
+    blocks on its socket (an empty step every `online.idle_wait_s`, not one after another), and its core is lent
+    to the busy one (`online.Cores`); a request alone on its process gets the tokens it gets beside another."""
+    from mbridge_epoverlap.serving.workers import online
+
+    wait_s = online.idle_wait_s(60.0)
+    server = start_server(chat_mixtral_dir, "--colocated", "2", "--replicate-experts", "--timeout", "60")
+    client = _client(server)
+
+    def idle_steps() -> float:  # 0 until the worker's first report
+        with contextlib.suppress(AssertionError):
+            return _metric(server, 'mbe_engine_idle_steps{worker="1"}')
+        return 0.0
+
+    asked = dict(model=MODEL_NAME, prompt=[5, 6, 7], max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    before = _until(idle_steps, "a report of attention worker 1")
+    started = time.monotonic()
+    alone = client.completions.create(**asked).choices[0].text  # worker 0, worker 1 idle
+    busy_s = time.monotonic() - started
+    time.sleep(wait_s + 0.5)  # worker 1's next empty step reports
+    # spinning through empty steps while worker 0 decodes ran hundreds
+    assert idle_steps() - before <= (busy_s + wait_s + 0.5) / wait_s + 2
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one on each process: each on its own core
+        beside = [f.result().choices[0].text for f in [pool.submit(client.completions.create, **asked)
+                                                       for _ in range(2)]]
+    assert beside == [alone, alone]
