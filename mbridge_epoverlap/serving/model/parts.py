@@ -54,6 +54,8 @@ __all__ = [
     "load_attention_part", "load_expert_part", "run_experts",
 ]
 
+ANGLES_KEPT = 4  # micro-batches whose rotary angles are kept (two in flight, with room)
+
 
 @dataclass
 class AttnOut:
@@ -119,6 +121,9 @@ class AttentionPart(torch.nn.Module):
         self.final_norm = make_norm(spec, spec.hidden_size, dtype)
         self.head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, dtype=dtype)
         self.rotary = rotary_for(spec)
+        # (positions, (cos, sin)) of the last batches: every layer of a step turns the same positions, so they are
+        # computed once a step per micro-batch, not once a layer (the tensor held here: its identity stays its own)
+        self._angles: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
         self.requires_grad_(False)
         # fp32 only: measured there; bf16 keeps F.linear (its own oneDNN path), whose tokens the bf16 figures show
         pack = packed and dtype == torch.float32 and packed_gemm.available(dtype)
@@ -160,11 +165,10 @@ class AttentionPart(torch.nn.Module):
         if isinstance(block.attention, MultiLatentAttention):  # DeepSeek-V3: its cache holds latents
             if not isinstance(cache, LatentKVCache):
                 raise TypeError(f"{self.spec.architecture} attends over a LatentKVCache (KVCache.for_spec makes one)")
-            heads = block.attention.attend(layer, block.input_norm(x), batch, cache,
-                                           self.rotary.cos_sin(batch.positions))
+            heads = block.attention.attend(layer, block.input_norm(x), batch, cache, self._cos_sin(batch.positions))
         else:
             q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
-            cos, sin = self.rotary.cos_sin(batch.positions)
+            cos, sin = self._cos_sin(batch.positions)
             if self.spec.rotary_dim:  # GLM-4.5: only the head's first `rotary_dim` dimensions turn
                 q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
             else:
@@ -189,6 +193,14 @@ class AttentionPart(torch.nn.Module):
             ids, weights = routing.experts, routing.weights
         weights = weights.to(tokens.dtype) if self.spec.router_weights_in_dtype else weights
         return AttnOut(resid=resid, tokens=tokens, expert_ids=ids, gate_weights=weights)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for seen, angles in self._angles:
+            if seen is positions:
+                return angles
+        angles = self.rotary.cos_sin(positions)
+        self._angles = [*self._angles[-(ANGLES_KEPT - 1):], (positions, angles)]
+        return angles
 
     @torch.no_grad()
     def post_step(self, layer: int, attn: AttnOut, expert_out: torch.Tensor | None) -> torch.Tensor:
