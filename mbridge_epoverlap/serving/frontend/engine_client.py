@@ -134,8 +134,8 @@ class EngineClient:
         self._busy = False  # what the attention workers were last told (`_tell_busy`)
         # Colocated processes that each hold every expert step alone (no exchange between them): one without
         # requests blocks on its socket whatever the others do, and its cores go to those with requests.
-        self._independent = bool(getattr(self.plan, "replicated_experts", False)) and attn_workers > 1
-        self._own_cores = max(1, int(getattr(self.plan, "threads", 1) or 1))
+        self._independent = self.plan.replicated_experts and attn_workers > 1
+        self._own_cores = max(1, self.plan.threads)
         self._cores = [self._own_cores] * attn_workers  # what each attention worker was last told (`_lend_cores`)
         self._drained_every_request = False  # the drain saw every request end before the workers left
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)

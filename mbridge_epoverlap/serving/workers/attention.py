@@ -93,8 +93,7 @@ class AttentionSide:
         self.active = False  # this worker had work when micro-batch 0 started the step (every dispatch says)
         self.tokens_generated = 0
         self.step_log: list[tuple[float, int]] = []  # (seconds, tokens generated) of each decode step
-        self.rows_fed = 0  # token rows run through the layers since the start: prompt chunks and decoding tokens
-        self._rows_at_step = 0
+        self._step_rows = 0  # token rows the running step fed so far: prompt chunks and decoding tokens
         # Called with (seconds, rows fed) after each step that fed tokens (the online server's step metrics).
         self.on_step: Callable[[float, int], None] | None = None
         self.handles: list[MicroBatchHandle] = []  # streamed steps: the m micro-batches, each with its cache
@@ -162,7 +161,7 @@ class AttentionSide:
         `overhead` stage (not for a step without tokens: an idle server's step is its wait for requests)."""
         self.step_log.append((seconds, tokens))
         self.timer.step_done(record=tokens > 0)
-        rows, self._rows_at_step = self.rows_fed - self._rows_at_step, self.rows_fed
+        rows, self._step_rows = self._step_rows, 0
         if self.on_step is not None and rows > 0:
             self.on_step(seconds, rows)
 
@@ -206,7 +205,7 @@ class AttentionSide:
                 h.last_rows.append(rows - 1)
         h.batch = self.TokenBatch.from_chunks(chunks)
         h.x = self.part.embed(h.batch.token_ids)
-        self.rows_fed += rows
+        self._step_rows += rows
 
     def _post(self, h: MicroBatchHandle, layer: int) -> None:
         if h.empty:

@@ -48,7 +48,7 @@ class StepCores:
 
     def __init__(self, cores: int, tiles: bool) -> None:
         self.tiles = tiles
-        self.cores = self.splits = 0
+        self.cores, self.splits = 0, False  # `use` sets both
         self._wide: bool | None = None
         self.use(cores)
 
