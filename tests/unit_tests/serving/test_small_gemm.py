@@ -247,3 +247,42 @@ def test_with_several_threads_experts_of_up_to_split_rows_take_the_tiles(one_thr
     assert torch.equal(got[:counts[0]], tiled_expert(0))
     assert torch.equal(got[counts[0]:counts[0] + 9], tiled_expert(1))
     torch.testing.assert_close(got, grouped_expert_swiglu(x, w1, w2, counts), rtol=1e-5, atol=1e-6)
+
+
+@needs_library
+@pytest.mark.skipif(not packed.available(torch.float32), reason="this torch has no oneDNN linear ops")
+def test_a_projection_of_a_few_rows_takes_the_tiles_and_follows_its_weight(one_thread, kernel_threads, monkeypatch):
+    """The head and the attention projections (`PackedLinear`) run a product of up to `tiled_rows()` rows on their
+    tiles, as the experts do: `SMALL_ROWS` with the tiled calls on one thread, `SPLIT_ROWS` on several, none with
+    torch on several; a weight changed in place is tiled again before the next product."""
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(64, 48, generator=g) * 0.05
+    linear = packed.PackedLinear(weight)
+    calls = []
+    grouped = small_gemm.grouped
+    monkeypatch.setattr(small_gemm, "grouped", lambda x, *rest: (calls.append(x.shape[0]), grouped(x, *rest)))
+
+    def product(rows: int) -> torch.Tensor:
+        x = torch.randn(rows, 48, generator=g)
+        out = linear(x.view(1, rows, 48))
+        assert out.shape == (1, rows, 64)
+        torch.testing.assert_close(out[0], x @ weight.T, rtol=1e-5, atol=1e-6)
+        if calls and calls[-1] == rows:
+            assert torch.equal(out[0], small_gemm.reference_tiled_gemm(x, weight))
+        return out
+
+    for threads, limit in ((1, small_gemm.SMALL_ROWS), (2, small_gemm.SPLIT_ROWS)):
+        kernel_threads(threads)
+        calls.clear()
+        product(limit)
+        product(limit + 1)
+        assert calls == [limit], f"tiled calls with {threads} thread(s)"
+    with torch.no_grad():
+        weight[5].mul_(-3.0)
+    calls.clear()
+    product(7)
+    assert calls == [7]
+    torch.set_num_threads(2)  # a wide step: torch on every core, the tiles idle
+    calls.clear()
+    product(3)
+    assert calls == []
