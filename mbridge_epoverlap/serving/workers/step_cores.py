@@ -5,9 +5,9 @@ few rows each, through many small ops: torch's OpenMP threads there cost more th
 waits for its slowest thread, and an idle OpenMP thread spins on the core the other needs), while the experts'
 tiled GEMMs (`kernels.small_gemm`) share their tiles among threads of their own and read the weights with every
 core. A step with many tokens (a burst of prompts) is bound by the GEMMs' arithmetic, which oneDNN runs fastest on
-torch's threads. So a narrow step runs torch on one thread and the tiled GEMMs on every core (every expert of up
-to `small_gemm.SPLIT_ROWS` rows there); a wide one, from `WIDE_TOKENS` tokens, runs torch on every core and the
-tiled GEMMs on one thread (as a process with that many torch threads always did).
+torch's threads. So a narrow step runs torch on one thread and the tiled GEMMs on every core (every expert, the
+head and the attention projections: `packed.tiled_rows`); a wide one, from `WIDE_TOKENS` tokens, runs torch on
+every core and the tiled GEMMs on one thread (as a process with that many torch threads always did).
 
 Measured on a 2-core AMD EPYC (Zen 4, avx512_bf16, no AMX), one process, fp32, 10 decoding sequences plus `P`
 prompts of 64 tokens, medians of 5 alternated steps (torch on 2 threads / tiled GEMMs on 2 threads, ms): the

@@ -231,6 +231,7 @@ def test_with_several_threads_experts_of_up_to_split_rows_take_the_tiles(one_thr
     counts = [small_gemm.SPLIT_ROWS, 9, small_gemm.SPLIT_ROWS + 1]
     x = torch.randn(sum(counts), 32, generator=g)
     experts = packed.PackedExperts(w1, w2)
+    monkeypatch.setattr(packed, "PER_EXPERT_ROWS", 10**9)  # one activation over every row, not a prefill's per expert
     kernel_threads(2)
     tiled_groups = []
     grouped = small_gemm.grouped

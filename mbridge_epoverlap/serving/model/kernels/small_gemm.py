@@ -43,7 +43,11 @@ from mbridge_epoverlap.serving.model.kernels import build
 SOURCE = Path(__file__).with_name("small_gemm.c")
 TILE = 32  # outputs per tile, as small_gemm.c's TILE
 SMALL_ROWS = 4  # an expert with this many rows or fewer runs here (the docstring's step timings chose it)
-SPLIT_ROWS = 64  # ... or this many, where the calls have several threads (`set_threads`)
+# ... or this many, where the calls have several threads (`set_threads`): every GEMM of a narrow step, which has
+# fewer tokens (`workers.step_cores.WIDE_TOKENS`). Up to 64 before; at 128 a step of 12 decoding sequences and a
+# 64-token prompt, one process on 2 cores (AMD EPYC, AVX2 only, alternated, medians of 20): Mixtral 44.5 -> 40.7
+# ms, Qwen3-MoE 52.0 -> 50.4; with 40 sequences the Mixtral 57.0 -> 51.9
+SPLIT_ROWS = 128
 # How long a helper thread waits spinning for the next call before it sleeps (`MBRIDGE_EPOVERLAP_SMALL_GEMM_SPIN_US`)
 SPIN_US = int(os.environ.get("MBRIDGE_EPOVERLAP_SMALL_GEMM_SPIN_US", "300"))
 _I64 = ctypes.c_int64
