@@ -16,10 +16,11 @@ client (`vllm.benchmarks.serve`, random dataset, `--ignore-eos`) instead of the 
 
 Both servers run at once and the client takes turns: after one unmeasured burst each, every round runs each
 case on one server, then on the other (A B A B), for `--repeats` rounds; the table gives each figure's
-median, every round's tokens/s, and the CPU the idle server took meanwhile, and the ratios line the
-project's figures over vLLM's round by round (this machine's speed drifts by 10-20 % between minutes, more
-than the servers differ). The project's server runs `--server-flags`; by default none, as a user starts it:
-the server measures its layout at start (`serving.engine.choice.online`) and says which in its ready line.
+median, every round's tokens/s, and on each server's row the CPU the other (idle) server took meanwhile, and
+the ratios line the project's figures over vLLM's round by round (this machine's speed drifts by 10-20 %
+between minutes, more than the servers differ). The project's server runs `--server-flags`; by default none, as
+a user starts it: the server measures its layout at start (`serving.engine.choice.online`) and says which in its
+ready line.
 
     python benchmarks/serving_online_bench.py                     # the issue's model, 64 x (64 in, 64 out)
     python benchmarks/serving_online_bench.py --vllm-python ~/vllm-venv/bin/python --rates 8,16 --repeats 2
@@ -471,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                     if steps_before is not None:
                         time.sleep(STATS_LAG_S)  # the workers' last report of the case arrives
                         figures.update(step_figures(steps_before, engine_step_totals(server)))
-                    figures["idle_server_cpu"] = (sum(cpu_seconds(other) for other in idle) - before) / wall
+                    if idle:
+                        figures["idle_server_cpu"] = (sum(cpu_seconds(other) for other in idle) - before) / wall
                     rounds[label][case].append(figures)
     finally:
         for server in servers.values():
@@ -525,18 +527,19 @@ def _print(doc: dict[str, Any]) -> None:
         return "-" if value is None else f"{value:,.1f}"
 
     print(f"{'server':<20} {'case':<13} {'out tok/s':>10} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} "
-          f"{'ITL p50/p99 ms':>18} {'failed':>6}  tok/s per round; CPU of the idle server")
+          f"{'ITL p50/p99 ms':>18} {'failed':>6}  tok/s per round; the other server's CPU meanwhile (idle)")
     rows = [(label, case, c) for label, cases in doc["servers"].items() for case, c in cases.items()]
     if "kill_expert" in doc:
         rows.append(("mbridge-epoverlap", "kill", doc["kill_expert"]))
     for label, case, c in rows:
         rounds = ", ".join(f"{v:,.0f}" for v in c.get("output_tokens_per_s_rounds", []))
         idle = c.get("idle_server_cpu")
+        other = " and ".join(name for name in doc["servers"] if name != label)
         print(f"{label:<20} {case:<13} {fmt(c['output_tokens_per_s']):>10} "
               f"{fmt(c['p50_ttft_ms']) + ' / ' + fmt(c['p99_ttft_ms']):>18} "
               f"{fmt(c['p50_tpot_ms']) + ' / ' + fmt(c['p99_tpot_ms']):>18} "
               f"{fmt(c['p50_itl_ms']) + ' / ' + fmt(c['p99_itl_ms']):>18} {c['failed']:>6}  {rounds}"
-              + (f"; {idle:.2f} core" if idle is not None else ""))
+              + (f"; {other} idle {idle:.2f} core" if idle is not None else ""))
     for case, c in doc["servers"].get("mbridge-epoverlap", {}).items():
         if c.get("engine_steps") is not None:
             print(f"mbridge-epoverlap engine steps, {case}: {c['engine_steps']:.0f} per round, mean "
