@@ -74,7 +74,7 @@ def test_exchanging_layouts_must_win_by_the_exchange_margin(tiny_mixtral_dir, tm
     assert online_layout.handicap(dict(colocated=1, threads=2), splits=False)[0] == online_layout.THREADS_MARGIN
 
 
-def test_the_choice_is_cached_per_model_batch_and_cores(tiny_mixtral_dir, tmp_path) -> None:
+def test_the_choice_is_cached_per_model_batch_cores_and_engine(tiny_mixtral_dir, tmp_path, monkeypatch) -> None:
     spec = load_spec(tiny_mixtral_dir)
     calls: list[str] = []
     table = {"colocated_2_replicated": 600.0, "colocated_2": 900.0, "disaggregated_1+1_m2": 500.0,
@@ -92,6 +92,13 @@ def test_the_choice_is_cached_per_model_batch_and_cores(tiny_mixtral_dir, tmp_pa
     choose_online_layout(load_spec(tiny_mixtral_dir, dtype="bfloat16"), max_batch=64, max_model_len=256, cores=2,
                          cache_dir=tmp_path, trial=rates(spec, table, calls))
     assert len(calls) == 12
+    # So is another version of the engine's code (a kernel changed since): its speed is another answer.
+    online_layout.engine_digest.cache_clear()
+    assert online_layout.engine_digest() == online_layout.engine_digest()  # the same code, the same digest
+    monkeypatch.setattr(online_layout, "engine_digest", lambda: "another engine")
+    assert choose_online_layout(spec, max_batch=64, max_model_len=256, cores=2, cache_dir=tmp_path,
+                                trial=rates(spec, table, calls))["source"] == "measured"
+    assert len(calls) == 16
     # A cache this version cannot read is measured again, not an error.
     (tmp_path / online_layout.CACHE_NAME).write_text("{not json")
     assert choose_online_layout(spec, max_batch=64, max_model_len=256, cores=2, cache_dir=tmp_path,

@@ -31,6 +31,7 @@ the batch, the cores and the CPU: the next start of the same server on the same 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -66,6 +67,7 @@ SPARE_MARGIN = 1.08
 EXCHANGE_MARGIN = 1.2
 MEMORY_SHARE = 0.5  # replicated experts may take at most this share of the available memory
 CACHE_NAME = "online-layouts.json"
+ENGINE_CODE = ("model", "workers", "engine")  # under serving/: what `engine_digest` reads
 
 
 def candidates(spec: Any, cores: int, *, available_bytes: int | None = None) -> dict[str, dict[str, Any]]:
@@ -289,7 +291,22 @@ def _cache_key(spec: Any, cores: int, batch: int, names: list[str]) -> str:
     else:
         model = f"{spec.source}/{spec.num_layers}/{spec.seed}".encode()
     digest = hashlib.sha256(model).hexdigest()[:16]
-    return f"{digest}|{spec.dtype}|batch {batch}|{cores} cores|{cpu_model()}|{','.join(names)}"
+    return (f"{digest}|engine {engine_digest()}|{spec.dtype}|batch {batch}|{cores} cores|{cpu_model()}|"
+            f"{','.join(names)}")
+
+
+@functools.cache
+def engine_digest() -> str:
+    """A digest of the code a trial measures (`serving/model` with its kernels, `serving/workers`,
+    `serving/engine`): a choice measured by another version of the engine is measured again, not reused (one
+    change of a kernel moved a layout's trial by 10-20 %)."""
+    serving = Path(__file__).resolve().parents[2]
+    sources = sorted(path for part in ENGINE_CODE for path in (serving / part).rglob("*")
+                     if path.suffix in (".py", ".c"))
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.relative_to(serving).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
