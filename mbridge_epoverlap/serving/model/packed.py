@@ -117,7 +117,7 @@ class PackedLinear:
         self.weight, self.rows_hint = weight, rows_hint
         self._packed_at: int | None = None
         self._packed: torch.Tensor | None = None
-        self.tiles = weight.dtype == torch.float32 and small_gemm.fits(weight.shape[0]) and small_gemm.available()
+        self.tiles = small_gemm.runs_for(weight.dtype, weight.shape[0])
         self._tiled: torch.Tensor | None = None
 
     def refresh(self) -> None:
@@ -173,8 +173,7 @@ class PackedExperts:
         self.w1, self.w2 = w1, w2
         self._packed_at: tuple[int, int] | None = None
         self._experts: list[PackedExpert] = []
-        self.tiles = (w1.dtype == torch.float32 and small_gemm.fits(w1.shape[1]) and small_gemm.fits(w2.shape[1])
-                      and small_gemm.available())
+        self.tiles = small_gemm.runs_for(w1.dtype, w1.shape[1], w2.shape[1])
 
     def refresh(self, reuse: Mapping[int, PackedExpert] | None = None) -> None:
         """Pack the weights if they changed since they were last packed.

@@ -92,6 +92,12 @@ def fits(out_features: int) -> bool:
     return out_features % TILE == 0
 
 
+def runs_for(dtype: torch.dtype, *out_features: int) -> bool:
+    """Whether weights of `dtype` with these row counts run on the tiled GEMMs here: fp32, whole tiles, the library
+    built and loaded."""
+    return dtype == torch.float32 and all(fits(n) for n in out_features) and available()
+
+
 def tiled(weight: torch.Tensor) -> torch.Tensor:
     """weight [O, K] fp32 -> its tiles [O / TILE, K, TILE] (a copy; O a multiple of TILE)."""
     out_features, in_features = weight.shape
