@@ -50,24 +50,35 @@ def extract(models: list[str] | None = None) -> dict[str, Any]:
     import megatron.core
 
     from mbridge_epoverlap.gpus import gpu_facts
-    from mbridge_epoverlap.harness.hf_configs import HF_MODELS, hf_model, pinned_revisions, write_hf_cache
+    from mbridge_epoverlap.harness.hf_configs import (
+        HF_MODELS,
+        RELEASED_MODELS,
+        hf_models,
+        pinned_revisions,
+        write_hf_cache,
+    )
     from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
     from mbridge_epoverlap.harness.recipe_facts import recipe_values
     from mbridge_epoverlap.recipes.loader import family_of, load_recipe
 
     perf_names = installed_perf_recipe_names()
     recipes: dict[str, Any] = {}
-    failed: list[str] = []
+    failed: dict[str, str] = {}
     for name in sorted(models or HF_MODELS):
         family = family_of(name)
         perf = importlib.import_module(f"megatron.bridge.perf_recipes.{family}")
-        library = importlib.import_module(f"megatron.bridge.recipes.{family}")
-        model_id, config = hf_model(name, load_recipe(name).model)
-        write_hf_cache(home, model_id, config, pinned_revisions(model_id))
+        try:
+            library = importlib.import_module(f"megatron.bridge.recipes.{family}")
+        except ImportError:  # a perf family without a library package of that name (glm_moe_dsa)
+            library = None
+        # The hand-written recipes' configs are written from their dimensions; the others are released values.
+        model = None if name in RELEASED_MODELS else load_recipe(name).model
+        for model_id, config, code in hf_models(name, model):
+            write_hf_cache(home, model_id, config, pinned_revisions(model_id), code)
         builds = [(perf, function, _GPU.search(function).group(1)) for function in perf_names
-                  if function.startswith(f"{name}_") and hasattr(perf, function)]
+                  if _workload_of(function) == name and hasattr(perf, function)]
         builds += [(library, f"{name}_{task}_config", None) for task in LIBRARY_TASKS
-                   if hasattr(library, f"{name}_{task}_config")]
+                   if library is not None and hasattr(library, f"{name}_{task}_config")]
         for module, function, gpu in builds:
             # A GPU whose compute capability the catalog does not know is built without one: Megatron-Bridge
             # then keeps the flex backend the recipe asks for instead of gating it on a made-up architecture.
@@ -76,11 +87,11 @@ def extract(models: list[str] | None = None) -> dict[str, Any]:
                 with target_gpu(gpu if known else None):
                     container = getattr(module, function)()
             except Exception as exc:  # noqa: BLE001 - a recipe this release cannot build is left out, and said
-                failed.append(f"{module.__name__}.{function}: {type(exc).__name__}: {exc}"[:300])
+                failed[f"{module.__name__}.{function}"] = _first_line(f"{type(exc).__name__}: {exc}")
                 continue
             recipes[f"{module.__name__}.{function}"] = recipe_values(container)
-    for line in failed:
-        print(f"not built: {line}", file=sys.stderr)
+    for name, error in failed.items():
+        print(f"not built: {name}: {error}", file=sys.stderr)
     from mbridge_epoverlap.config.versions import bridge_release_of, bridge_rules
 
     release = bridge_rules(bridge_release_of(megatron.bridge.__version__)).version
@@ -88,7 +99,23 @@ def extract(models: list[str] | None = None) -> dict[str, Any]:
     commit = _source_commit("bridge")
     if release == "main" and commit:
         head["commit"] = commit
-    return {**head, "recipes": dict(sorted(recipes.items()))}
+    # What this release cannot build on any machine is kept with its error, so a job asking for it is told why.
+    return {**head, "not_built": dict(sorted(failed.items())), "recipes": dict(sorted(recipes.items()))}
+
+
+def _first_line(text: str) -> str:
+    """The error's first line, without the paths of this machine (the fixture is the same wherever it is built)."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    return re.sub(r"'?/[^' ]*/(site-packages|src)/", "'", line)[:300]
+
+
+def _workload_of(function: str) -> str | None:
+    """The workload of a flat perf recipe name (`qwen3_30b_a3b` of `qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config`):
+    a prefix test would take `qwen3_vl_30b_a3b`'s recipes for another workload's."""
+    from mbridge_epoverlap.recipes.bridge_models import recipe_parts
+
+    parts = recipe_parts(function)
+    return parts["model"] if parts else None
 
 
 def _source_commit(name: str) -> str | None:

@@ -52,8 +52,9 @@ README = ROOT / "README.md"
 SKILL_MD = SKILL_DIR / "SKILL.md"
 CARD_YAML = SKILL_DIR / "card.yaml"
 TRAINING_DOC = ROOT / "docs" / "training" / "communication-overlap.md"
+UPSTREAM_RECIPES_DOC = ROOT / "docs" / "training" / "upstream-perf-recipes.md"
 SERVING_DOC = ROOT / "docs" / "serving" / "disaggregated-serving.md"
-DOC_FILES: tuple[Path, ...] = (README, SKILL_MD, CARD_YAML, TRAINING_DOC, SERVING_DOC)
+DOC_FILES: tuple[Path, ...] = (README, SKILL_MD, CARD_YAML, TRAINING_DOC, UPSTREAM_RECIPES_DOC, SERVING_DOC)
 SERVING_RESULTS_JSON = ROOT / "docs" / "results" / "serving_bench.json"
 RESULTS_JSON = ROOT / "docs" / "results" / "cpu_ab.json"
 IMG_DIR = ROOT / "docs" / "training" / "img"
@@ -581,6 +582,74 @@ def render_recipes() -> str:
     return _table(["recipe (`-mr`)", "family (`-m`)", "shape", "EP overlap", "delayed wgrad"], rows)
 
 
+def upstream_recipe_rows(release: str | None = None) -> list[dict[str, Any]]:
+    """Every performance recipe of the facts fixture of `release` (None: the newest release), as the validator
+    reads it: its name's parts and the EP settings the job would run with."""
+    from mbridge_epoverlap.config.container import RunConfig
+    from mbridge_epoverlap.harness.recipe_facts import apply_recipe_values, load_facts
+    from mbridge_epoverlap.recipes.bridge_models import PERF_PREFIX, recipe_parts
+
+    rows = []
+    for key, facts in load_facts(release=release)["recipes"].items():
+        module, _, function = key.rpartition(".")
+        parts = recipe_parts(function)
+        if not module.startswith(PERF_PREFIX) or parts is None:
+            continue
+        cfg = RunConfig()
+        if not facts["comm_overlap"]:
+            cfg.comm_overlap.overlap_moe_expert_parallel_comm = cfg.comm_overlap.delay_wgrad_compute = None
+        apply_recipe_values(cfg, facts)
+        m = cfg.model
+        rows.append({**parts, "family": module.removeprefix(PERF_PREFIX), "ep": m.expert_model_parallel_size,
+                     "dispatcher": m.moe_token_dispatcher_type,
+                     "backend": m.moe_flex_dispatcher_backend if m.moe_token_dispatcher_type == "flex" else None,
+                     "overlap": cfg.comm_overlap.effective_overlap(m),
+                     "delay": cfg.comm_overlap.effective_delay_wgrad(m),
+                     "graphs": m.cuda_graph_impl, "scopes": list(m.cuda_graph_scope)})
+    return sorted(rows, key=lambda r: (r["family"], r["model"], r["task"], r["gpu"], r["precision"], r["variant"],
+                                       int(r["count"])))
+
+
+def render_upstream_recipe_summary() -> str:
+    """Per workload: how many performance configs Megatron-Bridge ships and how many turn each switch on."""
+    from collections import defaultdict
+
+    from mbridge_epoverlap.harness.recipe_facts import facts_label, load_facts
+    from mbridge_epoverlap.recipes.bridge_models import recipe_parts
+
+    by_workload: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in upstream_recipe_rows():
+        by_workload[(row["family"], row["model"])].append(row)
+    broken: dict[str, int] = defaultdict(int)
+    for key in load_facts().get("not_built", {}):
+        parts = recipe_parts(key.rpartition(".")[2])
+        if parts is not None and ".perf_recipes." in key:
+            broken[parts["model"]] += 1
+    table = []
+    for (family, model), rows in sorted(by_workload.items()):
+        on = [r for r in rows if r["overlap"]]
+        where = ", ".join(sorted({f"{r['gpu']} {r['precision']}" for r in on})) or "none"
+        table.append([_code(family), _code(model), len(rows), broken.get(model, 0), len(on),
+                      sum(r["delay"] for r in rows), where])
+    total = sum(len(rows) for rows in by_workload.values())
+    return (f"{facts_label()}: {total} performance configs of {len(by_workload)} workloads, and "
+            f"{sum(broken.values())} the release has but cannot build (`scripts/extract_bridge_recipe_facts.py`; "
+            "every row: docs/training/upstream-perf-recipes.md).\n\n"
+            + _table(["family (`-m`)", "workload (`-mr`)", "configs", "not buildable", "EP overlap on",
+                      "delayed wgrad on", "where overlap is on"], table))
+
+
+def render_upstream_recipes() -> str:
+    """Every performance recipe of Megatron-Bridge with its EP layout, dispatcher and the two switches."""
+    on_off = {True: "on", False: "off"}
+    rows = [[_code(r["model"]), r["task"], r["gpu"], r["count"], r["precision"], r["variant"], r["ep"],
+             r["dispatcher"] + (f" ({r['backend']})" if r["backend"] else ""), on_off[r["overlap"]],
+             on_off[r["delay"]], r["graphs"] + (f": {', '.join(r['scopes'])}" if r["scopes"] else "")]
+            for r in upstream_recipe_rows()]
+    return _table(["workload", "task", "GPU", "GPUs", "precision", "variant", "EP", "dispatcher", "EP overlap",
+                   "delayed wgrad", "CUDA graphs"], rows)
+
+
 def _sim_row(label: str, timeline: Any, micro_batches: int | None = None) -> list[str]:
     data = timeline.to_dict()
     util = ", ".join(f"{name} {value:.0%}" for name, value in data["utilization"].items())
@@ -712,6 +781,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "results_figure": render_results_figure,
     "flex_support": render_flex_support,
     "recipes": render_recipes,
+    "upstream_recipe_summary": render_upstream_recipe_summary,
+    "upstream_recipes": render_upstream_recipes,
     "schedule_sim": render_schedule_sim,
     "pingpong_sim": render_pingpong_sim,
     "serving_modules": render_serving_modules,

@@ -135,6 +135,7 @@ def target_gpu(gpu: str | None) -> Iterator[None]:
     import torch
 
     saved = torch.cuda.is_available, torch.cuda.get_device_properties
+    kernels = _dsa_kernel_check()
     if gpu is None:
         torch.cuda.is_available = lambda: False
     else:
@@ -143,10 +144,26 @@ def target_gpu(gpu: str | None) -> Iterator[None]:
         props = types.SimpleNamespace(major=major, minor=minor, name=facts.device_name or f"NVIDIA {facts.name}")
         torch.cuda.is_available = lambda: True
         torch.cuda.get_device_properties = lambda *_args, **_kwargs: props
+        if kernels is not None:
+            # Fake: a GPU machine has the fused DSA kernel packages (flash_mla, cuDNN's DSA) that a CPU machine
+            # cannot install; Core checks they import once it sees CUDA (GLM-5's recipes ask for them).
+            kernels[0].__dict__[kernels[1]] = lambda _backend: None
     try:
         yield
     finally:
         torch.cuda.is_available, torch.cuda.get_device_properties = saved
+        if kernels is not None:
+            kernels[0].__dict__[kernels[1]] = kernels[2]
+
+
+def _dsa_kernel_check() -> tuple[Any, str, Any] | None:
+    """(module, name, function) of Megatron-Core's fused-DSA-kernel import check where its `TransformerConfig`
+    calls it (Core 0.19 and main), else None."""
+    module = sys.modules.get("megatron.core.transformer.transformer_config")
+    name = "_validate_dsa_kernel_backend_dependencies"
+    if module is None or name not in vars(module):
+        return None
+    return module, name, vars(module)[name]
 
 
 def bridge_available() -> bool:

@@ -36,6 +36,7 @@ import random
 import sys
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -196,6 +197,14 @@ def newer_fields(rng: random.Random, release: tuple[int, int], model: dict[str, 
 def bridge_verdict(case: Case) -> tuple[str | None, Any]:
     """(None, the finalized model) when Megatron-Bridge's config path accepts the case, else (its error, None)."""
     from megatron.bridge.models import GPTModelProvider
+
+    return config_path_verdict(lambda: GPTModelProvider(**case.model), case)
+
+
+def config_path_verdict(make_model: Callable[[], Any], case: Case) -> tuple[str | None, Any]:
+    """Megatron-Bridge's config path on the model provider `make_model` builds (a fresh one, or a copy of a recipe's):
+    the comm-overlap set-up with the case's switches, the flex and CUDA-graph checks and the model's `finalize()`
+    (Core's `__post_init__`)."""
     from megatron.bridge.training.comm_overlap import CommOverlapConfig
     from megatron.bridge.training.flex_dispatcher_backend import validate_flex_dispatcher_backend
     from megatron.bridge.utils.cuda_graph import validate_cuda_graph_configuration
@@ -207,7 +216,7 @@ def bridge_verdict(case: Case) -> tuple[str | None, Any]:
     set_te_version(case.te_version)
     with target_gpu(case.gpu), _quiet():
         try:
-            model = GPTModelProvider(**case.model)
+            model = make_model()
             comm = CommOverlapConfig(tp_comm_overlap=False, **case.comm)
             if case.packing_buffer_size is not None:
                 _disable_for_packing(model, comm, case.packing_buffer_size)

@@ -52,6 +52,12 @@ class CommOverlapConfig:
     overlap_moe_expert_parallel_comm: bool | None = None
     delay_wgrad_compute: bool | None = None
 
+    @classmethod
+    def created_by_job(cls) -> CommOverlapConfig:
+        """The config a GPU job creates on a recipe that has none, to carry the user's or the A/B case's switches:
+        Megatron-Bridge's `CommOverlapConfig(tp_comm_overlap=False)`, its defaults (NCCL bootstrap) otherwise."""
+        return cls(tp_comm_overlap=False, tp_comm_bootstrap_backend="nccl")
+
     def effective_overlap(self, model_cfg: Any = None) -> bool:
         """EP overlap as the job will run it: this config's switch; unset is off, whatever `model_cfg` says."""
         return bool(self.overlap_moe_expert_parallel_comm)

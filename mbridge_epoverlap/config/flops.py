@@ -27,7 +27,7 @@ def model_flops_per_iteration(cfg: RunConfig) -> float:
                + 2 * matrices * h * (m.moe_shared_expert_intermediate_size or 0))
     per_token = sum(projections + attention + (moe_mlp if m.is_moe_layer(layer) else dense_mlp)
                     for layer in range(m.num_layers))
-    per_token += 2 * h * m.vocab_size
+    per_token += 2 * h * (m.vocab_size or 0)  # a recipe that leaves it to the tokenizer: the head not counted
     tokens = cfg.train.global_batch_size * seq
     return 3.0 * tokens * per_token
 

@@ -66,6 +66,16 @@ MCORE_DEFAULTS: dict[str, Any] = {
 _MISSING = object()
 
 
+def provide_class(model_cfg: Any) -> str:
+    """The class whose `provide()` builds a model: the run config's `provide_class`, or, for a Megatron-Bridge
+    provider object, the first class of its MRO that defines `provide` ("GPTModelProvider" when unknown)."""
+    named = get_field(model_cfg, "provide_class", None)
+    if named:
+        return named
+    owner = next((cls.__name__ for cls in type(model_cfg).__mro__ if "provide" in vars(cls)), None)
+    return owner or "GPTModelProvider"
+
+
 def model_attr(model_cfg: Any, name: str) -> Any:
     """Attribute `name` of any TransformerConfig-like object, or Megatron-Core's default."""
     value = get_field(model_cfg, name, _MISSING)
@@ -89,7 +99,7 @@ class MoEModelConfig:
     num_query_groups: int | None = None
     kv_channels: int | None = None
     ffn_hidden_size: int | None = None
-    vocab_size: int = 1024
+    vocab_size: int | None = 1024  # None: the tokenizer's (some recipes leave it to the tokenizer)
     seq_length: int = 128
     normalization: str = "RMSNorm"
     gated_linear_unit: bool = True
@@ -97,6 +107,17 @@ class MoEModelConfig:
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     multi_latent_attention: bool = False
+    # Layer kinds besides softmax attention + MLP/MoE (Megatron-Bridge providers' names): the hybrid stack's
+    # pattern (M Mamba, * attention, - MLP, E MoE, G gated DeltaNet), linear attention every
+    # `linear_attention_freq`-th layer pattern, DeepSeek-V4's hyper-connections
+    hybrid_layer_pattern: str | None = None
+    experimental_attention_variant: str | None = None
+    linear_attention_freq: int | list[int] | None = None
+    enable_hyper_connections: bool = False
+    # The Megatron-Bridge provider class whose `provide()` builds the model (a recipe's, read by its facts): the
+    # build-time checks differ (GPTModelProvider's asserts the TE RNG tracker for CUDA graphs; the hybrid and
+    # vision-language providers' do not). None: GPTModelProvider's.
+    provide_class: str | None = None
     # MoE
     num_moe_experts: int | None = 8
     moe_router_topk: int = 2

@@ -10,6 +10,7 @@ process count (EP = processes unless given; TP = PP = CP = 1); routing is forced
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.divisors import largest_divisor
@@ -91,6 +92,9 @@ def shrink_for_cpu(
     m.seq_length, m.vocab_size = shape.seq_length, shape.vocab_size
     m.multi_latent_attention = False
     m.mtp_num_layers = None
+    # Layer kinds the reference runtime has no block for (`stand_ins` says what replaced them)
+    m.hybrid_layer_pattern = m.experimental_attention_variant = m.linear_attention_freq = None
+    m.enable_hyper_connections = False
     m.tensor_model_parallel_size = m.pipeline_model_parallel_size = m.context_parallel_size = 1
     m.virtual_pipeline_model_parallel_size = None
     m.account_for_embedding_in_pipeline_split = m.account_for_loss_in_pipeline_split = False
@@ -104,3 +108,39 @@ def shrink_for_cpu(
     out.train.micro_batch_size = shape.micro_batch_size
     out.train.global_batch_size = shape.micro_batch_size * shape.num_micro_batches * num_procs
     return out
+
+
+# Megatron-Core's `experimental_attention_variant` values, in words.
+ATTENTION_VARIANTS = {"gated_delta_net": "gated DeltaNet linear-attention", "dsa": "DeepSeek Sparse Attention",
+                      "dsv4_hybrid": "DeepSeek-V4 compressed sparse attention"}
+# Megatron's hybrid-pattern symbols and what each layer is.
+HYBRID_SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE", "G": "gated DeltaNet"}
+
+
+def stand_ins(model: Any) -> list[str]:
+    """What the CPU-sized model runs in place of the layer kinds of `model` that the reference runtime (attention
+    + MLP/MoE blocks) has no block for: one sentence each, for the run's notes."""
+    said = []
+    pattern = getattr(model, "hybrid_layer_pattern", None)
+    if pattern:
+        counts = {HYBRID_SYMBOLS.get(symbol, repr(symbol)): pattern.count(symbol) for symbol in dict.fromkeys(pattern)
+                  if symbol in HYBRID_SYMBOLS}
+        mix = ", ".join(f"{count} {kind}" for kind, count in counts.items())
+        said.append(f"the hybrid stack ({mix} of {len(pattern)} layers) runs as attention + MoE layers: the reference "
+                    "runtime has no Mamba or linear-attention block, and EP overlap only reorders the MoE layers' "
+                    "dispatch and combine")
+    variant = getattr(model, "experimental_attention_variant", None)
+    if variant:
+        kind = ATTENTION_VARIANTS.get(variant, f"{variant} attention")
+        freq = getattr(model, "linear_attention_freq", None)
+        where = f" ({sum(1 for f in freq if f)} of {len(freq)} layers)" if isinstance(freq, list) and freq else ""
+        said.append(f"the {kind} layers{where} run as softmax attention")
+    if getattr(model, "multi_latent_attention", False):
+        said.append("multi-latent attention runs as standard multi-head attention")
+    if getattr(model, "enable_hyper_connections", False):
+        said.append("hyper-connections (several residual streams) run as one residual stream")
+    if getattr(model, "add_bias_linear", False) or getattr(model, "add_qkv_bias", False):
+        said.append("linear-layer biases are left out (the reference runtime's layers have none)")
+    if getattr(model, "mtp_num_layers", None):
+        said.append(f"the {model.mtp_num_layers} multi-token-prediction layer(s) are left out")
+    return said

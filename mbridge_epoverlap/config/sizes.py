@@ -33,7 +33,7 @@ SIZE_KEYS: dict[str, tuple[str, bool]] = {
     "model.num_query_groups": ("", True),
     "model.kv_channels": ("", True),
     "model.ffn_hidden_size": ("", True),
-    "model.vocab_size": ("", False),
+    "model.vocab_size": ("", True),  # None: the tokenizer's
     "model.num_moe_experts": ("", True),
     "model.moe_router_topk": ("", False),
     "model.moe_ffn_hidden_size": ("", True),

@@ -100,9 +100,12 @@ def check_job_in_bridge(request: dict[str, Any]) -> dict[str, Any]:
         recipe = choose_recipe(**request["choose"])
     except (LookupError, UsageError) as exc:  # no such recipe: what the job itself would stop with
         return {"recipe": None, "error": str(exc), "outcomes": []}
-    importlib.import_module(recipe.module)  # imports the library recipes too, which pin the model revisions
-    write_hf_cache(Path(os.environ["HF_HOME"]), request["hf_model"], request["hf_config"],
-                   pinned_revisions(request["hf_model"]))
+    try:
+        importlib.import_module(recipe.module)  # imports the library recipes too, which pin the model revisions
+    except ImportError as exc:  # a family without a library package (glm_moe_dsa): what the job would stop with
+        return {"recipe": None, "error": f"{recipe.describe()}: {exc}", "outcomes": []}
+    for model_id, config, code in request["hf_models"]:
+        write_hf_cache(Path(os.environ["HF_HOME"]), model_id, config, pinned_revisions(model_id), code)
     outcomes = []
     for case in request["cases"]:
         saved = dict(os.environ)
@@ -143,24 +146,24 @@ def _request(job: CheckJob) -> dict[str, Any]:
     """The child's request for one job; the harness's view of each case comes along to be compared."""
     from mbridge_epoverlap.config.overrides import apply_overrides
     from mbridge_epoverlap.gpus import gpu_facts
-    from mbridge_epoverlap.harness.hf_configs import hf_model
+    from mbridge_epoverlap.harness.hf_configs import hf_models
     from mbridge_epoverlap.harness.recipe_facts import fact_keys, run_config_values
 
     recipe = job.project_recipe
     if gpu_facts(job.gpu).compute_capability is None:
         raise RuntimeError(f"--check_with_bridge mocks the target GPU, but the catalog does not know the compute "
                            f"capability of {job.gpu} (mbridge_epoverlap/gpus.py); it cannot be checked here")
-    model = hf_model(recipe.recipe, recipe.model)
-    if model is None:
-        from mbridge_epoverlap.harness.hf_configs import HF_MODELS
+    from mbridge_epoverlap.harness.hf_configs import HF_MODELS
 
+    models = hf_models(recipe.recipe, recipe.model)
+    if recipe.recipe not in HF_MODELS:
         raise RuntimeError(f"Megatron-Bridge has no recipe for {recipe.recipe!r}, so --check_with_bridge has nothing "
                            f"to build; the recipes it checks: {', '.join(sorted(HF_MODELS))}")
     cases = [{"name": case.name, "changes": case.changes,
               "expected": run_config_values(apply_overrides(recipe.copy(), case.overrides), fact_keys())}
              for case in job.cases]
     return {"choose": job.choose, "cases": cases, "gpu": job.gpu, "num_gpus": job.num_gpus,
-            "max_steps": job.max_steps, "te_version": job.te_version, "hf_model": model[0], "hf_config": model[1]}
+            "max_steps": job.max_steps, "te_version": job.te_version, "hf_models": models}
 
 
 def run_checks(jobs: list[CheckJob], *, timeout_s: float = 1800.0, release: str | None = None

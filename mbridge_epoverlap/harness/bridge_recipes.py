@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mbridge_epoverlap.errors import UsageError
+from mbridge_epoverlap.recipes.bridge_models import recipe_parts
 
 # Megatron-Bridge's spelling of each -c value in recipe names.
 PRECISION_NAMES = {"bf16": "bf16", "fp8_cs": "fp8cs", "fp8_ds": "fp8ds", "fp8_mx": "fp8mx", "fp8_sc": "fp8sc",
@@ -73,8 +74,9 @@ def choose_perf_recipe(names: Iterable[str], *, family: str, model: str, task: s
 
     Raises:
         UsageError: no performance recipe for this model, task, GPU, precision and variant; the message
-            lists the variants that exist and suggests `--use_recipes`.
+            names what the workload has (`available_configs`) and suggests `--use_recipes`.
     """
+    names = list(names)
     precision = precision_name(compute_dtype)
     suffix = variant_suffix(config_variant)
     pattern = re.compile(rf"^{re.escape(model)}_{re.escape(task)}_(\d+)gpu_{re.escape(gpu)}_"
@@ -86,18 +88,51 @@ def choose_perf_recipe(names: Iterable[str], *, family: str, model: str, task: s
         if exact:
             return BridgeRecipe(module, exact[0], "performance", num_gpus)
     if not matches:
-        variants = sorted({name.removesuffix("_config").split(f"gpu_{gpu}_{precision}", 1)[1].lstrip("_") or "default"
-                           for name in names if name.startswith(f"{model}_{task}_")
-                           and f"gpu_{gpu}_{precision}" in name})
         raise UsageError(f"no Megatron-Bridge performance recipe for {model}/{task}/{gpu}/{precision}"
-                         f"/{config_variant or 'default'} (variants for -cv: {', '.join(variants) or 'none'}); "
-                         "pick another -g/-c/-cv, or build the library recipe with --use_recipes")
+                         f"/{config_variant or 'default'}; {available_configs(names, model, task, gpu, precision)}; "
+                         "pick one of those with -g/-c/-cv/--task, or build the library recipe with --use_recipes")
     wanted = DEFAULT_GPU_COUNTS.get((model, task, gpu, precision, suffix.lstrip("_") or None))
     for count, name in matches if wanted is not None else ():
         if count == wanted:
             return BridgeRecipe(module, name, "performance", count)
     count, name = matches[-1]
     return BridgeRecipe(module, name, "performance", count)
+
+
+# -c spelling of each precision in recipe names.
+FLAG_PRECISION = {name: flag for flag, name in PRECISION_NAMES.items()}
+
+
+def configs_of(names: Iterable[str], model: str) -> list[dict[str, str]]:
+    """Every performance config of `model` among `names`, as `recipe_parts`."""
+    return [parts for name in names if (parts := recipe_parts(name)) and parts["model"] == model]
+
+
+def variants(names: Iterable[str], model: str, task: str, gpu: str, precision: str) -> list[str]:
+    """The -cv values that exist for a model, task, GPU and precision ("default": the suffix-less recipe)."""
+    return sorted({c["variant"] for c in configs_of(names, model)
+                   if (c["task"], c["gpu"], c["precision"]) == (task, gpu, precision)})
+
+
+def available_configs(names: Iterable[str], model: str, task: str, gpu: str, precision: str) -> str:
+    """What the workload has, narrowed to the first part of the request it lacks (task, then GPU, then precision,
+    then variant): the words of a usage error."""
+    configs = configs_of(names, model)
+    if not configs:
+        return f"Megatron-Bridge has no performance recipe for workload {model!r}"
+    tasks = sorted({c["task"] for c in configs})
+    if task not in tasks:
+        return f"{model} has --task {', '.join(tasks)}"
+    configs = [c for c in configs if c["task"] == task]
+    gpus = sorted({c["gpu"] for c in configs})
+    if gpu not in gpus:
+        return f"{model} {task} has -g {', '.join(gpus)}"
+    configs = [c for c in configs if c["gpu"] == gpu]
+    precisions = sorted({FLAG_PRECISION.get(c["precision"], c["precision"]) for c in configs})
+    if precision not in {c["precision"] for c in configs}:
+        return f"{model} {task} on {gpu} has -c {', '.join(precisions)}"
+    found = sorted({c["variant"] for c in configs if c["precision"] == precision})
+    return f"{model} {task} on {gpu} {precision} has -cv {', '.join(found)}"
 
 
 def library_recipe(family: str, model: str, task: str) -> BridgeRecipe:

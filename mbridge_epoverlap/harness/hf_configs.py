@@ -7,7 +7,13 @@ private hub cache (`write_hf_cache`) from the project's recipe, which carries th
 The few public constants a project recipe does not carry (DeepSeek-V3's latent-attention ranks and rope
 scaling, Qwen3's rope base) are written as the released `config.json` has them.
 
-`HF_MODELS` maps each project recipe with an upstream recipe to its model id and writer; the families
+The models whose project recipe is Megatron-Bridge's own (`recipes.bridge_models`: GPT-OSS, Kimi K2, DeepSeek-V4,
+Qwen3-Next, Nemotron 3, the Qwen VL MoEs, GLM-5) have their released `config.json` values as data,
+`data/hf_configs/<org>--<name>.json` (its `_source` says where each came from; it is not written to the cache),
+with, for a model whose config class is remote code, a configuration module of the project's own beside it
+(`data/hf_configs/<org>--<name>/*.py`, written into the snapshot as the hub repository holds its code).
+
+`HF_MODELS` maps each project recipe with an upstream recipe to its model ids and writer; the families
 without one (Mixtral, DBRX: Megatron-Bridge 0.6.2 has no recipe for them) are not in it.
 """
 
@@ -63,26 +69,84 @@ def deepseek_v3_hf_config(model: Any) -> dict[str, Any]:
             "use_cache": True, "v_head_dim": model.kv_channels, "vocab_size": model.vocab_size}
 
 
-# Project recipe -> (Hugging Face model id its Megatron-Bridge recipes load, config.json writer).
-HF_MODELS: dict[str, tuple[str, Callable[[Any], dict[str, Any]]]] = {
+HF_CONFIG_DATA = Path(__file__).resolve().parent / "data" / "hf_configs"
+
+
+def released_config(model_id: str) -> dict[str, Any]:
+    """The released `config.json` of a model kept as data (without its `_source` note)."""
+    path = HF_CONFIG_DATA / f"{model_id.replace('/', '--')}.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return {key: value for key, value in data.items() if key != "_source"}
+
+
+def remote_code_files(model_id: str) -> dict[str, str]:
+    """File name -> text of the configuration code kept beside a model's config (remote-code models only)."""
+    folder = HF_CONFIG_DATA / model_id.replace("/", "--")
+    return {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.py"))}
+
+
+def _released(model_id: str) -> Callable[[Any], dict[str, Any]]:
+    def writer(_model: Any) -> dict[str, Any]:
+        return released_config(model_id)
+
+    return writer
+
+
+# Project recipe -> (Hugging Face model id its Megatron-Bridge recipes load, or None, config.json writer).
+HF_MODELS: dict[str, tuple[str | None, Callable[[Any], dict[str, Any]]]] = {
     "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", qwen3_moe_hf_config),
     "qwen3_235b_a22b": ("Qwen/Qwen3-235B-A22B", qwen3_moe_hf_config),
     "deepseek_v3": ("deepseek-ai/DeepSeek-V3", deepseek_v3_hf_config),
 }
+# Recipes of the Bridge workloads -> the models they load (a workload's recipes may load more than one).
+RELEASED_MODELS: dict[str, tuple[str, ...]] = {
+    "gpt_oss_20b": ("openai/gpt-oss-20b",),
+    "gpt_oss_120b": ("openai/gpt-oss-120b",),
+    "kimi_k2": ("moonshotai/Kimi-K2-Instruct",),
+    "deepseek_v4_flash": ("deepseek-ai/DeepSeek-V4-Flash",),
+    "deepseek_v4_pro": ("deepseek-ai/DeepSeek-V4-Pro",),
+    "qwen3_next_80b_a3b": ("Qwen/Qwen3-Next-80B-A3B-Instruct",),
+    "nemotron_3_nano": ("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",),
+    "nemotron_3_super": ("nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16",),
+    "nemotron_3_ultra": ("nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16",),
+    # its library recipes start from Nano's model
+    "nemotron_3_5_lightning": ("nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16",
+                               "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"),
+    "nemotronh_56b": (),  # its recipes build the model from Megatron-Bridge's own provider, no config.json
+    "qwen3_vl_30b_a3b": ("Qwen/Qwen3-VL-30B-A3B-Instruct",),
+    "qwen3_vl_235b_a22b": ("Qwen/Qwen3-VL-235B-A22B-Instruct",),
+    "qwen35_vl_35b_a3b": ("Qwen/Qwen3.5-35B-A3B",),
+    "qwen35_vl_122b_a10b": ("Qwen/Qwen3.5-122B-A10B",),
+    "qwen35_vl_397b_a17b": ("Qwen/Qwen3.5-397B-A17B",),
+    "glm51": ("zai-org/GLM-5.1",),
+    "glm52": ("zai-org/GLM-5.2",),
+}
+HF_MODELS.update({name: (ids[0], _released(ids[0])) if ids else (None, dict) for name, ids in RELEASED_MODELS.items()})
 
 
 def hf_model(recipe: str, model: Any) -> tuple[str, dict[str, Any]] | None:
     """(model id, config.json) of a project recipe's model; None for a recipe without an upstream recipe."""
     entry = HF_MODELS.get(recipe)
-    if entry is None:
+    if entry is None or entry[0] is None:
         return None
     model_id, writer = entry
     return model_id, writer(model)
 
 
-def write_hf_cache(home: Path, model_id: str, config: dict[str, Any], revisions: set[str]) -> None:
-    """An offline Hugging Face hub cache under `home` holding only `config.json` of `model_id`, at `main` and at
-    each pinned revision (recipes pin one)."""
+def hf_models(recipe: str, model: Any = None) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """Every (model id, config.json, remote-code files) a project recipe's Megatron-Bridge recipes load. `model`
+    (the project recipe's model) is read only by the writers of the hand-written recipes."""
+    if recipe in RELEASED_MODELS:
+        return [(model_id, released_config(model_id), remote_code_files(model_id))
+                for model_id in RELEASED_MODELS[recipe]]
+    found = hf_model(recipe, model)
+    return [] if found is None else [(found[0], found[1], {})]
+
+
+def write_hf_cache(home: Path, model_id: str, config: dict[str, Any], revisions: set[str],
+                   code: dict[str, str] | None = None) -> None:
+    """An offline Hugging Face hub cache under `home` holding only `config.json` of `model_id` (and its configuration
+    code, for a remote-code model), at `main` and at each pinned revision (recipes pin one)."""
     repo = home / "hub" / f"models--{model_id.replace('/', '--')}"
     main = "0" * 40
     (repo / "refs").mkdir(parents=True, exist_ok=True)
@@ -91,14 +155,16 @@ def write_hf_cache(home: Path, model_id: str, config: dict[str, Any], revisions:
         snapshot = repo / "snapshots" / revision
         snapshot.mkdir(parents=True, exist_ok=True)
         (snapshot / "config.json").write_text(json.dumps(config, indent=2))
+        for name, text in (code or {}).items():
+            (snapshot / name).write_text(text)
 
 
 def pinned_revisions(model_id: str) -> set[str]:
-    """The revisions of `model_id` that the imported Megatron-Bridge recipes pin (`*_MODEL_REVISION` next to
-    a `*_MODEL_ID` naming it)."""
+    """The revisions of `model_id` that the imported Megatron-Bridge library and performance recipes pin
+    (`*_MODEL_REVISION` next to a `*_MODEL_ID` naming it)."""
     found = set()
     for module in list(sys.modules.values()):
-        if not getattr(module, "__name__", "").startswith("megatron.bridge.recipes"):
+        if not getattr(module, "__name__", "").startswith(("megatron.bridge.recipes", "megatron.bridge.perf_recipes")):
             continue
         for name, value in list(vars(module).items()):
             if name.endswith("_MODEL_ID") and value == model_id:

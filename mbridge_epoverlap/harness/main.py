@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunFailedError, UsageError
-from mbridge_epoverlap.harness.flags import build_parser
+from mbridge_epoverlap.harness.flags import build_parser, given
 
 if TYPE_CHECKING:  # imported lazily at run time so `--help` and errors stay fast
     from mbridge_epoverlap.harness.cases import Case
@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         from mbridge_epoverlap.harness.executors.slurm_serve import run_serve
 
         return run_serve(args)
+    if getattr(args, "list_config_variants", False):
+        return list_config_variants(args)
     args.gpu = args.gpu or "cpu"
     executor = args.executor or ("local" if args.gpu == "cpu" else "slurm")
     _check_combinations(args, executor)
@@ -132,6 +134,56 @@ def run(args: argparse.Namespace) -> int:
     if executor == "local":
         return _run_local(args, exp, cases, results_path)
     return _run_slurm(args, resolved, exp, cases, results_path)
+
+
+def list_config_variants(args: argparse.Namespace) -> int:
+    """`--list_config_variants`: the performance configs Megatron-Bridge has for the workload, narrowed by the task,
+    -g and -c given, one line each with the flags that pick it. Upstream's prompt for a choice is left out: the
+    list ends the command, so a script can read it."""
+    from mbridge_epoverlap.harness.bridge_recipes import FLAG_PRECISION, configs_of
+    from mbridge_epoverlap.harness.recipe_facts import facts_label, recipe_names_for
+    from mbridge_epoverlap.harness.resolve import pick_recipe
+    from mbridge_epoverlap.recipes.loader import family_of
+
+    name = pick_recipe(args.model_family_name, args.model_recipe_name)
+    release = getattr(args, "bridge_version", None)
+    configs = configs_of(recipe_names_for(release), name)
+    if not configs:
+        raise UsageError(f"Megatron-Bridge has no performance recipe for {name!r}; workloads with recipes: "
+                         f"-mr {', '.join(sorted({c['model'] for c in _all_configs(release)}))}")
+    wanted = {"task": args.task if given(args, "task") else None, "gpu": args.gpu,
+              "precision": _precision_of(args.compute_dtype) if given(args, "compute_dtype") else None}
+    rows = [c for c in configs if all(value is None or c[key] == value for key, value in wanted.items())]
+    if not rows:
+        from mbridge_epoverlap.harness.bridge_recipes import available_configs
+
+        raise UsageError(available_configs([_name_of(c) for c in configs], name, wanted["task"] or args.task,
+                                           args.gpu or "", wanted["precision"] or "bf16"))
+    print(f"# {facts_label(release)}: {len(rows)} performance config(s) of {name} "
+          f"(megatron.bridge.perf_recipes.{family_of(name)})")
+    for c in sorted(rows, key=lambda c: (c["task"], c["gpu"], c["precision"], c["variant"], int(c["count"]))):
+        variant = "" if c["variant"] == "default" else f" -cv {c['variant']}"
+        precision = FLAG_PRECISION.get(c["precision"], c["precision"])
+        print(f"--task {c['task']} -g {c['gpu']} -ng {c['count']} -c {precision}{variant}")
+    return EXIT_OK
+
+
+def _precision_of(compute_dtype: str) -> str:
+    from mbridge_epoverlap.harness.bridge_recipes import precision_name
+
+    return precision_name(compute_dtype)
+
+
+def _name_of(parts: dict[str, str]) -> str:
+    variant = "" if parts["variant"] == "default" else f"_{parts['variant']}"
+    return f"{parts['model']}_{parts['task']}_{parts['count']}gpu_{parts['gpu']}_{parts['precision']}{variant}_config"
+
+
+def _all_configs(release: str | None) -> list[dict[str, str]]:
+    from mbridge_epoverlap.harness.recipe_facts import recipe_names_for
+    from mbridge_epoverlap.recipes.bridge_models import recipe_parts
+
+    return [parts for name in recipe_names_for(release) if (parts := recipe_parts(name))]
 
 
 def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case], window: Window,

@@ -249,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bridge_cfg.mixed_precision = args.mixed_precision  # a performance recipe was chosen by -c: its own stays
     if args.tokenizer_type is not None and getattr(bridge_cfg, "tokenizer", None) is not None:
         bridge_cfg.tokenizer.tokenizer_type = args.tokenizer_type
-        if args.tokenizer_type == "NullTokenizer" and hasattr(bridge_cfg.tokenizer, "vocab_size"):
+        if args.tokenizer_type == "NullTokenizer" and hasattr(bridge_cfg.tokenizer, "vocab_size") \
+                and run.model.vocab_size is not None:
             bridge_cfg.tokenizer.vocab_size = run.model.vocab_size
     if args.profile_window:
         start, _, end = args.profile_window.partition(":")

@@ -104,6 +104,10 @@ def recipe_values(container: Any) -> dict[str, Any]:
             values[key] = graph_scope_names(owner)
         elif hasattr(owner, name):
             values[key] = plain(getattr(owner, name))
+    if getattr(container, "model", None) is not None:
+        from mbridge_epoverlap.config.model import provide_class
+
+        values["model.provide_class"] = provide_class(container.model)
     precision = _mixed_precision(container)
     mixed = None
     if precision is not None:
@@ -163,9 +167,17 @@ def facts_for(module: str, function: str, path: Path | None = None,
 
 
 def perf_recipe_names(path: Path | None = None, release: str | None = None) -> list[str]:
-    """The performance recipe names a fixture holds (those of the models the harness maps)."""
+    """The performance recipe names a fixture holds (those of the models the harness maps), the ones the release
+    cannot build included (`not_built`)."""
     prefix = "megatron.bridge.perf_recipes."
-    return sorted(name.rsplit(".", 1)[1] for name in load_facts(path, release)["recipes"] if name.startswith(prefix))
+    facts = load_facts(path, release)
+    return sorted(name.rsplit(".", 1)[1] for name in [*facts["recipes"], *facts.get("not_built", {}).keys()]
+                  if name.startswith(prefix))
+
+
+def not_built(module: str, function: str, release: str | None = None) -> str | None:
+    """Why the release cannot build a recipe it has (the error its own code raises), or None."""
+    return load_facts(release=release).get("not_built", {}).get(f"{module}.{function}")
 
 
 def recipe_names_for(release: str | None) -> list[str]:

@@ -101,18 +101,25 @@ class Resolved:
     upstream: UpstreamRecipe | None = None
 
 
-def pick_recipe(family: str | None, recipe: str | None) -> str:
-    """The recipe to load from -m/-mr; a family that does not match a named recipe is a usage error."""
+def pick_recipe(family: str | None, recipe: str | None, notes: list[str] | None = None) -> str:
+    """The recipe to load from -m/-mr.
+
+    As Megatron-Bridge's run_script.py, the workload is found by -mr alone, across every family: a -m that names
+    another family than the workload's is said in `notes`, not an error. An unknown family (without -mr) is a
+    usage error naming the families; an unknown workload name is left to the loader, which names the known ones.
+    """
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE, FAMILIES
-    from mbridge_epoverlap.recipes.loader import family_of, recipe_names
+    from mbridge_epoverlap.recipes.loader import family_of
 
     if family is not None and family not in FAMILIES:
-        raise UsageError(f"unknown model family {family!r} (-m); known: {', '.join(FAMILIES)}")
+        raise UsageError(f"unknown model family {family!r} (-m); known: {', '.join(sorted(FAMILIES))}"
+                         + (f"; or leave -m out: -mr {recipe} is found in any family" if recipe else ""))
     if recipe is None:
         return FAMILIES[family][0] if family else DEFAULT_RECIPE
-    if family is not None and recipe in recipe_names() and family_of(recipe) != family:
-        raise UsageError(f"recipe {recipe!r} belongs to family {family_of(recipe)!r}, not {family!r}; "
-                         f"use -m {family_of(recipe)} or one of {', '.join(FAMILIES[family])}")
+    owner = family_of(recipe)
+    if family is not None and owner is not None and owner != family and notes is not None:
+        notes.append(f"-m {family}: {recipe} is in Megatron-Bridge's {owner} recipes; found there by -mr, as "
+                     "Megatron-Bridge's run_script.py finds it")
     return recipe
 
 
@@ -147,9 +154,9 @@ def resolve(args: argparse.Namespace) -> Resolved:
     from mbridge_epoverlap.recipes.loader import load_recipe
 
     target = target_environment(args)
-    name = pick_recipe(args.model_family_name, args.model_recipe_name)
-    cfg = load_recipe(name, args.task)
     notes: list[str] = []
+    name = pick_recipe(args.model_family_name, args.model_recipe_name, notes)
+    cfg = load_recipe(name, args.task)
     upstream = None
     if not target.is_cpu:
         # The job builds Megatron-Bridge's recipe for the final GPU count and precision: find it from a probe
@@ -327,11 +334,16 @@ def _apply_flex(cfg: RunConfig, backend: str | None, target: Target) -> None:
 
 def _shrink(cfg: RunConfig, args: argparse.Namespace, explicit: set[str], notes: list[str]) -> RunConfig:
     """-g cpu: fit the recipe into CPU processes, keep the user's batch shape, say what was replaced."""
-    from mbridge_epoverlap.config.shrink import shrink_for_cpu
+    from mbridge_epoverlap.config.shrink import shrink_for_cpu, stand_ins
+    from mbridge_epoverlap.recipes.bridge_models import BY_NAME
 
     ep = args.expert_model_parallel_size if given(args, "expert_model_parallel_size") else None
     was_flex = cfg.model.moe_token_dispatcher_type == "flex"
     shrunk = shrink_for_cpu(cfg, cfg.num_gpus, ep=ep)
+    replaced = stand_ins(cfg.model)
+    if cfg.recipe in BY_NAME and BY_NAME[cfg.recipe].vision:
+        replaced.append("the vision tower is left out: the CPU model trains on text tokens only")
+    notes += [f"-g cpu: {line}" for line in replaced]
     for key in sorted(explicit):
         if key in CPU_KEPT_KEYS:
             section, name = key.split(".")

@@ -163,7 +163,7 @@ UPSTREAM_FLAGS: tuple[UpstreamFlag, ...] = (
     F('--save_config_filepath', None, 'value', 'str', None, 'harness'),
     F('--dump_env', None, 'switch', None, False, 'sbatch'),
     F('--config_variant', '-cv', 'value', 'str', None, 'harness'),
-    F('--list_config_variants', None, 'switch', None, False, 'job'),
+    F('--list_config_variants', None, 'switch', None, False, 'harness'),
     F('--is_long_convergence_run', None, 'switch', None, False, 'checks'),
     F('--retry_on_testing_failure', None, 'switch', None, False, 'checks'),
     F('--golden_values_path', None, 'value', 'str', None, 'checks'),

@@ -18,8 +18,16 @@ from typing import Any
 from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe
-from mbridge_epoverlap.harness.recipe_facts import apply_recipe_values, facts_for, facts_label, recipe_names_for
+from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe, configs_of
+from mbridge_epoverlap.harness.hf_configs import HF_MODELS
+from mbridge_epoverlap.harness.recipe_facts import (
+    apply_recipe_values,
+    facts_for,
+    facts_label,
+    load_facts,
+    not_built,
+    recipe_names_for,
+)
 
 
 @dataclass
@@ -43,7 +51,7 @@ class UpstreamRecipe:
         if self.facts is None:
             return
         if not self.facts["comm_overlap"]:
-            cfg.comm_overlap = CommOverlapConfig()  # the recipe has no comm-overlap config: every switch unset
+            cfg.comm_overlap = CommOverlapConfig.created_by_job()  # the recipe has none: every switch unset
         self.skipped = apply_recipe_values(cfg, self.facts)
         if self.skipped:
             self.notes.append(f"the run config cannot hold the recipe's {', '.join(self.skipped)}; validated the "
@@ -74,9 +82,22 @@ def upstream_recipe(args: Any, cfg: RunConfig) -> UpstreamRecipe:
     try:
         recipe = choose_recipe(family, cfg.recipe, cfg.task, perf_names=names, **bridge_lookup(args, cfg))
     except (LookupError, UsageError) as exc:
+        if not getattr(args, "use_recipes", False) and configs_of(names, cfg.recipe):
+            raise UsageError(str(exc)) from None  # Megatron-Bridge has this workload, not this config: as upstream
         return UpstreamRecipe(None, None, [f"the job will stop: {exc}; validated the project's recipe {cfg.recipe}"])
     facts = facts_for(recipe.module, recipe.function, release=release)
     label = facts_label(release)
+    broken = not_built(recipe.module, recipe.function, release)
+    if facts is None and broken is not None:
+        raise UsageError(f"{label} cannot build {recipe.describe()}: its own code raises {broken}; pick another "
+                         "-c/-cv, or run the job with a Megatron-Bridge that can (--bridge_version main)")
+    if facts is None and recipe.kind == "library" and cfg.recipe in HF_MODELS:
+        known = sorted(key.rpartition(".")[2] for key in [*load_facts(release=release)["recipes"],
+                                                           *load_facts(release=release).get("not_built", {})]
+                       if key.startswith(f"megatron.bridge.recipes.{family}.{cfg.recipe}_"))
+        raise UsageError(f"{label} has no library recipe {recipe.module}.{recipe.function} (--use_recipes); "
+                         f"its library recipes of {cfg.recipe}: {', '.join(known) or 'none'}; leave out --use_recipes "
+                         "to build the performance recipe")
     if facts is None:
         return UpstreamRecipe(recipe, None, [f"the values of {recipe.describe()} are not known here (the facts of "
                                              f"{label} lack it); validated the project's recipe "

@@ -12,6 +12,7 @@ from mbridge_epoverlap.config.rules import (  # noqa: F401  (registers)
     delay_wgrad,
     flex_backends,
     fsdp,
+    layer_kinds,
     layout,
     overlap,
     packing,

@@ -8,6 +8,7 @@ script (`run_script.py`).
 
 from __future__ import annotations
 
+from mbridge_epoverlap.config.model import provide_class
 from mbridge_epoverlap.config.rules.registry import RuleContext, rule, violation
 from mbridge_epoverlap.config.violations import Violation
 
@@ -73,8 +74,15 @@ def _full_iteration_mixed(ctx: RuleContext) -> Violation | None:
     return None
 
 
+# Megatron-Bridge providers whose own `provide()` builds the model without GPTModelProvider's RNG-tracker assertion
+# (Bridge 0.6.2 and main: the hybrid Mamba stack and the Qwen vision-language models, which build their own model
+# classes); a provider that defines no `provide()` of its own, or calls GPTModelProvider's, is checked.
+PROVIDE_WITHOUT_RNG_CHECK = frozenset({"HybridModelProvider", "MambaModelProvider", "Qwen3VLModelProvider",
+                                       "Qwen3VLMoEModelProvider", "Qwen35VLModelProvider", "Qwen35VLMoEModelProvider"})
+
+
 @rule("cuda_graph_rng_tracker", "always", "Megatron-Bridge (GPTModelProvider.provide, at model build)",
-      "any CUDA graph needs the Transformer Engine RNG tracker (use_te_rng_tracker)",
+      "any CUDA graph needs the Transformer Engine RNG tracker (use_te_rng_tracker), where GPTModelProvider builds",
       symptom="the config is accepted; the job stops when the model is built with an `AssertionError` "
               "(\"Transformer engine's RNG tracker is required for cudagraphs\")",
       cause="captured graphs replay random-number state, which only Transformer Engine's tracker keeps graph-safe",
@@ -85,6 +93,8 @@ def _full_iteration_mixed(ctx: RuleContext) -> Violation | None:
 def _rng_tracker(ctx: RuleContext) -> Violation | None:
     impl = ctx.get("cuda_graph_impl")
     if impl in (None, "none") or ctx.get("use_te_rng_tracker"):
+        return None
+    if provide_class(ctx.model) in PROVIDE_WITHOUT_RNG_CHECK:
         return None
     return violation("cuda_graph_rng_tracker",
                      f"cuda_graph_impl={impl!r} needs the Transformer Engine RNG tracker, but use_te_rng_tracker is "

@@ -144,7 +144,9 @@ def test_flex_none_means_alltoall(tmp_path):
 
 
 def test_compute_dtypes():
-    assert resolved(*GPU, "-c", "fp16").cfg.model.fp16 is True
+    with pytest.raises(UsageError, match="qwen3_30b_a3b pretrain on h100 has -c bf16, fp8_cs, fp8_sc"):
+        resolved(*GPU, "-c", "fp16")  # no performance recipe of it: the job would stop, as upstream's
+    assert resolved(*GPU, "-c", "fp16", "--use_recipes").cfg.model.fp16 is True
     fp8 = resolved(*GPU, "-c", "fp8_mx")
     assert fp8.cfg.model.bf16 is True and fp8.mixed_precision == "bf16_with_mxfp8_mixed"
     cpu32 = resolved("-g", "cpu", "-c", "fp32")
@@ -162,9 +164,13 @@ def test_gb200_defaults_to_four_gpus_per_node():
 def test_recipe_selection():
     assert pick_recipe(None, None) == "qwen3_30b_a3b"
     assert pick_recipe("deepseek", None) == "deepseek_v3"
-    with pytest.raises(UsageError, match="family"):
-        pick_recipe("qwen", "dbrx")
-    with pytest.raises(UsageError, match="unknown model family"):
+    assert pick_recipe("gpt_oss", None) == "gpt_oss_20b"
+    # As upstream's run_script.py, -mr finds the workload in any family; a -m naming another one is said
+    notes: list[str] = []
+    assert pick_recipe("qwen", "qwen3_vl_30b_a3b", notes) == "qwen3_vl_30b_a3b"
+    assert notes == ["-m qwen: qwen3_vl_30b_a3b is in Megatron-Bridge's qwen_vl recipes; found there by -mr, as "
+                     "Megatron-Bridge's run_script.py finds it"]
+    with pytest.raises(UsageError, match="unknown model family 'llama' .*known: dbrx, deepseek, glm_moe_dsa, gpt_oss"):
         pick_recipe("llama", None)
     with pytest.raises(UsageError, match="unknown recipe"):
         resolved("-mr", "no_such_recipe")

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness import recipe_facts
 from mbridge_epoverlap.harness.cases import ValidationFailed, build_cases, case_specs
 from mbridge_epoverlap.harness.flags import build_parser
-from mbridge_epoverlap.harness.hf_configs import HF_MODELS
+from mbridge_epoverlap.harness.hf_configs import HF_MODELS, RELEASED_MODELS
 from mbridge_epoverlap.harness.main import main
 from mbridge_epoverlap.harness.resolve import resolve
 from mbridge_epoverlap.recipes.loader import family_of, load_recipe
@@ -45,12 +46,17 @@ def test_the_fixture_holds_every_recipe_of_the_mapped_models_in_the_released_whe
     for name in HF_MODELS:
         family = family_of(name)
         perf = {n for n in WHEEL["perf_recipes"][family] if n.startswith(f"{name}_")}
-        library = {n for n in WHEEL["recipes"][family] if n in {f"{name}_{t}_config" for t in ("pretrain", "sft")}}
-        assert perf and library, name
+        library = {n for n in WHEEL["recipes"].get(family, ())
+                   if n in {f"{name}_{t}_config" for t in ("pretrain", "sft")}}
+        assert perf and (library or name in RELEASED_MODELS), name  # GLM-5 has no library recipe of that name
         for function in sorted(perf):
-            assert recipe_facts.facts_for(f"megatron.bridge.perf_recipes.{family}", function) is not None, function
+            module = f"megatron.bridge.perf_recipes.{family}"
+            assert recipe_facts.facts_for(module, function) is not None or \
+                recipe_facts.not_built(module, function) is not None, function
         for function in sorted(library):
-            assert recipe_facts.facts_for(f"megatron.bridge.recipes.{family}", function) is not None, function
+            module = f"megatron.bridge.recipes.{family}"
+            assert recipe_facts.facts_for(module, function) is not None or \
+                recipe_facts.not_built(module, function) is not None, function
 
 
 def test_the_validated_config_is_the_recipe_bridge_builds():
@@ -113,9 +119,14 @@ def test_a_library_recipe_is_the_start_with_use_recipes():
     assert cfg.comm_overlap.overlap_moe_expert_parallel_comm == values["comm_overlap.overlap_moe_expert_parallel_comm"]
 
 
+def test_a_gpu_without_a_recipe_of_the_workload_is_a_usage_error():
+    """Megatron-Bridge has Qwen3-30B-A3B recipes, none for A100: upstream's lookup stops, and so does the harness."""
+    with pytest.raises(UsageError, match="no Megatron-Bridge performance recipe for qwen3_30b_a3b.*has -g b200"):
+        resolved("-mr", "qwen3_30b_a3b", "-g", "a100", "-ng", "16")
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (("-mr", "mixtral_8x22b", "-g", "h100"), "no Megatron-Bridge performance recipe for mixtral_8x22b"),
-    (("-mr", "qwen3_30b_a3b", "-g", "a100", "-ng", "16"), "no Megatron-Bridge performance recipe for qwen3_30b_a3b"),
 ])
 def test_without_an_upstream_recipe_the_project_recipe_is_validated_and_said(argv, says):
     r = resolved(*argv)
