@@ -113,6 +113,7 @@ class Tally:
     by_rule: Counter = field(default_factory=Counter)  # validator errors on the configs Bridge rejected
     missed_by_rule: Counter = field(default_factory=Counter)  # Bridge's message head, for the missed ones
     false_by_rule: Counter = field(default_factory=Counter)
+    other_by_message: Counter = field(default_factory=Counter)  # Bridge's message head, for the other rejections
 
     def to_dict(self) -> dict[str, Any]:
         return {"release": self.release, "tried": self.tried, "accepted": self.accepted,
@@ -120,7 +121,8 @@ class Tally:
                 "missed": self.missed, "false": self.false, "false_on_object": self.false_on_object,
                 "switch_mismatch": self.switch_mismatch, "drawn": dict(sorted(self.drawn.items())),
                 "by_rule": dict(sorted(self.by_rule.items())),
-                "missed_by_bridge_message": dict(self.missed_by_rule), "false_by_rule": dict(self.false_by_rule)}
+                "missed_by_bridge_message": dict(self.missed_by_rule), "false_by_rule": dict(self.false_by_rule),
+                "other_by_bridge_message": dict(self.other_by_message)}
 
 
 def random_case(rng: random.Random, torch_dtype: Any, release: Release = Release("0.6.2", "0.19.2")) -> Case:
@@ -345,6 +347,7 @@ def compare(samples: int, seed: int, examples: list[str] | None = None) -> Tally
         tally.by_rule.update(set(errors))
         if not is_modelled(rejection):
             tally.other_rejected += 1
+            tally.other_by_message[rejection[:80]] += 1
             _note(examples, f"other #{index}: Bridge says {rejection[:200]!r}")
         elif not errors:
             tally.missed += 1

@@ -95,6 +95,7 @@ def shrink_for_cpu(
     # Layer kinds the reference runtime has no block for (`stand_ins` says what replaced them)
     m.hybrid_layer_pattern = m.experimental_attention_variant = m.linear_attention_freq = None
     m.enable_hyper_connections = False
+    m.gated_linear_unit = True  # the runtime's experts are SwiGLU
     m.tensor_model_parallel_size = m.pipeline_model_parallel_size = m.context_parallel_size = 1
     m.virtual_pipeline_model_parallel_size = None
     m.account_for_embedding_in_pipeline_split = m.account_for_loss_in_pipeline_split = False
@@ -139,6 +140,8 @@ def stand_ins(model: Any) -> list[str]:
         said.append("multi-latent attention runs as standard multi-head attention")
     if getattr(model, "enable_hyper_connections", False):
         said.append("hyper-connections (several residual streams) run as one residual stream")
+    if not getattr(model, "gated_linear_unit", True):
+        said.append("the experts without a gate (squared-ReLU) run as SwiGLU experts of the same width")
     if getattr(model, "add_bias_linear", False) or getattr(model, "add_qkv_bias", False):
         said.append("linear-layer biases are left out (the reference runtime's layers have none)")
     if getattr(model, "mtp_num_layers", None):

@@ -113,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     window, clip_warning = clip_window(window, resolved.max_steps)
     for warning in warnings:
         _err(f"warning: {warning}")
+    # Recorded with the results (the report's notes): what the CPU model runs in place of the recipe's other layers.
+    warnings += [f"stand-in: {line}" for line in resolved.stand_ins]
     if clip_warning:
         # Printed once: now for a dry run, else as a note under the results table, where it qualifies the figures.
         if args.dryrun:

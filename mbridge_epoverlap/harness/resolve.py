@@ -86,6 +86,8 @@ class Resolved:
         recipe: GPU targets: the recipe the job builds, as the run config sees it before any override or
             flag (the Megatron-Bridge recipe's values where they are known, see `upstream`); None for cpu.
         upstream: GPU targets: what the job builds (`harness.upstream_recipe.UpstreamRecipe`); None for cpu.
+        stand_ins: -g cpu: what the CPU model runs in place of the layer kinds the reference runtime lacks (also in
+            `notes`; the results record them).
     """
 
     cfg: RunConfig
@@ -99,6 +101,7 @@ class Resolved:
     flag_keys: set[str] = field(default_factory=set)
     recipe: RunConfig | None = None
     upstream: UpstreamRecipe | None = None
+    stand_ins: list[str] = field(default_factory=list)
 
 
 def pick_recipe(family: str | None, recipe: str | None, notes: list[str] | None = None) -> str:
@@ -187,13 +190,16 @@ def resolve(args: argparse.Namespace) -> Resolved:
         cfg.train.train_iters if "train.train_iters" in explicit else DEFAULT_MAX_STEPS)
     cfg.train.train_iters = max_steps
     precision = None
+    stand_ins: list[str] = []
     if target.is_cpu:
+        stand_ins = _stand_ins(cfg)
+        notes += [f"-g cpu: {line}" for line in stand_ins]
         cfg = _shrink(cfg, args, explicit, notes)
         precision = _cpu_precision(cfg, args, explicit)
         notes.append(f"-g cpu computes in {precision.reason}")
     mixed = _mixed_precision(cfg, args)
     return Resolved(cfg, target, max_steps, mixed, args.tokenizer_type, explicit, notes, precision, flag_keys,
-                    recipe, upstream)
+                    recipe, upstream, stand_ins)
 
 
 def _cpu_precision(cfg: RunConfig, args: argparse.Namespace, explicit: set[str]) -> CpuPrecision:
@@ -334,16 +340,11 @@ def _apply_flex(cfg: RunConfig, backend: str | None, target: Target) -> None:
 
 def _shrink(cfg: RunConfig, args: argparse.Namespace, explicit: set[str], notes: list[str]) -> RunConfig:
     """-g cpu: fit the recipe into CPU processes, keep the user's batch shape, say what was replaced."""
-    from mbridge_epoverlap.config.shrink import shrink_for_cpu, stand_ins
-    from mbridge_epoverlap.recipes.bridge_models import BY_NAME
+    from mbridge_epoverlap.config.shrink import shrink_for_cpu
 
     ep = args.expert_model_parallel_size if given(args, "expert_model_parallel_size") else None
     was_flex = cfg.model.moe_token_dispatcher_type == "flex"
     shrunk = shrink_for_cpu(cfg, cfg.num_gpus, ep=ep)
-    replaced = stand_ins(cfg.model)
-    if cfg.recipe in BY_NAME and BY_NAME[cfg.recipe].vision:
-        replaced.append("the vision tower is left out: the CPU model trains on text tokens only")
-    notes += [f"-g cpu: {line}" for line in replaced]
     for key in sorted(explicit):
         if key in CPU_KEPT_KEYS:
             section, name = key.split(".")
@@ -364,6 +365,17 @@ def _shrink(cfg: RunConfig, args: argparse.Namespace, explicit: set[str], notes:
         shrunk.comm_overlap.overlap_grad_reduce = None
         notes.append("-g cpu: ddp.overlap_grad_reduce=false (the CPU runtime reduces gradients after backward)")
     return shrunk
+
+
+def _stand_ins(cfg: RunConfig) -> list[str]:
+    """-g cpu: what stands in for the recipe's layer kinds that the reference runtime has no block for."""
+    from mbridge_epoverlap.config.shrink import stand_ins
+    from mbridge_epoverlap.recipes.bridge_models import BY_NAME
+
+    replaced = stand_ins(cfg.model)
+    if cfg.recipe in BY_NAME and BY_NAME[cfg.recipe].vision:
+        replaced.append("the vision tower is left out: the CPU model trains on text tokens only")
+    return replaced
 
 
 def _mixed_precision(cfg: RunConfig, args: argparse.Namespace) -> str | None:

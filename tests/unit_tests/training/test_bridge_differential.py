@@ -58,3 +58,25 @@ def test_validator_agrees_with_megatron_bridge(release):
     assert RELEASES[release][3] <= set(tally["by_rule"]), tally["by_rule"]
     if release == "main":  # main's own steps were drawn: packing and Megatron-FSDP v2
         assert {"dataset.packing_buffer_size", "ddp.megatron_fsdp_version=2"} <= set(tally["drawn"]), tally["drawn"]
+
+
+FAMILY_SAMPLES = 40
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_validator_agrees_with_megatron_bridge_on_every_familys_recipes(release):
+    """`harness.bridge_family_fuzz`: random EP-overlap changes of each family's own recipes (GPT-OSS, Kimi K2, DeepSeek
+    V3/V4, Qwen3 / Qwen3-Next, Nemotron 3, the Qwen VL MoEs, GLM-5) through Bridge's config path on the recipe's own
+    provider, and through the validator: 0 missed, 0 false, the same EP switches, in every family."""
+    proc = subprocess.run([_python(release), "-m", "mbridge_epoverlap.harness.bridge_family_fuzz", "--samples",
+                           str(FAMILY_SAMPLES), "--examples"], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=900)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    families = result["families"]
+    assert set(families) == {"deepseek", "glm_moe_dsa", "gpt_oss", "kimi", "nemotronh", "qwen", "qwen_vl"}, families
+    for family, tally in families.items():
+        assert tally["release"]["bridge"] == release
+        counts = (tally["tried"], tally["missed"], tally["false"], tally["switch_mismatch"])
+        assert counts == (FAMILY_SAMPLES, 0, 0, 0), (family, result.get("examples"))
+        assert tally["accepted"] >= 2 and tally["rejected_by_bridge"] - tally["other_rejected"] >= 2, (family, tally)
+    assert proc.returncode == 0, proc.stderr[-2000:]
