@@ -116,8 +116,12 @@ def _serving(doc: dict[str, Any]) -> str:
 
 
 def _bridge_fuzz(doc: dict[str, Any]) -> str:
-    return "; ".join(f"Megatron-Bridge {name}: {t['tried']} configs, {t['rejected_by_bridge']} rejected, missed "
+    text = "; ".join(f"Megatron-Bridge {name}: {t['tried']} configs, {t['rejected_by_bridge']} rejected, missed "
                      f"{t['missed']} / false {t['false']}" for name, t in doc["releases"].items())
+    for name, tallies in (doc.get("families") or {}).items():
+        text += (f"; {name}, {len(tallies)} families' recipes: missed {sum(t['missed'] for t in tallies.values())}"
+                 f" / false {sum(t['false'] for t in tallies.values())}")
+    return text
 
 
 def _fuzz(doc: dict[str, Any]) -> str:
