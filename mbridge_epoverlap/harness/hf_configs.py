@@ -172,3 +172,29 @@ def pinned_revisions(model_id: str) -> set[str]:
                 if isinstance(revision, str):
                     found.add(revision)
     return found
+
+
+def offline() -> bool:
+    """Whether the Hugging Face libraries are told to stay offline here (`HF_HUB_OFFLINE` / `TRANSFORMERS_OFFLINE`)."""
+    import os
+
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_cache() -> Path:
+    """The Hugging Face hub cache the libraries read (`HF_HUB_CACHE`, else `HF_HOME`/hub, else ~/.cache)."""
+    import os
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
+
+
+def missing_offline_configs(recipe: str) -> list[str]:
+    """The model ids a recipe's Megatron-Bridge recipes load whose `config.json` is in no snapshot of the hub cache
+    (what an offline job would retry for and then fail on)."""
+    ids = RELEASED_MODELS.get(recipe) or ((HF_MODELS[recipe][0],) if recipe in HF_MODELS else ())
+    cache = hub_cache()
+    return [model_id for model_id in ids if model_id and not any(
+        (cache / f"models--{model_id.replace('/', '--')}" / "snapshots").glob("*/config.json"))]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.config.container import RunConfig
-from mbridge_epoverlap.errors import EXIT_NO_BRIDGE
+from mbridge_epoverlap.errors import EXIT_NO_BRIDGE, EXIT_USAGE
 from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe, choose_perf_recipe, library_recipe
 
 
@@ -193,6 +193,21 @@ def _enable_profiling(bridge_cfg: Any, start: int, end: int, pytorch: bool = Fal
             setattr(profiling, name, value)
 
 
+def _offline_configs_missing(recipe: str) -> str | None:
+    """Offline (HF_HUB_OFFLINE), the recipe's Hugging Face `config.json` must be cached already: Megatron-Bridge would
+    retry the download and fail after minutes. The words of the error, or None."""
+    from mbridge_epoverlap.harness.hf_configs import hub_cache, missing_offline_configs, offline
+
+    if not offline():
+        return None
+    missing = missing_offline_configs(recipe)
+    if not missing:
+        return None
+    return (f"the recipe loads {', '.join(missing)}, whose config.json is not in the Hugging Face cache {hub_cache()} "
+            "and HF_HUB_OFFLINE is set; download it there first (`huggingface-cli download MODEL_ID config.json`), "
+            "point HF_HOME at a cache that has it, or unset HF_HUB_OFFLINE on a node with network access")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import yaml
 
@@ -216,6 +231,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--changes", type=Path, default=None,
                         help="JSON file: run-config dotted key -> value, the settings the job changes on the recipe")
     args = parser.parse_args(argv)
+    run = RunConfig.from_dict(yaml.safe_load(args.config.read_text()))
+    missing = _offline_configs_missing(run.recipe)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         import_bridge()
     except BridgeMissing as exc:
@@ -225,7 +245,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from mbridge_epoverlap.errors import UsageError
 
-    run = RunConfig.from_dict(yaml.safe_load(args.config.read_text()))
     try:
         recipe = choose_recipe(family_of(run.recipe), run.recipe, run.task, gpu=args.gpu or "h100",
                                compute_dtype=args.compute_dtype, num_gpus=args.num_gpus,

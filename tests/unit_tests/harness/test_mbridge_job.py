@@ -60,3 +60,27 @@ def test_missing_bridge_is_a_clear_error(tmp_path, capsys):
     assert mbridge_job.main(["--config", str(config), "--max-steps", "3"]) == mbridge_job.EXIT_NO_BRIDGE
     err = capsys.readouterr().err
     assert "Megatron-Bridge is not importable" in err and "MBRIDGE_EPOVERLAP_PYTHON" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.bridge") is not None, reason="Megatron-Bridge is installed")
+def test_an_offline_job_without_the_models_config_is_a_usage_error_not_a_retry_loop(tmp_path, capsys, monkeypatch):
+    """Kimi K2's recipe loads moonshotai/Kimi-K2-Instruct's config.json; offline and not cached, the job stops at
+    once naming the model and the cache (Megatron-Bridge would retry four times, then fail)."""
+    from mbridge_epoverlap.harness.hf_configs import hf_models, write_hf_cache
+
+    config = tmp_path / "case.yaml"
+    config.write_text(load_recipe("kimi_k2").to_yaml())
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert mbridge_job.main(["--config", str(config), "--max-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    cache = tmp_path / "hf" / "hub"
+    assert f"moonshotai/Kimi-K2-Instruct, whose config.json is not in the Hugging Face cache {cache}" in err
+    assert "Traceback" not in err
+    for model_id, cfg, code in hf_models("kimi_k2"):
+        write_hf_cache(tmp_path / "hf", model_id, cfg, set(), code)
+    assert mbridge_job.main(["--config", str(config), "--max-steps", "3"]) == mbridge_job.EXIT_NO_BRIDGE
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    (tmp_path / "hf").rename(tmp_path / "elsewhere")  # online, a missing config is Bridge's to download
+    assert mbridge_job.main(["--config", str(config), "--max-steps", "3"]) == mbridge_job.EXIT_NO_BRIDGE
