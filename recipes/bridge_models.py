@@ -80,8 +80,18 @@ BY_NAME = {workload.name: workload for workload in WORKLOADS}
 
 
 @cache
+def _facts() -> dict[str, Any]:
+    return json.loads(FACTS.read_text(encoding="utf-8"))
+
+
 def _recipes() -> dict[str, Any]:
-    return json.loads(FACTS.read_text(encoding="utf-8"))["recipes"]
+    return _facts()["recipes"]
+
+
+def facts_core_version() -> str:
+    """The Megatron-Core release the reference recipes were built with (0.19.2 under Megatron-Bridge 0.6.2): the one
+    their values are valid for."""
+    return _facts()["core_version"]
 
 
 def recipe_parts(function: str) -> dict[str, str] | None:

@@ -136,6 +136,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.config.versions import bridge_rules, core_rules
     from mbridge_epoverlap.config.violations import errors_of
     from mbridge_epoverlap.recipes import DEFAULT_RECIPE
+    from mbridge_epoverlap.recipes.bridge_models import BY_NAME, facts_core_version
     from mbridge_epoverlap.recipes.loader import load_recipe
 
     if args.list_rules:
@@ -144,7 +145,13 @@ def run_validate(args: argparse.Namespace) -> int:
         bare = next(item for item in args.overrides if "=" not in item)
         if bare.endswith(".py") or ".py:" in bare:
             raise UsageError(f"{bare!r} looks like a recipe file; pass it as -mr {bare}")
-    env = resolve_environment(args.gpu, args.te_version, args.torch_version, args.mcore_version, args.bridge_version)
+    mcore_version = args.mcore_version
+    if mcore_version is None and args.bridge_version is None and args.recipe in BY_NAME:
+        # Megatron-Bridge's recipe sets fields of the Megatron-Core it was built with: check it for that release.
+        mcore_version = facts_core_version()
+        print(f"note: {args.recipe} is Megatron-Bridge 0.6.2's recipe; checked for its Megatron-Core {mcore_version} "
+              "(--mcore-version picks another)", file=sys.stderr)
+    env = resolve_environment(args.gpu, args.te_version, args.torch_version, mcore_version, args.bridge_version)
     cfg = load_recipe(args.recipe or DEFAULT_RECIPE, args.task)
     apply_overrides(cfg, args.overrides)
     check_release_fields(cfg, bridge_rules(env.bridge_version), core_rules(env.mcore_version))

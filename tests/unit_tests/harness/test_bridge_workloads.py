@@ -205,3 +205,18 @@ def test_ep_overlap_on_a_hybrid_stack_is_refused_before_submission(capsys, tmp_p
     rc = main(["-mr", "nemotron_3_nano", "-g", "h100", "-ng", "16", *VERSIONS, "--moe_a2a_overlap", "true", "--dryrun",
                "--results_json", str(tmp_path / "r.json")])
     assert rc == 1 and "[hybrid_stack]" in capsys.readouterr().err
+
+
+def test_validate_checks_a_bridge_workload_for_the_core_its_recipe_was_built_with(capsys):
+    """`validate -mr kimi_k2` (the issue's command) works; Nemotron 3.5 Lightning with overlap breaks two rules: its
+    hybrid stack and its two MTP layers, checked for Megatron-Core 0.19 (the release of its recipe's fields)."""
+    from mbridge_epoverlap.cli import main as cli_main
+
+    assert cli_main(["validate", "-mr", "kimi_k2", "-g", "h100", "--te-version", "2.12", "--torch-version", "2.7"]) == 0
+    capsys.readouterr()
+    rc = cli_main(["validate", "-mr", "nemotron_3_5_lightning", "-g", "h100", "--te-version", "2.12", "--torch-version",
+                   "2.7", "comm_overlap.overlap_moe_expert_parallel_comm=true", "--json"])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert rc == 1 and {v["rule"] for v in report["violations"]} == {"hybrid_stack", "mtp_layers"}
+    assert "checked for its Megatron-Core 0.19.2" in err
