@@ -212,10 +212,11 @@ def test_validate_checks_a_bridge_workload_for_the_core_its_recipe_was_built_wit
     hybrid stack and its two MTP layers, checked for Megatron-Core 0.19 (the release of its recipe's fields)."""
     from mbridge_epoverlap.cli import main as cli_main
 
-    assert cli_main(["validate", "-mr", "kimi_k2", "-g", "h100", "--te-version", "2.12", "--torch-version", "2.7"]) == 0
+    versions = ["-g", "h100", "--te-version", "2.12", "--torch-version", "2.7"]
+    assert cli_main(["validate", "-mr", "kimi_k2", *versions]) == 0
     capsys.readouterr()
-    rc = cli_main(["validate", "-mr", "nemotron_3_5_lightning", "-g", "h100", "--te-version", "2.12", "--torch-version",
-                   "2.7", "comm_overlap.overlap_moe_expert_parallel_comm=true", "--json"])
+    rc = cli_main(["validate", "-mr", "nemotron_3_5_lightning", *versions,
+                   "comm_overlap.overlap_moe_expert_parallel_comm=true", "--json"])
     out, err = capsys.readouterr()
     report = json.loads(out)
     assert rc == 1 and {v["rule"] for v in report["violations"]} == {"hybrid_stack", "mtp_layers"}
