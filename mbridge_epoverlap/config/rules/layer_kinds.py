@@ -62,7 +62,8 @@ _RECOMPUTE_MODULES_MAIN = _RECOMPUTE_MODULES_0_19 | {"gdp_in_proj", "gdp_qkv", "
 
 
 def recompute_modules_allowed(ctx: RuleContext) -> frozenset[str]:
-    if ctx.core.at_least("0.20"):
+    """Main's modules only on a Megatron-Bridge main job: Megatron-Core main (0.20) is built against nothing else."""
+    if ctx.core.at_least("0.20") and ctx.bridge.is_main:
         return _RECOMPUTE_MODULES_MAIN
     return _RECOMPUTE_MODULES_0_19 if ctx.core.at_least("0.19") else _RECOMPUTE_MODULES
 
@@ -85,8 +86,10 @@ def _recompute_modules_known(ctx: RuleContext) -> Violation | None:
     if not unknown:
         return None
     kept = [m for m in ctx.get("recompute_modules") or [] if m in allowed]
+    release = "main (0.20)" if allowed is _RECOMPUTE_MODULES_MAIN else \
+        ("0.19" if allowed is _RECOMPUTE_MODULES_0_19 else ctx.core.version)
     return violation("recompute_modules_known",
-                     f"Megatron-Core {ctx.core.version} cannot recompute {unknown} (recompute_modules); it knows "
+                     f"Megatron-Core {release} cannot recompute {unknown} (recompute_modules); it knows "
                      f"{', '.join(sorted(allowed))}",
                      f"model.recompute_modules=[{','.join(kept)}]" if kept else "model.recompute_modules=null, or a "
                      "job on the Megatron-Core the recipe was written for (--mcore-version)")

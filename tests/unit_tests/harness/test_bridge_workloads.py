@@ -45,6 +45,9 @@ CANNOT_START = {
     "layout_batch": {"nemotronh_56b_pretrain_256gpu_b200_bf16_config",
                      "nemotronh_56b_pretrain_256gpu_gb300_bf16_config"},
 }
+# On 0.6.2 only: DeepSeek-V4 Pro's recipe recomputes its mHC hyper-connections, a module Megatron-Core 0.19 does
+# not know (Bridge's own check of the job stops there too; main's Core knows it).
+CANNOT_START_062 = {"recompute_modules_known": {"deepseek_v4_pro_pretrain_256gpu_gb300_fp8mx_config"}}
 GRAPHLESS_CLEARED = {"model.use_te_rng_tracker", "model.cuda_graph_scope"}
 NOT_BUILT_062 = {f"nemotron_3_super_pretrain_64gpu_{gpu}_nvfp4_config" for gpu in ("b200", "b300", "gb200", "gb300",
                                                                                    "vr200")}
@@ -126,8 +129,9 @@ def test_every_shipped_config_is_the_job_and_passes_validation_as_shipped(releas
             continue
         tally[parts["model"]] += 1
     names = set(recipe_facts.perf_recipe_names(release=release))
-    assert rejected == {rule: found & names for rule, found in CANNOT_START.items()}  # main lacks a few of them
-    assert len(tally) == 21 and sum(tally.values()) > 270, tally
+    expected = {rule: found & names for rule, found in CANNOT_START.items()}  # main lacks a few of them
+    assert rejected == (expected | CANNOT_START_062 if release == "0.6" else expected)
+    assert len(tally) == (20 if release == "0.6" else 21) and sum(tally.values()) > 270, tally  # V4 Pro: one config
 
 
 def test_lookup_ignores_a_family_that_is_not_the_workloads(capsys):
