@@ -16,11 +16,11 @@ GPU target.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import re
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
@@ -30,7 +30,8 @@ from mbridge_epoverlap.config.overrides import apply_mapping
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.recipes._common import make_run
 
-FACTS = Path(__file__).resolve().parents[1] / "mbridge_epoverlap" / "harness" / "data" / "bridge_recipe_facts.json"
+# The package's data, wherever the package is installed (this folder is linked into it as mbridge_epoverlap/recipes).
+FACTS = importlib.resources.files("mbridge_epoverlap") / "harness" / "data" / "bridge_recipe_facts.json"
 PERF_PREFIX = "megatron.bridge.perf_recipes."
 TASK_ORDER = ("pretrain", "sft")
 GPU_ORDER = ("h100", "b200", "b300", "gb200", "gb300", "vr200")
