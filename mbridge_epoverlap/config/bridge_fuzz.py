@@ -115,6 +115,21 @@ class Tally:
     false_by_rule: Counter = field(default_factory=Counter)
     other_by_message: Counter = field(default_factory=Counter)  # Bridge's message head, for the other rejections
 
+    def count_rejection(self, rejection: str, errors: list[str]) -> str | None:
+        """Count a case Megatron-Bridge rejected, against the validator's `errors`: "other" (a reason the validator
+        does not model), "missed" (a modelled one the validator did not find), or None (both reject)."""
+        self.rejected_by_bridge += 1
+        self.by_rule.update(set(errors))
+        if not is_modelled(rejection):
+            self.other_rejected += 1
+            self.other_by_message[rejection[:80]] += 1
+            return "other"
+        if not errors:
+            self.missed += 1
+            self.missed_by_rule[rejection[:80]] += 1
+            return "missed"
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         return {"release": self.release, "tried": self.tried, "accepted": self.accepted,
                 "rejected_by_bridge": self.rejected_by_bridge, "other_rejected": self.other_rejected,
@@ -343,16 +358,10 @@ def compare(samples: int, seed: int, examples: list[str] | None = None) -> Tally
                 tally.switch_mismatch += 1
                 _note(examples, f"switches #{index}: validator {ours}, Bridge {theirs}; {case}")
             continue
-        tally.rejected_by_bridge += 1
-        tally.by_rule.update(set(errors))
-        if not is_modelled(rejection):
-            tally.other_rejected += 1
-            tally.other_by_message[rejection[:80]] += 1
-            _note(examples, f"other #{index}: Bridge says {rejection[:200]!r}")
-        elif not errors:
-            tally.missed += 1
-            tally.missed_by_rule[rejection[:80]] += 1
-            _note(examples, f"missed #{index}: Bridge says {rejection[:200]!r}; {case}")
+        kind = tally.count_rejection(rejection, errors)
+        if kind is not None:
+            where = f"; {case}" if kind == "missed" else ""
+            _note(examples, f"{kind} #{index}: Bridge says {rejection[:200]!r}{where}")
     return tally
 
 

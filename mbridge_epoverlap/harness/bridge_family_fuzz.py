@@ -37,7 +37,6 @@ from mbridge_epoverlap.config.bridge_fuzz import (
     Tally,
     config_path_verdict,
     installed_release,
-    is_modelled,
     validator_errors,
     validator_switches,
 )
@@ -163,14 +162,7 @@ def compare_family(recipes: list[tuple[str, Any]], samples: int, rng: random.Ran
                 tally.switch_mismatch += 1
                 examples.append(f"switches: validator {ours}, Bridge {theirs}; {where}")
             continue
-        tally.rejected_by_bridge += 1
-        tally.by_rule.update(set(errors))
-        if not is_modelled(rejection):
-            tally.other_rejected += 1
-            tally.other_by_message[rejection[:80]] += 1
-        elif not errors:
-            tally.missed += 1
-            tally.missed_by_rule[rejection[:80]] += 1
+        if tally.count_rejection(rejection, errors) == "missed":
             examples.append(f"missed: Bridge says {rejection[:200]!r}; {where}")
     return tally
 
