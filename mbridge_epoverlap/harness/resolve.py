@@ -192,7 +192,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
     precision = None
     stand_ins: list[str] = []
     if target.is_cpu:
-        stand_ins = _stand_ins(cfg)
+        stand_ins = _stand_ins(cfg) + _drop_recipe_recompute(cfg, explicit)
         notes += [f"-g cpu: {line}" for line in stand_ins]
         cfg = _shrink(cfg, args, explicit, notes)
         precision = _cpu_precision(cfg, args, explicit)
@@ -376,6 +376,23 @@ def _stand_ins(cfg: RunConfig) -> list[str]:
     if cfg.recipe in BY_NAME and BY_NAME[cfg.recipe].vision:
         replaced.append("the vision tower is left out: the CPU model trains on text tokens only")
     return replaced
+
+
+RECOMPUTE_KEYS = ("model.recompute_granularity", "model.recompute_method", "model.recompute_num_layers",
+                  "model.recompute_modules")
+
+
+def _drop_recipe_recompute(cfg: RunConfig, explicit: set[str]) -> list[str]:
+    """-g cpu: the recipe's activation recompute, which the reference runtime does not do, is left out (several
+    recipes recompute the MoE block or whole layers, which EP overlap refuses on a GPU); the user's own is kept."""
+    m = cfg.model
+    if (m.recompute_granularity is None and not m.recompute_modules) or explicit & set(RECOMPUTE_KEYS):
+        return []
+    what = ", ".join(f"{key.split('.', 1)[1]}={get_path(cfg, key)!r}" for key in RECOMPUTE_KEYS
+                     if get_path(cfg, key) is not None)
+    m.recompute_granularity = m.recompute_method = m.recompute_num_layers = m.recompute_modules = None
+    return [f"the recipe's activation recompute ({what}) is left out: the reference runtime keeps every "
+            "activation (on a GPU, --dryrun validates it with EP overlap)"]
 
 
 def _mixed_precision(cfg: RunConfig, args: argparse.Namespace) -> str | None:

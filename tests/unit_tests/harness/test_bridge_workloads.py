@@ -225,3 +225,24 @@ def test_validate_checks_a_bridge_workload_for_the_core_its_recipe_was_built_wit
     report = json.loads(out)
     assert rc == 1 and {v["rule"] for v in report["violations"]} == {"hybrid_stack", "mtp_layers"}
     assert "checked for its Megatron-Core 0.19.2" in err
+
+
+@pytest.mark.parametrize("workload", sorted(set(BY_NAME) - {"nemotronh_56b"}))
+def test_the_cpu_ab_of_every_moe_workload_validates(workload):
+    """`-g cpu --ab ep_overlap` builds its three cases for every MoE workload: the recipe's recompute (which EP overlap
+    refuses on a GPU for Qwen3-Next, Nemotron 3, GLM-5) is left out on the CPU and said."""
+    r = resolved("-mr", workload, "-g", "cpu", "-ng", "2", "--ab", "ep_overlap")
+    cases, _ = build_cases(r, case_specs("ep_overlap", r.cfg, r.explicit))
+    assert [c.name for c in cases] == ["ep_overlap_off", "ep_overlap_on", "ep_overlap_on_delay_wgrad"]
+    recipe = RECIPES[workload]("pretrain").model
+    if recipe.recompute_granularity is not None or recipe.recompute_modules:
+        assert any("activation recompute" in note for note in r.notes), r.notes
+        assert r.cfg.model.recompute_modules is None
+
+
+def test_the_users_own_recompute_is_kept_on_cpu():
+    r = resolved("-mr", "qwen3_next_80b_a3b", "-g", "cpu", "-ng", "2", "--ab", "ep_overlap",
+                 "model.recompute_modules=[moe]")
+    with pytest.raises(ValidationFailed) as exc:
+        build_cases(r, case_specs("ep_overlap", r.cfg, r.explicit))
+    assert {violation.rule for violation, _names in exc.value.errors} == {"recompute_moe"}
