@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
 from mbridge_epoverlap.config.container import RunConfig
 from mbridge_epoverlap.config.model import MoEModelConfig
-from mbridge_epoverlap.config.overrides import apply_mapping
+from mbridge_epoverlap.config.overrides import apply_recipe_values
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.recipes._common import make_run
 
@@ -130,21 +129,12 @@ def reference_recipe(workload: BridgeWorkload, task: str = "pretrain") -> str:
 
 def bridge_model_run(name: str, task: str = "pretrain") -> RunConfig:
     """The project recipe of a Bridge workload: its reference recipe's model, layout, batch and overlap settings."""
-    workload = BY_NAME[name]
-    key = reference_recipe(workload, task)
-    parts = recipe_parts(key.rpartition(".")[2]) or {}
-    count = int(parts["count"] or 8)
-    per_node = 4 if str(parts["gpu"]).startswith("gb") else 8
+    key = reference_recipe(BY_NAME[name], task)
+    parts = recipe_parts(key.rpartition(".")[2])  # a key reference_recipe found by its name's parts
+    count = int(parts["count"])
+    per_node = 4 if parts["gpu"].startswith("gb") else 8
     cfg = make_run(name, task, MoEModelConfig(), num_gpus=count, gpus_per_node=min(per_node, count))
-    facts = _recipes()[key]
-    if not facts["comm_overlap"]:
-        cfg.comm_overlap = CommOverlapConfig.created_by_job()  # the recipe has none: every switch unset
-    for dotted, value in facts["values"].items():
-        section, field = dotted.split(".", 1)
-        try:
-            apply_mapping(cfg, {section: {field: value}})
-        except UsageError:
-            continue  # a value the run config cannot hold keeps the project's default (as upstream_recipe does)
+    apply_recipe_values(cfg, _recipes()[key])  # a value the run config cannot hold keeps the project's default
     return cfg
 
 

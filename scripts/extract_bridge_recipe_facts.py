@@ -52,14 +52,13 @@ def extract(models: list[str] | None = None) -> dict[str, Any]:
     from mbridge_epoverlap.gpus import gpu_facts
     from mbridge_epoverlap.harness.hf_configs import (
         HF_MODELS,
-        RELEASED_MODELS,
         hf_models,
         pinned_revisions,
         write_hf_cache,
     )
     from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
     from mbridge_epoverlap.harness.recipe_facts import recipe_values
-    from mbridge_epoverlap.recipes.loader import family_of, load_recipe
+    from mbridge_epoverlap.recipes.loader import family_of
 
     perf_names = installed_perf_recipe_names()
     recipes: dict[str, Any] = {}
@@ -71,9 +70,7 @@ def extract(models: list[str] | None = None) -> dict[str, Any]:
             library = importlib.import_module(f"megatron.bridge.recipes.{family}")
         except ImportError:  # a perf family without a library package of that name (glm_moe_dsa)
             library = None
-        # The hand-written recipes' configs are written from their dimensions; the others are released values.
-        model = None if name in RELEASED_MODELS else load_recipe(name).model
-        for model_id, config, code in hf_models(name, model):
+        for model_id, config, code in hf_models(name):
             write_hf_cache(home, model_id, config, pinned_revisions(model_id), code)
         builds = [(perf, function, _GPU.search(function).group(1)) for function in perf_names
                   if _workload_of(function) == name and hasattr(perf, function)]

@@ -586,7 +586,8 @@ def upstream_recipe_rows(release: str | None = None) -> list[dict[str, Any]]:
     """Every performance recipe of the facts fixture of `release` (None: the newest release), as the validator
     reads it: its name's parts and the EP settings the job would run with."""
     from mbridge_epoverlap.config.container import RunConfig
-    from mbridge_epoverlap.harness.recipe_facts import apply_recipe_values, load_facts
+    from mbridge_epoverlap.config.overrides import apply_recipe_values
+    from mbridge_epoverlap.harness.recipe_facts import load_facts
     from mbridge_epoverlap.recipes.bridge_models import PERF_PREFIX, recipe_parts
 
     rows = []
@@ -596,8 +597,6 @@ def upstream_recipe_rows(release: str | None = None) -> list[dict[str, Any]]:
         if not module.startswith(PERF_PREFIX) or parts is None:
             continue
         cfg = RunConfig()
-        if not facts["comm_overlap"]:
-            cfg.comm_overlap.overlap_moe_expert_parallel_comm = cfg.comm_overlap.delay_wgrad_compute = None
         apply_recipe_values(cfg, facts)
         m = cfg.model
         rows.append({**parts, "family": module.removeprefix(PERF_PREFIX), "ep": m.expert_model_parallel_size,

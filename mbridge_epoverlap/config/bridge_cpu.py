@@ -135,7 +135,7 @@ def target_gpu(gpu: str | None) -> Iterator[None]:
     import torch
 
     saved = torch.cuda.is_available, torch.cuda.get_device_properties
-    kernels = _dsa_kernel_check()
+    core_config, dsa_check = _dsa_kernel_check()
     if gpu is None:
         torch.cuda.is_available = lambda: False
     else:
@@ -144,26 +144,27 @@ def target_gpu(gpu: str | None) -> Iterator[None]:
         props = types.SimpleNamespace(major=major, minor=minor, name=facts.device_name or f"NVIDIA {facts.name}")
         torch.cuda.is_available = lambda: True
         torch.cuda.get_device_properties = lambda *_args, **_kwargs: props
-        if kernels is not None:
+        if dsa_check is not None:
             # Fake: a GPU machine has the fused DSA kernel packages (flash_mla, cuDNN's DSA) that a CPU machine
             # cannot install; Core checks they import once it sees CUDA (GLM-5's recipes ask for them).
-            kernels[0].__dict__[kernels[1]] = lambda _backend: None
+            setattr(core_config, DSA_KERNEL_CHECK, lambda _backend: None)
     try:
         yield
     finally:
         torch.cuda.is_available, torch.cuda.get_device_properties = saved
-        if kernels is not None:
-            kernels[0].__dict__[kernels[1]] = kernels[2]
+        if dsa_check is not None:
+            setattr(core_config, DSA_KERNEL_CHECK, dsa_check)
 
 
-def _dsa_kernel_check() -> tuple[Any, str, Any] | None:
-    """(module, name, function) of Megatron-Core's fused-DSA-kernel import check where its `TransformerConfig`
-    calls it (Core 0.19 and main), else None."""
+DSA_KERNEL_CHECK = "_validate_dsa_kernel_backend_dependencies"
+
+
+def _dsa_kernel_check() -> tuple[Any, Any]:
+    """(Megatron-Core's transformer_config module, its fused-DSA-kernel import check), or (None, None) where Core
+    has no such check (before 0.19) or is not imported."""
     module = sys.modules.get("megatron.core.transformer.transformer_config")
-    name = "_validate_dsa_kernel_backend_dependencies"
-    if module is None or name not in vars(module):
-        return None
-    return module, name, vars(module)[name]
+    check = vars(module).get(DSA_KERNEL_CHECK) if module is not None else None
+    return (module, check) if check is not None else (None, None)
 
 
 def bridge_available() -> bool:

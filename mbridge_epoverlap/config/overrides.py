@@ -181,6 +181,28 @@ def _flatten(data: Mapping[str, Any], prefix: str) -> list[tuple[str, Any]]:
     return items
 
 
+def apply_recipe_values(cfg: Any, facts: Mapping[str, Any]) -> list[str]:
+    """Write a Megatron-Bridge recipe's values (`harness.recipe_facts.recipe_values`: dotted run-config keys, and
+    whether it has a comm-overlap config) onto a run config, as the recipe Bridge would build, before the user's
+    flags and overrides; return the keys whose value the run config cannot hold, left unchanged.
+
+    A recipe without a comm-overlap config gets the one a GPU job creates to carry the EP switches
+    (`CommOverlapConfig.created_by_job`), every switch unset.
+    """
+    from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
+
+    if not facts["comm_overlap"]:
+        cfg.comm_overlap = CommOverlapConfig.created_by_job()
+    skipped = []
+    for key, value in facts["values"].items():
+        section, name = key.split(".", 1)
+        try:
+            apply_mapping(cfg, {section: {name: value}})
+        except UsageError:
+            skipped.append(key)
+    return skipped
+
+
 def set_moe_a2a_overlap_overrides(cfg: Any, overlap: bool | None, delay_wgrad: bool | None) -> Any:
     """Set the two EP switches independently; None keeps the recipe's value.
 

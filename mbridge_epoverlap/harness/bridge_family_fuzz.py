@@ -56,14 +56,13 @@ def family_recipes(families: list[str] | None = None, per_workload: int = RECIPE
 
     from mbridge_epoverlap.harness.hf_configs import (
         HF_MODELS,
-        RELEASED_MODELS,
         hf_models,
         pinned_revisions,
         write_hf_cache,
     )
     from mbridge_epoverlap.harness.mbridge_job import installed_perf_recipe_names
     from mbridge_epoverlap.recipes.bridge_models import recipe_parts
-    from mbridge_epoverlap.recipes.loader import family_of, load_recipe
+    from mbridge_epoverlap.recipes.loader import family_of
 
     home = Path(os.environ["HF_HOME"])
     names = installed_perf_recipe_names()
@@ -73,13 +72,11 @@ def family_recipes(families: list[str] | None = None, per_workload: int = RECIPE
         if families is not None and family not in families:
             continue
         module = importlib.import_module(f"megatron.bridge.perf_recipes.{family}")
-        model = None if workload in RELEASED_MODELS else load_recipe(workload).model
-        for model_id, config, code in hf_models(workload, model):
+        for model_id, config, code in hf_models(workload):
             write_hf_cache(home, model_id, config, pinned_revisions(model_id), code)
-        mine = [n for n in names if (parts := recipe_parts(n)) and parts["model"] == workload and hasattr(module, n)]
-        # Spread over GPUs and precisions: a recipe of each precision first, then the rest in name order.
-        chosen = list(dict.fromkeys(sorted(mine, key=lambda n: (recipe_parts(n)["precision"] != "bf16", n))))
-        for name in chosen[:per_workload]:
+        mine = [(parts["precision"] != "bf16", n) for n in names
+                if (parts := recipe_parts(n)) and parts["model"] == workload and hasattr(module, n)]
+        for _not_bf16, name in sorted(mine)[:per_workload]:  # bf16 recipes first, then in name order
             try:
                 container = getattr(module, name)()
             except Exception as exc:  # noqa: BLE001 - a recipe that cannot build here is reported, not fuzzed

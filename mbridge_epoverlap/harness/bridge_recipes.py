@@ -9,7 +9,6 @@ works on a list of names, so it is tested against a released wheel's names witho
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +25,6 @@ DEFAULT_GPU_COUNTS = {
     **{("qwen3_30b_a3b", "pretrain", gpu, precision, None): count
        for gpu, count in (("b200", 8), ("gb200", 8), ("gb300", 8), ("h100", 16)) for precision in ("bf16", "fp8cs")},
 }
-_GPU_COUNT = re.compile(r"_(\d+)gpu_")
 
 
 @dataclass(frozen=True)
@@ -79,9 +77,10 @@ def choose_perf_recipe(names: Iterable[str], *, family: str, model: str, task: s
     names = list(names)
     precision = precision_name(compute_dtype)
     suffix = variant_suffix(config_variant)
-    pattern = re.compile(rf"^{re.escape(model)}_{re.escape(task)}_(\d+)gpu_{re.escape(gpu)}_"
-                         rf"{re.escape(precision)}{re.escape(suffix)}_config$")
-    matches = sorted((int(m.group(1)), name) for name in names if (m := pattern.match(name)))
+    wanted_parts = (model, task, gpu, precision, suffix.lstrip("_") or "default")
+    matches = sorted((int(parts["count"]), name) for name in names if (parts := recipe_parts(name))
+                     and (parts["model"], parts["task"], parts["gpu"], parts["precision"], parts["variant"])
+                     == wanted_parts)
     module = f"megatron.bridge.perf_recipes.{family}"
     if num_gpus is not None:
         exact = [name for count, name in matches if count == num_gpus]
@@ -106,12 +105,6 @@ FLAG_PRECISION = {name: flag for flag, name in PRECISION_NAMES.items()}
 def configs_of(names: Iterable[str], model: str) -> list[dict[str, str]]:
     """Every performance config of `model` among `names`, as `recipe_parts`."""
     return [parts for name in names if (parts := recipe_parts(name)) and parts["model"] == model]
-
-
-def variants(names: Iterable[str], model: str, task: str, gpu: str, precision: str) -> list[str]:
-    """The -cv values that exist for a model, task, GPU and precision ("default": the suffix-less recipe)."""
-    return sorted({c["variant"] for c in configs_of(names, model)
-                   if (c["task"], c["gpu"], c["precision"]) == (task, gpu, precision)})
 
 
 def available_configs(names: Iterable[str], model: str, task: str, gpu: str, precision: str) -> str:

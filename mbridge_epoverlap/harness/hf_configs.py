@@ -20,6 +20,7 @@ without one (Mixtral, DBRX: Megatron-Bridge 0.6.2 has no recipe for them) are no
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -72,28 +73,27 @@ def deepseek_v3_hf_config(model: Any) -> dict[str, Any]:
 HF_CONFIG_DATA = Path(__file__).resolve().parent / "data" / "hf_configs"
 
 
+def _slug(model_id: str) -> str:
+    """A hub id as the hub cache and this data name their folders (`org/name` -> `org--name`)."""
+    return model_id.replace("/", "--")
+
+
 def released_config(model_id: str) -> dict[str, Any]:
     """The released `config.json` of a model kept as data (without its `_source` note)."""
-    path = HF_CONFIG_DATA / f"{model_id.replace('/', '--')}.json"
+    path = HF_CONFIG_DATA / f"{_slug(model_id)}.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     return {key: value for key, value in data.items() if key != "_source"}
 
 
 def remote_code_files(model_id: str) -> dict[str, str]:
     """File name -> text of the configuration code kept beside a model's config (remote-code models only)."""
-    folder = HF_CONFIG_DATA / model_id.replace("/", "--")
+    folder = HF_CONFIG_DATA / _slug(model_id)
     return {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.py"))}
 
 
-def _released(model_id: str) -> Callable[[Any], dict[str, Any]]:
-    def writer(_model: Any) -> dict[str, Any]:
-        return released_config(model_id)
-
-    return writer
-
-
-# Project recipe -> (Hugging Face model id its Megatron-Bridge recipes load, or None, config.json writer).
-HF_MODELS: dict[str, tuple[str | None, Callable[[Any], dict[str, Any]]]] = {
+# Project recipe -> (Hugging Face model id its Megatron-Bridge recipes load, or None; config.json writer from the
+# project recipe's model, or None where the config is the released one kept as data).
+HF_MODELS: dict[str, tuple[str | None, Callable[[Any], dict[str, Any]] | None]] = {
     "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", qwen3_moe_hf_config),
     "qwen3_235b_a22b": ("Qwen/Qwen3-235B-A22B", qwen3_moe_hf_config),
     "deepseek_v3": ("deepseek-ai/DeepSeek-V3", deepseek_v3_hf_config),
@@ -121,33 +121,38 @@ RELEASED_MODELS: dict[str, tuple[str, ...]] = {
     "glm51": ("zai-org/GLM-5.1",),
     "glm52": ("zai-org/GLM-5.2",),
 }
-HF_MODELS.update({name: (ids[0], _released(ids[0])) if ids else (None, dict) for name, ids in RELEASED_MODELS.items()})
+HF_MODELS.update({name: (ids[0] if ids else None, None) for name, ids in RELEASED_MODELS.items()})
 
 
-def hf_model(recipe: str, model: Any) -> tuple[str, dict[str, Any]] | None:
-    """(model id, config.json) of a project recipe's model; None for a recipe without an upstream recipe."""
-    entry = HF_MODELS.get(recipe)
-    if entry is None or entry[0] is None:
-        return None
-    model_id, writer = entry
-    return model_id, writer(model)
+def model_ids(recipe: str) -> tuple[str, ...]:
+    """The Hugging Face model ids a project recipe's Megatron-Bridge recipes load (none for a recipe Bridge has not,
+    or whose recipes build the model from Bridge's own provider)."""
+    if recipe in RELEASED_MODELS:
+        return RELEASED_MODELS[recipe]
+    return (HF_MODELS[recipe][0],) if recipe in HF_MODELS else ()
 
 
 def hf_models(recipe: str, model: Any = None) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
-    """Every (model id, config.json, remote-code files) a project recipe's Megatron-Bridge recipes load. `model`
-    (the project recipe's model) is read only by the writers of the hand-written recipes."""
+    """Every (model id, config.json, remote-code files) a project recipe's Megatron-Bridge recipes load. The
+    hand-written recipes' configs are written from their model (`model`, by default the project recipe's); the
+    others are the released values kept as data."""
     if recipe in RELEASED_MODELS:
-        return [(model_id, released_config(model_id), remote_code_files(model_id))
-                for model_id in RELEASED_MODELS[recipe]]
-    found = hf_model(recipe, model)
-    return [] if found is None else [(found[0], found[1], {})]
+        return [(model_id, released_config(model_id), remote_code_files(model_id)) for model_id in model_ids(recipe)]
+    if recipe not in HF_MODELS:
+        return []
+    if model is None:
+        from mbridge_epoverlap.recipes.loader import load_recipe
+
+        model = load_recipe(recipe).model
+    model_id, writer = HF_MODELS[recipe]
+    return [(model_id, writer(model), {})] if model_id and writer else []
 
 
 def write_hf_cache(home: Path, model_id: str, config: dict[str, Any], revisions: set[str],
                    code: dict[str, str] | None = None) -> None:
     """An offline Hugging Face hub cache under `home` holding only `config.json` of `model_id` (and its configuration
     code, for a remote-code model), at `main` and at each pinned revision (recipes pin one)."""
-    repo = home / "hub" / f"models--{model_id.replace('/', '--')}"
+    repo = home / "hub" / f"models--{_slug(model_id)}"
     main = "0" * 40
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(main)
@@ -176,16 +181,12 @@ def pinned_revisions(model_id: str) -> set[str]:
 
 def offline() -> bool:
     """Whether the Hugging Face libraries are told to stay offline here (`HF_HUB_OFFLINE` / `TRANSFORMERS_OFFLINE`)."""
-    import os
-
     return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
                for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
 def hub_cache() -> Path:
     """The Hugging Face hub cache the libraries read (`HF_HUB_CACHE`, else `HF_HOME`/hub, else ~/.cache)."""
-    import os
-
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"])
     return Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
@@ -194,7 +195,6 @@ def hub_cache() -> Path:
 def missing_offline_configs(recipe: str) -> list[str]:
     """The model ids a recipe's Megatron-Bridge recipes load whose `config.json` is in no snapshot of the hub cache
     (what an offline job would retry for and then fail on)."""
-    ids = RELEASED_MODELS.get(recipe) or ((HF_MODELS[recipe][0],) if recipe in HF_MODELS else ())
     cache = hub_cache()
-    return [model_id for model_id in ids if model_id and not any(
-        (cache / f"models--{model_id.replace('/', '--')}" / "snapshots").glob("*/config.json"))]
+    return [model_id for model_id in model_ids(recipe)
+            if not any((cache / f"models--{_slug(model_id)}" / "snapshots").glob("*/config.json"))]

@@ -142,25 +142,26 @@ def list_config_variants(args: argparse.Namespace) -> int:
     """`--list_config_variants`: the performance configs Megatron-Bridge has for the workload, narrowed by the task,
     -g and -c given, one line each with the flags that pick it. Upstream's prompt for a choice is left out: the
     list ends the command, so a script can read it."""
-    from mbridge_epoverlap.harness.bridge_recipes import FLAG_PRECISION, configs_of
+    from mbridge_epoverlap.harness.bridge_recipes import FLAG_PRECISION, available_configs, configs_of, precision_name
     from mbridge_epoverlap.harness.recipe_facts import facts_label, recipe_names_for
     from mbridge_epoverlap.harness.resolve import pick_recipe
+    from mbridge_epoverlap.recipes.bridge_models import recipe_parts
     from mbridge_epoverlap.recipes.loader import family_of
 
     name = pick_recipe(args.model_family_name, args.model_recipe_name)
     release = getattr(args, "bridge_version", None)
-    configs = configs_of(recipe_names_for(release), name)
+    names = recipe_names_for(release)
+    configs = configs_of(names, name)
     if not configs:
+        workloads = sorted({parts["model"] for n in names if (parts := recipe_parts(n))})
         raise UsageError(f"Megatron-Bridge has no performance recipe for {name!r}; workloads with recipes: "
-                         f"-mr {', '.join(sorted({c['model'] for c in _all_configs(release)}))}")
+                         f"-mr {', '.join(workloads)}")
     wanted = {"task": args.task if given(args, "task") else None, "gpu": args.gpu,
-              "precision": _precision_of(args.compute_dtype) if given(args, "compute_dtype") else None}
+              "precision": precision_name(args.compute_dtype) if given(args, "compute_dtype") else None}
     rows = [c for c in configs if all(value is None or c[key] == value for key, value in wanted.items())]
     if not rows:
-        from mbridge_epoverlap.harness.bridge_recipes import available_configs
-
-        raise UsageError(available_configs([_name_of(c) for c in configs], name, wanted["task"] or args.task,
-                                           args.gpu or "", wanted["precision"] or "bf16"))
+        raise UsageError(available_configs(names, name, wanted["task"] or args.task, args.gpu or "",
+                                           wanted["precision"] or "bf16"))
     print(f"# {facts_label(release)}: {len(rows)} performance config(s) of {name} "
           f"(megatron.bridge.perf_recipes.{family_of(name)})")
     for c in sorted(rows, key=lambda c: (c["task"], c["gpu"], c["precision"], c["variant"], int(c["count"]))):
@@ -168,24 +169,6 @@ def list_config_variants(args: argparse.Namespace) -> int:
         precision = FLAG_PRECISION.get(c["precision"], c["precision"])
         print(f"--task {c['task']} -g {c['gpu']} -ng {c['count']} -c {precision}{variant}")
     return EXIT_OK
-
-
-def _precision_of(compute_dtype: str) -> str:
-    from mbridge_epoverlap.harness.bridge_recipes import precision_name
-
-    return precision_name(compute_dtype)
-
-
-def _name_of(parts: dict[str, str]) -> str:
-    variant = "" if parts["variant"] == "default" else f"_{parts['variant']}"
-    return f"{parts['model']}_{parts['task']}_{parts['count']}gpu_{parts['gpu']}_{parts['precision']}{variant}_config"
-
-
-def _all_configs(release: str | None) -> list[dict[str, str]]:
-    from mbridge_epoverlap.harness.recipe_facts import recipe_names_for
-    from mbridge_epoverlap.recipes.bridge_models import recipe_parts
-
-    return [parts for name in recipe_names_for(release) if (parts := recipe_parts(name))]
 
 
 def _experiment(args: argparse.Namespace, resolved: Resolved, cases: list[Case], window: Window,

@@ -192,19 +192,3 @@ def recipe_names_for(release: str | None) -> list[str]:
         if names:
             return names
     return perf_recipe_names(release=release)
-
-
-def apply_recipe_values(cfg: Any, facts: dict[str, Any]) -> list[str]:
-    """Write a recipe's values onto a run config (the recipe Megatron-Bridge would build, before the user's
-    flags and overrides); return the keys whose value the run config cannot hold, unchanged."""
-    from mbridge_epoverlap.config.overrides import apply_mapping
-    from mbridge_epoverlap.errors import UsageError
-
-    skipped = []
-    for key, value in facts["values"].items():
-        section, name = key.split(".", 1)
-        try:
-            apply_mapping(cfg, {section: {name: value}})
-        except UsageError:
-            skipped.append(key)
-    return skipped

@@ -15,13 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mbridge_epoverlap.config.comm_overlap import CommOverlapConfig
 from mbridge_epoverlap.config.container import RunConfig
+from mbridge_epoverlap.config.overrides import apply_recipe_values
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.harness.bridge_recipes import BridgeRecipe, configs_of
 from mbridge_epoverlap.harness.hf_configs import HF_MODELS
 from mbridge_epoverlap.harness.recipe_facts import (
-    apply_recipe_values,
     facts_for,
     facts_label,
     load_facts,
@@ -50,8 +49,6 @@ class UpstreamRecipe:
         """Replace the run config's values with the recipe's (nothing without facts)."""
         if self.facts is None:
             return
-        if not self.facts["comm_overlap"]:
-            cfg.comm_overlap = CommOverlapConfig.created_by_job()  # the recipe has none: every switch unset
         self.skipped = apply_recipe_values(cfg, self.facts)
         if self.skipped:
             self.notes.append(f"the run config cannot hold the recipe's {', '.join(self.skipped)}; validated the "
@@ -92,8 +89,8 @@ def upstream_recipe(args: Any, cfg: RunConfig) -> UpstreamRecipe:
         raise UsageError(f"{label} cannot build {recipe.describe()}: its own code raises {broken}; pick another "
                          "-c/-cv, or run the job with a Megatron-Bridge that can (--bridge_version main)")
     if facts is None and recipe.kind == "library" and cfg.recipe in HF_MODELS:
-        known = sorted(key.rpartition(".")[2] for key in [*load_facts(release=release)["recipes"],
-                                                           *load_facts(release=release).get("not_built", {})]
+        fixture = load_facts(release=release)
+        known = sorted(key.rpartition(".")[2] for key in [*fixture["recipes"], *fixture.get("not_built", {})]
                        if key.startswith(f"megatron.bridge.recipes.{family}.{cfg.recipe}_"))
         raise UsageError(f"{label} has no library recipe {recipe.module}.{recipe.function} (--use_recipes); "
                          f"its library recipes of {cfg.recipe}: {', '.join(known) or 'none'}; leave out --use_recipes "

@@ -61,11 +61,14 @@ _RECOMPUTE_MODULES_0_19 = _RECOMPUTE_MODULES | {"gdn_norm_out"}
 _RECOMPUTE_MODULES_MAIN = _RECOMPUTE_MODULES_0_19 | {"gdp_in_proj", "gdp_qkv", "mhc"}
 
 
-def recompute_modules_allowed(ctx: RuleContext) -> frozenset[str]:
-    """Main's modules only on a Megatron-Bridge main job: Megatron-Core main (0.20) is built against nothing else."""
+def recompute_modules_allowed(ctx: RuleContext) -> tuple[str, frozenset[str]]:
+    """(the Megatron-Core release, the recompute modules it knows). Main's only on a Megatron-Bridge main job:
+    Megatron-Core main (0.20) is built against nothing else."""
     if ctx.core.at_least("0.20") and ctx.bridge.is_main:
-        return _RECOMPUTE_MODULES_MAIN
-    return _RECOMPUTE_MODULES_0_19 if ctx.core.at_least("0.19") else _RECOMPUTE_MODULES
+        return "main (0.20)", _RECOMPUTE_MODULES_MAIN
+    if ctx.core.at_least("0.19"):
+        return "0.19", _RECOMPUTE_MODULES_0_19
+    return ctx.core.version, _RECOMPUTE_MODULES
 
 
 @rule("recompute_modules_known", "always", "Megatron-Core (TransformerConfig)",
@@ -81,13 +84,11 @@ def recompute_modules_allowed(ctx: RuleContext) -> frozenset[str]:
 def _recompute_modules_known(ctx: RuleContext) -> Violation | None:
     if ctx.get("recompute_granularity") != "selective":
         return None
-    allowed = recompute_modules_allowed(ctx)
+    release, allowed = recompute_modules_allowed(ctx)
     unknown = sorted(set(ctx.get("recompute_modules") or []) - allowed)
     if not unknown:
         return None
     kept = [m for m in ctx.get("recompute_modules") or [] if m in allowed]
-    release = "main (0.20)" if allowed is _RECOMPUTE_MODULES_MAIN else \
-        ("0.19" if allowed is _RECOMPUTE_MODULES_0_19 else ctx.core.version)
     return violation("recompute_modules_known",
                      f"Megatron-Core {release} cannot recompute {unknown} (recompute_modules); it knows "
                      f"{', '.join(sorted(allowed))}",
