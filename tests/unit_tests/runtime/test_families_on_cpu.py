@@ -20,7 +20,7 @@ FAMILY_WORKLOADS = ("gpt_oss_20b", "kimi_k2", "deepseek_v4_flash", "qwen3_next_8
 
 
 @pytest.mark.parametrize("workload", FAMILY_WORKLOADS)
-def test_every_schedule_gives_the_plain_runs_bits(make_tiny, workload):
+def test_every_schedule_is_bitwise_the_plain_run(make_tiny, workload):
     cfg = make_tiny(2, recipe=workload)
     assert cfg.model.num_moe_experts % 2 == 0 and cfg.model.moe_router_topk == 2
     report = launch_ranks(cfg, mode="check", timeout_s=200)
