@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model import architectures
+from mbridge_epoverlap.serving.model.architectures import fp8
 from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source
 from mbridge_epoverlap.serving.model.hf_layout import ARCHITECTURES, all_sources
 from mbridge_epoverlap.serving.model.spec import DTYPES, ModelSpec
@@ -89,9 +90,7 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
     arch = architectures.get(_architecture(config_path, raw))
     raw = _resolve_aliases(config_path, raw)
     raw, names = arch.flatten_config(config_path, raw)
-    if raw.get("quantization_config") is not None and _quant_method(raw) not in arch.quantizations:
-        raise UsageError(f"{config_path}: field 'quantization_config' is {raw['quantization_config']!r}; quantized "
-                         "checkpoints are not supported (give the unquantized bf16/fp32 weights)")
+    fp8_block = _fp8_block(config_path, raw, arch)
     cfg = ConfigFields(config_path, {**arch.defaults, **raw}, names)
     for name in arch.required:
         if name not in raw:
@@ -130,11 +129,27 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.positive_int("vocab_size"), num_experts=experts,
         top_k=top_k, norm_eps=cfg.positive_float("rms_norm_eps"), rope_theta=rope_theta,
         tie_word_embeddings=cfg.boolean("tie_word_embeddings"), eos_token_ids=_eos_ids(directory, cfg),
-        dtype=dtype, tensor_files=tuple(sorted(files.items())), **semantics,
+        dtype=dtype, tensor_files=tuple(sorted(files.items())), fp8_block=fp8_block, **semantics,
     )
     _check_tensors(directory, spec, files)
     _log_layers_past_the_model(directory, spec, files)
     return spec
+
+
+def _fp8_block(path: Path, raw: dict[str, Any], arch: Any) -> tuple[int, int] | None:
+    """The FP8 block size of a block-scaled checkpoint (`architectures.fp8`), None for an unquantized one; any other
+    `quant_method` than the architecture's own (GPT-OSS's MXFP4) is refused naming what is supported."""
+    if raw.get("quantization_config") is None:
+        return None
+    method = _quant_method(raw)
+    if method == fp8.METHOD and fp8.METHOD in arch.quantizations:
+        return fp8.read_block(path, raw["quantization_config"])
+    if method is not None and method in arch.quantizations:
+        return None  # the architecture reads its own format
+    supported = " or ".join(repr(m) for m in arch.quantizations) or "none"
+    raise UsageError(f"{path}: field 'quantization_config.quant_method' is {method!r}; {arch.name} checkpoints are "
+                     f"served unquantized or quantized as {supported} (FP8: block-scaled e4m3 weights with "
+                     "'weight_scale_inv'); give the bf16/fp32 weights or the FP8 release")
 
 
 def _log_layers_past_the_model(directory: Path, spec: ModelSpec, files: dict[str, str]) -> None:
@@ -265,9 +280,36 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has shape {list(found)}, but "
                                      f"{CONFIG} implies {list(shape)} from its fields "
                                      f"{', '.join(repr(f) for f in fields)}")
-                if dtype not in FLOAT_DTYPES and not (dtype == "U8" and _is_mxfp4(spec, name)):
+                if dtype == fp8.STORED_DTYPE:
+                    _check_fp8_scale(directory, spec, files, name, found)
+                elif dtype not in FLOAT_DTYPES and not (dtype == "U8" and _is_mxfp4(spec, name)):
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has dtype {dtype}; "
                                      f"expected one of {', '.join(FLOAT_DTYPES)}")
+
+
+def _check_fp8_scale(directory: Path, spec: ModelSpec, files: dict[str, str], name: str,
+                     shape: tuple[int, ...]) -> None:
+    """An F8_E4M3 weight has a scale grid beside it that its block size implies."""
+    from safetensors import safe_open
+
+    if spec.fp8_block is None:
+        raise UsageError(f"{directory / files[name]}: tensor {name!r} is stored as {fp8.STORED_DTYPE}, but {CONFIG} "
+                         "has no FP8 'quantization_config' (quant_method 'fp8' with its 'weight_block_size')")
+    scale = fp8.scale_name(name)
+    if scale not in files:
+        raise UsageError(f"{directory}: tensor {name!r} is {fp8.STORED_DTYPE} {list(shape)} but its scale "
+                         f"{scale!r} is in no *.safetensors file")
+    with safe_open(str(directory / files[scale]), framework="pt") as handle:
+        view = handle.get_slice(scale)
+        found, dtype = tuple(view.get_shape()), view.get_dtype()
+    expected = fp8.scale_shape(shape, spec.fp8_block)
+    if len(shape) != 2 or found != expected:
+        raise UsageError(f"{directory / files[scale]}: tensor {scale!r} has shape {list(found)}, but weight {name!r} "
+                         f"{list(shape)} in blocks of {list(spec.fp8_block)} (field "
+                         f"'quantization_config.weight_block_size') needs {list(expected)}")
+    if dtype not in fp8.SCALE_DTYPES:
+        raise UsageError(f"{directory / files[scale]}: tensor {scale!r} has dtype {dtype}; expected one of "
+                         f"{', '.join(fp8.SCALE_DTYPES)}")
 
 
 def _quant_method(raw: dict[str, Any]) -> Any:
@@ -289,17 +331,31 @@ class CheckpointReader:
             raise ValueError(f"{spec.source} is a recipe model; it has no checkpoint to read")
         self.directory = Path(spec.source)
         self.files = spec.file_of()
+        self.fp8_block = spec.fp8_block
         self._handles: dict[str, Any] = {}
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor `name` as stored (dtype converted by the caller)."""
-        return self._handle(name).get_tensor(name)
+        """The tensor `name` as stored (dtype converted by the caller); an FP8 weight dequantized to fp32 with its
+        scales (`architectures.fp8`)."""
+        tensor = self._handle(name).get_tensor(name)
+        if self.is_fp8(name):
+            return fp8.dequantize(tensor, self.get(fp8.scale_name(name)), self.fp8_block)
+        return tensor
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the tensor `name` (dim 0), reading only those rows (one expert of a fused
-        tensor)."""
-        return self._handle(name).get_slice(name)[start:stop]
+        tensor) and, for an FP8 weight, only the scale rows of their blocks."""
+        rows = self._handle(name).get_slice(name)[start:stop]
+        if self.is_fp8(name):
+            b0 = self.fp8_block[0]
+            scales = self._handle(fp8.scale_name(name)).get_slice(fp8.scale_name(name))[start // b0:-(-stop // b0)]
+            return fp8.dequantize(rows, scales, self.fp8_block, first_row=start)
+        return rows
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether `name` is stored as FP8 with a scale beside it (`load_spec` checked the pair)."""
+        return self.fp8_block is not None and self._handle(name).get_slice(name).get_dtype() == fp8.STORED_DTYPE
 
     def byte_offset(self, name: str, row: int = 0) -> int:
         """Where row `row` of tensor `name` starts in its file, in bytes (a memory map of the file puts it there)."""

@@ -500,7 +500,8 @@ def _stored_expert(reader: Any, spec: ModelSpec, up: Any, down: Any) -> tuple[to
     for source, j in ((up, 0), (up, 1), (down, 0)):
         name, span = source.parts[j][0], source.row_ranges()[j]
         rows = reader.get(name) if span is None else reader.rows(name, *span)
-        offset = reader.byte_offset(name, span[0] if span else 0) if rows.dtype == spec.torch_dtype() else None
+        as_stored = rows.dtype == spec.torch_dtype() and not reader.is_fp8(name)
+        offset = reader.byte_offset(name, span[0] if span else 0) if as_stored else None
         out.append(_at_file_offset(rows.to(spec.torch_dtype()), offset))
     return tuple(out)
 

@@ -119,6 +119,8 @@ class ModelSpec:
         rope_scaling: the rotary embedding's scaling (`RopeScaling`, YaRN) or None for the plain rope.
         expert_quantization: how the checkpoint stores the experts' weights: None (floats) or "mxfp4" (blocks and
             scales, dequantized when an expert is loaded: `serving.model.mxfp4`).
+        fp8_block: the checkpoint stores its projection weights as FP8 in blocks of [rows, columns] with a
+            `weight_scale_inv` each (`architectures.fp8`); they are dequantized as they are read. None: floats.
         clip_qkv: the q, k and v projections are clamped to [-clip_qkv, clip_qkv] (DBRX); None: not clamped.
         router_softmax_in_dtype: the softmax over all experts runs in the logits' dtype, not fp32 (DBRX); only
             bf16 tells the two apart.
@@ -176,6 +178,7 @@ class ModelSpec:
     expert_weights_in_out: bool = False
     rope_scaling: RopeScaling | None = None
     expert_quantization: str | None = None
+    fp8_block: tuple[int, int] | None = None
     clip_qkv: float | None = None
     router_softmax_in_dtype: bool = False
     topk_norm_p: float | None = None

@@ -27,6 +27,7 @@ bias or norm weight read into the wrong place changes the logits.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -283,3 +284,48 @@ def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_deepseek_v3_direct_q_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`DeepseekV3ForCausalLM` with queries projected directly (`q_lora_rank` null)."""
     return _tiny_deepseek_v3(tmp_path_factory, None, 1618)
+
+
+# --- FP8 block-scaled checkpoints (`serving.model.architectures.fp8`) -------------------------------------------
+
+def _fp8_pair(tmp_path_factory: pytest.TempPathFactory, source: Path, name: str, block: tuple[int, int],
+              shard_bytes: int | None) -> tuple[Path, Path]:
+    """(`source` quantized as the FP8 releases are, a float checkpoint of what it dequantizes to): the second is
+    `transformers`' reference for the first. Its weights are computed here from the stored FP8 values and scales,
+    block by block, not by the engine's dequantizer."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from mbridge_epoverlap.serving.model.architectures.fp8 import quantize_checkpoint
+
+    quantized = tmp_path_factory.mktemp(f"{name}_fp8")
+    quantize_checkpoint(source, quantized, block=block, max_shard_bytes=shard_bytes)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(quantized.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            tensors.update({n: handle.get_tensor(n) for n in handle.keys()})  # noqa: SIM118
+    floats = {}
+    for n, t in tensors.items():
+        if n.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = tensors[n + "_scale_inv"].repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+            t = t.float() * scale[:t.shape[0], :t.shape[1]]
+        floats[n] = t.contiguous()
+    reference = Path(shutil.copytree(source, tmp_path_factory.mktemp(f"{name}_dequantized"), dirs_exist_ok=True))
+    save_file(floats, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    return quantized, reference
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_fp8(tmp_path_factory: pytest.TempPathFactory, tiny_deepseek_v3_dir: Path) -> tuple[Path, Path]:
+    """The tiny DeepSeek-V3 in FP8 blocks of [16, 16] (partial last blocks: 24, 40 and 80 rows), in shards of
+    at most 16 KiB with an index: (FP8 checkpoint, its dequantized fp32 twin)."""
+    return _fp8_pair(tmp_path_factory, tiny_deepseek_v3_dir, "deepseek_v3", (16, 16), 16384)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_moe_fp8(tmp_path_factory: pytest.TempPathFactory, tiny_glm4_moe_dir: Path) -> tuple[Path, Path]:
+    """The tiny GLM-4.5 in FP8 blocks of [128, 128] as released (every weight one partial block), one file."""
+    return _fp8_pair(tmp_path_factory, tiny_glm4_moe_dir, "glm4_moe", (128, 128), None)

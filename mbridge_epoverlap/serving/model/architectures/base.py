@@ -127,7 +127,8 @@ class Architecture:
         rope_types: the `rope_parameters.rope_type` values it serves (a scaled rope is its `read_config`'s to
             read into `rope_scaling`).
         quantizations: the `quantization_config.quant_method` values whose weights it dequantizes at load
-            (any other quantized checkpoint is refused).
+            (any other quantized checkpoint is refused): FP8 block-scaled weights (`fp8`) for every architecture
+            that reads its tensors through `Source`s.
     """
 
     name: ClassVar[str]
@@ -138,7 +139,7 @@ class Architecture:
     expert_projections: ClassVar[tuple[str, str, str]] = ("gate_proj", "up_proj", "down_proj")
     expert_ffn_field: ClassVar[str] = "moe_intermediate_size"
     rope_types: ClassVar[tuple[str, ...]] = ("default",)
-    quantizations: ClassVar[tuple[str, ...]] = ()
+    quantizations: ClassVar[tuple[str, ...]] = ("fp8",)
 
     # --- config.json -> spec ------------------------------------------------------------------------
 
