@@ -128,6 +128,13 @@ def _fuzz(doc: dict[str, Any]) -> str:
     return ", ".join(f"{release}: missed {t['missed']} / false {t['false']}" for release, t in doc["releases"].items())
 
 
+def _fp8_tiles(doc: dict[str, Any]) -> str:
+    rows = ", ".join(f"{r['threads']}t {r['rows_per_expert']}r {r['speedup']:.2f}x" for r in doc["rows"])
+    share = doc["bytes"]["fp8_tiles"] / doc["bytes"]["fp32_tiles"]
+    return (f"FP8/fp32 tile bytes {share:.2f}; expert stage speed-up {rows}; bitwise "
+            f"{all(r['bitwise_equal'] for r in doc['rows'])}")
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -148,6 +155,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("serving_online", "serving_online_bench.py", False, _serving_online),
     Benchmark("api_fuzz", "api_fuzz.py", False, _api_fuzz),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
+    Benchmark("fp8_tiles", "fp8_tiles.py", False, _fp8_tiles),
     Benchmark("serving", "serving_bench.py", True, _serving),
     Benchmark("serving_peers", "serving_peers_bench.py", True, _peers),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,

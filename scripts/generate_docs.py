@@ -755,14 +755,21 @@ def render_serving_architectures() -> str:
     from mbridge_epoverlap.serving.model import architectures
 
     rows = [[_code(arch.name), _code(type(arch).__module__.rsplit(".", 1)[-1] + ".py"), _code(arch.expert_ffn_field),
-             arch.summary] for arch in architectures.REGISTRY.values()]
+             ", ".join(_code(m) for m in arch.quantizations) or "none", arch.summary]
+            for arch in architectures.REGISTRY.values()]
     return ("The Hugging Face architectures `serve` loads from a checkpoint directory (the `architectures` entry of "
             "its `config.json`), one module each in `mbridge_epoverlap/serving/model/architectures/`. Every one "
             "decodes to `transformers`' greedy tokens, its reference-model prefill logits equal `transformers`' "
-            "eager model bit for bit (`docs/numerics.md`), and a field it cannot serve (a `quantization_config` or "
-            "a rope scaling its row does not name, a feature the table does not name) stops `serve` with exit 2 "
-            "before any weight is read.\n\n"
-            + _table(["architecture", "module", "experts' FFN width", "what differs from the shared layout"], rows))
+            "eager model bit for bit (`docs/numerics.md`), and a field it cannot serve (a `quantization_config` "
+            "method or a rope scaling its row does not name, a feature the table does not name) stops `serve` with "
+            "exit 2 before any weight is read. `fp8`: the block-scaled FP8 weights of DeepSeek-V3/R1, Kimi K2 and "
+            "the `-FP8` releases of Qwen3 and GLM-4.5 (`float8_e4m3fn` with a `weight_scale_inv` per block of "
+            "`weight_block_size`), sharded as released, dequantized in fp32 as each tensor is read (an expert worker "
+            "reads only its experts' blocks and scales); served in fp32, each expert also keeps FP8 tiles that a "
+            "decode step's one-row experts read, with the fp32 tiles' bits (`MBRIDGE_EPOVERLAP_FP8_TILES`, "
+            "`benchmarks/fp8_tiles.py`).\n\n"
+            + _table(["architecture", "module", "experts' FFN width", "quantized weights",
+                      "what differs from the shared layout"], rows))
 
 
 RENDERERS: dict[str, Callable[[], str]] = {

@@ -353,6 +353,20 @@ class CheckpointReader:
             return fp8.dequantize(rows, scales, self.fp8_block, first_row=start)
         return rows
 
+    def row_scales(self, source: Source) -> torch.Tensor | None:
+        """Each row's FP8 scales of the parameter `source` describes, [rows, ceil(in / b1)] (its block row's), where
+        every tensor of it is stored as FP8 and none is transposed; else None."""
+        import torch
+
+        if source.transpose or not all(self.is_fp8(name) for name, _ in source.parts):
+            return None
+        pieces = []
+        for (name, shape), span in zip(source.parts, source.row_ranges(), strict=True):
+            start, stop = span or (0, shape[0])
+            scales = self.get(fp8.scale_name(name)).float()
+            pieces.append(scales.index_select(0, torch.arange(start, stop) // self.fp8_block[0]))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
     def is_fp8(self, name: str) -> bool:
         """Whether `name` is stored as FP8 with a scale beside it (`load_spec` checked the pair)."""
         return self.fp8_block is not None and self._handle(name).get_slice(name).get_dtype() == fp8.STORED_DTYPE

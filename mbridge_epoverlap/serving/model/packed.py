@@ -151,12 +151,66 @@ def tiled_rows() -> int:
 
 class PackedExpert(NamedTuple):
     """One expert's weights as the engine multiplies them: oneDNN-packed (up [2*ffn, hidden], down [hidden, ffn]),
-    and tiled for `small_gemm` where it runs (None otherwise)."""
+    tiled for `small_gemm` where it runs (None otherwise), and tiled as FP8 where its checkpoint stores it so
+    (`small_gemm.Fp8Tiles`; None otherwise)."""
 
     up: torch.Tensor
     down: torch.Tensor
     up_tiles: torch.Tensor | None = None
     down_tiles: torch.Tensor | None = None
+    up_fp8: small_gemm.Fp8Tiles | None = None
+    down_fp8: small_gemm.Fp8Tiles | None = None
+
+
+# An expert with this many rows or fewer reads FP8 tiles where it has them (`benchmarks/fp8_tiles.py`: one layer's
+# expert stage, 32 experts of [2,048 -> 1,536] and [768 -> 2,048] out of cache, AMD EPYC Zen 4, alternated,
+# medians): on one thread 1 row 14.8 against 17.8 ms on fp32 tiles, 2 rows 18.9 against 18.4 (converting the codes
+# then costs what the bytes saved gain); where the tiled calls share both cores (`small_gemm.set_threads`) 1 row
+# 10.0 against 17.4, 2 rows 11.9 against 17.4, 4 rows 16.4 against 17.9
+FP8_ROWS = 1
+FP8_SPLIT_ROWS = 4
+
+
+def fp8_rows() -> int:
+    """The most rows an expert may have to read its FP8 tiles now: `FP8_ROWS` on one thread, `FP8_SPLIT_ROWS` where
+    the tiled calls have several."""
+    return FP8_ROWS if small_gemm.threads() == 1 else FP8_SPLIT_ROWS
+
+
+def fp8_tiles_for(spec: object) -> bool:
+    """Whether an expert part of `spec` keeps FP8 tiles: an FP8 checkpoint served in fp32, the tiled GEMMs built
+    here, and `MBRIDGE_EPOVERLAP_FP8_TILES` not 0."""
+    return (getattr(spec, "fp8_block", None) is not None and getattr(spec, "dtype", "") == "float32"
+            and os.environ.get("MBRIDGE_EPOVERLAP_FP8_TILES", "1") != "0"
+            and small_gemm.runs_for(torch.float32, 2 * spec.expert_ffn, spec.hidden_size))
+
+
+class Fp8RowScales:
+    """One MoE layer's FP8 scales per expert weight row: s1 [experts, 2*ffn, ceil(hidden / b1)] (w1's rows), s2
+    [experts, hidden, ceil(ffn / b1)]; an expert whose scales were never filled (zeros: received in an elastic move)
+    keeps fp32 tiles only."""
+
+    def __init__(self, s1: torch.Tensor, s2: torch.Tensor, block_cols: int) -> None:
+        self.s1, self.s2, self.block_cols = s1, s2, block_cols
+
+    @classmethod
+    def empty(cls, experts: int, spec: object) -> Fp8RowScales:
+        b1 = spec.fp8_block[1]
+        return cls(torch.zeros(experts, 2 * spec.expert_ffn, -(-spec.hidden_size // b1)),
+                   torch.zeros(experts, spec.hidden_size, -(-spec.expert_ffn // b1)), b1)
+
+    def fill(self, local: int, s1: torch.Tensor | None, s2: torch.Tensor | None) -> None:
+        if s1 is not None and s2 is not None:
+            self.s1[local].copy_(s1)
+            self.s2[local].copy_(s2)
+
+    def tiles(self, e: int, up: torch.Tensor, down: torch.Tensor) -> tuple[small_gemm.Fp8Tiles | None, ...]:
+        """Expert e's (up, down) FP8 tiles of its fp32 weights; (None, None) where they are not FP8 values."""
+        if not bool((self.s1[e] > 0).all()):
+            return None, None
+        up_fp8 = small_gemm.tiled_fp8(up, self.s1[e], self.block_cols)
+        down_fp8 = small_gemm.tiled_fp8(down, self.s2[e], self.block_cols)
+        return (up_fp8, down_fp8) if up_fp8 is not None and down_fp8 is not None else (None, None)
 
 
 class PackedExperts:
@@ -169,11 +223,12 @@ class PackedExperts:
     third copy of the weights (the originals, oneDNN's, these).
     """
 
-    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor, fp8_scales: Fp8RowScales | None = None) -> None:
         self.w1, self.w2 = w1, w2
         self._packed_at: tuple[int, int] | None = None
         self._experts: list[PackedExpert] = []
         self.tiles = small_gemm.runs_for(w1.dtype, w1.shape[1], w2.shape[1])
+        self.fp8_scales = fp8_scales if self.tiles else None
 
     def refresh(self, reuse: Mapping[int, PackedExpert] | None = None) -> None:
         """Pack the weights if they changed since they were last packed.
@@ -193,7 +248,8 @@ class PackedExperts:
         up, down = self.w1[e], self.w2[e]
         if not self.tiles:
             return PackedExpert(_pack(up), _pack(down))
-        return PackedExpert(_pack(up), _pack(down), small_gemm.tiled(up), small_gemm.tiled(down))
+        fp8 = self.fp8_scales.tiles(e, up, down) if self.fp8_scales is not None else (None, None)
+        return PackedExpert(_pack(up), _pack(down), small_gemm.tiled(up), small_gemm.tiled(down), *fp8)
 
     def _reused(self, e: int, expert: PackedExpert) -> PackedExpert:
         """A holder's packed expert e for this layer (the same weights): its tiles too, or tiles of this layer's
@@ -257,8 +313,17 @@ class PackedExperts:
                 expert = self._experts[e]
                 out[start:start + n] = _linear(x[start:start + n], expert.up if up else expert.down)
         if few:
-            tiles = [self._experts[e].up_tiles if up else self._experts[e].down_tiles for e, _, _ in few]
+            tiles = [self._tiles_of(self._experts[e], n, up) for e, _, n in few]
             small_gemm.grouped(x, [(start, n) for _, start, n in few], tiles, out)
+
+    @staticmethod
+    def _tiles_of(expert: PackedExpert, rows: int, up: bool) -> torch.Tensor | small_gemm.Fp8Tiles:
+        """The tiles an expert of `rows` rows reads: FP8 where it has them and `fp8_rows()` or fewer (the same
+        bits)."""
+        fp8 = expert.up_fp8 if up else expert.down_fp8
+        if fp8 is not None and rows <= fp8_rows():
+            return fp8
+        return expert.up_tiles if up else expert.down_tiles
 
     def _swiglu_each(self, x: torch.Tensor, groups: list[tuple[int, int, int]]) -> torch.Tensor:
         """`swiglu` for many rows (a prefill): each expert's activation right after its up GEMM, written into one

@@ -287,8 +287,12 @@ class ExpertPart(torch.nn.Module):
         # stores them, for the reference model of `spec.expert_gate_up_separate` (`load_expert_part` fills it)
         self.stored: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self.requires_grad_(False)
-        self._packed = ({str(layer): packed_gemm.PackedExperts(e.w1, e.w2) for layer, e in self.experts.items()}
-                        if packed and packed_gemm.available(dtype) else {})
+        # where the checkpoint is FP8, each expert's row scales (`load_expert_part` fills them), so a decode step
+        # reads its few-row experts' weights as FP8 tiles (`packed.PackedExperts`)
+        self.fp8_scales = {str(layer): packed_gemm.Fp8RowScales.empty(len(ids), spec)
+                           for layer in spec.moe_layer_ids} if packed and packed_gemm.fp8_tiles_for(spec) else {}
+        self._packed = ({str(layer): packed_gemm.PackedExperts(e.w1, e.w2, self.fp8_scales.get(layer))
+                         for layer, e in self.experts.items()} if packed and packed_gemm.available(dtype) else {})
 
     def prepack(self) -> None:
         """Pack the weights now (loading does), not in the first step that needs them."""
@@ -481,6 +485,8 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool
                     up, down = expert_sources(spec, layer, e)
                     experts.w1[local].copy_(reader.read(up))
                     experts.w2[local].copy_(reader.read(down))
+                    if str(layer) in part.fp8_scales:
+                        part.fp8_scales[str(layer)].fill(local, reader.row_scales(up), reader.row_scales(down))
                     if spec.expert_gate_up_separate and not packed:
                         part.stored.setdefault(str(layer), []).append(_stored_expert(reader, spec, up, down))
                 else:

@@ -319,10 +319,21 @@ def _fp8_pair(tmp_path_factory: pytest.TempPathFactory, source: Path, name: str,
 
 
 @pytest.fixture(scope="session")
-def tiny_deepseek_v3_fp8(tmp_path_factory: pytest.TempPathFactory, tiny_deepseek_v3_dir: Path) -> tuple[Path, Path]:
-    """The tiny DeepSeek-V3 in FP8 blocks of [16, 16] (partial last blocks: 24, 40 and 80 rows), in shards of
-    at most 16 KiB with an index: (FP8 checkpoint, its dequantized fp32 twin)."""
-    return _fp8_pair(tmp_path_factory, tiny_deepseek_v3_dir, "deepseek_v3", (16, 16), 16384)
+def tiny_deepseek_v3_fp8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny DeepSeek-V3 (`deepseek_v3_config`, experts 32 wide so that decode reads them as FP8 tiles) in FP8
+    blocks of [16, 16] (partial last blocks: 24, 40 and 80 rows), in shards of at most 16 KiB with an index:
+    (FP8 checkpoint, its dequantized fp32 twin)."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(2236)
+    config = deepseek_v3_config(16)
+    config.moe_intermediate_size = 32
+    model = DeepseekV3ForCausalLM(config).eval()
+    _draw_vectors(model)
+    _draw_correction_bias(model)
+    source = _save(model, tmp_path_factory.mktemp("tiny_deepseek_v3_wide_experts"))
+    return _fp8_pair(tmp_path_factory, source, "deepseek_v3", (16, 16), 16384)
 
 
 @pytest.fixture(scope="session")

@@ -91,6 +91,33 @@ def test_an_expert_worker_killed_mid_decode_reloads_its_fp8_experts(tiny_deepsee
     assert leftovers(pids) == ([], [])
 
 
+def test_decode_reads_fp8_tiles_with_the_fp32_tiles_bits(tiny_deepseek_v3_fp8) -> None:
+    """The experts of an FP8 checkpoint keep FP8 tiles; a decode step's few-row experts read them and give the bits
+    the fp32 tiles give (`MBRIDGE_EPOVERLAP_FP8_TILES=0`)."""
+    from mbridge_epoverlap.serving.model import packed
+    from mbridge_epoverlap.serving.model.kernels import small_gemm
+    from mbridge_epoverlap.serving.model.parts import load_expert_part
+
+    if not small_gemm.available():
+        pytest.skip(f"the tiled GEMMs do not run here: {small_gemm.unavailable_reason()}")
+    spec = load_spec(tiny_deepseek_v3_fp8[0])
+    part = load_expert_part(spec, range(spec.num_experts), packed=True)
+    layer = part.packed_layers["1"]
+    assert all(layer.packed_of(e).up_fp8 is not None and layer.packed_of(e).down_fp8 is not None
+               for e in range(spec.num_experts))
+    gen = torch.Generator().manual_seed(3)
+    counts = [1, 2, 0, 1, 3, 2, 1, 5]  # FP8 tiles up to fp8_rows() rows, fp32 tiles to SMALL_ROWS, oneDNN above
+    x = torch.randn(sum(counts), spec.hidden_size, generator=gen)
+    fp32_only = packed.PackedExperts(layer.w1, layer.w2)
+    assert torch.equal(layer.swiglu(x, counts), fp32_only.swiglu(x, counts))
+    try:  # both cores share the tiled calls: FP8 tiles up to FP8_SPLIT_ROWS rows
+        small_gemm.set_threads(2)
+        assert torch.equal(layer.swiglu(x, counts), fp32_only.swiglu(x, counts))
+    finally:
+        small_gemm.set_threads(1)
+    assert fp32_only.packed_of(0).up_fp8 is None
+
+
 def test_bf16_serving_dequantizes_in_fp32_then_rounds(tiny_glm4_moe_fp8) -> None:
     """A bf16 model holds each dequantized weight rounded once from its fp32 value."""
     quantized, reference = tiny_glm4_moe_fp8
@@ -145,7 +172,7 @@ EXPERT = "model.layers.2.mlp.experts.5.up_proj.weight"
 
 def test_a_missing_scale_is_named(tiny_deepseek_v3_fp8, tmp_path) -> None:
     directory = _rewritten(tiny_deepseek_v3_fp8[0], tmp_path, lambda t: t.pop(fp8.scale_name(EXPERT)))
-    with pytest.raises(UsageError, match=rf"{EXPERT}' is F8_E4M3 \[24, 32\] but its scale '{EXPERT}_scale_inv'"):
+    with pytest.raises(UsageError, match=rf"{EXPERT}' is F8_E4M3 \[32, 32\] but its scale '{EXPERT}_scale_inv'"):
         load_spec(directory)
 
 
@@ -156,7 +183,7 @@ def test_a_scale_grid_that_disagrees_with_the_block_size_names_both_shapes(tiny_
     directory = _rewritten(tiny_deepseek_v3_fp8[0], tmp_path, edit)
     with pytest.raises(UsageError) as info:
         load_spec(directory)
-    assert all(s in str(info.value) for s in ("has shape [3, 2]", f"{EXPERT}' [24, 32]", "blocks of [16, 16]",
+    assert all(s in str(info.value) for s in ("has shape [3, 2]", f"{EXPERT}' [32, 32]", "blocks of [16, 16]",
                                               "'quantization_config.weight_block_size'", "needs [2, 2]"))
 
 

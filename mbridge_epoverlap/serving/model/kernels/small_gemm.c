@@ -68,6 +68,77 @@ ROW_BLOCK(3)
 ROW_BLOCK(4)
 #endif
 
+/* FP8 (e4m3) weights: a tile row is TILE bytes, and each weight is its code's value times its scale, the scale of its
+ * output row's block for k's block of KB columns, given pre-multiplied by 256 because a code converts to its value
+ * over 256: (value / 256) * (scale * 256) is the one rounding of value * scale, the fp32 weight a dequantized
+ * checkpoint holds, so the sums below are the fp32 tiles' bit for bit while reading a quarter of their bytes.
+ *
+ * A code's value over 256 as a half: the sign to bit 15, exponent and mantissa (7 bits) to bits 13..7 (e4m3's bias
+ * 7 is the half's 15 minus 8); F16C converts eight halves, subnormals included, in one instruction. Without F16C the
+ * same value is built in single precision (a zero exponent field is a subnormal: mantissa times 2^-17). */
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+/* sixteen codes: both halves of the 16-bit lanes converted with one shift pair and mask */
+static inline void fp8x16(const uint8_t *p, v8 *lo, v8 *hi) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(h, 8), 1), _mm256_set1_epi16((short)0xBFFF));
+    __m256 a = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    memcpy(lo, &a, sizeof *lo);
+    memcpy(hi, &b, sizeof *hi);
+}
+#else
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8 fp8x8(const uint8_t *p) {
+    v8i b = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    v8i sign = (b & 0x80) << 24, e = (b >> 3) & 0xF, m = b & 7;
+    v8i normal = sign | ((e + 112) << 23) | (m << 20);
+    v8 sub = __builtin_convertvector(m, v8) * (v8){0x1p-17f, 0x1p-17f, 0x1p-17f, 0x1p-17f,
+                                                   0x1p-17f, 0x1p-17f, 0x1p-17f, 0x1p-17f};
+    v8i sub_bits;
+    memcpy(&sub_bits, &sub, sizeof sub_bits);
+    v8i zero = e == 0;
+    v8i bits = (zero & (sub_bits | sign)) | (~zero & normal);
+    v8 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+static inline void fp8x16(const uint8_t *p, v8 *lo, v8 *hi) {
+    *lo = fp8x8(p);
+    *hi = fp8x8(p + 8);
+}
+#endif
+
+#define ROW_BLOCK_FP8(ROWS)                                                                                   \
+    static void rows##ROWS##_fp8(const float *x, int64_t ldx, const uint8_t *tile, const float *scales,       \
+                                 int64_t kb, int64_t K, float *y, int64_t ldy) {                              \
+        v8 acc[ROWS][VECS], s[VECS];                                                                           \
+        for (int r = 0; r < ROWS; r++)                                                                         \
+            for (int j = 0; j < VECS; j++) acc[r][j] = (v8){0};                                                \
+        for (int64_t k0 = 0; k0 < K; k0 += kb, scales += TILE) {                                              \
+            for (int j = 0; j < VECS; j++) s[j] = load8(scales + 8 * j);                                       \
+            int64_t k1 = k0 + kb < K ? k0 + kb : K;                                                            \
+            for (int64_t k = k0; k < k1; k++) {                                                                \
+                v8 w[VECS];                                                                                    \
+                for (int j = 0; j < VECS; j += 2) fp8x16(tile + k * TILE + 8 * j, &w[j], &w[j + 1]);           \
+                for (int j = 0; j < VECS; j++) w[j] *= s[j];                                                   \
+                for (int r = 0; r < ROWS; r++) {                                                               \
+                    float b = x[r * ldx + k];                                                                  \
+                    v8 bv = {b, b, b, b, b, b, b, b};                                                          \
+                    for (int j = 0; j < VECS; j++) acc[r][j] += bv * w[j];                                     \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < ROWS; r++)                                                                         \
+            for (int j = 0; j < VECS; j++) store8(y + r * ldy + 8 * j, acc[r][j]);                             \
+    }
+
+ROW_BLOCK_FP8(1)
+ROW_BLOCK_FP8(2)
+ROW_BLOCK_FP8(3)
+#if BLOCK_ROWS == 4
+ROW_BLOCK_FP8(4)
+#endif
+
 int small_gemm_tile(void) { return TILE; }
 
 /* One call's work: for each group g, rows starts[g] .. starts[g] + counts[g] of x [.][K] (row stride ldx) times the
@@ -80,9 +151,30 @@ struct job {
     int64_t O;
     float *y;
     int64_t ldy, units;
+    const int64_t *scales; /* FP8 weights: each group's scale tiles (NULL: fp32 weights) */
+    int64_t kb;            /* ... and the columns of a scale block */
 };
 
+static void run_unit_fp8(const struct job *j, int64_t unit) {
+    int64_t tiles = j->O / TILE, g = unit / tiles, t = unit % tiles, kblocks = (j->K + j->kb - 1) / j->kb;
+    const uint8_t *tile = (const uint8_t *)(intptr_t)j->weights[g] + t * j->K * TILE;
+    const float *scales = (const float *)(intptr_t)j->scales[g] + t * kblocks * TILE;
+    const float *x = j->x + j->starts[g] * j->ldx;
+    float *y = j->y + j->starts[g] * j->ldy + t * TILE;
+    int64_t n = j->counts[g], r = 0, kb = j->kb, K = j->K, ldx = j->ldx, ldy = j->ldy;
+#if BLOCK_ROWS == 4
+    for (; r + 4 <= n; r += 4) rows4_fp8(x + r * ldx, ldx, tile, scales, kb, K, y + r * ldy, ldy);
+#endif
+    for (; r + 3 <= n; r += 3) rows3_fp8(x + r * ldx, ldx, tile, scales, kb, K, y + r * ldy, ldy);
+    if (n - r == 2) rows2_fp8(x + r * ldx, ldx, tile, scales, kb, K, y + r * ldy, ldy);
+    if (n - r == 1) rows1_fp8(x + r * ldx, ldx, tile, scales, kb, K, y + r * ldy, ldy);
+}
+
 static void run_unit(const struct job *j, int64_t unit) {
+    if (j->scales) {
+        run_unit_fp8(j, unit);
+        return;
+    }
     int64_t tiles = j->O / TILE, g = unit / tiles, t = unit % tiles;
     const float *tile = (const float *)(intptr_t)j->weights[g] + t * j->K * TILE;
     const float *x = j->x + j->starts[g] * j->ldx;
@@ -181,9 +273,24 @@ int64_t small_gemm_set_threads(int64_t threads, int64_t spin_us) {
 
 /* For each group g: rows starts[g] .. starts[g] + counts[g] of x, times the tiled weight at address weights[g],
  * into the same rows of y. One call for all of a layer's small experts. */
+static void run_job(struct job j);
+
 void small_gemm_groups(const float *x, int64_t ldx, int64_t K, const int64_t *starts, const int64_t *counts,
                        const int64_t *weights, int64_t groups, int64_t O, float *y, int64_t ldy) {
-    struct job j = {x, ldx, K, starts, counts, weights, O, y, ldy, groups * (O / TILE)};
+    struct job j = {x, ldx, K, starts, counts, weights, O, y, ldy, groups * (O / TILE), 0, 1};
+    run_job(j);
+}
+
+/* small_gemm_groups on FP8 tiles: weights[g] the address of TILE-byte tile rows, scales[g] of their scale tiles
+ * [O / TILE][ceil(K / kb)][TILE] (times 256, as fp8x8 asks). */
+void small_gemm_groups_fp8(const float *x, int64_t ldx, int64_t K, const int64_t *starts, const int64_t *counts,
+                           const int64_t *weights, const int64_t *scales, int64_t kb, int64_t groups, int64_t O,
+                           float *y, int64_t ldy) {
+    struct job j = {x, ldx, K, starts, counts, weights, O, y, ldy, groups * (O / TILE), scales, kb};
+    run_job(j);
+}
+
+static void run_job(struct job j) {
     if (atomic_load(&wanted) < 2 || helpers_of != getpid() || j.units < 2) {
         for (int64_t u = 0; u < j.units; u++) run_unit(&j, u);
         return;

@@ -35,6 +35,7 @@ import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -107,11 +108,44 @@ def tiled(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().view(out_features // TILE, TILE, in_features).transpose(1, 2).contiguous()
 
 
-def grouped(x: torch.Tensor, groups: Sequence[tuple[int, int]], weights: Sequence[torch.Tensor],
+class Fp8Tiles(NamedTuple):
+    """A weight's tiles held as FP8 (`tiled_fp8`): e4m3 codes [O / TILE, K, TILE] and the scale of each output for
+    each block of `block_cols` columns, [O / TILE, ceil(K / block_cols), TILE] (times 256, as the kernel takes it)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    block_cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+
+def tiled_fp8(weight: torch.Tensor, row_scales: torch.Tensor, block_cols: int) -> Fp8Tiles | None:
+    """The tiles of an fp32 weight [O, K] that an FP8 checkpoint dequantized to, held as its FP8 codes and scales:
+    `row_scales` [O, ceil(K / block_cols)] is each output row's scale per block of columns. None where a weight is
+    not exactly code times scale (the codes would not give back its bits): the caller keeps fp32 tiles."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.float32 or not fits(out_features):
+        raise ValueError(f"a tiled weight is fp32 with a multiple of {TILE} rows, got {weight.dtype} "
+                         f"[{out_features}, {in_features}]")
+    scales = row_scales.float().repeat_interleave(block_cols, dim=1)[:, :in_features]
+    if not bool((scales > 0).all()):
+        return None
+    codes = (weight / scales).to(torch.float8_e4m3fn)
+    if not torch.equal(codes.float() * scales, weight):
+        return None
+    code_tiles = codes.view(torch.uint8).view(out_features // TILE, TILE, in_features).transpose(1, 2).contiguous()
+    scale_tiles = (row_scales.float() * 256.0).view(out_features // TILE, TILE, -1).transpose(1, 2).contiguous()
+    return Fp8Tiles(code_tiles, scale_tiles, block_cols)
+
+
+def grouped(x: torch.Tensor, groups: Sequence[tuple[int, int]], weights: Sequence[torch.Tensor | Fp8Tiles],
             out: torch.Tensor) -> None:
     """For each group (start, count) and its tiled weight: out[start:start+count] = x[start:start+count] @ W.T.
 
-    x [rows, K] and out [rows, O] fp32, contiguous; `weights[g]` [O / TILE, K, TILE] (`tiled`). One call."""
+    x [rows, K] and out [rows, O] fp32, contiguous; `weights[g]` [O / TILE, K, TILE] (`tiled`), or `Fp8Tiles`
+    (`tiled_fp8`: the same bits from a quarter of the bytes). One call per kind of tile."""
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the tiled GEMMs do not run here: {unavailable_reason()}")
@@ -121,12 +155,34 @@ def grouped(x: torch.Tensor, groups: Sequence[tuple[int, int]], weights: Sequenc
         raise ValueError(f"the tiled GEMMs take contiguous fp32 rows, got x {x.dtype} "
                          f"{'contiguous' if x.is_contiguous() else 'strided'}, out {out.dtype} "
                          f"{'contiguous' if out.is_contiguous() else 'strided'}")
+    fp8 = [i for i, w in enumerate(weights) if isinstance(w, Fp8Tiles)]
+    if fp8:
+        _grouped_fp8(x, [groups[i] for i in fp8], [weights[i] for i in fp8], out)
+        if len(fp8) == len(weights):
+            return
+        rest = [i for i in range(len(weights)) if i not in set(fp8)]
+        groups, weights = [groups[i] for i in rest], [weights[i] for i in rest]
     n = len(groups)
     starts = (_I64 * n)(*(start for start, _ in groups))
     counts = (_I64 * n)(*(count for _, count in groups))
     addresses = (_I64 * n)(*(w.data_ptr() for w in weights))
     lib.small_gemm_groups(x.data_ptr(), x.shape[1], x.shape[1], starts, counts, addresses, n, out.shape[1],
                           out.data_ptr(), out.shape[1])
+
+
+def _grouped_fp8(x: torch.Tensor, groups: Sequence[tuple[int, int]], weights: Sequence[Fp8Tiles],
+                 out: torch.Tensor) -> None:
+    """`grouped` on FP8 tiles, one call per block width (a checkpoint has one)."""
+    lib = _library()
+    for block in sorted({w.block_cols for w in weights}):
+        chosen = [i for i, w in enumerate(weights) if w.block_cols == block]
+        n = len(chosen)
+        starts = (_I64 * n)(*(groups[i][0] for i in chosen))
+        counts = (_I64 * n)(*(groups[i][1] for i in chosen))
+        addresses = (_I64 * n)(*(weights[i].codes.data_ptr() for i in chosen))
+        scales = (_I64 * n)(*(weights[i].scales.data_ptr() for i in chosen))
+        lib.small_gemm_groups_fp8(x.data_ptr(), x.shape[1], x.shape[1], starts, counts, addresses, scales, block, n,
+                                  out.shape[1], out.data_ptr(), out.shape[1])
 
 
 def reference_tiled_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -152,6 +208,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.small_gemm_set_threads.restype = _I64
     lib.small_gemm_set_threads.argtypes = [_I64, _I64]
+    lib.small_gemm_groups_fp8.restype = None
+    lib.small_gemm_groups_fp8.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
+                                          ctypes.POINTER(_I64), ctypes.POINTER(_I64), _I64, _I64, _I64, _PTR, _I64]
     lib.small_gemm_groups.restype = None
     lib.small_gemm_groups.argtypes = [_PTR, _I64, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I64),
                                       ctypes.POINTER(_I64), _I64, _I64, _PTR, _I64]

@@ -56,3 +56,17 @@ def test_text_prompts_equal_transformers_greedy(family, request, tmp_path, start
     assert [c.model_extra["token_ids"] for c in answer.choices] == expected
     assert [c.text for c in answer.choices] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
     assert answer.usage.prompt_tokens == sum(len(ids) for ids in prompt_ids)
+
+
+def test_an_fp8_checkpoint_served_online_equals_transformers_on_its_dequantized_weights(
+        tiny_deepseek_v3_fp8, tmp_path, start_server, hf_greedy):
+    """The sharded FP8 DeepSeek-V3 (`test_fp8_checkpoints.py`) through the OpenAI API, disaggregated."""
+    from transformers import AutoTokenizer
+
+    quantized, reference = tiny_deepseek_v3_fp8
+    directory = _with_tokenizer(quantized, tmp_path / "deepseek_v3_fp8")
+    server = start_server(directory, "--max-batch", "2", "--timeout", "60")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    prompt_ids = [AutoTokenizer.from_pretrained(str(directory))(p).input_ids for p in PROMPTS]
+    assert [c.model_extra["token_ids"] for c in answer.choices] == hf_greedy(reference, prompt_ids, MAX_TOKENS)
