@@ -3,9 +3,9 @@
 One MoE layer's experts at DeepSeek-V3-like widths shrunk for a CPU (hidden 2,048, expert FFN 768, blocks of
 [128, 128]), far larger than the CPU's caches, quantized as the FP8 releases are; `PackedExperts.swiglu` (up GEMM,
 SwiGLU, down GEMM) on 1, 2 and 4 rows per expert, as a decode step gives them, with the FP8 tiles kept
-(`MBRIDGE_EPOVERLAP_FP8_TILES` on, the default) and without (fp32 tiles), alternated A B A B, medians. The outputs
-must be bitwise equal. One torch thread, as a worker process computes, with the tiled calls on one thread and on
-every core (`small_gemm.set_threads`, as a worker's narrow decode steps run them).
+(`MBRIDGE_EPOVERLAP_QUANTIZED_TILES` on, the default) and without (fp32 tiles), alternated A B A B, medians. The
+outputs must be bitwise equal. One torch thread, as a worker process computes, with the tiled calls on one thread
+and on every core (`small_gemm.set_threads`, as a worker's narrow decode steps run them).
 
     python benchmarks/fp8_tiles.py                 # 32 experts, 9 alternations
     python benchmarks/fp8_tiles.py --quick --json  # 12 experts, 5 alternations

@@ -36,8 +36,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
      "of a narrow step (up to 4 on one thread, up to 64 where the call shares its work among the cores) in one call "
      "of a tiled GEMM compiled here with the system's C compiler (1), or every expert on oneDNN (0); where no "
      "compiler builds it, oneDNN"),
-    ("MBRIDGE_EPOVERLAP_FP8_TILES", "1 (default) or 0: the experts of an FP8 block-scaled checkpoint served in fp32 "
-     "keep their tiles also as FP8 codes and scales, which a decode step's experts of one row (up to 4 where the "
+    ("MBRIDGE_EPOVERLAP_QUANTIZED_TILES", "1 (default) or 0: the experts of an FP8 block-scaled checkpoint served in "
+     "fp32 keep their tiles also as FP8 codes and scales, which a decode step's experts of one row (up to 4 where the "
      "call shares its work among the cores) read instead of the fp32 tiles, with the same bits (1); or fp32 tiles "
      "only (0)"),
     ("MBRIDGE_EPOVERLAP_SMALL_GEMM_SPIN_US", "microseconds (default 300) a helper thread of the tiled GEMM waits "

@@ -766,7 +766,7 @@ def render_serving_architectures() -> str:
             "the `-FP8` releases of Qwen3 and GLM-4.5 (`float8_e4m3fn` with a `weight_scale_inv` per block of "
             "`weight_block_size`), sharded as released, dequantized in fp32 as each tensor is read (an expert worker "
             "reads only its experts' blocks and scales); served in fp32, each expert also keeps FP8 tiles that a "
-            "decode step's one-row experts read, with the fp32 tiles' bits (`MBRIDGE_EPOVERLAP_FP8_TILES`, "
+            "decode step's one-row experts read, with the fp32 tiles' bits (`MBRIDGE_EPOVERLAP_QUANTIZED_TILES`, "
             "`benchmarks/fp8_tiles.py`).\n\n"
             + _table(["architecture", "module", "experts' FFN width", "quantized weights",
                       "what differs from the shared layout"], rows))

@@ -179,9 +179,9 @@ def fp8_rows() -> int:
 
 def fp8_tiles_for(spec: object) -> bool:
     """Whether an expert part of `spec` keeps FP8 tiles: an FP8 checkpoint served in fp32, the tiled GEMMs built
-    here, and `MBRIDGE_EPOVERLAP_FP8_TILES` not 0."""
+    here, and `MBRIDGE_EPOVERLAP_QUANTIZED_TILES` not 0."""
     return (getattr(spec, "fp8_block", None) is not None and getattr(spec, "dtype", "") == "float32"
-            and os.environ.get("MBRIDGE_EPOVERLAP_FP8_TILES", "1") != "0"
+            and os.environ.get("MBRIDGE_EPOVERLAP_QUANTIZED_TILES", "1") != "0"
             and small_gemm.runs_for(torch.float32, 2 * spec.expert_ffn, spec.hidden_size))
 
 

@@ -164,7 +164,8 @@ def test_every_registered_architecture_is_named_when_one_is_unknown(tiny_olmoe_d
 # --- refused before any weight is read --------------------------------------------------------------
 
 @pytest.mark.parametrize(("family", "changes", "named"), [
-    ("qwen2_moe", {"quantization_config": {"quant_method": "fp8"}}, ["'quantization_config'", "fp8"]),
+    ("qwen2_moe", {"quantization_config": {"quant_method": "awq"}}, ["'quantization_config.quant_method'", "awq",
+                                                                       "'fp8'"]),
     ("qwen2_moe", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      ["'rope_parameters.rope_type'", "'yarn'"]),
     ("qwen2_moe", {"use_sliding_window": True}, ["'use_sliding_window'", "True"]),
@@ -172,7 +173,8 @@ def test_every_registered_architecture_is_named_when_one_is_unknown(tiny_olmoe_d
      ["'layer_types'", "sliding_attention"]),
     ("olmoe", {"clip_qkv": 8.0}, ["'clip_qkv'", "8.0"]),
     ("olmoe", {"attention_bias": True}, ["'attention_bias'", "True"]),
-    ("olmoe", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["'quantization_config'", "gptq"]),
+    ("olmoe", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["'quantization_config.quant_method'",
+                                                                              "gptq"]),
     ("dbrx", {"ffn_config.ffn_act_fn": {"name": "gelu"}}, ["'ffn_config.ffn_act_fn.name'", "'gelu'"]),
     ("dbrx", {"ffn_config.moe_normalize_expert_weights": -1.0},
      ["'ffn_config.moe_normalize_expert_weights'", "-1.0"]),

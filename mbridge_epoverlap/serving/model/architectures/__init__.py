@@ -5,6 +5,8 @@
 - `mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`: one
   `Architecture` each: the config defaults, what its config.json means for the `ModelSpec`, and its tensor
   names.
+- `fp8`: FP8 block-scaled weights (DeepSeek-V3, Kimi K2, the `-FP8` releases of Qwen3 and GLM-4.5): the config's
+  block size, dequantizing a stored tensor with its `weight_scale_inv`, and writing such checkpoints.
 - `mxfp4`: GPT-OSS's MXFP4 expert weights (FP4 blocks, power-of-two scales), dequantized at load.
 
 Adding an architecture is one module here, its entry in `_ARCHITECTURES` and its tests. The arithmetic is
