@@ -2,8 +2,8 @@
 
 One MoE layer's experts at DeepSeek-V3-like widths shrunk for a CPU (hidden 2,048, expert FFN 768, blocks of
 [128, 128]), far larger than the CPU's caches, quantized as the FP8 releases are; `PackedExperts.swiglu` (up GEMM,
-SwiGLU, down GEMM) on 1, 2 and 4 rows per expert, as a decode step gives them, with the FP8 tiles kept
-(`MBRIDGE_EPOVERLAP_QUANTIZED_TILES` on, the default) and without (fp32 tiles), alternated A B A B, medians. The
+SwiGLU, down GEMM) on 1, 2 and 4 rows per expert, as a decode step gives them, reading the FP8 tiles (whatever the
+default row limit, `packed.FP8_ROWS`) and the fp32 tiles of the same layer, alternated (A B, B A), medians. The
 outputs must be bitwise equal. One torch thread, as a worker process computes, with the tiled calls on one thread
 and on every core (`small_gemm.set_threads`, as a worker's narrow decode steps run them).
 
@@ -29,7 +29,7 @@ HIDDEN, FFN, BLOCK = 2048, 768, (128, 128)
 
 
 def _layer(experts: int):
-    """(PackedExperts with FP8 tiles, the same weights with fp32 tiles only, weight bytes by kind)."""
+    """(PackedExperts holding both FP8 and fp32 tiles of the same weights, tile bytes by kind)."""
     import torch
 
     from mbridge_epoverlap.serving.model import packed
@@ -45,43 +45,61 @@ def _layer(experts: int):
             q, s = fp8.quantize(torch.randn(weight.shape[1], width, generator=gen) * width ** -0.5, BLOCK)
             weight[e] = fp8.dequantize(q, s, BLOCK)
             row_scales[e] = s.index_select(0, torch.arange(weight.shape[1]) // BLOCK[0])
-    with_fp8 = packed.PackedExperts(w1, w2, packed.Fp8RowScales(s1, s2, BLOCK[1]))
-    fp32_only = packed.PackedExperts(w1, w2)
-    with_fp8.refresh()
-    fp32_only.refresh()
-    tiles = [with_fp8.packed_of(e) for e in range(experts)]
+    layer = packed.PackedExperts(w1, w2, packed.Fp8RowScales(s1, s2, BLOCK[1]))
+    tiles = [layer.packed_of(e) for e in range(experts)]
     if any(t.up_fp8 is None for t in tiles):
         raise SystemExit("the FP8 tiles were not built (is the tiled GEMM library built here?)")
     fp8_bytes = sum(t.up_fp8.nbytes + t.down_fp8.nbytes for t in tiles)
     fp32_bytes = sum(t.up_tiles.numel() * 4 + t.down_tiles.numel() * 4 for t in tiles)
-    return with_fp8, fp32_only, {"fp32_tiles": fp32_bytes, "fp8_tiles": fp8_bytes}
+    return layer, {"fp32_tiles": fp32_bytes, "fp8_tiles": fp8_bytes}
+
+
+def _fp8_up_to(rows: int) -> None:
+    """Experts of up to `rows` rows read their FP8 tiles, on any thread count (0: none does)."""
+    from mbridge_epoverlap.serving.model import packed
+
+    packed.FP8_ROWS = packed.FP8_SPLIT_ROWS = rows
 
 
 def measure(experts: int, rounds: int) -> dict:
+    """Each side on the same `PackedExperts` (the same fp32 tiles and oneDNN copies in memory, so only the tiles a
+    few-row expert reads differ): FP8 forced for the measured row count, against none."""
     import os
 
     import torch
 
+    from mbridge_epoverlap.serving.model import packed
     from mbridge_epoverlap.serving.model.kernels import small_gemm
 
     torch.set_num_threads(1)
-    with_fp8, fp32_only, nbytes = _layer(experts)
+    layer, nbytes = _layer(experts)
+    default = (packed.FP8_ROWS, packed.FP8_SPLIT_ROWS)
     rows_out = []
     cores = len(os.sched_getaffinity(0))
-    for threads, rows in [(1, r) for r in (1, 2, 4)] + ([(cores, r) for r in (1, 2, 4)] if cores > 1 else []):
-        small_gemm.set_threads(threads)
-        counts = [rows] * experts
-        x = torch.randn(rows * experts, HIDDEN, generator=torch.Generator().manual_seed(rows))
-        same = torch.equal(with_fp8.swiglu(x, counts), fp32_only.swiglu(x, counts))
-        times: dict[str, list[float]] = {"fp8": [], "fp32": []}
-        for _ in range(rounds):
-            for name, layer in (("fp8", with_fp8), ("fp32", fp32_only)):
-                start = time.perf_counter()
-                layer.swiglu(x, counts)
-                times[name].append(time.perf_counter() - start)
-        fp8_ms, fp32_ms = (statistics.median(times[k]) * 1e3 for k in ("fp8", "fp32"))
-        rows_out.append({"threads": threads, "rows_per_expert": rows, "fp8_ms": round(fp8_ms, 3),
-                         "fp32_ms": round(fp32_ms, 3), "speedup": round(fp32_ms / fp8_ms, 3), "bitwise_equal": same})
+    try:
+        for threads, rows in [(1, r) for r in (1, 2, 4)] + ([(cores, r) for r in (1, 2, 4)] if cores > 1 else []):
+            small_gemm.set_threads(threads)
+            counts = [rows] * experts
+            x = torch.randn(rows * experts, HIDDEN, generator=torch.Generator().manual_seed(rows))
+            sides = (("fp8", rows), ("fp32", 0))
+            outputs = {}
+            for name, limit in sides:
+                _fp8_up_to(limit)
+                outputs[name] = layer.swiglu(x, counts)
+            times: dict[str, list[float]] = {"fp8": [], "fp32": []}
+            for i in range(rounds):  # A B, then B A: neither side always runs first
+                for name, limit in sides if i % 2 == 0 else sides[::-1]:
+                    _fp8_up_to(limit)
+                    start = time.perf_counter()
+                    layer.swiglu(x, counts)
+                    times[name].append(time.perf_counter() - start)
+            fp8_ms, fp32_ms = (statistics.median(times[k]) * 1e3 for k in ("fp8", "fp32"))
+            rows_out.append({"threads": threads, "rows_per_expert": rows, "fp8_ms": round(fp8_ms, 3),
+                             "fp32_ms": round(fp32_ms, 3), "speedup": round(fp32_ms / fp8_ms, 3),
+                             "bitwise_equal": torch.equal(outputs["fp8"], outputs["fp32"])})
+    finally:
+        packed.FP8_ROWS, packed.FP8_SPLIT_ROWS = default
+        small_gemm.set_threads(1)
     flags = " ".join(f for f in ("avx2", "f16c", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in cpu_flags())
     return {"cpu": cpu_model(), "flags": flags, "experts": experts, "hidden": HIDDEN, "ffn": FFN,
             "block": list(BLOCK), "rounds": rounds, "bytes": nbytes, "rows": rows_out}

@@ -271,6 +271,7 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
     by_file: dict[str, list[tuple[str, tuple[int, ...], tuple[str, ...]]]] = {}
     for name, shape, fields in wanted:
         by_file.setdefault(files[name], []).append((name, shape, fields))
+    fp8_weights: dict[str, tuple[int, ...]] = {}  # weight stored as FP8 -> its shape (scales checked after)
     for file_name, tensors in by_file.items():
         with safe_open(str(directory / file_name), framework="pt") as handle:
             for name, shape, fields in tensors:
@@ -281,35 +282,45 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
                                      f"{CONFIG} implies {list(shape)} from its fields "
                                      f"{', '.join(repr(f) for f in fields)}")
                 if dtype == fp8.STORED_DTYPE:
-                    _check_fp8_scale(directory, spec, files, name, found)
+                    fp8_weights[name] = found
                 elif dtype not in FLOAT_DTYPES and not (dtype == "U8" and _is_mxfp4(spec, name)):
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has dtype {dtype}; "
                                      f"expected one of {', '.join(FLOAT_DTYPES)}")
+    if fp8_weights:
+        _check_fp8_scales(directory, spec, files, fp8_weights)
 
 
-def _check_fp8_scale(directory: Path, spec: ModelSpec, files: dict[str, str], name: str,
-                     shape: tuple[int, ...]) -> None:
-    """An F8_E4M3 weight has a scale grid beside it that its block size implies."""
+def _check_fp8_scales(directory: Path, spec: ModelSpec, files: dict[str, str],
+                      weights: dict[str, tuple[int, ...]]) -> None:
+    """Each F8_E4M3 weight (name -> shape) has a scale grid beside it that its block size implies; each file holding
+    scales is opened once, as for the weights."""
     from safetensors import safe_open
 
+    first = next(iter(weights))
     if spec.fp8_block is None:
-        raise UsageError(f"{directory / files[name]}: tensor {name!r} is stored as {fp8.STORED_DTYPE}, but {CONFIG} "
+        raise UsageError(f"{directory / files[first]}: tensor {first!r} is stored as {fp8.STORED_DTYPE}, but {CONFIG} "
                          "has no FP8 'quantization_config' (quant_method 'fp8' with its 'weight_block_size')")
-    scale = fp8.scale_name(name)
-    if scale not in files:
-        raise UsageError(f"{directory}: tensor {name!r} is {fp8.STORED_DTYPE} {list(shape)} but its scale "
-                         f"{scale!r} is in no *.safetensors file")
-    with safe_open(str(directory / files[scale]), framework="pt") as handle:
-        view = handle.get_slice(scale)
-        found, dtype = tuple(view.get_shape()), view.get_dtype()
-    expected = fp8.scale_shape(shape, spec.fp8_block)
-    if len(shape) != 2 or found != expected:
-        raise UsageError(f"{directory / files[scale]}: tensor {scale!r} has shape {list(found)}, but weight {name!r} "
-                         f"{list(shape)} in blocks of {list(spec.fp8_block)} (field "
-                         f"'quantization_config.weight_block_size') needs {list(expected)}")
-    if dtype not in fp8.SCALE_DTYPES:
-        raise UsageError(f"{directory / files[scale]}: tensor {scale!r} has dtype {dtype}; expected one of "
-                         f"{', '.join(fp8.SCALE_DTYPES)}")
+    by_file: dict[str, list[str]] = {}
+    for name, shape in weights.items():
+        scale = fp8.scale_name(name)
+        if scale not in files:
+            raise UsageError(f"{directory}: tensor {name!r} is {fp8.STORED_DTYPE} {list(shape)} but its scale "
+                             f"{scale!r} is in no *.safetensors file")
+        by_file.setdefault(files[scale], []).append(name)
+    for file_name, names in by_file.items():
+        with safe_open(str(directory / file_name), framework="pt") as handle:
+            for name in names:
+                shape, scale = weights[name], fp8.scale_name(name)
+                view = handle.get_slice(scale)
+                found, dtype = tuple(view.get_shape()), view.get_dtype()
+                expected = fp8.scale_shape(shape, spec.fp8_block)
+                if len(shape) != 2 or found != expected:
+                    raise UsageError(f"{directory / file_name}: tensor {scale!r} has shape {list(found)}, but weight "
+                                     f"{name!r} {list(shape)} in blocks of {list(spec.fp8_block)} (field "
+                                     f"'quantization_config.weight_block_size') needs {list(expected)}")
+                if dtype not in fp8.SCALE_DTYPES:
+                    raise UsageError(f"{directory / file_name}: tensor {scale!r} has dtype {dtype}; expected one of "
+                                     f"{', '.join(fp8.SCALE_DTYPES)}")
 
 
 def _quant_method(raw: dict[str, Any]) -> Any:

@@ -32,12 +32,15 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.serving.model.kernels import small_gemm
+
+if TYPE_CHECKING:
+    from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 ROWS_HINT = 8  # the row count the packed layout is chosen for (decode's rows per expert); any count works
 # From this many rows in a layer (a prefill) each expert's activation follows its GEMM: at 128 rows (one 64-token
@@ -163,10 +166,10 @@ class PackedExpert(NamedTuple):
 
 
 # An expert with this many rows or fewer reads FP8 tiles where it has them (`benchmarks/fp8_tiles.py`: one layer's
-# expert stage, 32 experts of [2,048 -> 1,536] and [768 -> 2,048] out of cache, AMD EPYC Zen 4, alternated,
-# medians): on one thread 1 row 14.8 against 17.8 ms on fp32 tiles, 2 rows 18.9 against 18.4 (converting the codes
-# then costs what the bytes saved gain); where the tiled calls share both cores (`small_gemm.set_threads`) 1 row
-# 10.0 against 17.4, 2 rows 11.9 against 17.4, 4 rows 16.4 against 17.9
+# expert stage, 32 experts of [2,048 -> 1,536] and [768 -> 2,048] out of cache, both sides on the same layer's
+# tiles, AMD EPYC Zen 4, alternated, medians of 9, two runs): on one thread 1 row 1.52-1.58x the fp32 tiles' speed,
+# 2 rows 1.19-1.21x, 4 rows 0.81-0.88x (converting the codes then costs more than the bytes saved); where the tiled
+# calls share both cores (`small_gemm.set_threads`) 1 row 1.39-1.92x, 2 rows 1.18-1.62x, 4 rows 0.97-1.18x
 FP8_ROWS = 1
 FP8_SPLIT_ROWS = 4
 
@@ -177,10 +180,10 @@ def fp8_rows() -> int:
     return FP8_ROWS if small_gemm.threads() == 1 else FP8_SPLIT_ROWS
 
 
-def fp8_tiles_for(spec: object) -> bool:
+def fp8_tiles_for(spec: ModelSpec) -> bool:
     """Whether an expert part of `spec` keeps FP8 tiles: an FP8 checkpoint served in fp32, the tiled GEMMs built
     here, and `MBRIDGE_EPOVERLAP_QUANTIZED_TILES` not 0."""
-    return (getattr(spec, "fp8_block", None) is not None and getattr(spec, "dtype", "") == "float32"
+    return (spec.fp8_block is not None and spec.dtype == "float32"
             and os.environ.get("MBRIDGE_EPOVERLAP_QUANTIZED_TILES", "1") != "0"
             and small_gemm.runs_for(torch.float32, 2 * spec.expert_ffn, spec.hidden_size))
 
@@ -194,7 +197,7 @@ class Fp8RowScales:
         self.s1, self.s2, self.block_cols = s1, s2, block_cols
 
     @classmethod
-    def empty(cls, experts: int, spec: object) -> Fp8RowScales:
+    def empty(cls, experts: int, spec: ModelSpec) -> Fp8RowScales:
         b1 = spec.fp8_block[1]
         return cls(torch.zeros(experts, 2 * spec.expert_ffn, -(-spec.hidden_size // b1)),
                    torch.zeros(experts, spec.hidden_size, -(-spec.expert_ffn // b1)), b1)
@@ -205,9 +208,8 @@ class Fp8RowScales:
             self.s2[local].copy_(s2)
 
     def tiles(self, e: int, up: torch.Tensor, down: torch.Tensor) -> tuple[small_gemm.Fp8Tiles | None, ...]:
-        """Expert e's (up, down) FP8 tiles of its fp32 weights; (None, None) where they are not FP8 values."""
-        if not bool((self.s1[e] > 0).all()):
-            return None, None
+        """Expert e's (up, down) FP8 tiles of its fp32 weights; (None, None) where they are not FP8 values (or its
+        scales were never filled)."""
         up_fp8 = small_gemm.tiled_fp8(up, self.s1[e], self.block_cols)
         down_fp8 = small_gemm.tiled_fp8(down, self.s2[e], self.block_cols)
         return (up_fp8, down_fp8) if up_fp8 is not None and down_fp8 is not None else (None, None)

@@ -91,7 +91,7 @@ def test_an_expert_worker_killed_mid_decode_reloads_its_fp8_experts(tiny_deepsee
     assert leftovers(pids) == ([], [])
 
 
-def test_decode_reads_fp8_tiles_with_the_fp32_tiles_bits(tiny_deepseek_v3_fp8) -> None:
+def test_decode_reads_fp8_tiles_bitwise_as_the_fp32_tiles(tiny_deepseek_v3_fp8) -> None:
     """The experts of an FP8 checkpoint keep FP8 tiles; a decode step's few-row experts read them and give the bits
     the fp32 tiles give (`MBRIDGE_EPOVERLAP_QUANTIZED_TILES=0`)."""
     from mbridge_epoverlap.serving.model import packed

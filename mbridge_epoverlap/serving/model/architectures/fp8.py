@@ -97,11 +97,10 @@ def is_quantized_linear(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def quantize_checkpoint(source: Path, target: Path, *, block: tuple[int, int] = DEFAULT_BLOCK,
-                        max_shard_bytes: int | None = None) -> dict[str, torch.Tensor]:
+                        max_shard_bytes: int | None = None) -> None:
     """Write `source` (a float checkpoint) to `target` as the FP8 releases are laid out: every projection weight
     FP8 with its `weight_scale_inv`, the config's `quantization_config` set, in shards of at most
-    `max_shard_bytes` with a `model.safetensors.index.json` (one file when None). Other files are copied.
-    Returns the fp32 value each quantized weight dequantizes to (what the FP8 checkpoint means)."""
+    `max_shard_bytes` with a `model.safetensors.index.json` (one file when None). Other files are copied."""
     import shutil
 
     from safetensors import safe_open
@@ -113,12 +112,9 @@ def quantize_checkpoint(source: Path, target: Path, *, block: tuple[int, int] = 
         with safe_open(str(path), framework="pt") as handle:
             tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
     stored: dict[str, torch.Tensor] = {}
-    meaning: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if is_quantized_linear(name, tuple(tensor.shape)):
-            q, s = quantize(tensor, block)
-            stored[name], stored[scale_name(name)] = q, s
-            meaning[name] = dequantize(q, s, block)
+            stored[name], stored[scale_name(name)] = quantize(tensor, block)
         else:
             stored[name] = tensor.contiguous()
     for path in source.iterdir():
@@ -139,7 +135,7 @@ def quantize_checkpoint(source: Path, target: Path, *, block: tuple[int, int] = 
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(target / "model.safetensors"), metadata={"format": "pt"})
-        return meaning
+        return
     weight_map = {}
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -148,4 +144,3 @@ def quantize_checkpoint(source: Path, target: Path, *, block: tuple[int, int] = 
     total = sum(t.numel() * t.element_size() for t in stored.values())
     (target / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return meaning

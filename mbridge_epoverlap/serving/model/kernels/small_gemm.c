@@ -43,22 +43,30 @@ static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 #else
 #define BLOCK_ROWS 3
 #endif
+/* The accumulators of ROWS rows (both kernels below): zeroed, each row's x[r][k] times the tile row w added, stored. */
+#define ACC_ZERO(ROWS)                                                                                         \
+    for (int r = 0; r < ROWS; r++)                                                                             \
+        for (int j = 0; j < VECS; j++) acc[r][j] = (v8){0};
+#define ACC_ADD(ROWS, k)                                                                                       \
+    for (int r = 0; r < ROWS; r++) {                                                                           \
+        float b = x[r * ldx + (k)];                                                                            \
+        v8 bv = {b, b, b, b, b, b, b, b};                                                                      \
+        for (int j = 0; j < VECS; j++) acc[r][j] += bv * w[j];                                                 \
+    }
+#define ACC_STORE(ROWS)                                                                                        \
+    for (int r = 0; r < ROWS; r++)                                                                             \
+        for (int j = 0; j < VECS; j++) store8(y + r * ldy + 8 * j, acc[r][j]);
+
 #define ROW_BLOCK(ROWS)                                                                                        \
     static void rows##ROWS(const float *x, int64_t ldx, const float *tile, int64_t K, float *y, int64_t ldy) { \
         v8 acc[ROWS][VECS];                                                                                    \
-        for (int r = 0; r < ROWS; r++)                                                                         \
-            for (int j = 0; j < VECS; j++) acc[r][j] = (v8){0};                                                \
+        ACC_ZERO(ROWS)                                                                                         \
         for (int64_t k = 0; k < K; k++) {                                                                      \
             v8 w[VECS];                                                                                        \
             for (int j = 0; j < VECS; j++) w[j] = load8(tile + k * TILE + 8 * j);                              \
-            for (int r = 0; r < ROWS; r++) {                                                                   \
-                float b = x[r * ldx + k];                                                                      \
-                v8 bv = {b, b, b, b, b, b, b, b};                                                              \
-                for (int j = 0; j < VECS; j++) acc[r][j] += bv * w[j];                                         \
-            }                                                                                                  \
+            ACC_ADD(ROWS, k)                                                                                   \
         }                                                                                                      \
-        for (int r = 0; r < ROWS; r++)                                                                         \
-            for (int j = 0; j < VECS; j++) store8(y + r * ldy + 8 * j, acc[r][j]);                             \
+        ACC_STORE(ROWS)                                                                                        \
     }
 
 ROW_BLOCK(1)
@@ -112,8 +120,7 @@ static inline void fp8x16(const uint8_t *p, v8 *lo, v8 *hi) {
     static void rows##ROWS##_fp8(const float *x, int64_t ldx, const uint8_t *tile, const float *scales,       \
                                  int64_t kb, int64_t K, float *y, int64_t ldy) {                              \
         v8 acc[ROWS][VECS], s[VECS];                                                                           \
-        for (int r = 0; r < ROWS; r++)                                                                         \
-            for (int j = 0; j < VECS; j++) acc[r][j] = (v8){0};                                                \
+        ACC_ZERO(ROWS)                                                                                         \
         for (int64_t k0 = 0; k0 < K; k0 += kb, scales += TILE) {                                              \
             for (int j = 0; j < VECS; j++) s[j] = load8(scales + 8 * j);                                       \
             int64_t k1 = k0 + kb < K ? k0 + kb : K;                                                            \
@@ -121,15 +128,10 @@ static inline void fp8x16(const uint8_t *p, v8 *lo, v8 *hi) {
                 v8 w[VECS];                                                                                    \
                 for (int j = 0; j < VECS; j += 2) fp8x16(tile + k * TILE + 8 * j, &w[j], &w[j + 1]);           \
                 for (int j = 0; j < VECS; j++) w[j] *= s[j];                                                   \
-                for (int r = 0; r < ROWS; r++) {                                                               \
-                    float b = x[r * ldx + k];                                                                  \
-                    v8 bv = {b, b, b, b, b, b, b, b};                                                          \
-                    for (int j = 0; j < VECS; j++) acc[r][j] += bv * w[j];                                     \
-                }                                                                                              \
+                ACC_ADD(ROWS, k)                                                                               \
             }                                                                                                  \
         }                                                                                                      \
-        for (int r = 0; r < ROWS; r++)                                                                         \
-            for (int j = 0; j < VECS; j++) store8(y + r * ldy + 8 * j, acc[r][j]);                             \
+        ACC_STORE(ROWS)                                                                                        \
     }
 
 ROW_BLOCK_FP8(1)

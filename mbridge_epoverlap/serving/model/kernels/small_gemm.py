@@ -155,13 +155,13 @@ def grouped(x: torch.Tensor, groups: Sequence[tuple[int, int]], weights: Sequenc
         raise ValueError(f"the tiled GEMMs take contiguous fp32 rows, got x {x.dtype} "
                          f"{'contiguous' if x.is_contiguous() else 'strided'}, out {out.dtype} "
                          f"{'contiguous' if out.is_contiguous() else 'strided'}")
-    fp8 = [i for i, w in enumerate(weights) if isinstance(w, Fp8Tiles)]
-    if fp8:
-        _grouped_fp8(x, [groups[i] for i in fp8], [weights[i] for i in fp8], out)
-        if len(fp8) == len(weights):
+    if any(isinstance(w, Fp8Tiles) for w in weights):
+        fp8 = [(g, w) for g, w in zip(groups, weights, strict=True) if isinstance(w, Fp8Tiles)]
+        _grouped_fp8(x, [g for g, _ in fp8], [w for _, w in fp8], out)
+        rest = [(g, w) for g, w in zip(groups, weights, strict=True) if not isinstance(w, Fp8Tiles)]
+        if not rest:
             return
-        rest = [i for i in range(len(weights)) if i not in set(fp8)]
-        groups, weights = [groups[i] for i in rest], [weights[i] for i in rest]
+        groups, weights = [g for g, _ in rest], [w for _, w in rest]
     n = len(groups)
     starts = (_I64 * n)(*(start for start, _ in groups))
     counts = (_I64 * n)(*(count for _, count in groups))
