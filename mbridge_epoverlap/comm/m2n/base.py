@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -95,6 +95,8 @@ class M2NCommunicator(abc.ABC):
         resumable_wait: a `Work.wait` that raised `PeerTimeout` can be waited on again (sliced waits).
         connects_late: `connect` opens a channel to a process that starts after set-up (a replacement).
     """
+
+    memory_role: ClassVar[str] = "buffers"  # what `serving.model.memory` counts its tensors as
 
     backend: str = ""
     resumable_wait: bool = False

@@ -297,6 +297,10 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
                          f"checkpoint (expert worker {f['from']} died during the move)"))
     if "dtype" in result:
         rows.append(("dtype", f"{result['dtype']['dtype']} ({result['dtype']['reason']})"))
+    if "memory" in result:
+        from mbridge_epoverlap.serving.model.memory import describe
+
+        rows.append(("memory", describe(result["memory"])))
     m = result["machine"]
     rows.append(("machine", f"{m['cpu']} ({m['cores']} cores, avx512_bf16={m['avx512_bf16']}, "
                  f"amx_bf16={m['amx_bf16']})"))

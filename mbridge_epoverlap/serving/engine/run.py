@@ -241,6 +241,11 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
         "failed_requests": [c["id"] for c in ordered if c["status"] != "ok"],
         "expert_load": expert_load(ranks),
     }
+    held = [r["memory"] for r in sorted(ranks, key=lambda r: r["rank"]) if "memory" in r]
+    if held:
+        from mbridge_epoverlap.serving.model.memory import total
+
+        result["memory"] = total(held)
     if failed or not readers or plan.online:  # online: the front end measured each request itself
         return result
     stages = stage_times_ms(readers, holders)

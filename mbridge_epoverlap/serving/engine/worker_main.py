@@ -52,6 +52,7 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     import torch.distributed as dist
 
     from mbridge_epoverlap.launch import heartbeat as hb
+    from mbridge_epoverlap.serving.model import memory
     from mbridge_epoverlap.serving.workers.placement import Placement
     from mbridge_epoverlap.serving.workers.requests import Request, RequestQueue
 
@@ -81,6 +82,7 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
                              max_batch=plan.max_batch, max_new_tokens=plan.max_new_tokens,
                              eos_ids=spec.eos_token_ids)
         state["queue"] = queue
+    state["runtime_rss"] = memory.process_memory().get("rss", 0)  # the process before any weight: the runtime
     with torch.no_grad():
         worker = _build(plan, spec, role, index, placement, queue, store, beat, progress)
         state["worker"] = worker
@@ -91,7 +93,12 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
             timer = worker.side.timer if role is Role.ATTENTION else getattr(worker, "timer", None)
             if timer is not None:
                 timer.limit = ONLINE_TIMER_SAMPLES
-        dist.barrier()  # every worker loaded its weights: start timing together
+        # Every worker loaded its weights (a barrier: start timing together); the attention workers of a server
+        # tell the front end what each process holds, for its ready line and `/health`.
+        loaded: list[Any] = [None] * world
+        dist.all_gather_object(loaded, _memory(worker, state, rank))
+        if plan.online and role is not Role.EXPERT:
+            worker.side.source.memory = loaded
         if plan.online and role is not None and not _m2n_on_process_groups(plan):
             # Nothing uses the group after this barrier (the M2N channels and the store carry the rest), and gloo's
             # transport thread wakes every 10 ms while it lives: half of what an idle server still cost. (The
@@ -114,9 +121,19 @@ def _finish(worker: Worker, queue: Any, payload: dict[str, Any], state: dict[str
 
     payload["wall_s"] = time.monotonic() - started
     payload.update(_report(worker, queue))
+    payload["memory"] = _memory(worker, state, payload["rank"])
     _write(state["out"], payload)
     beat.beat(worker.decode_steps, 0, hb.DONE)
     worker.close()
+
+
+def _memory(worker: Worker, state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What this process holds now: its weights' bytes by kind, its KV cache's, the runtime's (its resident set
+    before the weights) and its resident set now and at its peak (`serving.model.memory`)."""
+    from mbridge_epoverlap.serving.model import memory
+
+    return {"rank": rank, **memory.resident_bytes(worker), "runtime": state.get("runtime_rss", 0),
+            **memory.process_memory()}
 
 
 def _build(plan: EnginePlan, spec: Any, role: Role | None, index: int, placement: Any, queue: Any, store: Any,
@@ -267,6 +284,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
     from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix
     from mbridge_epoverlap.serving.elastic.sync import wait_admission
+    from mbridge_epoverlap.serving.model import memory
     from mbridge_epoverlap.serving.model.expert_store import ExpertStore
 
     started = time.monotonic()
@@ -282,6 +300,7 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     beat_dir = os.environ.get(PREFIX + "HEARTBEAT_DIR")
     beat = hb.Heartbeat(hb.heartbeat_path(beat_dir, rank) if beat_dir else None)
     spec = plan.load_spec()
+    state["runtime_rss"] = memory.process_memory().get("rss", 0)
     payload: dict[str, Any] = {"rank": rank, "role": "expert", "index": index, "generation": generation}
     state["payload"], state["out"] = payload, out / f"rank{rank}.json"
     from mbridge_epoverlap.serving.model import packed as packed_gemm

@@ -280,7 +280,8 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any,
             return JSONResponse({"status": "unavailable", "reason": broken, "workers": workers}, status_code=503)
         if state == READY:
             status = "ok" if all(w["alive"] for w in workers) else "degraded"
-            return {"status": status, "model": model.name, "workers": workers, **settings.serving}
+            return {"status": status, "model": model.name, "workers": workers, **settings.serving,
+                    "memory": engine.memory_now()}
         reason = engine.reason or state
         body = {"status": state if state in (STARTING, DRAINING, FAILED) else "unavailable", "reason": reason,
                 "workers": workers}

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_epoverlap.launch.signals import pid_alive
+from mbridge_epoverlap.serving.model.memory import KV_CACHE, process_memory, total
 from mbridge_epoverlap.serving.workers import online
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class EngineClient:
         self._cores = [self._own_cores] * attn_workers  # what each attention worker was last told (`_lend_cores`)
         self._drained_every_request = False  # the drain saw every request end before the workers left
         self.ready_pids: dict[int, int] = {}  # attention worker -> its pid (what an external engine tells)
+        self.memory: list[dict[str, Any]] = []  # what each worker process held once all had loaded (`Ready`)
         self.done_workers: set[int] = set()
         self.last_heard: dict[int, float] = {}  # attention worker -> when its last message came
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -405,6 +407,8 @@ class EngineClient:
             elif isinstance(message, online.Ready):
                 self.ready_workers.add(message.worker)
                 self.ready_pids[message.worker] = message.pid
+                if message.memory and not self.memory:
+                    self.memory = message.memory
                 if len(self.ready_workers) == self.attn_workers and self.state == STARTING:
                     self.state, self.reason = READY, ""
                     for callback in self.on_ready:
@@ -434,6 +438,26 @@ class EngineClient:
             stream.queue.put_nowait((token, finish))
 
     # --- health ---------------------------------------------------------------------------------------
+    def memory_now(self) -> dict[str, Any] | None:
+        """What the worker processes hold (`memory.total`): the weights as each reported them once all had loaded,
+        the KV caches as the attention workers last reported them, the resident sets of the workers started here
+        read now (None before the workers are ready)."""
+        if not self.memory:
+            return None
+        records = []
+        for record in self.memory:
+            now = dict(record)
+            rank = now["rank"]
+            if not self.external and rank < len(self.pids):
+                now.update(process_memory(self.pids[rank]))  # nothing where it is gone: its last word stands
+            role, index = self.plan.role_of(rank)
+            if role is None or role.value == "attention":
+                stats = self.stats.get(index)
+                if stats is not None:
+                    now[KV_CACHE] = stats.kv_bytes
+            records.append(now)
+        return total(records)
+
     def workers(self) -> list[dict[str, Any]]:
         """Every worker process: role, rank, pid, alive (replacements after the first `world` pids)."""
         if self.external:  # on other nodes: what they said (expert workers are not seen from here)

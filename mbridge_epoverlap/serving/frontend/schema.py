@@ -139,11 +139,21 @@ def models_responses() -> dict[int | str, Any]:
             **_errors(401, 503)}
 
 
+# What the worker processes hold, in bytes (`serving.model.memory.total`).
+_MEMORY = {"type": "object", "required": ["weights", "kv_cache", "runtime", "rss", "peak_rss"],
+           "properties": {"weights": {"type": "object", "description": "resident weight bytes by kind",
+                                      "properties": {k: {"type": "integer"} for k in ("fp32", "bf16", "fp8", "mxfp4")},
+                                      "additionalProperties": {"type": "integer"}},
+                          "kv_cache": {"type": "integer"}, "runtime": {"type": "integer"},
+                          "rss": {"type": "integer"}, "peak_rss": {"type": "integer"},
+                          "peak_over_held": _nullable({"type": "number"}), "processes": {"type": "array"}}}
+
+
 def health_responses() -> dict[int | str, Any]:
     health = {"type": "object", "required": ["status", "workers"],
               "properties": {"status": {"type": "string"}, "reason": {"type": "string"},
                              "workers": {"type": "array"}, "layout": {"type": "object"},
-                             "dtype": {"type": "object"}}}
+                             "dtype": {"type": "object"}, "memory": _nullable(_MEMORY)}}
     return {200: {"description": "serving (`ok`, or `degraded` after a worker loss the engine survived)",
                   "content": {"application/json": {"schema": health}}},
             # The connection limit answers every route with OpenAI's error body.

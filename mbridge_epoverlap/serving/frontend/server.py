@@ -195,6 +195,7 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
     from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED
     from mbridge_epoverlap.serving.frontend.openai_api import ModelInfo
     from mbridge_epoverlap.serving.frontend.text import TextCodec
+    from mbridge_epoverlap.serving.model.memory import describe
 
     external = args.workers_plan is not None
     if external:  # srun starts the workers from this plan (they read their rank and rendezvous from Slurm)
@@ -217,8 +218,10 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
                 return
             await asyncio.sleep(0.02)
         chosen = f"; layout {layout['chosen']}, {layout['source']}" if "chosen" in layout else ""
+        held = engine.memory_now()
+        memory = f"; {describe(held)}" if held is not None else ""
         print(f"mbridge-epoverlap serve: ready at http://{host}:{port} (model {name}, {_workers(args)}{chosen}; "
-              f"dtype {dtype['dtype']}: {dtype['reason']})",
+              f"dtype {dtype['dtype']}: {dtype['reason']}{memory})",
               file=sys.stderr, flush=True)
 
     async def main() -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 import os
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,8 @@ class KVCache:
             `cached_attention`); False: the decode tokens as one padded batch (`padded_decode_attention`) and the
             prompts of one length at one position together (`prompt_attention`): the engine's workers.
     """
+
+    memory_role: ClassVar[str] = "kv_cache"  # what `memory.resident_bytes` counts its tensors as
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, exact_decode: bool = True) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -192,6 +192,8 @@ class Fp8RowScales:
     """One MoE layer's FP8 scales per expert weight row: s1 [experts, 2*ffn, ceil(hidden / b1)] (w1's rows), s2
     [experts, hidden, ceil(ffn / b1)]; an expert whose scales were never filled (zeros: received in an elastic move)
     keeps fp32 tiles only."""
+
+    memory_kind: ClassVar[str] = "fp8"  # the scales of FP8 weights (`memory.resident_bytes`)
 
     def __init__(self, s1: torch.Tensor, s2: torch.Tensor, block_cols: int) -> None:
         self.s1, self.s2, self.block_cols = s1, s2, block_cols

@@ -21,7 +21,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +111,8 @@ class AttentionPart(torch.nn.Module):
     64-sequence decode step from 33.7 to 30.7 ms. The price is a near tie now and then: one Mixtral sequence of
     the 64 of `serving_peers_bench.py` leaves `transformers`' greedy tokens at its token 50.
     """
+
+    memory_role: ClassVar[str] = "weights"  # what `memory.resident_bytes` counts its tensors as
 
     def __init__(self, spec: ModelSpec, *, packed: bool = False) -> None:
         super().__init__()
@@ -257,6 +259,8 @@ class ExpertPart(torch.nn.Module):
     torch has them (`serving.model.packed`): faster, rounded differently in the last bits. Without it (the
     reference model) they are the GEMMs `transformers` runs, bit for bit.
     """
+
+    memory_role: ClassVar[str] = "weights"
 
     def __init__(self, spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool = False) -> None:
         super().__init__()

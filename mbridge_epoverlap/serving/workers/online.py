@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from mbridge_epoverlap.serving.model.memory import KV_CACHE, resident_bytes
+
 # The longest an idle attention worker blocks on its socket at a step boundary before it runs an empty step.
 # Polling every 50 ms instead (an empty step each time, every worker woken) cost an idle server of 1 attention and
 # 1 expert worker 0.11-0.12 of a core (2-core AMD EPYC); one empty step every 2 s costs next to nothing, and still
@@ -122,11 +124,13 @@ class Failed:
 
 @dataclass(frozen=True)
 class Ready:
-    """An attention worker loaded its weights and polls for requests."""
+    """An attention worker loaded its weights and polls for requests; `memory`: what every worker process of the
+    engine held once all had loaded (`serving.model.memory`, one record per rank)."""
 
     kind: ClassVar[str] = "ready"
     worker: int
     pid: int
+    memory: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,7 @@ class Stats:
     # and decoding tokens), at most `STEP_TIMES_KEPT` of the latest.
     step_seconds: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # the KV cache's resident bytes now (it grows with the sequences it holds)
 
 
 MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Busy, Cores, Ready, Done, Tokens, Stats,
@@ -234,6 +239,7 @@ class OnlineSource:
         self.events = events
         self._events_sent = 0
         self._ready = False
+        self.memory: list[dict[str, Any]] = []  # every worker's holdings once all loaded (set by the worker's main)
         self.idle_wait_s = idle_wait_s(side.timeout_s)
         self.idle_steps = 0
         self.engine_busy = False  # another attention worker has requests (`Busy`)
@@ -250,7 +256,7 @@ class OnlineSource:
         """A micro-batch's step boundary: take the messages (at micro-batch 0's), end the aborted of `seqs`."""
         if first:
             if not self._ready:
-                self._send(Ready(self.worker, os.getpid()))
+                self._send(Ready(self.worker, os.getpid(), self.memory))
                 self._ready = True
             idle = self.serving and not self.queue.waiting and not self.queue.running
             self._take(self._receive(self.idle_wait_s if idle and not self.engine_busy else 0.0))
@@ -372,7 +378,8 @@ class OnlineSource:
         self._send(Stats(self.worker, *counts, expert_load=load.tolist(),
                          events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events],
                          steps=side.decode_steps, idle_steps=self.idle_steps,
-                         step_seconds=[round(s, 6) for s, _ in steps], step_tokens=[r for _, r in steps]))
+                         step_seconds=[round(s, 6) for s, _ in steps], step_tokens=[r for _, r in steps],
+                         kv_bytes=resident_bytes(side.cache)[KV_CACHE]))
         self._steps_unsent = []
         self._load_sent += load
         self._events_sent += len(new_events)

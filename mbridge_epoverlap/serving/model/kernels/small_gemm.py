@@ -115,6 +115,9 @@ class Fp8Tiles(NamedTuple):
     codes: torch.Tensor
     scales: torch.Tensor
     block_cols: int
+    # Codes and scales both count as FP8 weights (`memory.resident_bytes`); not annotated: a NamedTuple's
+    # annotated names are its fields.
+    memory_kind = "fp8"
 
     @property
     def nbytes(self) -> int:

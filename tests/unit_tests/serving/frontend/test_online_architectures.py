@@ -8,6 +8,7 @@ few tokens each, 5 new tokens, the single-process engine (`--colocated 1`: the q
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -60,8 +61,12 @@ def test_text_prompts_equal_transformers_greedy(family, request, tmp_path, start
 
 def test_an_fp8_checkpoint_served_online_equals_transformers_on_its_dequantized_weights(
         tiny_deepseek_v3_fp8, tmp_path, start_server, hf_greedy):
-    """The sharded FP8 DeepSeek-V3 (`test_fp8_checkpoints.py`) through the OpenAI API, disaggregated."""
+    """The sharded FP8 DeepSeek-V3 (`test_fp8_checkpoints.py`) through the OpenAI API, disaggregated; the ready line
+    and `/health` say what its two workers hold (FP8 tiles where the tiled GEMMs run)."""
+    import httpx
     from transformers import AutoTokenizer
+
+    from mbridge_epoverlap.serving.model.kernels import small_gemm
 
     quantized, reference = tiny_deepseek_v3_fp8
     directory = _with_tokenizer(quantized, tmp_path / "deepseek_v3_fp8")
@@ -70,3 +75,10 @@ def test_an_fp8_checkpoint_served_online_equals_transformers_on_its_dequantized_
     answer = client.completions.create(model=MODEL_NAME, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     prompt_ids = [AutoTokenizer.from_pretrained(str(directory))(p).input_ids for p in PROMPTS]
     assert [c.model_extra["token_ids"] for c in answer.choices] == hf_greedy(reference, prompt_ids, MAX_TOKENS)
+    held = httpx.get(f"{server.url}/health", timeout=10).json()["memory"]
+    assert [p["rank"] for p in held["processes"]] == [0, 1] and held["weights"]["fp32"] > 0
+    assert (held["weights"]["fp8"] > 0) == small_gemm.available()
+    assert held["kv_cache"] > 0 and all(p["rss"] > p["runtime"] > 0 for p in held["processes"])
+    ready = next(line for line in server.stderr if "ready at http://" in line)
+    assert re.search(r"weights [\d.]+ [KMG]iB fp32 \+ [\d.]+ [KMG]iB fp8, KV cache" if small_gemm.available()
+                     else r"weights [\d.]+ [KMG]iB fp32, KV cache", ready) and "peak RSS" in ready, ready
