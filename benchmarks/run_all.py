@@ -135,6 +135,13 @@ def _fp8_tiles(doc: dict[str, Any]) -> str:
             f"{all(r['bitwise_equal'] for r in doc['rows'])}")
 
 
+def _fp8_decode_step(doc: dict[str, Any]) -> str:
+    fp8 = doc["weights"]["fp8"]
+    return (f"decode step FP8 {doc['step_ms']['fp8']:.1f} ms vs fp32 {doc['step_ms']['fp32']:.1f} ms "
+            f"({doc['speedup']:.2f}x), FP8 tiles {fp8['fp8'] / 2**20:,.0f} MiB beside {fp8['fp32'] / 2**20:,.0f} MiB "
+            f"fp32; tokens equal {doc['tokens_equal']}")
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -156,6 +163,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("api_fuzz", "api_fuzz.py", False, _api_fuzz),
     Benchmark("m2n", "m2n_bench.py", False, _m2n),
     Benchmark("fp8_tiles", "fp8_tiles.py", False, _fp8_tiles),
+    Benchmark("fp8_decode_step", "fp8_decode_step.py", False, _fp8_decode_step),
     Benchmark("serving", "serving_bench.py", True, _serving),
     Benchmark("serving_peers", "serving_peers_bench.py", True, _peers),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
