@@ -5,7 +5,7 @@ layer, far beyond the CPU's caches) written by `transformers`, quantized as the 
 [128, 128]); `serve-bench`'s engine on 1 attention and 1 expert worker (one core each), 8 sequences, so a decode
 step gives most experts one row each. Both sides are the same checkpoint and layout, the FP8 tiles switched off by
 `MBRIDGE_EPOVERLAP_QUANTIZED_TILES=0` on the other; runs alternate (A B, B A), medians of the runs' decode step
-times and their resident bytes as the workers report them (`serving.model.memory`). The tokens must be equal.
+times and their resident bytes as the workers report them (`mbridge_epoverlap.memory`). The tokens must be equal.
 
     python benchmarks/fp8_decode_step.py           # 5 runs a side, 48 new tokens
     python benchmarks/fp8_decode_step.py --quick   # 3 runs a side, 24 new tokens

@@ -96,7 +96,7 @@ class M2NCommunicator(abc.ABC):
         connects_late: `connect` opens a channel to a process that starts after set-up (a replacement).
     """
 
-    memory_role: ClassVar[str] = "buffers"  # what `serving.model.memory` counts its tensors as
+    memory_role: ClassVar[str] = "buffers"  # what `mbridge_epoverlap.memory` counts its tensors as
 
     backend: str = ""
     resumable_wait: bool = False

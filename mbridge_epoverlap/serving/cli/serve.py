@@ -298,7 +298,7 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
     if "dtype" in result:
         rows.append(("dtype", f"{result['dtype']['dtype']} ({result['dtype']['reason']})"))
     if "memory" in result:
-        from mbridge_epoverlap.serving.model.memory import describe
+        from mbridge_epoverlap.memory import describe
 
         rows.append(("memory", describe(result["memory"])))
     m = result["machine"]

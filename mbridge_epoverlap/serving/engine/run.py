@@ -243,7 +243,7 @@ def merge(plan: EnginePlan, ranks: Sequence[dict[str, Any]], *, failed: bool = F
     }
     held = [r["memory"] for r in sorted(ranks, key=lambda r: r["rank"]) if "memory" in r]
     if held:
-        from mbridge_epoverlap.serving.model.memory import total
+        from mbridge_epoverlap.memory import total
 
         result["memory"] = total(held)
     if failed or not readers or plan.online:  # online: the front end measured each request itself

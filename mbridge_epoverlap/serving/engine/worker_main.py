@@ -51,8 +51,8 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
+    from mbridge_epoverlap import memory
     from mbridge_epoverlap.launch import heartbeat as hb
-    from mbridge_epoverlap.serving.model import memory
     from mbridge_epoverlap.serving.workers.placement import Placement
     from mbridge_epoverlap.serving.workers.requests import Request, RequestQueue
 
@@ -129,8 +129,8 @@ def _finish(worker: Worker, queue: Any, payload: dict[str, Any], state: dict[str
 
 def _memory(worker: Worker, state: dict[str, Any], rank: int) -> dict[str, Any]:
     """What this process holds now: its weights' bytes by kind, its KV cache's, the runtime's (its resident set
-    before the weights) and its resident set now and at its peak (`serving.model.memory`)."""
-    from mbridge_epoverlap.serving.model import memory
+    before the weights) and its resident set now and at its peak (`mbridge_epoverlap.memory`)."""
+    from mbridge_epoverlap import memory
 
     return {"rank": rank, **memory.resident_bytes(worker), "runtime": state.get("runtime_rss", 0),
             **memory.process_memory()}
@@ -280,11 +280,11 @@ def run_replacement(plan: EnginePlan, out: Path, state: dict[str, Any], generati
     import torch
     import torch.distributed as dist
 
+    from mbridge_epoverlap import memory
     from mbridge_epoverlap.launch import heartbeat as hb
     from mbridge_epoverlap.serving.elastic.layout import ElasticLayout
     from mbridge_epoverlap.serving.elastic.moves import rejoin_prefix
     from mbridge_epoverlap.serving.elastic.sync import wait_admission
-    from mbridge_epoverlap.serving.model import memory
     from mbridge_epoverlap.serving.model.expert_store import ExpertStore
 
     started = time.monotonic()

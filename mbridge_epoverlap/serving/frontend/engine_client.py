@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mbridge_epoverlap.launch.signals import pid_alive
-from mbridge_epoverlap.serving.model.memory import KV_CACHE, process_memory, total
+from mbridge_epoverlap.memory import KV_CACHE, process_memory, total
 from mbridge_epoverlap.serving.workers import online
 
 log = logging.getLogger(__name__)

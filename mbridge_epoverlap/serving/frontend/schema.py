@@ -139,7 +139,7 @@ def models_responses() -> dict[int | str, Any]:
             **_errors(401, 503)}
 
 
-# What the worker processes hold, in bytes (`serving.model.memory.total`).
+# What the worker processes hold, in bytes (`mbridge_epoverlap.memory.total`).
 _MEMORY = {"type": "object", "required": ["weights", "kv_cache", "runtime", "rss", "peak_rss"],
            "properties": {"weights": {"type": "object", "description": "resident weight bytes by kind",
                                       "properties": {k: {"type": "integer"} for k in ("fp32", "bf16", "fp8", "mxfp4")},

@@ -190,12 +190,12 @@ def _emulated_link(plan_for: Any, args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_model_len: int, api_key: str | None,
            metrics: Any, outcome: dict[str, Any], host: str, port: int, layout: dict[str, Any],
            dtype: dict[str, Any]) -> int:
+    from mbridge_epoverlap.memory import describe
     from mbridge_epoverlap.serving.frontend.app import Settings, build_app
     from mbridge_epoverlap.serving.frontend.connections import guarded_h11
     from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED
     from mbridge_epoverlap.serving.frontend.openai_api import ModelInfo
     from mbridge_epoverlap.serving.frontend.text import TextCodec
-    from mbridge_epoverlap.serving.model.memory import describe
 
     external = args.workers_plan is not None
     if external:  # srun starts the workers from this plan (they read their rank and rendezvous from Slurm)

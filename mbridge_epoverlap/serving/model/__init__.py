@@ -19,8 +19,6 @@ Nothing here knows processes or messages; workers hold these pieces and call the
   transformers' GEMMs), and on tiled weights for experts of a few rows.
 - `kernels`: compiled kernels (`small_gemm`: the tiled GEMM of a few rows; `combine`: a MoE layer's combine in
   one pass), built at first use.
-- `memory`: what a worker holds: its weights' resident bytes by kind, its KV cache's, its M2N buffers', and the
-  process's resident set.
 - `expert_store`: the expert weights one expert worker holds, and how they change (restores, moves).
 - `batch`: `TokenBatch`, the tokens of one step from several sequences, flat, and how they attend.
 - `kv_cache`: `KVCache`, the keys and values of every sequence, and decode attention over them (the one

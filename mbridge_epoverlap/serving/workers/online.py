@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from mbridge_epoverlap.serving.model.memory import KV_CACHE, resident_bytes
+from mbridge_epoverlap.memory import KV_CACHE, resident_bytes
 
 # The longest an idle attention worker blocks on its socket at a step boundary before it runs an empty step.
 # Polling every 50 ms instead (an empty step each time, every worker woken) cost an idle server of 1 attention and
@@ -125,7 +125,7 @@ class Failed:
 @dataclass(frozen=True)
 class Ready:
     """An attention worker loaded its weights and polls for requests; `memory`: what every worker process of the
-    engine held once all had loaded (`serving.model.memory`, one record per rank)."""
+    engine held once all had loaded (`mbridge_epoverlap.memory`, one record per rank)."""
 
     kind: ClassVar[str] = "ready"
     worker: int

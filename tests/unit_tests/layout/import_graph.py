@@ -20,7 +20,8 @@ SCANNED = (PACKAGE, "benchmarks", "scripts")
 # module; the longest matching prefix decides.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("mbridge_epoverlap.errors", "mbridge_epoverlap.envvars", "mbridge_epoverlap.fields",
-     "mbridge_epoverlap.arg_types", "mbridge_epoverlap.cli_io", "mbridge_epoverlap.machine"),
+     "mbridge_epoverlap.arg_types", "mbridge_epoverlap.cli_io", "mbridge_epoverlap.machine",
+     "mbridge_epoverlap.memory"),
     ("mbridge_epoverlap.gpus",),
     # The process supervisor needs nothing but the errors; the M2N benchmark (comm) starts its ranks with it.
     ("mbridge_epoverlap.launch",),

@@ -1,4 +1,4 @@
-"""What the serving workers hold in memory (`serving.model.memory`): the weights' resident bytes by kind, the KV
+"""What the serving workers hold in memory (`mbridge_epoverlap.memory`): the weights' resident bytes by kind, the KV
 cache's, the communication buffers', in the `serve` result and table (the ready line and `/health` of a server:
 `frontend/test_online_architectures.py`), and the processes' peak resident sets against them."""
 
@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from mbridge_epoverlap import memory
 from mbridge_epoverlap.serving.engine.bench import synthetic_requests
 from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-from mbridge_epoverlap.serving.model import memory
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.model.kernels import small_gemm
 from mbridge_epoverlap.serving.model.kv_cache import KVCache
