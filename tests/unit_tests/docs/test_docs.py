@@ -283,11 +283,6 @@ def test_generated_blocks_are_present_and_known(path):
     assert begins == ends == len(names), f"{_rel(path)} has unbalanced or malformed markers"
 
 
-def test_generated_blocks_are_up_to_date():
-    stale = gen.stale_files()
-    assert not stale, "out of date (run `make docs`):\n" + "".join(stale.values())[:4000]
-
-
 def test_check_mode_exits_1_on_a_stale_file(tmp_path, monkeypatch):
     stale_copy = tmp_path / "SKILL.md"
     text = gen.SKILL_MD.read_text(encoding="utf-8")
@@ -304,10 +299,12 @@ def test_check_mode_exits_1_on_a_stale_file(tmp_path, monkeypatch):
         assert gen.main(["--check"]) == 0
 
 
-def test_check_mode_as_a_script():
+def test_generated_blocks_are_up_to_date_as_the_script_checks_them():
+    """`generate_docs.py --check` as CI and a contributor run it: exit 0 on this tree (1 names each stale block with
+    its diff, `test_check_mode_exits_1_on_a_stale_file`), so every generated block is current."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate_docs.py"), "--check"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, "out of date (run `make docs`):\n" + proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 def test_the_docs_show_commands_of_every_kind():
