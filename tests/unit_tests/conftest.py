@@ -2,9 +2,10 @@
 and the `numerics` mark.
 
 A test of the serving model or the training runtime whose name claims a numerical equality (bitwise, bit for
-bit, equal, identical, as `transformers`) is a numerics test: `make test` runs these again with the CPU math
-libraries held to each instruction set the machine can run (`scripts/numerics_under_isas.py`), because such a
-claim may hold under one kernel and not under another. `@pytest.mark.numerics` adds any other test.
+bit, equal, identical, as `transformers`) is a numerics test (the online server's excepted, below): `make test`
+runs these again with the CPU math libraries held to each instruction set the machine can run
+(`scripts/numerics_under_isas.py`), because such a claim may hold under one kernel and not under another.
+`@pytest.mark.numerics` adds any other test.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from tests.unit_tests.requirements import ENV_VAR, required_names
 
 _NUMERICS_NAME = re.compile(r"bitwise|bit_for_bit|equal|identical|transformers")
 _NUMERICS_DIRS = ("serving", "runtime")
+# The online server's tests compare its answers with `transformers` too, but the server only carries token ids: its
+# workers compute as the offline engine's, whose every family and layout the ISA reruns check
+# (`serving/test_engine.py`, `test_architectures.py`). A server test with arithmetic of its own (chunked prefill)
+# carries the mark itself.
+_NOT_NUMERICS_DIRS = (("serving", "frontend"),)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,7 +58,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("netns"))
         elif (shared := _shared_fixtures(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(f"{path.as_posix()}:{shared}"))
-        if path.parts[0] in _NUMERICS_DIRS and _NUMERICS_NAME.search(item.name):
+        if (path.parts[0] in _NUMERICS_DIRS and path.parts[:2] not in _NOT_NUMERICS_DIRS
+                and _NUMERICS_NAME.search(item.name)):
             item.add_marker(pytest.mark.numerics)
 
 

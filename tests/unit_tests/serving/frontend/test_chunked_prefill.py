@@ -28,6 +28,7 @@ def _stream(client: openai.OpenAI, prompt_ids: list[int], max_tokens: int, on_te
             on_text()
 
 
+@pytest.mark.numerics  # prefill in chunks beside decoding: arithmetic only the server's chunked admission runs
 @pytest.mark.parametrize("layout", [("--colocated", "1"), ("--attn-workers", "1", "--expert-workers", "1")],
                          ids=["one-process", "disaggregated"])
 def test_a_long_prompt_is_fed_in_chunks_that_equal_transformers_while_others_decode(start_server, plain_mixtral_dir,
