@@ -51,7 +51,10 @@ def resolve_dtype(args: argparse.Namespace, source: str | Path | None) -> Any:
     reason (a warning where it will be slow); the `engine.choice.dtype.ServingDtype`, for the result and `/health`,
     is also kept as `args.dtype_choice`."""
     from mbridge_epoverlap.serving.engine.choice.dtype import choose_serving_dtype
+    from mbridge_epoverlap.serving.model.checkpoint import check_source
 
+    if source is not None:
+        check_source(source)  # a source that is no model is named before a word about its dtype
     choice = choose_serving_dtype(args.dtype, source)
     args.dtype, args.dtype_choice = choice.dtype, choice
     print(f"  dtype {choice.summary}", file=sys.stderr, flush=True)

@@ -120,6 +120,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.serving.model.checkpoint import check_source
+
+    check_source(source_of(args))  # a path that is no model is named at once, before torch is imported
     from mbridge_epoverlap.serving.engine.bench import finish_bench_result
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
@@ -199,6 +202,9 @@ def check_context(requests: Any, max_new_tokens: int, context: int) -> None:
 
 
 def handle_bench(args: argparse.Namespace) -> int:
+    from mbridge_epoverlap.serving.model.checkpoint import check_source
+
+    check_source(source_of(args))
     from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch, finish_bench_result, synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec

@@ -67,15 +67,24 @@ def load_spec(source: str | Path, *, seed: int = 0, num_layers: int | None = Non
     if dtype not in DTYPES:
         raise UsageError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     path = Path(source)
-    if path.is_dir():
+    if check_source(source) == "checkpoint":
         if num_layers is not None:
             raise UsageError(f"{path}: the layer count of a checkpoint is fixed by its {CONFIG}; "
                              "drop the layer override (it applies to recipe models only)")
         return _checkpoint_spec(path.resolve(), dtype)
+    return _recipe_spec(str(source), seed=seed, num_layers=num_layers, dtype=dtype)
+
+
+def check_source(source: str | Path) -> str:
+    """"checkpoint" (a directory) or "recipe" (a recipe's name); anything else a usage error naming what to give.
+    Cheap (no torch): the commands call it before their first word about the model."""
     from mbridge_epoverlap.recipes import RECIPES
 
+    path = Path(source)
+    if path.is_dir():
+        return "checkpoint"
     if str(source) in RECIPES:
-        return _recipe_spec(str(source), seed=seed, num_layers=num_layers, dtype=dtype)
+        return "recipe"
     if path.exists():
         raise UsageError(f"{path} is a file; give the checkpoint directory that holds {CONFIG} and *.safetensors")
     raise UsageError(f"{source!r} is neither a checkpoint directory nor a recipe; known recipes: "
