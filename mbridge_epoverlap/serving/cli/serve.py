@@ -128,7 +128,7 @@ def handle_serve(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
     from mbridge_epoverlap.serving.workers.requests import load_prompts
 
-    check_backend(args.backend)
+    check_backend(args.backend, args)
     if args.http is not None:
         if not args.elastic and (args.redundant_experts or args.no_expert_restore or args.rebalance_every
                                  or args.rejoin_after_steps):
@@ -183,12 +183,18 @@ def handle_serve(args: argparse.Namespace) -> int:
     return code
 
 
-def check_backend(backend: str) -> None:
-    """An unknown `--backend` is a usage error naming the known ones (before any worker starts)."""
+def check_backend(backend: str, args: argparse.Namespace | None = None) -> None:
+    """An unknown `--backend` is a usage error naming the known ones, and so is a backend or layout the emulated
+    hosts of `args` cannot run (before any probe or worker starts)."""
     from mbridge_epoverlap.comm.m2n import BACKENDS
 
     if backend not in BACKENDS:
         raise UsageError(f"--backend {backend}: unknown M2N backend; choose one of {', '.join(BACKENDS)}")
+    if args is not None:
+        from mbridge_epoverlap.serving.engine.hosts import check_emulated_hosts
+
+        check_emulated_hosts(args.emulate_hosts, args.emulate_link_gbps, colocated=bool(args.colocated),
+                             backend=backend)
 
 
 def check_context(requests: Any, max_new_tokens: int, context: int) -> None:
@@ -211,7 +217,7 @@ def handle_bench(args: argparse.Namespace) -> int:
 
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
-    check_backend(args.backend)
+    check_backend(args.backend, args)
     dtype = resolve_dtype(args, source_of(args))
     spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
     chosen = not layout_forced(args) and not args.emulate_hosts

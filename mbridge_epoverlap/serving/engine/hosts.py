@@ -25,22 +25,33 @@ def emulate_hosts(plan: EnginePlan, hosts: int, gbps: float | None) -> EnginePla
     Raises:
         UsageError: a host count other than 0 or 2, no or a bad rate, a colocated plan, or the `shm` backend.
     """
+    check_emulated_hosts(hosts, gbps, colocated=plan.mode == COLOCATED, backend=plan.backend)
+    if not hosts:
+        return plan
+    return replace(plan, emulate_hosts=hosts, emulate_link_gbps=float(gbps))
+
+
+def check_emulated_hosts(hosts: int, gbps: float | None, *, colocated: bool, backend: str) -> None:
+    """What `emulate_hosts` refuses, from the flags alone: the commands check it before any probe or worker.
+
+    Raises:
+        UsageError: as `emulate_hosts`.
+    """
     if not hosts:
         if gbps is not None:
             raise UsageError("--emulate-link-gbps shapes the link between emulated hosts: add --emulate-hosts 2")
-        return plan
+        return
     if hosts != 2:
         raise UsageError(f"--emulate-hosts {hosts}: 2 is supported (attention workers on one host, expert "
                          "workers on the other)")
     if gbps is None or gbps <= 0:
         raise UsageError("--emulate-hosts 2 needs --emulate-link-gbps G (the link's rate, G > 0)")
-    if plan.mode == COLOCATED:
+    if colocated:
         raise UsageError("--emulate-hosts puts attention and expert workers on different hosts; drop --colocated")
-    if resolve_backend(plan.backend, single_host=False) == "shm":
-        raise UsageError(f"--backend {plan.backend} cannot cross hosts: the attention workers (host "
+    if resolve_backend(backend, single_host=False) == "shm":
+        raise UsageError(f"--backend {backend} cannot cross hosts: the attention workers (host "
                          f"{ATTENTION_HOST}) and the expert workers (host {EXPERT_HOST}) share no memory; use "
                          "--backend mooncake, torch or m2n")
-    return replace(plan, emulate_hosts=hosts, emulate_link_gbps=float(gbps))
 
 
 def host_of_ranks(plan: EnginePlan) -> list[int] | None:
