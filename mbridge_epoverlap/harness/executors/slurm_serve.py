@@ -118,6 +118,9 @@ def render_online_script(plan_path: Path, world: int, shape: JobShape, opts: Scr
         '[ -f "$PLAN" ] || { log "serve: the front end wrote no plan"; wait "$SERVER"; exit 1; }',
         *_srun_workers(world, shape, '"$PLAN"', out_dir, background=True),
         "WORKERS=$!",
+        # The workers' step ending tells the front end at once (SIGUSR1: `WORKERS_ENDED_SIGNAL`): srun may stop
+        # it before a worker's last word leaves, and the front end would otherwise learn it from --timeout's silence.
+        '( while kill -0 "$WORKERS" 2>/dev/null; do sleep 0.5; done; kill -USR1 "$SERVER" 2>/dev/null ) &',
         'code=0; wait "$SERVER" || code=$?',
         'wait "$WORKERS" || true',
         'log "serve: the server exited with $code"',

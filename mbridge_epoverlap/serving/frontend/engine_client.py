@@ -47,6 +47,9 @@ from mbridge_epoverlap.serving.workers import online
 log = logging.getLogger(__name__)
 
 STARTING, READY, DRAINING, STOPPED, FAILED = "starting", "ready", "draining", "stopped", "failed"
+# What a job script sends a front end whose workers it started elsewhere once their step has ended
+# (`serve --workers-plan`; `harness.executors.slurm_serve`).
+WORKERS_ENDED_SIGNAL = signal.SIGUSR1
 
 
 class Unavailable(Exception):
@@ -158,6 +161,10 @@ class EngineClient:
         self._watcher = asyncio.create_task(self._watch()) if self.plan.elastic and self.attn_workers > 1 else None
         if self.external:
             self._watcher = asyncio.create_task(self._watch_silence())
+            # The job script signals the end of the workers' srun step (`harness.executors.slurm_serve`): a
+            # step that srun stopped before a worker's last word left is known at once, not after --timeout.
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread
+                self._loop.add_signal_handler(WORKERS_ENDED_SIGNAL, self.workers_ended)
         if self.external:  # srun started the workers: they report their own end (`online.Done`)
             return
         self._thread = threading.Thread(target=self._run_engine, name="engine", daemon=True)
@@ -176,6 +183,15 @@ class EngineClient:
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed already
                 self._loop.call_soon_threadsafe(self._engine_ended, reason)
+
+    def workers_ended(self) -> None:
+        """The external workers' step ended (`WORKERS_ENDED_SIGNAL`): after a shutdown this engine sent, the end it
+        asked for; else the workers are lost, and the engine with them."""
+        if self._shutdown_sent or self._ended.is_set():
+            return
+        self._engine_ended("every attention worker left unasked (the workers' srun step ended: a worker was lost)"
+                           if self.state != STARTING
+                           else "the workers' srun step ended before every attention worker was ready")
 
     def _engine_ended(self, reason: str | None) -> None:
         if self._ended.is_set():  # said already (a worker's own word, then its launcher's)

@@ -199,6 +199,13 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
 
     external = args.workers_plan is not None
     if external:  # srun starts the workers from this plan (they read their rank and rendezvous from Slurm)
+        import signal
+
+        from mbridge_epoverlap.serving.frontend.engine_client import WORKERS_ENDED_SIGNAL
+
+        # The job script's word that the workers' step ended must not kill the process (the signal's default)
+        # before the engine listens for it; until then the engine's start-up limits apply.
+        signal.signal(WORKERS_ENDED_SIGNAL, signal.SIG_IGN)
         tmp = args.workers_plan.with_suffix(".tmp")
         tmp.write_text(engine.plan.to_json())
         tmp.replace(args.workers_plan)
