@@ -111,8 +111,8 @@ def test_elastic_bench_reports_the_rebalance_cost(tiny_mixtral_dir, capsys):
 
     from mbridge_epoverlap.cli import main
 
-    code = main(["elastic-bench", "--checkpoint", str(tiny_mixtral_dir), "--expert-workers", "4",
-                 "--redundant-experts", "4", "--kill", "0", "--batch", "4", "--steps", "8", "--repeats", "1",
+    code = main(["elastic-bench", "--checkpoint", str(tiny_mixtral_dir), "--expert-workers", "2",
+                 "--redundant-experts", "2", "--kill", "0", "--batch", "4", "--steps", "8", "--repeats", "1",
                  "--rebalance-every", "2", "--rebalance-threshold", "1.0", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
