@@ -34,7 +34,7 @@ PYTEST_PARALLEL ?= -n 2 --dist loadgroup
 # instruction set this machine can run (docs/numerics.md): a bitwise claim true on one kind of CPU only fails here.
 test: setup system-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_PARALLEL) tests
+	$(BIN)/python -m pytest -q --durations=20 $(PYTEST_PARALLEL) tests
 	$(BIN)/python scripts/numerics_under_isas.py -- $(PYTEST_PARALLEL)
 
 # Lint errors fail the target. `ruff format` is not enforced yet: the code base predates it.
