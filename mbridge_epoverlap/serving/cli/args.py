@@ -51,10 +51,7 @@ def resolve_dtype(args: argparse.Namespace, source: str | Path | None) -> Any:
     reason (a warning where it will be slow); the `engine.choice.dtype.ServingDtype`, for the result and `/health`,
     is also kept as `args.dtype_choice`."""
     from mbridge_epoverlap.serving.engine.choice.dtype import choose_serving_dtype
-    from mbridge_epoverlap.serving.model.checkpoint import check_source
 
-    if source is not None:
-        check_source(source)  # a source that is no model is named before a word about its dtype
     choice = choose_serving_dtype(args.dtype, source)
     args.dtype, args.dtype_choice = choice.dtype, choice
     print(f"  dtype {choice.summary}", file=sys.stderr, flush=True)
@@ -143,6 +140,16 @@ def source_of(args: argparse.Namespace, default: str | None = None) -> str:
     from mbridge_epoverlap.serving.engine.plan import model_source
 
     return model_source(args.checkpoint, args.recipe, default)
+
+
+def checked_source(args: argparse.Namespace, default: str | None = None) -> str:
+    """`source_of`, refused at once where it is no model (`checkpoint.check_source`): a command's handler calls it
+    first, so a wrong path is named before torch is imported or a word is said about the model's dtype."""
+    from mbridge_epoverlap.serving.model.checkpoint import check_source
+
+    source = source_of(args, default)
+    check_source(source)
+    return source
 
 
 def progress_printer(args: argparse.Namespace) -> Any:

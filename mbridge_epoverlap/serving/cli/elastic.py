@@ -32,6 +32,7 @@ from typing import Any
 from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.cli.args import (
+    checked_source,
     epoch_args,
     host_args,
     model_args,
@@ -79,13 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_elastic_bench(args: argparse.Namespace) -> int:
+    source = checked_source(args, ELASTIC_DEFAULT_RECIPE)
     from mbridge_epoverlap.serving.elastic.layout import check_elastic
     from mbridge_epoverlap.serving.engine.bench import finish_bench_result, synthetic_requests
     from mbridge_epoverlap.serving.engine.elastic_plan import check_kills, kill_schedule, make_elastic, routing_groups
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
-    source = args.checkpoint if args.checkpoint is not None else source_of(args, ELASTIC_DEFAULT_RECIPE)
     dtype = resolve_dtype(args, source)
     spec = load_spec(str(source), dtype=args.dtype)
     check_elastic(spec.num_experts, args.expert_workers, args.redundant_experts, args.kill)

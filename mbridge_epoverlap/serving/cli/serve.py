@@ -16,6 +16,7 @@ from mbridge_epoverlap.arg_types import count, positive
 from mbridge_epoverlap.errors import EXIT_FAILED, UsageError
 from mbridge_epoverlap.serving.cli.args import (
     apply_layout,
+    checked_source,
     epoch_args,
     fill_layout_defaults,
     host_args,
@@ -120,15 +121,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.model.checkpoint import check_source
-
-    check_source(source_of(args))  # a path that is no model is named at once, before torch is imported
+    checked_source(args)
     from mbridge_epoverlap.serving.engine.bench import finish_bench_result
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
     from mbridge_epoverlap.serving.workers.requests import load_prompts
 
-    check_backend(args.backend, args)
+    check_backend(args)
     if args.http is not None:
         if not args.elastic and (args.redundant_experts or args.no_expert_restore or args.rebalance_every
                                  or args.rejoin_after_steps):
@@ -183,18 +182,16 @@ def handle_serve(args: argparse.Namespace) -> int:
     return code
 
 
-def check_backend(backend: str, args: argparse.Namespace | None = None) -> None:
+def check_backend(args: argparse.Namespace) -> None:
     """An unknown `--backend` is a usage error naming the known ones, and so is a backend or layout the emulated
-    hosts of `args` cannot run (before any probe or worker starts)."""
+    hosts cannot run (before any probe or worker starts)."""
     from mbridge_epoverlap.comm.m2n import BACKENDS
+    from mbridge_epoverlap.serving.engine.hosts import check_emulated_hosts
 
-    if backend not in BACKENDS:
-        raise UsageError(f"--backend {backend}: unknown M2N backend; choose one of {', '.join(BACKENDS)}")
-    if args is not None:
-        from mbridge_epoverlap.serving.engine.hosts import check_emulated_hosts
-
-        check_emulated_hosts(args.emulate_hosts, args.emulate_link_gbps, colocated=bool(args.colocated),
-                             backend=backend)
+    if args.backend not in BACKENDS:
+        raise UsageError(f"--backend {args.backend}: unknown M2N backend; choose one of {', '.join(BACKENDS)}")
+    check_emulated_hosts(args.emulate_hosts, args.emulate_link_gbps, colocated=bool(args.colocated),
+                         backend=args.backend)
 
 
 def check_context(requests: Any, max_new_tokens: int, context: int) -> None:
@@ -208,16 +205,14 @@ def check_context(requests: Any, max_new_tokens: int, context: int) -> None:
 
 
 def handle_bench(args: argparse.Namespace) -> int:
-    from mbridge_epoverlap.serving.model.checkpoint import check_source
-
-    check_source(source_of(args))
+    checked_source(args)
     from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch, finish_bench_result, synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
-    check_backend(args.backend, args)
+    check_backend(args)
     dtype = resolve_dtype(args, source_of(args))
     spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
     chosen = not layout_forced(args) and not args.emulate_hosts

@@ -93,12 +93,16 @@ def run(plan: EnginePlan, out: Path, state: dict[str, Any]) -> int:
             timer = worker.side.timer if role is Role.ATTENTION else getattr(worker, "timer", None)
             if timer is not None:
                 timer.limit = ONLINE_TIMER_SAMPLES
-        # Every worker loaded its weights (a barrier: start timing together); the attention workers of a server
-        # tell the front end what each process holds, for its ready line and `/health`.
-        loaded: list[Any] = [None] * world
-        dist.all_gather_object(loaded, _memory(worker, state, rank))
-        if plan.online and role is not Role.EXPERT:
-            worker.side.source.memory = loaded
+        # Every worker loaded its weights: start timing together. A server's workers gather what each process
+        # holds on the way (a barrier too), which its attention workers tell the front end for its ready line and
+        # `/health`; a batch run reports it when it ends (`_finish`).
+        if plan.online:
+            loaded: list[Any] = [None] * world
+            dist.all_gather_object(loaded, _memory(worker, state, rank))
+            if role is not Role.EXPERT:
+                worker.side.source.memory = loaded
+        else:
+            dist.barrier()
         if plan.online and role is not None and not _m2n_on_process_groups(plan):
             # Nothing uses the group after this barrier (the M2N channels and the store carry the rest), and gloo's
             # transport thread wakes every 10 ms while it lives: half of what an idle server still cost. (The

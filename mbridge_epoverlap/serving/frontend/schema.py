@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mbridge_epoverlap.memory import KINDS
 from mbridge_epoverlap.serving.frontend.openai_api import (
     SEED_MAX,
     SEED_MIN,
@@ -142,7 +143,7 @@ def models_responses() -> dict[int | str, Any]:
 # What the worker processes hold, in bytes (`mbridge_epoverlap.memory.total`).
 _MEMORY = {"type": "object", "required": ["weights", "kv_cache", "runtime", "rss", "peak_rss"],
            "properties": {"weights": {"type": "object", "description": "resident weight bytes by kind",
-                                      "properties": {k: {"type": "integer"} for k in ("fp32", "bf16", "fp8", "mxfp4")},
+                                      "properties": {k: {"type": "integer"} for k in KINDS},
                                       "additionalProperties": {"type": "integer"}},
                           "kv_cache": {"type": "integer"}, "runtime": {"type": "integer"},
                           "rss": {"type": "integer"}, "peak_rss": {"type": "integer"},
