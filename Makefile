@@ -46,6 +46,7 @@ docs: setup
 
 # Every benchmark with its short profile, one summary table (full profiles: each script's own flags).
 bench: setup
+	$(BIN)/python -m pip install --quiet -e ".[test,eval]"
 	$(BIN)/python benchmarks/run_all.py
 
 clean:

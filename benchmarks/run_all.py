@@ -142,6 +142,12 @@ def _fp8_decode_step(doc: dict[str, Any]) -> str:
             f"fp32; tokens equal {doc['tokens_equal']}")
 
 
+def _lm_eval(doc: dict[str, Any]) -> str:
+    return (f"lm-eval {doc['questions']} questions: acc hf {doc['acc_hf']:.4f}, served {doc['acc_served']:.4f}; "
+            f"log-likelihoods within {doc['max_loglikelihood_diff']:.1e} ({doc['past_tolerance']} past "
+            f"{doc['tolerance']:g})")
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -166,6 +172,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("fp8_decode_step", "fp8_decode_step.py", False, _fp8_decode_step),
     Benchmark("serving", "serving_bench.py", True, _serving),
     Benchmark("serving_peers", "serving_peers_bench.py", True, _peers),
+    Benchmark("lm_eval", "lm_eval_check.py", False, _lm_eval),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),
     Benchmark("bridge_fuzz", "bridge_fuzz.py", False, _bridge_fuzz,

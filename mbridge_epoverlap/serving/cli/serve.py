@@ -70,6 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "it picks its layout (no layout flag given): kept unless the layout on every core "
                              "decodes 8 sequences 1.08x faster in a trial (default 1, as vLLM's CPU build keeps "
                              "one for its API server; 0: every core to the workers)")
+    online.add_argument("--max-logprobs", type=count, default=20, metavar="K",
+                        help="the most log-probabilities a request may ask for per token (`logprobs`, "
+                             "`top_logprobs`; default 20, as vLLM's)")
     online.add_argument("--max-waiting", type=count, default=256, metavar="N",
                         help="requests that may wait for a slot; more answer 503 at once (default 256)")
     online.add_argument("--max-connections", type=positive, default=1024, metavar="N",

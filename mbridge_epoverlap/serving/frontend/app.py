@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mbridge_epoverlap.serving.api.choices import ChoiceState, best, sequence_seed
 from mbridge_epoverlap.serving.frontend import schema
 from mbridge_epoverlap.serving.frontend.connections import ConnectionLimit, client_closes, read_body
 from mbridge_epoverlap.serving.frontend.engine_client import (
@@ -57,7 +58,6 @@ from mbridge_epoverlap.serving.frontend.openai_api import (
     usage,
     usage_chunk,
 )
-from mbridge_epoverlap.serving.frontend.text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +77,6 @@ class Settings:
     max_connections: int = MAX_CONNECTIONS
     # What the server runs and why (its layout, measured or from the flags; its compute dtype), reported by `/health`.
     serving: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Choice:
-    index: int
-    text: str = ""
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    completion_tokens: int = 0
 
 
 def build_app(settings: Settings, engine: EngineClient, metrics: Any,
@@ -156,55 +147,59 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any,
             streams = submit(parsed)
         except ApiError as exc:
             return error(exc)
-        events = follow(parsed, streams)
+        choices = states(parsed)
+        events = follow(parsed, streams, choices)
         if parsed.stream:
-            return StreamingResponse(sse(parsed, streams, events), media_type="text/event-stream")
-        return await whole(request, parsed, streams, events)
+            return StreamingResponse(sse(parsed, choices, events), media_type="text/event-stream")
+        return await whole(request, parsed, choices, events)
 
     def submit(parsed: ParsedRequest) -> list[Any]:
+        """The request's engine sequences: `best_of` per prompt, sequence j seeded with the request's seed + j."""
         g = parsed.generation
         streams: list[Any] = []
         try:
             for prompt in parsed.prompts:
-                streams.append(engine.submit(prompt, max_tokens=g.max_tokens, ignore_eos=g.ignore_eos,
-                                             temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=g.seed))
+                for j in range(parsed.choices.best_of):
+                    streams.append(engine.submit(prompt, max_tokens=g.max_tokens, ignore_eos=g.ignore_eos,
+                                                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                                 seed=sequence_seed(g.seed, j), options=parsed.options))
         except Unavailable as exc:
             for stream in streams:
                 engine.abort(stream)
             raise ApiError(503, str(exc)) from None
         return streams
 
-    async def follow(parsed: ParsedRequest, streams: list[Any]) -> AsyncIterator[tuple[_Choice, str]]:
-        """(choice, new text) as each engine request's tokens arrive, the choice's finish reason set on its last;
-        a failure raises ApiError(500) naming the engine's reason."""
+    def states(parsed: ParsedRequest) -> list[ChoiceState]:
+        best_of = parsed.choices.best_of
+        return [ChoiceState(k, model.codec, parsed, parsed.prompts[k // best_of])
+                for k in range(len(parsed.prompts) * best_of)]
+
+    async def follow(parsed: ParsedRequest, streams: list[Any], choices: list[ChoiceState]
+                     ) -> AsyncIterator[tuple[ChoiceState, str, list[Any]]]:
+        """(choice, new text, new log-probability entries) as each engine sequence's tokens arrive, the choice's
+        finish reason set on its last; a failure raises ApiError(500) naming the engine's reason."""
         merged: asyncio.Queue[Any] = asyncio.Queue()
 
-        async def pump(index: int, stream: Any) -> None:
-            text = TextStream(model.codec, parsed.generation.stop)
-            choice = _Choice(index, token_ids=[])
+        async def pump(choice: ChoiceState, stream: Any) -> None:
+            pending: list[Any] = []  # entries of tokens whose text is held back: they go with the next text
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, Failure):
                     await merged.put(item)
                     return
-                token, finish = item
-                choice.token_ids.append(token)
-                choice.completion_tokens += 1
-                delta = text.add(token)
-                if text.stopped:
-                    engine.abort(stream, outcome="finished")
-                    finish = "stop"
-                elif finish is not None:
-                    delta += text.finish()
-                if finish is not None:
-                    choice.finish_reason = finish
-                    await merged.put((choice, delta))
+                delta, entries, done = choice.add(*item)
+                pending += entries
+                if done:
+                    if choice.finish_reason is not None and item[1] is None:  # a stop string or a dropped token
+                        engine.abort(stream, outcome="finished")
+                    await merged.put((choice, delta, pending))
                     await merged.put(None)
                     return
                 if delta:
-                    await merged.put((choice, delta))
+                    await merged.put((choice, delta, pending))
+                    pending = []
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        tasks = [asyncio.create_task(pump(c, s)) for c, s in zip(choices, streams, strict=True)]
         try:
             left = len(streams)
             while left:
@@ -221,19 +216,28 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any,
             for stream in streams:
                 engine.abort(stream)
 
-    async def sse(parsed: ParsedRequest, streams: list[Any], events: AsyncIterator[tuple[_Choice, str]]
-                  ) -> AsyncIterator[str]:
-        prompt_tokens = sum(s.prompt_tokens for s in streams)
-        counts = [0] * len(streams)
+    async def sse(parsed: ParsedRequest, choices: list[ChoiceState],
+                  events: AsyncIterator[tuple[ChoiceState, str, list[Any]]]) -> AsyncIterator[str]:
+        calls = parsed.tool_choice is not None  # the output is a call's arguments: sent as tool_calls at its end
         try:
             if parsed.chat:
-                for index in range(len(streams)):
-                    yield _event(chunk(parsed, model.name, index, "", None, role=True))
-            async for choice, delta in events:
-                counts[choice.index] = choice.completion_tokens
-                yield _event(chunk(parsed, model.name, choice.index, delta, choice.finish_reason))
+                for choice in choices:
+                    yield _event(chunk(parsed, model.name, choice.index, "", None, role=True))
+            async for choice, delta, entries in events:
+                logprobs = choice.logprobs_of(entries)
+                if calls and choice.finish_reason is None:
+                    if logprobs is not None:
+                        yield _event(chunk(parsed, model.name, choice.index, None, None, logprobs=logprobs))
+                    continue
+                tool_calls = None
+                if calls:
+                    delta = None if choice.tool_calls is not None else choice.text
+                    tool_calls = [{"index": i, **call} for i, call in enumerate(choice.tool_calls or [])] or None
+                yield _event(chunk(parsed, model.name, choice.index, delta, choice.finish_reason, logprobs=logprobs,
+                                   tool_calls=tool_calls))
             if parsed.include_usage:
-                yield _event(usage_chunk(parsed, model.name, usage(prompt_tokens, sum(counts))))
+                completion = sum(c.completion_tokens for c in choices)
+                yield _event(usage_chunk(parsed, model.name, usage(_prompt_tokens(parsed), completion)))
         except ApiError as exc:
             yield _event(exc.body())
         finally:
@@ -241,16 +245,11 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any,
                 await events.aclose()  # type: ignore[attr-defined]
         yield "data: [DONE]\n\n"
 
-    async def whole(request: Request, parsed: ParsedRequest, streams: list[Any],
-                    events: AsyncIterator[tuple[_Choice, str]]) -> Any:
-        choices = {i: _Choice(i) for i in range(len(streams))}
-
+    async def whole(request: Request, parsed: ParsedRequest, choices: list[ChoiceState],
+                    events: AsyncIterator[tuple[ChoiceState, str, list[Any]]]) -> Any:
         async def collect() -> None:
-            async for choice, delta in events:
-                mine = choices[choice.index]
-                mine.text += delta
-                mine.finish_reason, mine.token_ids = choice.finish_reason, choice.token_ids
-                mine.completion_tokens = choice.completion_tokens
+            async for _ in events:
+                pass
 
         work = asyncio.create_task(collect())
         gone = asyncio.create_task(_disconnected(request))
@@ -266,10 +265,10 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any,
             return JSONResponse(exc.body(), status_code=exc.status)
         finally:
             gone.cancel()
-        ordered = [vars(choices[i]) for i in range(len(streams))]
-        prompt_tokens = sum(s.prompt_tokens for s in streams)
-        completion_tokens = sum(c["completion_tokens"] for c in ordered)
-        return response(parsed, model.name, ordered, usage(prompt_tokens, completion_tokens))
+        kept = best(choices, parsed.choices.best_of, parsed.choices.n)
+        completion_tokens = sum(c.completion_tokens for c in choices)
+        return response(parsed, model.name, [c.answer(i) for i, c in enumerate(kept)],
+                        usage(_prompt_tokens(parsed), completion_tokens))
 
     @app.get("/health", responses=schema.health_responses())
     async def health() -> Any:
@@ -294,6 +293,11 @@ def build_app(settings: Settings, engine: EngineClient, metrics: Any,
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _prompt_tokens(parsed: ParsedRequest) -> int:
+    """The request's prompt tokens, each prompt counted once (its `n` choices share it)."""
+    return sum(len(prompt) for prompt in parsed.prompts)
 
 
 async def _disconnected(request: Any) -> None:

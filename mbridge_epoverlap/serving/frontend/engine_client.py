@@ -42,6 +42,7 @@ from typing import Any
 
 from mbridge_epoverlap.launch.signals import pid_alive
 from mbridge_epoverlap.memory import KV_CACHE, process_memory, total
+from mbridge_epoverlap.serving.decoding.options import DecodeOptions
 from mbridge_epoverlap.serving.workers import online
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Failure:
 @dataclass
 class RequestStream:
     """One engine request as the front end follows it: its tokens arrive on `queue` as (token, finish reason or
-    None), or a `Failure`."""
+    None, extra: what the request asked to know of the token, `online.Tokens`), or a `Failure`."""
 
     id: str
     worker: int
@@ -264,8 +265,9 @@ class EngineClient:
 
     # --- requests -----------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], *, max_tokens: int, ignore_eos: bool, temperature: float, top_p: float,
-               top_k: int, seed: int | None) -> RequestStream:
-        """Send a request to the least-loaded attention worker.
+               top_k: int, seed: int | None, options: DecodeOptions | None = None) -> RequestStream:
+        """Send a request to the least-loaded attention worker (`options`: its decoding options beyond the
+        sampling settings, `serving.decoding.options.DecodeOptions`).
 
         Raises:
             Unavailable: the engine is not serving, or the request would wait behind `max_waiting` others.
@@ -282,7 +284,7 @@ class EngineClient:
                               "retry later")
         self._next_id += 1
         submit = online.Submit(f"r{self._next_id}", list(prompt_ids), max_tokens, ignore_eos, temperature, top_p,
-                               top_k, seed)
+                               top_k, seed, options.to_wire() if options is not None else None)
         stream = RequestStream(submit.id, worker, len(prompt_ids), submit)
         self.streams[stream.id] = stream
         self.outstanding[worker] += 1
@@ -335,8 +337,10 @@ class EngineClient:
             target = min(self._live_workers(), key=lambda w: self.outstanding[w])
             moved += 1
             first = stream.submit
+            options = DecodeOptions.from_wire(first.options).resumed(stream.tokens)
             resumed = online.Submit(first.id, first.prompt_ids + stream.generated, first.max_tokens - stream.tokens,
-                                    first.ignore_eos, first.temperature, first.top_p, first.top_k, first.seed)
+                                    first.ignore_eos, first.temperature, first.top_p, first.top_k, first.seed,
+                                    options.to_wire())
             stream.worker = target
             self.outstanding[target] += 1
             self._send(target, resumed)
@@ -442,7 +446,7 @@ class EngineClient:
 
     def _tokens(self, message: online.Tokens) -> None:
         now = time.monotonic()
-        for rid, token, finish in message.items:
+        for rid, token, finish, extra in message.items:
             stream = self.streams.get(rid)
             if stream is None:  # aborted meanwhile
                 continue
@@ -451,7 +455,7 @@ class EngineClient:
             stream.generated.append(token)
             if finish is not None:
                 self._finish(stream, "finished")
-            stream.queue.put_nowait((token, finish))
+            stream.queue.put_nowait((token, finish, extra))
 
     # --- health ---------------------------------------------------------------------------------------
     def memory_now(self) -> dict[str, Any] | None:

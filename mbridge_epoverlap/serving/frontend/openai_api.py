@@ -20,10 +20,16 @@ import math
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mbridge_epoverlap.serving.frontend.text import NoTokenizer, TextCodec
+from mbridge_epoverlap.serving.api import decode_fields, tools
+from mbridge_epoverlap.serving.api.decode_fields import Choices
+from mbridge_epoverlap.serving.api.errors import SHOWN_CHARS, ApiError, is_int, shown
+from mbridge_epoverlap.serving.api.served_model import ModelInfo
+from mbridge_epoverlap.serving.api.tools import ToolChoice
+from mbridge_epoverlap.serving.decoding.options import DecodeOptions
+from mbridge_epoverlap.serving.frontend.text import NoTokenizer
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's; chat defaults to the rest of the context
 # torch.Generator.manual_seed's range: a 64-bit seed, a negative one taken modulo 2**64; one past either end
@@ -37,37 +43,12 @@ GREEDY_BELOW = 1e-5
 # just the most likely token, so one below this is raised to it: the same tokens, for vocabularies up to 1e9.
 TOP_P_FLOOR = 1e-9
 MAX_DIGITS = 4300  # Python's own limit on int(str); longer integers are refused, not converted
-SHOWN_CHARS = 60  # how much of a refused value an error message repeats
 # Fields of OpenAI's API this server does not implement: absent, null, or one of these neutral values.
-UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": (),
-                                                       "logprobs": (False,)}
-UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {"n": (1,), "logprobs": (False,), "top_logprobs": (), "tools": ()}
-
-
-class ApiError(Exception):
-    """A request the server refuses, as OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None,
-                 close: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                             405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-                             503: "ServiceUnavailableError"}.get(status, "ServerError")
-        self.close = close  # answer with `Connection: close` (the rest of the body was not read)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the checks need of the served model."""
-
-    name: str
-    vocab_size: int
-    max_model_len: int
-    codec: TextCodec
+UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {"suffix": ()}
+UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    "audio": (), "modalities": (["text"],), "prediction": (), "functions": (), "function_call": ("none",),
+    "reasoning_effort": (), "web_search_options": (), "store": (False,), "service_tier": ("auto", "default"),
+    "metadata": ({},)}
 
 
 @dataclass(frozen=True)
@@ -89,6 +70,9 @@ class ParsedRequest:
 
     prompts: list[list[int]]
     generation: Generation
+    options: DecodeOptions | None = None  # every sequence's decoding options beyond the sampling settings
+    choices: Choices = Choices()
+    tool_choice: ToolChoice | None = None  # chat: how the output becomes tool calls
     stream: bool = False
     include_usage: bool = False
     chat: bool = False
@@ -181,8 +165,12 @@ def parse_chat(body: Any, model: ModelInfo) -> ParsedRequest:
             for m in messages):
         raise ApiError(400, "'messages' must be a non-empty list of {\"role\": str, \"content\": str}",
                        param="messages")
+    tool_list, tool_choice = tools.parse(body)
+    if tool_choice is not None and body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "'response_format' cannot be given with a 'tool_choice' that calls a tool: the call's "
+                            "arguments are the output", param="response_format")
     try:
-        prompt = model.codec.chat_prompt(messages)
+        prompt = model.codec.chat_prompt(messages, tool_list)
     except NoTokenizer as exc:
         raise ApiError(400, str(exc), param="messages") from None
     except Exception as exc:  # the template itself refused the messages (raise_exception)
@@ -190,8 +178,13 @@ def parse_chat(body: Any, model: ModelInfo) -> ParsedRequest:
     if not prompt:
         raise ApiError(400, "the chat template gave an empty prompt", param="messages")
     # OpenAI's newer name rules where both are given; each given one is checked.
-    return _parsed(body, model, [prompt], default_max=None, chat=True,
-                   limit_fields=("max_completion_tokens", "max_tokens"))
+    parsed = _parsed(body, model, [prompt], default_max=None, chat=True,
+                     limit_fields=("max_completion_tokens", "max_tokens"))
+    if tool_choice is None:
+        return parsed
+    decode_fields.check_grammar(tool_choice.grammar, model, "tools")
+    options = replace(parsed.options or DecodeOptions(), grammar=tool_choice.grammar)
+    return replace(parsed, options=options, tool_choice=tool_choice)
 
 
 def _max_tokens(body: dict[str, Any], model: ModelInfo, prompts: list[list[int]], *, default_max: int | None,
@@ -204,8 +197,11 @@ def _max_tokens(body: dict[str, Any], model: ModelInfo, prompts: list[list[int]]
         value = body.get(name)
         if value is None:
             continue
-        if not _is_int(value) or value < 1:
-            raise ApiError(400, f"'{name}' must be an integer of at least 1, got {_shown(value)}", param=name)
+        if value == 0 and is_int(value) and body.get("echo") is True:
+            value = 1  # the prompt's records alone: one token is generated and dropped (`Choices.prompt_only`)
+        if not is_int(value) or value < 1:
+            least = "1 (0 with 'echo': the prompt alone)" if not chat else "1"
+            raise ApiError(400, f"'{name}' must be an integer of at least {least}, got {shown(value)}", param=name)
         _fits(model, prompts, value, name, where)
         chosen = value if chosen is None else chosen
     if chosen is not None:
@@ -245,11 +241,11 @@ def _parsed(body: dict[str, Any], model: ModelInfo, prompts: list[list[int]], *,
     top_k = body.get("top_k", 0)
     if top_k is None:
         top_k = 0
-    if not _is_int(top_k) or top_k < -1:
-        raise ApiError(400, f"'top_k' must be an integer, -1 or 0 for all, got {_shown(top_k)}", param="top_k")
+    if not is_int(top_k) or top_k < -1:
+        raise ApiError(400, f"'top_k' must be an integer, -1 or 0 for all, got {shown(top_k)}", param="top_k")
     seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
-        raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**64 - 1 (a 64-bit seed), got {_shown(seed)}",
+    if seed is not None and not (is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise ApiError(400, f"'seed' must be an integer from -2**63 to 2**64 - 1 (a 64-bit seed), got {shown(seed)}",
                        param="seed")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
@@ -257,23 +253,27 @@ def _parsed(body: dict[str, Any], model: ModelInfo, prompts: list[list[int]], *,
         raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise ApiError(400, f"'ignore_eos' must be a boolean, got {_shown(ignore_eos)}", param="ignore_eos")
+        raise ApiError(400, f"'ignore_eos' must be a boolean, got {shown(ignore_eos)}", param="ignore_eos")
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
-        raise ApiError(400, f"'stream' must be a boolean, got {_shown(stream)}", param="stream")
+        raise ApiError(400, f"'stream' must be a boolean, got {shown(stream)}", param="stream")
     options = body.get("stream_options")
     if options is None:
         options = {}
     if not isinstance(options, dict):
-        raise ApiError(400, f"'stream_options' must be an object, got {_shown(options)}", param="stream_options")
+        raise ApiError(400, f"'stream_options' must be an object, got {shown(options)}", param="stream_options")
     include_usage = options.get("include_usage")
     if not isinstance(include_usage, bool | None):
-        raise ApiError(400, f"'stream_options.include_usage' must be a boolean, got {_shown(include_usage)}",
+        raise ApiError(400, f"'stream_options.include_usage' must be a boolean, got {shown(include_usage)}",
                        param="stream_options")
     # top_k at or past the vocabulary keeps every token, as 0 does (and a huge integer never reaches torch.topk)
     top_k = 0 if top_k < 0 or top_k >= model.vocab_size else top_k
     generation = Generation(max_tokens, temperature, top_p, top_k, seed, tuple(stops), ignore_eos)
-    return ParsedRequest(prompts, generation, bool(stream), bool(include_usage), chat)
+    user = body.get("user")
+    if not isinstance(user, str | None):
+        raise ApiError(400, f"'user' must be a string, got {shown(user)}", param="user")
+    options, choices = decode_fields.parse(body, model, prompts, chat=chat, max_tokens=max_tokens)
+    return ParsedRequest(prompts, generation, options, choices, None, bool(stream), bool(include_usage), chat)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -298,13 +298,13 @@ def _unsupported(body: dict[str, Any], fields: dict[str, tuple[Any, ...]]) -> No
         if value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
             continue
         allowed = " or ".join(json.dumps(v) for v in (None, *neutral))
-        raise ApiError(400, f"'{name}' = {_shown(value)} is not supported by this server (only {allowed})",
+        raise ApiError(400, f"'{name}' = {shown(value)} is not supported by this server (only {allowed})",
                        param=name)
 
 
 def _prompts(prompt: Any, model: ModelInfo) -> list[list[int]]:
     """A prompt as OpenAI allows it: a string, a list of token ids, or a list of either."""
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
         prompts: list[Any] = [prompt]
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
@@ -318,7 +318,7 @@ def _prompts(prompt: Any, model: ModelInfo) -> list[list[int]]:
                 ids = model.codec.encode(item)
             except NoTokenizer as exc:
                 raise ApiError(400, str(exc), param="prompt") from None
-        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+        elif isinstance(item, list) and item and all(is_int(t) for t in item):
             ids = list(item)
         else:
             raise ApiError(400, "each 'prompt' must be a string or a non-empty list of token ids", param="prompt")
@@ -338,27 +338,14 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(400, f"'{name}' must be a number, got {_shown(value)}", param=name)
+        raise ApiError(400, f"'{name}' must be a number, got {shown(value)}", param=name)
     try:
         number = float(value)
     except OverflowError:
         number = math.inf
     if not math.isfinite(number):
-        raise ApiError(400, f"'{name}' = {_shown(value)} is out of range (a finite number)", param=name)
+        raise ApiError(400, f"'{name}' = {shown(value)} is out of range (a finite number)", param=name)
     return number
-
-
-def _shown(value: Any) -> str:
-    """A refused value as an error message repeats it: its JSON, cut short."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # --- responses ---------------------------------------------------------------------------------------------
@@ -369,30 +356,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def response(request: ParsedRequest, model: str, choices: Sequence[dict[str, Any]],
              usage_: dict[str, int]) -> dict[str, Any]:
-    """The whole answer; `choices` as (index, text, finish_reason, token_ids) dicts."""
+    """The whole answer; `choices` as dicts of index, text, finish_reason, token_ids, logprobs (OpenAI's object or
+    None) and, in chat, tool_calls (None: a text answer)."""
     if request.chat:
-        body = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                 "finish_reason": c["finish_reason"], "logprobs": None} for c in choices]
+        body = []
+        for c in choices:
+            message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
+            if c.get("tool_calls") is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": c["tool_calls"]}
+            body.append({"index": c["index"], "message": message, "finish_reason": c["finish_reason"],
+                         "logprobs": c.get("logprobs")})
         return {"id": f"chatcmpl-{request.request_id}", "object": "chat.completion", "created": request.created,
                 "model": model, "choices": body, "usage": usage_}
-    body = [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"], "logprobs": None,
-             "token_ids": c["token_ids"]} for c in choices]
+    body = [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
+             "logprobs": c.get("logprobs"), "token_ids": c["token_ids"]} for c in choices]
     return {"id": f"cmpl-{request.request_id}", "object": "text_completion", "created": request.created,
             "model": model, "choices": body, "usage": usage_}
 
 
 def chunk(request: ParsedRequest, model: str, index: int, text: str | None, finish_reason: str | None, *,
-          role: bool = False) -> dict[str, Any]:
-    """One stream event of choice `index`: a text delta (chat: a message delta; `role` for its first)."""
+          role: bool = False, logprobs: dict[str, Any] | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One stream event of choice `index`: a text delta (chat: a message delta; `role` for its first), with the
+    log-probabilities of the tokens it carries and (chat) its tool-call deltas."""
     if request.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                                  "logprobs": logprobs}
         body = {"id": f"chatcmpl-{request.request_id}", "object": "chat.completion.chunk",
                 "created": request.created, "model": model, "choices": [choice]}
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}
         body = {"id": f"cmpl-{request.request_id}", "object": "text_completion", "created": request.created,
                 "model": model, "choices": [choice]}
     if request.include_usage:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge_epoverlap.memory import KINDS
+from mbridge_epoverlap.serving.api.decode_fields import BIAS_LIMIT, MAX_REPETITION_PENALTY, PENALTY_LIMIT
 from mbridge_epoverlap.serving.frontend.openai_api import (
     SEED_MAX,
     SEED_MIN,
@@ -80,6 +81,38 @@ def _generation(model: ModelInfo, limit_fields: tuple[str, ...]) -> dict[str, An
     }
 
 
+def _decoding(model: ModelInfo) -> dict[str, Any]:
+    """The decoding fields both routes share (`api.decode_fields`); `repetition_penalty`, `min_tokens` and
+    `stop_token_ids` (with `top_k` and `ignore_eos` above) are vLLM's extensions of OpenAI's API."""
+    penalty = _nullable({"type": "number", "minimum": -PENALTY_LIMIT, "maximum": PENALTY_LIMIT})
+    count = _nullable({"type": "integer", "minimum": 1, "maximum": max(1, model.max_sequences or 1 << 20),
+                       "description": "sequences per prompt (best_of times the prompts within what the server "
+                                      "decodes at once)"})
+    token = {"type": "integer", "minimum": 0, "maximum": model.vocab_size - 1}
+    grammar = {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"],
+         "properties": {"type": {"const": "json_schema"},
+                        "json_schema": {"type": "object", "required": ["schema"],
+                                        "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                       "strict": {"type": ["boolean", "null"]}}}}}]}
+    return {
+        "n": count,
+        "presence_penalty": penalty,
+        "frequency_penalty": penalty,
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
+                                         "description": "vLLM's: 1 none"}),
+        "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,12}$"},
+                                 "additionalProperties": {"type": "number", "minimum": -BIAS_LIMIT,
+                                                          "maximum": BIAS_LIMIT},
+                                 "description": "token id (in the vocabulary) -> bias added to its logit"}),
+        "min_tokens": _nullable({"type": "integer", "minimum": 0, "description": "vLLM's: at most max_tokens"}),
+        "stop_token_ids": _nullable({"type": "array", "items": token, "description": "vLLM's"}),
+        "response_format": _nullable(grammar),
+        "user": {"type": ["string", "null"]},
+    }
+
+
 def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
@@ -95,8 +128,22 @@ def completion_request(model: ModelInfo) -> dict[str, Any]:
         "type": "object",
         "required": ["model", "prompt"],
         "properties": {"model": {"type": "string", "enum": [model.name]}, "prompt": prompt,
-                       **_generation(model, ("max_tokens",)), **_unsupported(UNSUPPORTED_COMPLETION)},
+                       **_generation(model, ("max_tokens",)), **_decoding(model),
+                       "max_tokens": _nullable({"type": "integer", "minimum": 0, "maximum": model.max_model_len - 1,
+                                                "description": "new tokens at most (0 with echo: the prompt alone)"}),
+                       "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": model.max_logprobs}),
+                       "echo": {"type": ["boolean", "null"]},
+                       "best_of": _decoding(model)["n"],
+                       **_unsupported(UNSUPPORTED_COMPLETION)},
     })
+
+
+_TOOL = {"type": "object", "required": ["type", "function"],
+         "properties": {"type": {"const": "function"},
+                        "function": {"type": "object", "required": ["name"],
+                                     "properties": {"name": {"type": "string", "minLength": 1},
+                                                    "description": {"type": "string"},
+                                                    "parameters": {"type": "object"}}}}}
 
 
 def chat_request(model: ModelInfo) -> dict[str, Any]:
@@ -108,7 +155,17 @@ def chat_request(model: ModelInfo) -> dict[str, Any]:
         "required": ["model", "messages"],
         "properties": {"model": {"type": "string", "enum": [model.name]},
                        "messages": {"type": "array", "minItems": 1, "items": message},
-                       **_generation(model, ("max_tokens", "max_completion_tokens")),
+                       **_generation(model, ("max_tokens", "max_completion_tokens")), **_decoding(model),
+                       "logprobs": {"type": ["boolean", "null"]},
+                       "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": model.max_logprobs}),
+                       "tools": _nullable({"type": "array", "minItems": 1, "items": _TOOL}),
+                       "tool_choice": _nullable({"anyOf": [
+                           {"enum": ["none", "required", "auto"], "description": "auto is refused (400)"},
+                           {"type": "object", "required": ["type", "function"],
+                            "properties": {"type": {"const": "function"},
+                                           "function": {"type": "object", "required": ["name"],
+                                                        "properties": {"name": {"type": "string"}}}}}]}),
+                       "parallel_tool_calls": {"type": ["boolean", "null"]},
                        **_unsupported(UNSUPPORTED_CHAT)},
     })
 

@@ -191,10 +191,10 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
            metrics: Any, outcome: dict[str, Any], host: str, port: int, layout: dict[str, Any],
            dtype: dict[str, Any]) -> int:
     from mbridge_epoverlap.memory import describe
+    from mbridge_epoverlap.serving.api.served_model import ModelInfo
     from mbridge_epoverlap.serving.frontend.app import Settings, build_app
     from mbridge_epoverlap.serving.frontend.connections import guarded_h11
     from mbridge_epoverlap.serving.frontend.engine_client import FAILED, READY, STOPPED
-    from mbridge_epoverlap.serving.frontend.openai_api import ModelInfo
     from mbridge_epoverlap.serving.frontend.text import TextCodec
 
     external = args.workers_plan is not None
@@ -210,7 +210,10 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
         tmp.write_text(engine.plan.to_json())
         tmp.replace(args.workers_plan)
     codec = TextCodec(spec.source if spec.is_checkpoint else None)
-    settings = Settings(ModelInfo(name, spec.vocab_size, max_model_len, codec), api_key=api_key,
+    workers = args.colocated or args.attn_workers
+    info = ModelInfo(name, spec.vocab_size, max_model_len, codec, eos_ids=tuple(spec.eos_token_ids),
+                     max_logprobs=args.max_logprobs, max_sequences=args.max_batch * workers + args.max_waiting)
+    settings = Settings(info, api_key=api_key,
                         body_timeout_s=args.read_timeout, max_connections=args.max_connections,
                         serving={"layout": dict(layout, workers=_workers(args)), "dtype": dtype})
     # The connections counted are uvicorn's own (`server` is bound below, before the first request).

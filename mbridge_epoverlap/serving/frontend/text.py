@@ -69,8 +69,15 @@ class TextCodec:
             return ""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The ids of `messages` through the chat template with the generation prompt.
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens kept (`token_id:N` without a tokenizer, as vLLM writes it)."""
+        if self._tokenizer is None:
+            return f"token_id:{token}"
+        return self._tokenizer.decode([token], skip_special_tokens=False)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The ids of `messages` (and the `tools` the template may describe) through the chat template with the
+        generation prompt.
 
         Raises:
             NoTokenizer: no tokenizer or no chat template.
@@ -87,7 +94,8 @@ class TextCodec:
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(value, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = raise_exception
-        text = env.from_string(self.template).render(messages=messages, add_generation_prompt=True, **self.special)
+        text = env.from_string(self.template).render(messages=messages, tools=tools, add_generation_prompt=True,
+                                                     **self.special)
         return self.encode(text, special=False)
 
 

@@ -36,6 +36,9 @@ class MicroBatchHandle:
     x: torch.Tensor | None = None  # hidden states entering the next attention
     last_rows: list[int] = field(default_factory=list)  # row of each sampling sequence's last token
     sampling: list[RunningSequence] = field(default_factory=list)  # the sequences this step gives a token
+    # (sequence, first row, rows, its position of the first row) of each prompt chunk whose log-probabilities
+    # its request asks for (`echo`)
+    prompt_rows: list[tuple[RunningSequence, int, int, int]] = field(default_factory=list)
     attn: Any = None  # AttnOut of the current layer
     routes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # per expert worker: (token, slot)
     receives: list[Any] = field(default_factory=list)  # combine Works, one per expert worker
@@ -108,6 +111,7 @@ class AttentionSide:
         # and the online server's expert-load figures (what the router chose, counted where it chose it).
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
         self.expert_load = torch.zeros(len(self.moe_index), spec.num_experts, dtype=torch.int64)
+        self._grammars: Any = None  # `decoding.grammar.Grammars`, made at the first request that asks for one
 
     # --- step boundaries ----------------------------------------------------------------------------
     def boundary(self) -> None:
@@ -189,7 +193,7 @@ class AttentionSide:
         """The micro-batch's tokens: a prefilling sequence's chunk of its prompt (the whole prompt unless a
         prefill budget splits it), else its last token; the rows sampled are the last of each sequence whose
         prefill ends here and of each decoding one."""
-        chunks, h.sampling, h.last_rows = [], [], []
+        chunks, h.sampling, h.last_rows, h.prompt_rows = [], [], [], []
         rows = 0
         for seq in h.seqs:
             if seq.prefilled:  # one new token, at the end of what the cache holds
@@ -197,6 +201,8 @@ class AttentionSide:
             elif seq.chunk:
                 text = list(seq.request.prompt_ids) + seq.output_ids
                 chunks.append((seq.slot, text[seq.fed:seq.fed + seq.chunk], seq.fed))
+                if seq.prompt_logprobs is not None:
+                    h.prompt_rows.append((seq, rows, seq.chunk, seq.fed))
             else:
                 continue  # its prefill waits for a later step's budget
             rows += len(chunks[-1][1])
@@ -234,22 +240,96 @@ class AttentionSide:
 
     def _next_tokens(self, h: MicroBatchHandle) -> list[int]:
         """Each sequence's next token: greedy, or sampled with the sequence's own generator when its request
-        asks for sampling (the greedy rows stay bitwise what they were). A sequence whose sampling fails gets
-        its `error` set and the greedy token, and ends alone: its settings are its own, the batch's are not."""
+        asks for sampling; its logits first changed by its request's options (penalties, logit bias, minimum
+        tokens, grammar), and the log-probabilities it asks for recorded. A row whose request asks for none of
+        these stays bitwise what it was. A sequence whose sampling fails gets its `error` set and the greedy
+        token, and ends alone: its settings are its own, the batch's are not."""
         logits = self.part.logits(h.x[h.last_rows])
         tokens = self.greedy(logits)
+        if h.prompt_rows:
+            self._prompt_logprobs(h)
         for row, seq in enumerate(h.sampling):
-            params = seq.request.sampling
-            if params is not None:
-                from mbridge_epoverlap.serving.model.sampling import sample
+            params, options = seq.request.sampling, seq.request.options
+            if params is None and (options is None or not options.changes_logits):
+                continue
+            try:
+                chosen = logits[row]
+                if options is not None and options.changes_logits:
+                    chosen = self._changed(seq, chosen)
+                    if params is None:
+                        tokens[row] = int(torch.argmax(chosen))
+                if params is not None:
+                    from mbridge_epoverlap.serving.model.sampling import sample
 
-                try:
                     if seq.generator is None:
                         seq.generator = params.generator()
-                    tokens[row] = sample(logits[row], params, seq.generator)
-                except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
-                    seq.error = f"its sampling failed ({type(exc).__name__}: {exc})"
+                    tokens[row] = sample(chosen, params, seq.generator)
+                if seq.grammar is not None:
+                    seq.grammar.accept(tokens[row])
+            except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+                seq.error = f"its sampling failed ({type(exc).__name__}: {exc})"
+        asking = [row for row, seq in enumerate(h.sampling)
+                  if seq.request.options is not None and seq.request.options.logprobs is not None]
+        if asking:
+            from mbridge_epoverlap.serving.decoding.logprobs import records
+
+            found = records(logits[asking], [tokens[r] for r in asking],
+                            [h.sampling[r].request.options.logprobs for r in asking])
+            for row, record in zip(asking, found, strict=True):
+                h.sampling[row].logprob = record
         return tokens
+
+    def _changed(self, seq: RunningSequence, row: torch.Tensor) -> torch.Tensor:
+        """A sequence's logits as its options change them (a new tensor: the model's row stays for its
+        log-probabilities).
+
+        Raises:
+            ValueError: no token is left to choose (its grammar and minimum tokens forbid every one).
+        """
+        from mbridge_epoverlap.serving.decoding.processors import adjust
+
+        request = seq.request
+        options = request.options
+        stop_ids = () if request.ignore_eos else tuple(self.queue.eos_ids)
+        changed = adjust(row, options, request.prompt_ids, seq.output_ids, stop_ids)
+        if options.grammar is not None:
+            if seq.grammar is None:
+                earlier = request.prompt_ids[len(request.prompt_ids) - options.earlier_outputs:]
+                seq.grammar = self.grammars().state(*options.grammar, earlier=[*earlier, *seq.output_ids])
+            seq.grammar.mask(changed)
+        if not bool(torch.isfinite(changed).any()):
+            raise ValueError("no token is allowed (its grammar, stop tokens and min_tokens forbid every one)")
+        return changed
+
+    def grammars(self) -> Any:
+        """This model's grammars (`decoding.grammar.Grammars`), made once, from its checkpoint's tokenizer.
+
+        Raises:
+            ValueError: the model has no `tokenizer.json` (the front end refuses such requests first).
+        """
+        if self._grammars is None:
+            from pathlib import Path
+
+            from mbridge_epoverlap.serving.decoding.grammar import Grammars
+
+            tokenizer = Path(self.spec.source) / "tokenizer.json"
+            if not tokenizer.is_file():
+                raise ValueError(f"structured output needs the checkpoint's tokenizer, and {tokenizer} is missing")
+            self._grammars = Grammars(tokenizer, self.spec.vocab_size, tuple(self.queue.eos_ids))
+        return self._grammars
+
+    def _prompt_logprobs(self, h: MicroBatchHandle) -> None:
+        """The log-probability records of the prompt tokens this step's chunks predict (`echo`): the row at
+        position p scores prompt token p + 1; the chunk's last row, where the prompt ends, scores the first
+        generated token instead (its own record)."""
+        from mbridge_epoverlap.serving.decoding.logprobs import prompt_records
+
+        for seq, first, count, position in h.prompt_rows:
+            prompt = seq.request.prompt_ids
+            targets = list(prompt[position + 1:position + 1 + count])
+            if targets and seq.prompt_logprobs is not None:
+                rows = self.part.logits(h.x[first:first + len(targets)])
+                seq.prompt_logprobs += prompt_records(rows, targets, seq.request.options.prompt_logprobs)
 
     # --- what every transport shares ----------------------------------------------------------------
     def dispatch_rows(self, h: MicroBatchHandle) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,6 +74,7 @@ class Submit:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    options: dict[str, Any] | None = None  # `decoding.options.DecodeOptions.to_wire`; None: none
 
 
 @dataclass(frozen=True)
@@ -145,11 +146,13 @@ class Done:
 
 @dataclass(frozen=True)
 class Tokens:
-    """One micro-batch's new tokens: `(request id, token, finish reason or None)` each."""
+    """One micro-batch's new tokens: `(request id, token, finish reason or None, extra)` each, `extra` None or
+    what the request asked to know of the token: `{"logprob": record}` and, with its first token,
+    `{"prompt_logprobs": [None, record, ...]}` (`decoding.logprobs`)."""
 
     kind: ClassVar[str] = "tokens"
     worker: int
-    items: list[tuple[str, int, str | None]]
+    items: list[tuple[str, int, str | None, dict[str, Any] | None]]
 
 
 # The fields of an elastic event (`ElasticRouter.events`) that travel to the front end: what its counters need.
@@ -280,7 +283,7 @@ class OnlineSource:
 
     def sampled(self, h: Any) -> None:
         """Send a micro-batch's new tokens (a sequence whose sampling failed: its failure instead)."""
-        items = [(s.request.id, s.output_ids[-1], self.queue.stop_reason(s)) for s in h.sampling
+        items = [(s.request.id, s.output_ids[-1], self.queue.stop_reason(s), _extra(s)) for s in h.sampling
                  if not s.aborted and s.error is None]
         if items:
             self._send(Tokens(self.worker, items))
@@ -308,6 +311,7 @@ class OnlineSource:
                 return messages
 
     def _take(self, messages: list[Any]) -> None:
+        from mbridge_epoverlap.serving.decoding.options import DecodeOptions
         from mbridge_epoverlap.serving.model.sampling import SamplingParams
         from mbridge_epoverlap.serving.workers.requests import Request
 
@@ -319,8 +323,9 @@ class OnlineSource:
                     continue
                 sampling = (SamplingParams(message.temperature, message.top_p, message.top_k, message.seed)
                             if message.temperature > 0 else None)
+                options = DecodeOptions.from_wire(message.options) if message.options else None
                 self.queue.waiting.append(Request(message.id, tuple(message.prompt_ids), message.max_tokens,
-                                                  message.ignore_eos, sampling))
+                                                  message.ignore_eos, sampling, options))
             elif isinstance(message, Abort):
                 waiting = [r for r in self.queue.waiting if r.id == message.id]
                 if waiting:
@@ -358,6 +363,34 @@ class OnlineSource:
                 SamplingParams(message.temperature, message.top_p, message.top_k, message.seed).generator()
             except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
                 return f"its seed {message.seed!r} does not seed the generator ({exc})"
+        if message.options:
+            return self._options_refusal(message.options, vocab)
+        return None
+
+    def _options_refusal(self, wire: dict[str, Any], vocab: int) -> str | None:
+        from mbridge_epoverlap.serving.decoding.grammar import GrammarError
+        from mbridge_epoverlap.serving.decoding.options import DecodeOptions
+
+        try:
+            options = DecodeOptions.from_wire(wire)
+        except (TypeError, ValueError) as exc:
+            return f"its decoding options {wire!r} are not this version's ({exc})"
+        ids = [t for t, _ in options.logit_bias] + list(options.stop_token_ids)
+        if not all(0 <= t < vocab for t in ids):
+            return f"its logit_bias or stop_token_ids hold token ids outside the vocabulary 0..{vocab - 1}"
+        numbers = (options.presence_penalty, options.frequency_penalty, options.repetition_penalty,
+                   *(b for _, b in options.logit_bias))
+        if not all(math.isfinite(v) for v in numbers) or options.repetition_penalty <= 0:
+            return "its penalties or logit biases are not finite (or its repetition_penalty is not above 0)"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(options, name)
+            if k is not None and not (_is_int(k) and 0 <= k <= vocab):
+                return f"its {name} {k!r} is not an integer in 0..{vocab}"
+        if options.grammar is not None:
+            try:
+                self.side.grammars().check(*options.grammar)
+            except (GrammarError, ValueError, OSError) as exc:
+                return f"its grammar cannot be made: {exc}"
         return None
 
     def _report(self) -> None:
@@ -391,3 +424,13 @@ class OnlineSource:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _extra(seq: Any) -> dict[str, Any] | None:
+    """What a sequence's request asked to know of its newest token (see `Tokens`), or None."""
+    extra: dict[str, Any] = {}
+    if seq.logprob is not None:
+        extra["logprob"] = seq.logprob
+    if seq.prompt_logprobs is not None:  # its prompt is all scored once it has a token: sent once, then dropped
+        extra["prompt_logprobs"], seq.prompt_logprobs = seq.prompt_logprobs, None
+    return extra or None

@@ -26,6 +26,8 @@ class Request:
         max_new_tokens: its own generation limit (None: the queue's).
         ignore_eos: keep generating past an end-of-sequence token (only the limit stops it).
         sampling: temperature/top-p/top-k/seed sampling (`serving.model.sampling.SamplingParams`); None: greedy.
+        options: log-probabilities, penalties, logit bias, minimum tokens, stop token ids, a grammar
+            (`serving.decoding.options.DecodeOptions`); None: none of them.
     """
 
     id: str
@@ -33,6 +35,11 @@ class Request:
     max_new_tokens: int | None = None
     ignore_eos: bool = False
     sampling: Any = None
+    options: Any = None
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self.options.stop_token_ids if self.options is not None else ()
 
 
 def load_prompts(path: str | Path, *, vocab_size: int, tokenizer: Any = None) -> list[Request]:
@@ -100,6 +107,9 @@ class RunningSequence:
     aborted: bool = False  # the client went away: finished without a reason of its own
     generator: Any = None  # its random generator, made at its first sampled token (`sampling.sample`)
     error: str | None = None  # why its own sampling failed: it ends alone, failed (the batch goes on)
+    grammar: Any = None  # its place in its grammar (`decoding.grammar.GrammarState`), made at its first token
+    logprob: Any = None  # its last token's log-probability record (`decoding.logprobs`), when its request asks
+    prompt_logprobs: list[Any] | None = None  # its prompt tokens' records so far, when its request asks (echo)
 
     @property
     def length(self) -> int:
@@ -197,7 +207,10 @@ class RequestQueue:
             if self.prefill_budget is not None and tokens >= self.prefill_budget:
                 break
             tokens += len(self.waiting[0].prompt_ids)
-            seq = RunningSequence(self.waiting.popleft(), self._next_slot, admitted_at=self.start)
+            request = self.waiting.popleft()
+            seq = RunningSequence(request, self._next_slot, admitted_at=self.start)
+            if request.options is not None and request.options.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]  # the first prompt token has no context to score it
             self._next_slot += 1
             self.running.append(seq)
             admitted.append(seq)
@@ -226,6 +239,8 @@ class RequestQueue:
         """Why `seq` stops after its last token: "stop" (an end-of-sequence token), "length" (its limit), or None."""
         request = seq.request
         if seq.output_ids and not request.ignore_eos and seq.output_ids[-1] in self.eos_ids:
+            return "stop"
+        if seq.output_ids and seq.output_ids[-1] in request.stop_token_ids:
             return "stop"
         limit = request.max_new_tokens if request.max_new_tokens is not None else self.max_new_tokens
         return "length" if len(seq.output_ids) >= limit else None

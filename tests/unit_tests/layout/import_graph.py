@@ -32,12 +32,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mbridge_epoverlap.moe",),
     ("mbridge_epoverlap.profiling",),
     ("mbridge_epoverlap.runtime",),
-    ("mbridge_epoverlap.serving.model", "mbridge_epoverlap.serving.planning"),
+    ("mbridge_epoverlap.serving.model", "mbridge_epoverlap.serving.planning", "mbridge_epoverlap.serving.decoding"),
     ("mbridge_epoverlap.serving.workers",),
     ("mbridge_epoverlap.serving.elastic",),
     ("mbridge_epoverlap.serving.engine",),
     # The server is below the commands: `serve --http` starts it, it reads no command module.
-    ("mbridge_epoverlap.serving.frontend",),
+    # The OpenAI API's fields and answers (`serving.api`) share the server's layer: they read its text codec.
+    ("mbridge_epoverlap.serving.frontend", "mbridge_epoverlap.serving.api"),
     ("mbridge_epoverlap.serving.cli",),
     ("mbridge_epoverlap.harness",),
     # Command modules: a command may use every layer (`*/cli.py` wires flags to the layers below it).

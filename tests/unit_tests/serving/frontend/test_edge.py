@@ -85,7 +85,7 @@ BAD = [
     ("an integer of 5000 digits", "/v1/completions",
      b'{"model": "tiny", "prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", None, "5001 digits"),
     ("nesting past the parser", "/v1/completions", b"[" * 100_000, None, "nested too deeply"),
-    ("n: true", "/v1/completions", _completion(n=True), "n", "not supported"),
+    ("n: true", "/v1/completions", _completion(n=True), "n", "must be an integer"),
     ("a bad max_tokens beside a good max_completion_tokens", CHAT,
      json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0,
                  "max_completion_tokens": 4}).encode(), "max_tokens", "at least 1"),

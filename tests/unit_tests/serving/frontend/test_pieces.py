@@ -93,12 +93,25 @@ def test_every_string_of_a_body_is_text_and_a_refusal_says_where():
 
 def test_unsupported_fields_take_only_their_neutral_value_and_no_boolean_for_a_number(chat_mixtral_dir):
     model = ModelInfo("m", 384, 256, TextCodec(chat_mixtral_dir))
-    for fields in ({"n": 1}, {"n": 1.0}, {"n": None}, {"echo": False}, {"logprobs": False}):
+    for fields in ({"n": 1}, {"n": None}, {"echo": False}, {"suffix": None}):
         parse_completion({"model": "m", "prompt": [1], **fields}, model)
-    for fields in ({"n": True}, {"n": 2}, {"echo": 0}, {"best_of": "1"}, {"suffix": ""}):
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for fields in ({"service_tier": "auto"}, {"store": False}, {"modalities": ["text"]}, {"audio": None}):
+        parse_chat({**chat, **fields}, model)
+    for fields in ({"suffix": ""}, {"suffix": "x"}):
         with pytest.raises(ApiError) as err:
             parse_completion({"model": "m", "prompt": [1], **fields}, model)
         assert err.value.param == next(iter(fields)) and "not supported" in err.value.message
+    for fields in ({"store": True}, {"store": 0}, {"audio": {"voice": "x"}}, {"modalities": ["audio"]},
+                   {"function_call": "auto"}):
+        with pytest.raises(ApiError) as err:
+            parse_chat({**chat, **fields}, model)
+        assert err.value.param == next(iter(fields)) and "not supported" in err.value.message
+    # implemented now, but a boolean is not a number here, as in JSON
+    for fields in ({"n": True}, {"n": 1.0}, {"echo": 0}, {"best_of": "1"}, {"logprobs": False}):
+        with pytest.raises(ApiError) as err:
+            parse_completion({"model": "m", "prompt": [1], **fields}, model)
+        assert err.value.param == next(iter(fields)) and "must be" in err.value.message
 
 
 def test_generation_settings_past_the_engine_s_types_are_mapped_or_refused(chat_mixtral_dir):
@@ -153,7 +166,8 @@ def test_draw_follows_the_probabilities_never_a_zero_one_and_refuses_no_mass():
 def test_online_messages_round_trip():
     for message in (online.Submit("r1", [1, 2], 5, True, 0.5, 0.9, 3, 7), online.Abort("r1"), online.Shutdown(),
                     online.Done(1), online.Failed(0, "r3", "its prompt is not a non-empty list of token ids"),
-                    online.Ready(0, 123), online.Tokens(1, [("r1", 4, None), ("r2", 2, "stop")]),
+                    online.Ready(0, 123),
+                    online.Tokens(1, [("r1", 4, None, None), ("r2", 2, "stop", {"logprob": [-0.5, [[2, -0.5]]]})]),
                     online.Stats(0, 1, 2, 30, [[1, 0], [0, 1]], [{"event": "rebalanced", "moved": 2}])):
         assert online.decode(online.encode(message)) == message
     with pytest.raises(ValueError, match="unknown online message"):
