@@ -4,8 +4,9 @@ Builds a random checkpoint with a tokenizer (a byte-level BPE trained with `toke
 library's sources, saved with `transformers` beside the weights, with a chat template): the 57M Mixtral (8 experts
 top-2) or, with `--shape qwen3_moe`, a 108M Qwen3-MoE (64 experts top-8, expert FFN 256). It starts
 `mbridge-epoverlap serve --http` on it and sends `--prompts` requests of `--input-len` random token ids,
-`--output-len` tokens each with `ignore_eos`, all at once (`burst`) and at each Poisson rate of `--rates`,
-streaming. It prints output tokens/s, TTFT, TPOT and ITL (P50, P99) and the failed requests per case, with
+`--output-len` tokens each with `ignore_eos`, all at once (`burst`), at each Poisson rate of `--rates`, and all at
+once after a `--shared-prefix`-token prefix they share (a new one each round: automatic prefix caching prefills it
+once), streaming. It prints output tokens/s, TTFT, TPOT and ITL (P50, P99) and the failed requests per case, with
 the machine. `--kill-expert` adds a case on an elastic server (2 expert workers, redundant experts) whose
 expert worker 0 is SIGKILLed once half the requests stream: failed requests and P99 ITL through the loss.
 
@@ -313,16 +314,23 @@ def summarize(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     return out
 
 
-def builtin_case(url: str, vocab: int, args: argparse.Namespace, rate: float, on_half: Any = None) -> dict[str, Any]:
+def builtin_case(url: str, vocab: int, args: argparse.Namespace, rate: float, on_half: Any = None, *,
+                 prefix_len: int = 0, seed: int = 0) -> dict[str, Any]:
+    """`args.prompts` random prompts of `args.input_len` tokens (after a `prefix_len`-token prefix they all share,
+    drawn from `seed`) sent at `rate`."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
+    shared_rng = random.Random(1000 + seed)
+    prefix = [shared_rng.randrange(3, vocab) for _ in range(prefix_len)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
     results, wall = asyncio.run(_drive(url, prompts, args.output_len, rate, on_half))
     return summarize(results, wall)
 
 
 # --- vLLM's client -----------------------------------------------------------------------------------------
-def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Namespace, rate: float) -> dict[str, Any]:
-    """Run `vllm.benchmarks.serve` against `url`; its figures under this benchmark's names."""
+def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Namespace, rate: float, *,
+                     prefix_len: int = 0, seed: int = 0) -> dict[str, Any]:
+    """Run `vllm.benchmarks.serve` against `url` (its random dataset, with a shared `--random-prefix-len`
+    drawn from `seed`); its figures under this benchmark's names."""
     out = Path(tempfile.mkdtemp()) / "result.json"
     code = ("import argparse, sys; from vllm.benchmarks import serve as s; p = argparse.ArgumentParser(); "
             "s.add_cli_args(p); s.main(p.parse_args(sys.argv[1:]))")
@@ -330,6 +338,7 @@ def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Nam
                "--model", str(checkpoint), "--served-model-name", NAME, "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--num-prompts", str(args.prompts), "--ignore-eos", "--request-rate", str(rate),
+               "--random-prefix-len", str(prefix_len), "--seed", str(seed),
                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--save-result",
                "--result-dir", str(out.parent), "--result-filename", out.name]
     with open(out.parent / "client.log", "wb") as log:  # its chatter stays out of this table
@@ -418,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="measured rounds (default 3); each round runs every case on each server, one after "
                              "the other; the table gives the medians")
+    parser.add_argument("--shared-prefix", type=int, default=384, metavar="TOKENS",
+                        help="a case whose prompts all begin with the same TOKENS-token prefix (each round its own "
+                             "prefix), sent at once: what automatic prefix caching saves (default 384; 0: none)")
     parser.add_argument("--kill-expert", action="store_true",
                         help="also a case on an elastic server whose expert worker 0 is killed mid-run")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
@@ -429,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         size = dict(hidden=64, layers=2, experts=4, vocab=320, context=256, text_files=5)
         args.prompts, args.input_len, args.output_len = 8, 16, 16
+        args.shared_prefix = min(args.shared_prefix, 64)
+    if args.shared_prefix < 0 or args.shared_prefix + args.input_len + args.output_len > size["context"]:
+        raise SystemExit(f"error: --shared-prefix {args.shared_prefix}: with --input-len and --output-len it must fit "
+                         f"the context of {size['context']} tokens")
     name = "quick" if args.quick else args.shape if args.shape != "mixtral" else "full"
     checkpoint = build_checkpoint(args.workdir / name, **size, shape="mixtral" if args.quick else args.shape)
     limits = ["--max-model-len", str(size["context"]), "--max-batch", str(max(args.prompts, 1)),
@@ -440,14 +456,19 @@ def main(argv: list[str] | None = None) -> int:
                            "client": "vllm.benchmarks.serve" if args.vllm_python else "built-in",
                            "servers": {}, "load_before": round(os.getloadavg()[0], 2)}
     rates = {"burst": float("inf"), **{f"poisson {rate:g}/s": rate for rate in poisson_rates(args.rates)}}
+    prefixes = {case: 0 for case in rates}
+    if args.shared_prefix:
+        shared = f"shared prefix {args.shared_prefix}"
+        rates[shared], prefixes[shared] = float("inf"), args.shared_prefix
     starts = {"mbridge-epoverlap": lambda: ours(checkpoint, flags)}
     if args.vllm_python:
         starts["vllm"] = lambda: vllm(args.vllm_python, checkpoint, size["context"], max(args.prompts, 1))
 
-    def measure(server: Server, rate: float) -> dict[str, Any]:
+    def measure(server: Server, rate: float, prefix_len: int = 0, seed: int = 0) -> dict[str, Any]:
         if args.vllm_python:
-            return vllm_client_case(args.vllm_python, server.url, checkpoint, args, rate)
-        return builtin_case(server.url, size["vocab"], args, rate)
+            return vllm_client_case(args.vllm_python, server.url, checkpoint, args, rate, prefix_len=prefix_len,
+                                    seed=seed)
+        return builtin_case(server.url, size["vocab"], args, rate, prefix_len=prefix_len, seed=seed)
 
     servers: dict[str, Server] = {}
     try:
@@ -467,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                     before = sum(cpu_seconds(other) for other in idle)
                     steps_before = engine_step_totals(server) if label == "mbridge-epoverlap" else None
                     started = time.perf_counter()
-                    figures = measure(server, rate)
+                    figures = measure(server, rate, prefixes[case], seed=repeat + 1)
                     wall = time.perf_counter() - started
                     if steps_before is not None:
                         time.sleep(STATS_LAG_S)  # the workers' last report of the case arrives

@@ -5,9 +5,9 @@ naming the field (`openai_api.ApiError`), before anything reaches a worker; what
 `DecodeOptions` and the request's `Choices`.
 
 Limits: `logprobs` and `top_logprobs` up to the server's `--max-logprobs` (vLLM's default 20); penalties in
-OpenAI's ranges (presence and frequency -2..2, a logit bias -100..100, a repetition penalty above 0, at most
-`MAX_REPETITION_PENALTY`); `n` up to `best_of`, and `best_of` times the prompts within what the server decodes at
-once (`ModelInfo.max_sequences`).
+OpenAI's ranges (presence and frequency -2..2, a logit bias -100..100) and a repetition penalty from
+`MIN_REPETITION_PENALTY` to `MAX_REPETITION_PENALTY`; `n` up to `best_of`, and `best_of` times the prompts within
+what the server holds at once (`ModelInfo.max_sequences`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from mbridge_epoverlap.serving.api.errors import ApiError, is_int, shown
 from mbridge_epoverlap.serving.api.served_model import ModelInfo
 from mbridge_epoverlap.serving.decoding.options import DecodeOptions
 
-MAX_REPETITION_PENALTY = 10.0  # a larger one flattens every seen logit to ~0; vLLM takes any positive value
+# vLLM takes any positive repetition penalty; a seen logit is divided by it, and 5e-324 made it infinite (the
+# sampler's softmax then NaN). Within these bounds a float32 logit stays finite, and a larger penalty than the
+# top one already flattens every seen logit to ~0.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0
 PENALTY_LIMIT = 2.0  # OpenAI's range of presence_penalty and frequency_penalty
 BIAS_LIMIT = 100.0  # OpenAI's range of a logit_bias value
 MAX_SCHEMA_CHARS = 64_000  # a JSON schema's text at most (llguidance's own limits apply too)
@@ -181,9 +184,10 @@ def _repetition(body: dict[str, Any]) -> float:
     value = body.get("repetition_penalty")
     if value is None:
         return 1.0
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_REPETITION_PENALTY:
-        raise _refused(f"'repetition_penalty' must be a number above 0 and at most {MAX_REPETITION_PENALTY:g} "
-                     f"(1: none), got {shown(value)}", "repetition_penalty")
+    if isinstance(value, bool) or not isinstance(value, int | float) or \
+            not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+        raise _refused(f"'repetition_penalty' must be a number from {MIN_REPETITION_PENALTY:g} to "
+                       f"{MAX_REPETITION_PENALTY:g} (1: none), got {shown(value)}", "repetition_penalty")
     return float(value)
 
 

@@ -54,7 +54,7 @@ def parse(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice
         return tools, ToolChoice(REQUIRED, None, (JSON_SCHEMA, json.dumps(schema)))
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in functions:
+        if not isinstance(name, str) or name not in functions:
             raise ApiError(400, f"'tool_choice' names the function {shown(name)}, which is not among 'tools' "
                                 f"({', '.join(functions)})", param="tool_choice")
         return tools, ToolChoice(NAMED, name, (JSON_SCHEMA, json.dumps(functions[name])))

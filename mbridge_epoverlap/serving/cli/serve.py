@@ -70,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "it picks its layout (no layout flag given): kept unless the layout on every core "
                              "decodes 8 sequences 1.08x faster in a trial (default 1, as vLLM's CPU build keeps "
                              "one for its API server; 0: every core to the workers)")
+    online.add_argument("--prefix-cache-mib", type=positive, default=1024, metavar="MIB",
+                        help="each attention worker keeps full 16-token blocks of prompts' KV cache, up to MIB "
+                             "MiB, and a prompt that begins with cached blocks is prefilled from there "
+                             "(automatic prefix caching, least recently used evicted; default 1024)")
+    online.add_argument("--no-prefix-cache", action="store_true",
+                        help="prefill every prompt whole (automatic prefix caching off)")
     online.add_argument("--max-logprobs", type=count, default=20, metavar="K",
                         help="the most log-probabilities a request may ask for per token (`logprobs`, "
                              "`top_logprobs`; default 20, as vLLM's)")

@@ -66,6 +66,8 @@ class EnginePlan:
         prefill_budget: online serving: the prompt tokens one admission (a micro-batch's step boundary; a
             colocated rank's step) may feed, a longer prompt in chunks over several steps
             (`RequestQueue.prefill_budget`); 0 means `max_model_len`.
+        prefix_cache_bytes: online serving: each attention worker's automatic prefix cache, in bytes
+            (`model.prefix_cache`); 0: off.
         emulate_hosts: emulated hosts (`engine.hosts`): attention workers on host 0, expert workers on host 1,
             each host a network namespace joined by a link shaped to `emulate_link_gbps` (0: one real host).
         emulate_link_gbps: the emulated link's rate in Gbit/s.
@@ -104,6 +106,7 @@ class EnginePlan:
     online_events: str = ""
     max_model_len: int = 0
     prefill_budget: int = 0
+    prefix_cache_bytes: int = 0
     replicated_experts: bool = False
     emulate_hosts: int = 0
     emulate_link_gbps: float = 0.0

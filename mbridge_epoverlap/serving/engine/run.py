@@ -62,13 +62,14 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
               backend: str = "m2n", timeout_s: float = 30.0, num_layers: int | None = None, seed: int = 0,
               dtype: str = "float32", online_requests: Sequence[str] = (), online_events: str = "",
               max_model_len: int = 0, max_prefill_tokens: int = 0, threads: int = 0,
-              replicated_experts: bool = False) -> EnginePlan:
+              replicated_experts: bool = False, prefix_cache_bytes: int = 0) -> EnginePlan:
     """Check a layout against the model and deal the requests to the attention workers (round robin).
 
     Online serving (`online_requests`, one front-end endpoint per attention worker, and `online_events`) deals
     none: requests arrive while the workers run, each at most `max_model_len` tokens long, and an engine step feeds
     at most `max_prefill_tokens` prompt tokens over its attention workers (0: `max_model_len` per admission); a
-    longer prompt is fed in chunks over several steps. `replicated_experts`: colocated processes hold every expert
+    longer prompt is fed in chunks over several steps; `prefix_cache_bytes` gives each attention worker an automatic
+    prefix cache of that size (0: none). `replicated_experts`: colocated processes hold every expert
     each (no all-to-all; `EnginePlan.replicated_experts`). `threads` is torch's intra-op threads per worker
     process; 0 shares the cores evenly (`plan.default_threads`).
 
@@ -115,6 +116,7 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
                       backend=backend, slot_bytes=slot_bytes, timeout_s=timeout_s, num_layers=num_layers, seed=seed,
                       dtype=dtype, online_requests=tuple(online_requests), online_events=online_events,
                       max_model_len=max_model_len, prefill_budget=prefill_budget,
+                      prefix_cache_bytes=prefix_cache_bytes if online_requests else 0,
                       replicated_experts=replicated_experts,
                       threads=threads or default_threads(colocated or attn_workers + expert_workers))
 

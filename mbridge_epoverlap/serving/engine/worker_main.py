@@ -207,7 +207,7 @@ def _serve_online(plan: EnginePlan, index: int, side: Any, transport: Any) -> No
 
     OnlineSource(index, plan.online_requests[index], plan.online_events, side,
                  prefill_budget=plan.prefill_budget or plan.max_model_len, max_model_len=plan.max_model_len,
-                 events=transport.events)
+                 events=transport.events, prefix_cache_bytes=plan.prefix_cache_bytes)
 
 
 def _grouping(plan: EnginePlan, spec: Any) -> tuple[int, int]:

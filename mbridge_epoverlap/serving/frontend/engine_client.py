@@ -474,7 +474,7 @@ class EngineClient:
             if role is None or role.value == "attention":
                 stats = self.stats.get(index)
                 if stats is not None:
-                    now[KV_CACHE] = stats.kv_bytes
+                    now[KV_CACHE] = stats.kv_bytes + stats.prefix_bytes  # its prefix cache's blocks too
             records.append(now)
         return total(records)
 

@@ -104,6 +104,12 @@ class ServerMetrics:
         self.running = Gauge("mbe_requests_running", "Requests decoding", registry=registry)
         self.waiting = Gauge("mbe_requests_waiting", "Requests waiting for a slot", registry=registry)
         self.kv_tokens = Gauge("mbe_kv_cache_tokens", "Tokens held in the KV caches", registry=registry)
+        self.prefix_queries = Counter("mbe_prefix_cache_queries", "Prompt tokens looked up in the prefix caches",
+                                      registry=registry)
+        self.prefix_hits = Counter("mbe_prefix_cache_hits", "Prompt tokens found in the prefix caches (not "
+                                   "prefilled)", registry=registry)
+        self.prefix_bytes = Gauge("mbe_prefix_cache_bytes", "Bytes the prefix caches hold", registry=registry)
+        self._prefix_seen: dict[int, tuple[int, int]] = {}  # worker -> (queries, hits) at its last report
         self.kv_bytes = Gauge("mbe_kv_cache_bytes_per_token", "Bytes one token takes in the KV cache, all layers",
                               registry=registry)
         if kv_bytes_per_token is not None:
@@ -163,6 +169,11 @@ class ServerMetrics:
         self.running.set(sum(s.running for s in every))
         self.waiting.set(sum(s.waiting for s in every))
         self.kv_tokens.set(sum(s.kv_tokens for s in every))
+        queries, hits = self._prefix_seen.get(latest.worker, (0, 0))
+        self.prefix_queries.inc(max(0, latest.prefix_query_tokens - queries))
+        self.prefix_hits.inc(max(0, latest.prefix_hit_tokens - hits))
+        self._prefix_seen[latest.worker] = (latest.prefix_query_tokens, latest.prefix_hit_tokens)
+        self.prefix_bytes.set(sum(s.prefix_bytes for s in every))
         self.steps.labels(str(latest.worker)).set(latest.steps)
         self.idle_steps.labels(str(latest.worker)).set(latest.idle_steps)
         seconds, tokens = self.step_seconds.labels(str(latest.worker)), self.step_tokens.labels(str(latest.worker))

@@ -17,7 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge_epoverlap.memory import KINDS
-from mbridge_epoverlap.serving.api.decode_fields import BIAS_LIMIT, MAX_REPETITION_PENALTY, PENALTY_LIMIT
+from mbridge_epoverlap.serving.api.decode_fields import (
+    BIAS_LIMIT,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    PENALTY_LIMIT,
+)
 from mbridge_epoverlap.serving.frontend.openai_api import (
     SEED_MAX,
     SEED_MIN,
@@ -100,8 +105,8 @@ def _decoding(model: ModelInfo) -> dict[str, Any]:
         "n": count,
         "presence_penalty": penalty,
         "frequency_penalty": penalty,
-        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
-                                         "description": "vLLM's: 1 none"}),
+        "repetition_penalty": _nullable({"type": "number", "minimum": MIN_REPETITION_PENALTY,
+                                         "maximum": MAX_REPETITION_PENALTY, "description": "vLLM's: 1 none"}),
         "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,12}$"},
                                  "additionalProperties": {"type": "number", "minimum": -BIAS_LIMIT,
                                                           "maximum": BIAS_LIMIT},

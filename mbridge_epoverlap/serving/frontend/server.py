@@ -89,7 +89,8 @@ def serve_http(args: argparse.Namespace) -> int:
                          max_batch=args.max_batch, backend=args.backend,
                          timeout_s=args.timeout, dtype=args.dtype, online_requests=endpoints, online_events=events,
                          max_model_len=max_model_len, max_prefill_tokens=args.max_prefill_tokens,
-                         threads=args.threads, replicated_experts=args.replicate_experts)
+                         threads=args.threads, replicated_experts=args.replicate_experts,
+                         prefix_cache_bytes=0 if args.no_prefix_cache else args.prefix_cache_mib << 20)
         if args.elastic:
             from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 

@@ -23,7 +23,8 @@ Nothing here knows processes or messages; workers hold these pieces and call the
 - `batch`: `TokenBatch`, the tokens of one step from several sequences, flat, and how they attend.
 - `kv_cache`: `KVCache`, the keys and values of every sequence, and decode attention over them (the one
   owner of `decode_attention` and `cached_attention`); `LatentKVCache`, DeepSeek-V3's cache of latents.
-- `sampling`: greedy sampling and the stop rules.
+- `prefix_cache`: `PrefixCache`, full blocks of prompts' cached keys and values (or latents) reused by later
+  prompts that begin with the same tokens (automatic prefix caching), least recently used evicted.
 - `tokenizer`: text prompts for checkpoints that ship a `tokenizer.json`.
 
 Nothing is imported here, so importing the package stays cheap.

@@ -136,6 +136,34 @@ class KVCache:
         """Positions cached for `seq_id` in `layer`."""
         return self._lengths[seq_id][layer]
 
+    def rows(self, seq_id: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of positions start..end-1 of `seq_id`, per layer (keys, values) each [kv_heads, end - start,
+        head_dim] (a latent cache: latents and rotary keys): what `PrefixCache` keeps of a prompt's block."""
+        row = self._row[seq_id]
+        if end > min(self._lengths[seq_id]):
+            raise ValueError(f"sequence {seq_id} holds {min(self._lengths[seq_id])} positions, not {end}")
+        return [(self._keys[layer][row, :, start:end].clone(), self._values[layer][row, :, start:end].clone())
+                for layer in range(self.num_layers)]
+
+    def load(self, seq_id: int, blocks: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> int:
+        """Fill an empty sequence's first positions with `blocks` (each as `rows` gave it), in order; return the
+        positions filled. Its next tokens then attend to them as to its own."""
+        row = self._row[seq_id]
+        if any(self._lengths[seq_id]):
+            raise ValueError(f"sequence {seq_id} is not empty: a prefix goes first")
+        end = sum(block[0][0].shape[1] for block in blocks)
+        for layer in range(self.num_layers):
+            self._fit(layer, end)
+            start = 0
+            for block in blocks:
+                keys, values = block[layer]
+                size = keys.shape[1]
+                self._keys[layer][row, :, start:start + size] = keys
+                self._values[layer][row, :, start:start + size] = values
+                start += size
+            self._lengths[seq_id][layer] = end
+        return end
+
     def append(self, layer: int, seq_id: int, start: int, keys: torch.Tensor, values: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store keys/values [n, kv_heads, head_dim] at positions start..start+n-1 of `layer`.

@@ -32,6 +32,7 @@ from mbridge_epoverlap.moe.model import seeded_normal
 from mbridge_epoverlap.moe.rotary import apply_partial_rotary, apply_rotary
 from mbridge_epoverlap.moe.router import GroupedSigmoidRouter, TopKRouter
 from mbridge_epoverlap.moe.wgrad import Linear
+from mbridge_epoverlap.serving.decoding.sampling import StopRule, greedy
 from mbridge_epoverlap.serving.model import architectures
 from mbridge_epoverlap.serving.model import packed as packed_gemm
 from mbridge_epoverlap.serving.model.batch import TokenBatch
@@ -46,7 +47,6 @@ from mbridge_epoverlap.serving.model.layers import (
     rotary_for,
     softmax_topk_pnorm,
 )
-from mbridge_epoverlap.serving.model.sampling import StopRule, greedy
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 __all__ = [

@@ -82,8 +82,8 @@ class AttentionSide:
 
     def __init__(self, spec: Any, part: Any, cache: Any, queue: RequestQueue, micro_batches: int, timeout_s: float,
                  compute_stages: frozenset[str] = frozenset({ATTN.name, POST.name, DISPATCH.name})) -> None:
+        from mbridge_epoverlap.serving.decoding.sampling import greedy
         from mbridge_epoverlap.serving.model.parts import TokenBatch
-        from mbridge_epoverlap.serving.model.sampling import greedy
 
         self.spec, self.part, self.cache, self.queue = spec, part, cache, queue
         self.m, self.timeout_s = micro_batches, timeout_s
@@ -112,6 +112,9 @@ class AttentionSide:
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layer_ids)}
         self.expert_load = torch.zeros(len(self.moe_index), spec.num_experts, dtype=torch.int64)
         self._grammars: Any = None  # `decoding.grammar.Grammars`, made at the first request that asks for one
+        # Automatic prefix caching (`model.prefix_cache.PrefixCache`): prompts start from the blocks earlier
+        # prompts left; None: every prompt is prefilled whole.
+        self.prefix_cache: Any = None
 
     # --- step boundaries ----------------------------------------------------------------------------
     def boundary(self) -> None:
@@ -122,7 +125,9 @@ class AttentionSide:
         for seq in retired:
             self.cache.free(seq.slot)
         for seq in admitted:
-            self.cache.add(seq.slot)
+            self.start(seq, self.cache)
+        if admitted and self.prefix_cache is not None:
+            self.queue.assign_chunks(self.queue.running)  # what a prefix hit left to prefill
         self.active = bool(self.queue.running) or (self.source is not None and self.source.serving)
 
     def refill(self, h: MicroBatchHandle) -> None:
@@ -140,12 +145,22 @@ class AttentionSide:
         limit = micro_batch_limit(self.queue.max_batch, self.m, h.index)
         share = -(-len(self.queue.waiting) // (self.m - h.index))
         for seq in self.queue.admit(min(share, limit - len(h.seqs)), continuing=h.seqs):
-            h.cache.add(seq.slot)
+            self.start(seq, h.cache)
             h.seqs.append(seq)
         self.queue.assign_chunks(h.seqs)
         if h.index == 0:  # the control every dispatch of this step carries (read by the experts at micro-batch 0)
             self.active = bool(self.queue.waiting) or any(not s.finished for g in self.handles for s in g.seqs)
             self.active = self.active or (self.source is not None and self.source.serving)
+
+    def start(self, seq: RunningSequence, cache: Any) -> None:
+        """A newly admitted sequence's place in `cache`: empty, or the cached blocks its prompt begins with (not
+        for a request that asks for its prompt's log-probabilities: those need every position's logits)."""
+        cache.add(seq.slot)
+        if self.prefix_cache is None or seq.prompt_logprobs is not None:
+            return
+        blocks = self.prefix_cache.match(seq.request.prompt_ids)
+        if blocks:
+            seq.fed = cache.load(seq.slot, blocks)
 
     def finish(self) -> None:
         """After the last step: retire what finished (drained steps)."""
@@ -228,6 +243,8 @@ class AttentionSide:
                     if not seq.prefilled and seq.chunk:  # this chunk of its prefill is in the cache now
                         seq.fed += seq.chunk
                         seq.chunk = 0
+                        if self.prefix_cache is not None and seq.fed == seq.length:  # its whole prompt
+                            self.prefix_cache.insert(seq.request.prompt_ids, h.cache or self.cache, seq.slot)
                 with self.timer.time(SAMPLE_STAGE):  # the head and the choice of tokens: once per step
                     tokens = self._next_tokens(h) if h.sampling else []
                 for seq, token in zip(h.sampling, tokens, strict=True):
@@ -259,7 +276,7 @@ class AttentionSide:
                     if params is None:
                         tokens[row] = int(torch.argmax(chosen))
                 if params is not None:
-                    from mbridge_epoverlap.serving.model.sampling import sample
+                    from mbridge_epoverlap.serving.decoding.sampling import sample
 
                     if seq.generator is None:
                         seq.generator = params.generator()
@@ -299,6 +316,8 @@ class AttentionSide:
             seq.grammar.mask(changed)
         if not bool(torch.isfinite(changed).any()):
             raise ValueError("no token is allowed (its grammar, stop tokens and min_tokens forbid every one)")
+        if bool(torch.isnan(changed).any()) or bool(torch.isposinf(changed).any()):
+            raise ValueError("its penalties or logit bias made a logit NaN or infinite")
         return changed
 
     def grammars(self) -> Any:

@@ -179,6 +179,10 @@ class Stats:
     step_seconds: list[float] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
     kv_bytes: int = 0  # the KV cache's resident bytes now (it grows with the sequences it holds)
+    # Automatic prefix caching since the start: prompt tokens looked up, found, and the bytes its blocks hold now.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_bytes: int = 0
 
 
 MESSAGES: dict[str, type] = {m.kind: m for m in (Submit, Abort, Shutdown, Busy, Cores, Ready, Done, Tokens, Stats,
@@ -217,11 +221,13 @@ class OnlineSource:
         prefill_budget: the prompt tokens one micro-batch boundary may feed, a longer prompt in chunks
             (`RequestQueue.prefill_budget`).
         max_model_len: the longest sequence a request may reach (0: the model's context).
+        prefix_cache_bytes: automatic prefix caching within this many bytes (`model.prefix_cache`); 0: off.
         events: the transport's event list (elastic mode), forwarded by name; None: none.
     """
 
     def __init__(self, worker: int, requests_addr: str, events_addr: str, side: Any, *, prefill_budget: int,
-                 max_model_len: int = 0, events: list[dict[str, Any]] | None = None) -> None:
+                 max_model_len: int = 0, events: list[dict[str, Any]] | None = None,
+                 prefix_cache_bytes: int = 0) -> None:
         import zmq
 
         self.worker, self.side, self.queue = worker, side, side.queue
@@ -250,6 +256,10 @@ class OnlineSource:
         self._last_stats: tuple[int, int, int] | None = None
         self._stats_at = 0.0
         self.queue.prefill_budget = prefill_budget
+        if prefix_cache_bytes:
+            from mbridge_epoverlap.serving.model.prefix_cache import PrefixCache
+
+            side.prefix_cache = PrefixCache(prefix_cache_bytes)
         side.source = self
         self._load_sent = side.expert_load.clone()  # the side counts from the start; the front end gets the rest
         side.on_sampled.append(self.sampled)
@@ -312,7 +322,7 @@ class OnlineSource:
 
     def _take(self, messages: list[Any]) -> None:
         from mbridge_epoverlap.serving.decoding.options import DecodeOptions
-        from mbridge_epoverlap.serving.model.sampling import SamplingParams
+        from mbridge_epoverlap.serving.decoding.sampling import SamplingParams
         from mbridge_epoverlap.serving.workers.requests import Request
 
         for message in messages:
@@ -342,7 +352,7 @@ class OnlineSource:
     def refusal(self, message: Submit) -> str | None:
         """Why this worker cannot serve `message`, or None: what would otherwise fail inside a step and take the
         worker, and every request it holds, with it."""
-        from mbridge_epoverlap.serving.model.sampling import SamplingParams
+        from mbridge_epoverlap.serving.decoding.sampling import SamplingParams
 
         vocab = self.side.spec.vocab_size
         ids = message.prompt_ids
@@ -412,11 +422,18 @@ class OnlineSource:
                          events=[{k: e[k] for k in EVENT_FIELDS if k in e} for e in new_events],
                          steps=side.decode_steps, idle_steps=self.idle_steps,
                          step_seconds=[round(s, 6) for s, _ in steps], step_tokens=[r for _, r in steps],
-                         kv_bytes=resident_bytes(side.cache)[KV_CACHE]))
+                         kv_bytes=resident_bytes(side.cache)[KV_CACHE], **self._prefix_counts()))
         self._steps_unsent = []
         self._load_sent += load
         self._events_sent += len(new_events)
         self._last_stats, self._stats_at = counts, now
+
+    def _prefix_counts(self) -> dict[str, int]:
+        cache = self.side.prefix_cache
+        if cache is None:
+            return {}
+        return {"prefix_query_tokens": cache.query_tokens, "prefix_hit_tokens": cache.hit_tokens,
+                "prefix_bytes": cache.bytes}
 
     def _send(self, message: Any) -> None:
         self.outbox.send_json(encode(message))

@@ -25,7 +25,7 @@ class Request:
         id, prompt_ids: the request's name and its prompt.
         max_new_tokens: its own generation limit (None: the queue's).
         ignore_eos: keep generating past an end-of-sequence token (only the limit stops it).
-        sampling: temperature/top-p/top-k/seed sampling (`serving.model.sampling.SamplingParams`); None: greedy.
+        sampling: temperature/top-p/top-k/seed sampling (`serving.decoding.sampling.SamplingParams`); None: greedy.
         options: log-probabilities, penalties, logit bias, minimum tokens, stop token ids, a grammar
             (`serving.decoding.options.DecodeOptions`); None: none of them.
     """

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary
+from mbridge_epoverlap.serving.decoding.sampling import StopRule, greedy
 from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.kv_cache import KVCache
-from mbridge_epoverlap.serving.model.sampling import StopRule, greedy
 
 
 def test_rotary_scores_depend_only_on_the_distance() -> None:

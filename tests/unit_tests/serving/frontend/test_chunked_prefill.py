@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 import threading
+import time
+import urllib.request
 from collections.abc import Callable
 
 import pytest
@@ -28,6 +30,19 @@ def _stream(client: openai.OpenAI, prompt_ids: list[int], max_tokens: int, on_te
             on_text()
 
 
+def _hits_reach(server, tokens: int, timeout_s: float = 15.0) -> bool:
+    """Whether /metrics counts `tokens` prefix-cache hits within `timeout_s` (an idle worker reports its counts at
+    its next empty step, up to 2 s after its last token)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+            lines = answer.read().decode().splitlines()
+        hits = sum(float(line.split()[1]) for line in lines if line.startswith("mbe_prefix_cache_hits_total "))
+        if hits >= tokens or time.monotonic() > deadline:
+            return hits >= tokens
+        time.sleep(0.25)
+
+
 @pytest.mark.numerics  # prefill in chunks beside decoding: arithmetic only the server's chunked admission runs
 @pytest.mark.parametrize("layout", [("--colocated", "1"), ("--attn-workers", "1", "--expert-workers", "1")],
                          ids=["one-process", "disaggregated"])
@@ -41,13 +56,15 @@ def test_a_long_prompt_is_fed_in_chunks_that_equal_transformers_while_others_dec
     long_prompt = [rng.randrange(3, VOCAB) for _ in range(LONG)]
     short_prompt = [rng.randrange(3, VOCAB) for _ in range(5)]
 
-    # Greedy text equals transformers' for prompts of several budgets, one budget, and less.
+    # Greedy text equals transformers' for prompts of several budgets, one budget, and less; the long prompt
+    # again starts from the 14 blocks its first prefill left in the prefix cache and feeds the rest in chunks.
     tokenizer = AutoTokenizer.from_pretrained(str(plain_mixtral_dir))
-    for prompt in (long_prompt, long_prompt[:BUDGET], short_prompt, long_prompt[:BUDGET + 1]):
+    for prompt in (long_prompt, long_prompt[:BUDGET], short_prompt, long_prompt[:BUDGET + 1], long_prompt):
         expected = tokenizer.decode(hf_greedy(plain_mixtral_dir, [prompt], 8)[0], skip_special_tokens=True)
         answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
                                            extra_body={"ignore_eos": True})
         assert answer.choices[0].text == expected, f"a prompt of {len(prompt)} tokens"
+    assert _hits_reach(server, (LONG - 1) // 16 * 16)
 
     # A decoding stream gets tokens while the long prompt's chunks are fed, one per engine step.
     short_tokens, at_long_first = [0], []
@@ -65,7 +82,8 @@ def test_a_long_prompt_is_fed_in_chunks_that_equal_transformers_while_others_dec
     short.start()
     assert short_started.wait(60)
     before = short_tokens[0]
-    _stream(client, long_prompt, 2, lambda: at_long_first.append(short_tokens[0]) if not at_long_first else None)
+    fresh_prompt = [rng.randrange(3, VOCAB) for _ in range(LONG)]  # nothing of it cached: every chunk is fed
+    _stream(client, fresh_prompt, 2, lambda: at_long_first.append(short_tokens[0]) if not at_long_first else None)
     short.join(120)
     assert short_done.is_set()
     # 60 chunks: the short stream decodes in each of those steps, a text event for most of its tokens (without

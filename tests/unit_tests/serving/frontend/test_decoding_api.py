@@ -255,6 +255,7 @@ def test_json_object_and_tool_calls_parse(client):
     ("completions", {"logit_bias": {"3": 101}}, "logit_bias"),
     ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"repetition_penalty": 5e-324}, "repetition_penalty"),  # a seen logit over it: infinite
     ("completions", {"min_tokens": 17}, "min_tokens"),
     ("completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
@@ -266,6 +267,8 @@ def test_json_object_and_tool_calls_parse(client):
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": {}}}}, "tool_choice"),
     ("chat", {"audio": {"voice": "alloy"}}, "audio"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format"),
 ])
@@ -278,3 +281,30 @@ def test_bad_decoding_fields_answer_400_naming_the_field(client, route, fields, 
                                            max_tokens=16, extra_body=fields)
     assert caught.value.body["param"] == param, caught.value.body
     assert math.isfinite(len(caught.value.body["message"]))
+
+
+def _metric(server, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_prompts_sharing_a_prefix_reuse_its_cached_blocks_and_still_equal_transformers(
+        client, server, chat_mixtral_dir, tokenizer, hf_greedy):
+    import time
+
+    system = "You are a queue of workers. " * 8  # ~60 tokens: several full 16-token blocks
+    prompts = [tokenizer(system + tail).input_ids for tail in ("Name one.", "Name two.", "Name one.")]
+    hits_before = _metric(server, "mbe_prefix_cache_hits_total")
+    answers = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].token_ids for p in prompts]
+    assert answers == hf_greedy(chat_mixtral_dir, prompts, 6)
+    shared = len(tokenizer(system).input_ids) // 16 * 16
+    # the second reuses the shared blocks, the third its whole prompt's but its last token's block
+    wanted = shared + (len(prompts[2]) - 1) // 16 * 16
+    deadline = time.monotonic() + 15  # an idle worker reports its counts at its next empty step (<= 2 s)
+    while _metric(server, "mbe_prefix_cache_hits_total") - hits_before < wanted and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _metric(server, "mbe_prefix_cache_hits_total") - hits_before >= wanted

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mbridge_epoverlap.serving.decoding.sampling import SamplingParams, sample
 from mbridge_epoverlap.serving.frontend.openai_api import (
     ApiError,
     ModelInfo,
@@ -13,7 +14,6 @@ from mbridge_epoverlap.serving.frontend.openai_api import (
     parse_json,
 )
 from mbridge_epoverlap.serving.frontend.text import TextCodec, TextStream
-from mbridge_epoverlap.serving.model.sampling import SamplingParams, sample
 from mbridge_epoverlap.serving.workers import online
 
 
@@ -148,7 +148,7 @@ def test_sampling_narrowed_to_one_token_is_greedy_and_a_seed_repeats():
 
 
 def test_draw_follows_the_probabilities_never_a_zero_one_and_refuses_no_mass():
-    from mbridge_epoverlap.serving.model.sampling import draw
+    from mbridge_epoverlap.serving.decoding.sampling import draw
 
     gen = torch.Generator().manual_seed(4)
     probs = torch.softmax(2 * torch.randn(12, generator=gen), dim=-1)

@@ -347,9 +347,30 @@ def test_a_server_on_two_colocated_processes_answers_as_transformers(start_serve
     for t in threads:
         t.join(WAIT_S)
     assert [answers.get(i) for i in range(len(prompts))] == hf_greedy(chat_mixtral_dir, prompts, 8, eos_token_id=None)
+    # Log-probabilities in this layout too, from the prompt's first prefill and from its cached blocks after it.
+    long_prompt = [(7 * i) % 300 + 3 for i in range(40)]
+    scored = client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=0, echo=True, logprobs=1)
+    _assert_logprobs_equal_transformers(chat_mixtral_dir, long_prompt, scored.choices[0].logprobs.token_logprobs)
+    twice = [client.completions.create(model=MODEL_NAME, prompt=long_prompt, max_tokens=4, temperature=0, logprobs=0,
+                                       extra_body={"ignore_eos": True}).choices[0] for _ in range(2)]
+    assert twice[0].model_extra["token_ids"] == twice[1].model_extra["token_ids"] == hf_greedy(
+        chat_mixtral_dir, [long_prompt], 4, eos_token_id=None)[0]
+    assert twice[0].logprobs.token_logprobs == pytest.approx(twice[1].logprobs.token_logprobs, abs=2e-4)
     server.signal(signal.SIGTERM)
     assert server.wait(WAIT_S) == 0
     assert leftovers([p for group in pids.values() for p in group]) == ([], [])
+
+
+def _assert_logprobs_equal_transformers(directory, prompt: list[int], served: list[float | None]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = [None] + [float(logprobs[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    assert served[0] is None and served[1:] == pytest.approx(expected[1:], abs=2e-4)
 
 
 def test_a_server_without_layout_flags_measures_its_layout(start_server, chat_mixtral_dir, tmp_path):
