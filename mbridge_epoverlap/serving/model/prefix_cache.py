@@ -47,6 +47,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def has_first(self, tokens: tuple[int, ...]) -> bool:
+        """Whether a prompt beginning with the block `tokens` would match at least that block."""
+        return (0, tokens) in self._ids
+
     def match(self, prompt: Sequence[int]) -> list[Block]:
         """The cached blocks that begin `prompt`, longest first match, leaving its last token to prefill."""
         self.query_tokens += len(prompt)

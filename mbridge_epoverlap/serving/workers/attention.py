@@ -162,6 +162,21 @@ class AttentionSide:
         if blocks:
             seq.fed = cache.load(seq.slot, blocks)
 
+    def waits_for_prefix(self, request: Any, running: Sequence[RunningSequence]) -> bool:
+        """Whether a waiting request should start at a later boundary: a running sequence is prefilling a prompt
+        that begins with the same full block, and the prefix cache has not got that block yet. Started now, both
+        would prefill the shared prefix; one step later the request starts from its cached blocks (the `n`
+        choices of one prompt prefill it once; a burst of prompts sharing a system prompt, once per worker)."""
+        cache = self.prefix_cache
+        size = cache.block_tokens if cache is not None else 0
+        prompt = request.prompt_ids
+        if cache is None or len(prompt) <= size or (request.options is not None
+                                                    and request.options.prompt_logprobs is not None):
+            return False
+        first = tuple(prompt[:size])
+        return not cache.has_first(first) and any(
+            not seq.prefilled and len(seq.request.prompt_ids) > size and tuple(seq.request.prompt_ids[:size]) == first for seq in running)
+
     def finish(self) -> None:
         """After the last step: retire what finished (drained steps)."""
         for seq in self.queue.running:

@@ -260,6 +260,7 @@ class OnlineSource:
             from mbridge_epoverlap.serving.model.prefix_cache import PrefixCache
 
             side.prefix_cache = PrefixCache(prefix_cache_bytes)
+            self.queue.hold = side.waits_for_prefix
         side.source = self
         self._load_sent = side.expert_load.clone()  # the side counts from the start; the front end gets the rest
         side.on_sampled.append(self.sampled)

@@ -172,6 +172,10 @@ class RequestQueue:
         # many prompt tokens a step, and a micro-batch fits the M2N slot. None: whole prompts (offline: every
         # request is known up front).
         self.prefill_budget: int | None = None
+        # (waiting request, running sequences) -> whether it waits for a later boundary although there is room
+        # (`AttentionSide.waits_for_prefix`: a prompt whose first block another sequence is prefilling now starts
+        # from that sequence's blocks once they are cached). None: nothing is held.
+        self.hold: Any = None
 
     @property
     def idle(self) -> bool:
@@ -202,10 +206,14 @@ class RequestQueue:
         admitted may get only part of its prompt this step (`assign_chunks`).
         """
         admitted: list[RunningSequence] = []
+        held: list[Request] = []
         tokens = sum(s.prefill_left for s in continuing)
         while self.waiting and len(admitted) < limit and len(self.running) < self.max_batch:
             if self.prefill_budget is not None and tokens >= self.prefill_budget:
                 break
+            if self.hold is not None and self.hold(self.waiting[0], self.running):
+                held.append(self.waiting.popleft())
+                continue
             tokens += len(self.waiting[0].prompt_ids)
             request = self.waiting.popleft()
             seq = RunningSequence(request, self._next_slot, admitted_at=self.start)
@@ -214,6 +222,7 @@ class RequestQueue:
             self._next_slot += 1
             self.running.append(seq)
             admitted.append(seq)
+        self.waiting.extendleft(reversed(held))  # first in the queue still, for the next boundary
         return admitted
 
     def assign_chunks(self, seqs: Sequence[RunningSequence]) -> None:

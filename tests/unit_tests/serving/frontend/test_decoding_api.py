@@ -308,3 +308,20 @@ def test_prompts_sharing_a_prefix_reuse_its_cached_blocks_and_still_equal_transf
     while _metric(server, "mbe_prefix_cache_hits_total") - hits_before < wanted and time.monotonic() < deadline:
         time.sleep(0.25)
     assert _metric(server, "mbe_prefix_cache_hits_total") - hits_before >= wanted
+
+
+def test_the_n_choices_of_a_prompt_prefill_it_once(client, server):
+    import random
+    import time
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(60)]  # 3 full blocks before its last token
+    hits_before = _metric(server, "mbe_prefix_cache_hits_total")
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, n=4, seed=9, max_tokens=4, temperature=1.0,
+                                       extra_body={"ignore_eos": True})
+    assert len(answer.choices) == 4
+    wanted = 3 * 48  # the other three start from the first's blocks instead of prefilling beside it
+    deadline = time.monotonic() + 15
+    while _metric(server, "mbe_prefix_cache_hits_total") - hits_before < wanted and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _metric(server, "mbe_prefix_cache_hits_total") - hits_before >= wanted
