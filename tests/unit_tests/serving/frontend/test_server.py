@@ -207,11 +207,13 @@ def _per_layer(metrics: dict[str, float], name: str) -> dict[str, float]:
 
 
 def _idle_metrics(server) -> dict[str, float]:
-    """`/metrics` once no request runs or waits (the workers' last report, with its expert load, has arrived)."""
+    """`/metrics` once no request runs or waits (the workers' last report, with its expert load, has arrived) and
+    the attention worker has reported at least once (a server just started shows zeros before its first report)."""
     deadline = time.monotonic() + 60
     while True:
         metrics = _metrics(server)
-        if metrics["mbe_requests_running"] == 0 and metrics["mbe_requests_waiting"] == 0:
+        reported = 'mbe_engine_steps{worker="0"}' in metrics
+        if reported and metrics["mbe_requests_running"] == 0 and metrics["mbe_requests_waiting"] == 0:
             return metrics
         assert time.monotonic() < deadline, "the server did not report itself idle"
         time.sleep(0.05)
