@@ -54,6 +54,7 @@ from mbridge_epoverlap.launch.signals import stop_gracefully  # noqa: E402
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 READY_S = 600.0
+RETOKENIZE_MARGIN = 8  # tokens a shared-prefix prompt leaves free of the context (see `main`)
 STATS_LAG_S = 0.5  # an attention worker reports its steps every 0.25 s while busy (`online.STATS_EVERY_S`)
 NAME = "bench-model"
 TUNED_LAYOUT = "--colocated 2 --micro-batches 1 --order sequential --replicate-experts"
@@ -315,20 +316,21 @@ def summarize(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
 
 
 def builtin_case(url: str, vocab: int, args: argparse.Namespace, rate: float, on_half: Any = None, *,
-                 prefix_len: int = 0, seed: int = 0) -> dict[str, Any]:
-    """`args.prompts` random prompts of `args.input_len` tokens (after a `prefix_len`-token prefix they all share,
-    drawn from `seed`) sent at `rate`."""
+                 prefix_len: int = 0, input_len: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """`args.prompts` random prompts of `input_len` tokens (default `args.input_len`; after a `prefix_len`-token
+    prefix they all share, drawn from `seed`) sent at `rate`."""
     rng = random.Random(0)
     shared_rng = random.Random(1000 + seed)
     prefix = [shared_rng.randrange(3, vocab) for _ in range(prefix_len)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
+    length = args.input_len if input_len is None else input_len
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(length)] for _ in range(args.prompts)]
     results, wall = asyncio.run(_drive(url, prompts, args.output_len, rate, on_half))
     return summarize(results, wall)
 
 
 # --- vLLM's client -----------------------------------------------------------------------------------------
 def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Namespace, rate: float, *,
-                     prefix_len: int = 0, seed: int = 0) -> dict[str, Any]:
+                     prefix_len: int = 0, input_len: int | None = None, seed: int = 0) -> dict[str, Any]:
     """Run `vllm.benchmarks.serve` against `url` (its random dataset, with a shared `--random-prefix-len`
     drawn from `seed`); its figures under this benchmark's names."""
     out = Path(tempfile.mkdtemp()) / "result.json"
@@ -336,7 +338,8 @@ def vllm_client_case(python: str, url: str, checkpoint: Path, args: argparse.Nam
             "s.add_cli_args(p); s.main(p.parse_args(sys.argv[1:]))")
     command = [python, "-c", code, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
                "--model", str(checkpoint), "--served-model-name", NAME, "--dataset-name", "random",
-               "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+               "--random-input-len", str(args.input_len if input_len is None else input_len),
+               "--random-output-len", str(args.output_len),
                "--num-prompts", str(args.prompts), "--ignore-eos", "--request-rate", str(rate),
                "--random-prefix-len", str(prefix_len), "--seed", str(seed),
                "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--save-result",
@@ -442,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         size = dict(hidden=64, layers=2, experts=4, vocab=320, context=256, text_files=5)
         args.prompts, args.input_len, args.output_len = 8, 16, 16
         args.shared_prefix = min(args.shared_prefix, 64)
-    if args.shared_prefix < 0 or args.shared_prefix + args.input_len + args.output_len > size["context"]:
+    if args.shared_prefix < 0 or args.shared_prefix + RETOKENIZE_MARGIN + 1 + args.output_len > size["context"]:
         raise SystemExit(f"error: --shared-prefix {args.shared_prefix}: with --input-len and --output-len it must fit "
                          f"the context of {size['context']} tokens")
     name = "quick" if args.quick else args.shape if args.shape != "mixtral" else "full"
@@ -457,18 +460,25 @@ def main(argv: list[str] | None = None) -> int:
                            "servers": {}, "load_before": round(os.getloadavg()[0], 2)}
     rates = {"burst": float("inf"), **{f"poisson {rate:g}/s": rate for rate in poisson_rates(args.rates)}}
     prefixes = {case: 0 for case in rates}
+    inputs = {case: args.input_len for case in rates}
     if args.shared_prefix:
-        shared = f"shared prefix {args.shared_prefix}"
-        rates[shared], prefixes[shared] = float("inf"), args.shared_prefix
+        # vLLM's random dataset decodes random ids to text and encodes it again: a prompt can come back a few tokens
+        # longer, and a server adds BOS; a prompt plus its output past the context is refused (ours, as OpenAI) or
+        # has its output cut (vLLM). The unique part leaves that margin.
+        unique = min(args.input_len, size["context"] - args.shared_prefix - args.output_len - RETOKENIZE_MARGIN)
+        shared = f"shared prefix {args.shared_prefix}+{unique}"
+        rates[shared], prefixes[shared], inputs[shared] = float("inf"), args.shared_prefix, unique
     starts = {"mbridge-epoverlap": lambda: ours(checkpoint, flags)}
     if args.vllm_python:
         starts["vllm"] = lambda: vllm(args.vllm_python, checkpoint, size["context"], max(args.prompts, 1))
 
-    def measure(server: Server, rate: float, prefix_len: int = 0, seed: int = 0) -> dict[str, Any]:
+    def measure(server: Server, rate: float, prefix_len: int = 0, input_len: int | None = None,
+                seed: int = 0) -> dict[str, Any]:
         if args.vllm_python:
             return vllm_client_case(args.vllm_python, server.url, checkpoint, args, rate, prefix_len=prefix_len,
-                                    seed=seed)
-        return builtin_case(server.url, size["vocab"], args, rate, prefix_len=prefix_len, seed=seed)
+                                    input_len=input_len, seed=seed)
+        return builtin_case(server.url, size["vocab"], args, rate, prefix_len=prefix_len, input_len=input_len,
+                            seed=seed)
 
     servers: dict[str, Server] = {}
     try:
@@ -488,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                     before = sum(cpu_seconds(other) for other in idle)
                     steps_before = engine_step_totals(server) if label == "mbridge-epoverlap" else None
                     started = time.perf_counter()
-                    figures = measure(server, rate, prefixes[case], seed=repeat + 1)
+                    figures = measure(server, rate, prefixes[case], inputs[case], seed=repeat + 1)
                     wall = time.perf_counter() - started
                     if steps_before is not None:
                         time.sleep(STATS_LAG_S)  # the workers' last report of the case arrives
@@ -547,7 +557,7 @@ def _print(doc: dict[str, Any]) -> None:
     def fmt(value: Any) -> str:
         return "-" if value is None else f"{value:,.1f}"
 
-    print(f"{'server':<20} {'case':<13} {'out tok/s':>10} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} "
+    print(f"{'server':<20} {'case':<20} {'out tok/s':>10} {'TTFT p50/p99 ms':>18} {'TPOT p50/p99 ms':>18} "
           f"{'ITL p50/p99 ms':>18} {'failed':>6}  tok/s per round; the other server's CPU meanwhile (idle)")
     rows = [(label, case, c) for label, cases in doc["servers"].items() for case, c in cases.items()]
     if "kill_expert" in doc:
@@ -556,7 +566,7 @@ def _print(doc: dict[str, Any]) -> None:
         rounds = ", ".join(f"{v:,.0f}" for v in c.get("output_tokens_per_s_rounds", []))
         idle = c.get("idle_server_cpu")
         other = " and ".join(name for name in doc["servers"] if name != label)
-        print(f"{label:<20} {case:<13} {fmt(c['output_tokens_per_s']):>10} "
+        print(f"{label:<20} {case:<20} {fmt(c['output_tokens_per_s']):>10} "
               f"{fmt(c['p50_ttft_ms']) + ' / ' + fmt(c['p99_ttft_ms']):>18} "
               f"{fmt(c['p50_tpot_ms']) + ' / ' + fmt(c['p99_tpot_ms']):>18} "
               f"{fmt(c['p50_itl_ms']) + ' / ' + fmt(c['p99_itl_ms']):>18} {c['failed']:>6}  {rounds}"

@@ -51,6 +51,17 @@ class PrefixCache:
         """Whether a prompt beginning with the block `tokens` would match at least that block."""
         return (0, tokens) in self._ids
 
+    def cached_tokens(self, prompt: Sequence[int]) -> int:
+        """How many of `prompt`'s first tokens `match` would fill now (nothing counted, nothing touched): what a
+        scheduler takes off the prompt's prefill cost."""
+        found, parent = 0, 0
+        for key in self._keys(prompt, len(prompt) - 1):
+            parent = self._ids.get((parent, key), -1)
+            if parent < 0:
+                break
+            found += len(key)
+        return found
+
     def match(self, prompt: Sequence[int]) -> list[Block]:
         """The cached blocks that begin `prompt`, longest first match, leaving its last token to prefill."""
         self.query_tokens += len(prompt)

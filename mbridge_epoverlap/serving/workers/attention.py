@@ -162,6 +162,12 @@ class AttentionSide:
         if blocks:
             seq.fed = cache.load(seq.slot, blocks)
 
+    def cached_prefix_tokens(self, request: Any) -> int:
+        """The first tokens of `request`'s prompt its start would take from the prefix cache (`start`)."""
+        if self.prefix_cache is None or (request.options is not None and request.options.prompt_logprobs is not None):
+            return 0
+        return self.prefix_cache.cached_tokens(request.prompt_ids)
+
     def waits_for_prefix(self, request: Any, running: Sequence[RunningSequence]) -> bool:
         """Whether a waiting request should start at a later boundary: a running sequence is prefilling a prompt
         that begins with the same full block, and the prefix cache has not got that block yet. Started now, both
@@ -175,7 +181,8 @@ class AttentionSide:
             return False
         first = tuple(prompt[:size])
         return not cache.has_first(first) and any(
-            not seq.prefilled and len(seq.request.prompt_ids) > size and tuple(seq.request.prompt_ids[:size]) == first for seq in running)
+            not seq.prefilled and len(seq.request.prompt_ids) > size and tuple(seq.request.prompt_ids[:size]) == first
+            for seq in running)
 
     def finish(self) -> None:
         """After the last step: retire what finished (drained steps)."""

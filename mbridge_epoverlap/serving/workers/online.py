@@ -261,6 +261,7 @@ class OnlineSource:
 
             side.prefix_cache = PrefixCache(prefix_cache_bytes)
             self.queue.hold = side.waits_for_prefix
+            self.queue.cached_tokens = side.cached_prefix_tokens
         side.source = self
         self._load_sent = side.expert_load.clone()  # the side counts from the start; the front end gets the rest
         side.on_sampled.append(self.sampled)

@@ -176,6 +176,9 @@ class RequestQueue:
         # (`AttentionSide.waits_for_prefix`: a prompt whose first block another sequence is prefilling now starts
         # from that sequence's blocks once they are cached). None: nothing is held.
         self.hold: Any = None
+        # Request -> the first tokens of its prompt a prefix cache fills (`PrefixCache.cached_tokens`): not counted
+        # against the prefill budget, since only the rest is prefilled. None: every prompt counts whole.
+        self.cached_tokens: Any = None
 
     @property
     def idle(self) -> bool:
@@ -214,8 +217,8 @@ class RequestQueue:
             if self.hold is not None and self.hold(self.waiting[0], self.running):
                 held.append(self.waiting.popleft())
                 continue
-            tokens += len(self.waiting[0].prompt_ids)
             request = self.waiting.popleft()
+            tokens += len(request.prompt_ids) - (self.cached_tokens(request) if self.cached_tokens else 0)
             seq = RunningSequence(request, self._next_slot, admitted_at=self.start)
             if request.options is not None and request.options.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]  # the first prompt token has no context to score it

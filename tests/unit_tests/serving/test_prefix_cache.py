@@ -36,8 +36,8 @@ def test_a_later_prompt_starts_from_the_blocks_an_earlier_one_left(make):
     prefix.insert(first, cache, 0)
     assert len(prefix) == 2
     later = first[:9] + [7, 7]  # shares 2 blocks and a token
-    blocks = prefix.match(later)
-    assert len(blocks) == 2 and prefix.hit_tokens == 8 and prefix.query_tokens == len(later)
+    assert prefix.cached_tokens(later) == 8 and prefix.hit_tokens == 0  # a peek counts nothing
+    assert len(blocks := prefix.match(later)) == 2 and prefix.hit_tokens == 8 and prefix.query_tokens == len(later)
     cache.add(1)
     assert cache.load(1, blocks) == 8
     for layer in range(cache.num_layers):
