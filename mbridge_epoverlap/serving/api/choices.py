@@ -111,7 +111,8 @@ class ChoiceState:
         if self.request.chat:
             return logprob_format.chat(self.codec, entries)
         found = logprob_format.completion(self.codec, entries, self._offset)
-        self._offset = logprob_format.next_offset(self.codec, entries, self._offset)
+        if found["tokens"]:  # the next chunk's text starts after this one's last token
+            self._offset = found["text_offset"][-1] + len(found["tokens"][-1])
         return found
 
     def answer(self, index: int) -> dict[str, Any]:

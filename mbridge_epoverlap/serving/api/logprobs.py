@@ -35,18 +35,13 @@ def completion(codec: TextCodec, entries: Sequence[Entry], offset: int = 0) -> d
             continue
         chosen, best = record
         token_logprobs.append(chosen)
-        top: dict[str, float] = {}
-        for t, lp in ([token, chosen], *best):  # two tokens of the same text: the likelier one's (the key is text)
+        top = {text: chosen}
+        for t, lp in best:  # two tokens of the same text: the likelier one's (the key is text)
             key = codec.token_text(t)
             top[key] = max(lp, top.get(key, -math.inf))
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
-
-
-def next_offset(codec: TextCodec, entries: Sequence[Entry], offset: int) -> int:
-    """Where the text after `entries` starts, their first at `offset`."""
-    return offset + sum(len(codec.token_text(t)) for t, _ in entries)
 
 
 def chat(codec: TextCodec, entries: Sequence[Entry]) -> dict[str, Any]:

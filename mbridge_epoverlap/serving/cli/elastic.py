@@ -39,7 +39,6 @@ from mbridge_epoverlap.serving.cli.args import (
     on_hosts,
     progress_printer,
     resolve_dtype,
-    source_of,
 )
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
 from mbridge_epoverlap.serving.cli.serve import run_reporting_failure
@@ -88,7 +87,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
 
     dtype = resolve_dtype(args, source)
-    spec = load_spec(str(source), dtype=args.dtype)
+    spec = load_spec(source, dtype=args.dtype)
     check_elastic(spec.num_experts, args.expert_workers, args.redundant_experts, args.kill)
     if args.rejoin_after_steps and not args.kill:
         raise UsageError(f"--rejoin-after-steps {args.rejoin_after_steps} replaces a killed expert worker; add "
@@ -202,7 +201,7 @@ def handle_elastic_bench(args: argparse.Namespace) -> int:
                    "slots": list(killing.slots), "requests": args.batch, "tokens_per_request": args.steps},
     }
     finish_bench_result(report, spec)  # the tokens were checked against the failure-free run above
-    report["source"] = source_of(args, ELASTIC_DEFAULT_RECIPE)
+    report["source"] = source
     report["dtype"] = dtype.to_dict()
     print_result(report, args.json, _table)
     return code

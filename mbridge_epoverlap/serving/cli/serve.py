@@ -28,7 +28,6 @@ from mbridge_epoverlap.serving.cli.args import (
     positive_seconds,
     progress_printer,
     resolve_dtype,
-    source_of,
 )
 from mbridge_epoverlap.serving.cli.output import fmt, print_result, print_rows
 
@@ -130,7 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def handle_serve(args: argparse.Namespace) -> int:
-    checked_source(args)
+    source = checked_source(args)
     from mbridge_epoverlap.serving.engine.bench import finish_bench_result
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import context_length, load_spec
@@ -149,12 +148,12 @@ def handle_serve(args: argparse.Namespace) -> int:
         args.choose_layout = not (layout_forced(args) or args.replicate_experts or args.elastic
                                   or args.emulate_hosts or args.workers_plan is not None)
         fill_layout_defaults(args)
-        resolve_dtype(args, source_of(args))
+        resolve_dtype(args, source)
         return serve_http(args)
     if args.prompts is None:
         raise UsageError("give --prompts FILE (a batch of requests) or --http HOST:PORT (a server)")
-    dtype = resolve_dtype(args, source_of(args))
-    spec = load_spec(source_of(args), dtype=args.dtype)
+    dtype = resolve_dtype(args, source)
+    spec = load_spec(source, dtype=args.dtype)
     from mbridge_epoverlap.serving.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
@@ -214,7 +213,7 @@ def check_context(requests: Any, max_new_tokens: int, context: int) -> None:
 
 
 def handle_bench(args: argparse.Namespace) -> int:
-    checked_source(args)
+    source = checked_source(args)
     from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch, finish_bench_result, synthetic_requests
     from mbridge_epoverlap.serving.engine.run import make_plan
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
@@ -222,8 +221,8 @@ def handle_bench(args: argparse.Namespace) -> int:
     if args.checkpoint is not None and args.layers is not None:
         raise UsageError("--layers applies to recipe models; a checkpoint fixes its layers (drop --layers)")
     check_backend(args)
-    dtype = resolve_dtype(args, source_of(args))
-    spec = load_spec(source_of(args), dtype=args.dtype, num_layers=args.layers)
+    dtype = resolve_dtype(args, source)
+    spec = load_spec(source, dtype=args.dtype, num_layers=args.layers)
     chosen = not layout_forced(args) and not args.emulate_hosts
     fill_layout_defaults(args)
     attn, experts = args.attn_workers, args.expert_workers

@@ -54,17 +54,19 @@ class PrefixCache:
     def cached_tokens(self, prompt: Sequence[int]) -> int:
         """How many of `prompt`'s first tokens `match` would fill now (nothing counted, nothing touched): what a
         scheduler takes off the prompt's prefill cost."""
-        found, parent = 0, 0
-        for key in self._keys(prompt, len(prompt) - 1):
-            parent = self._ids.get((parent, key), -1)
-            if parent < 0:
-                break
-            found += len(key)
-        return found
+        return len(self._matched(prompt)) * self.block_tokens
 
     def match(self, prompt: Sequence[int]) -> list[Block]:
         """The cached blocks that begin `prompt`, longest first match, leaving its last token to prefill."""
         self.query_tokens += len(prompt)
+        found = self._matched(prompt)
+        for block_id in reversed(found):  # the first block ends most recently used (evicted last)
+            self._blocks.move_to_end(block_id)
+        self.hit_tokens += len(found) * self.block_tokens
+        return [self._blocks[b][1] for b in found]
+
+    def _matched(self, prompt: Sequence[int]) -> list[int]:
+        """The ids of the cached blocks that begin `prompt`, before its last token, in order."""
         found: list[int] = []
         parent = 0
         for key in self._keys(prompt, len(prompt) - 1):
@@ -73,10 +75,7 @@ class PrefixCache:
                 break
             found.append(block_id)
             parent = block_id
-        for block_id in reversed(found):  # the first block ends most recently used (evicted last)
-            self._blocks.move_to_end(block_id)
-        self.hit_tokens += len(found) * self.block_tokens
-        return [self._blocks[b][1] for b in found]
+        return found
 
     def insert(self, prompt: Sequence[int], cache: Any, seq_id: int) -> None:
         """Keep the full blocks of `prompt` that `cache` now holds for `seq_id` and this cache has not."""

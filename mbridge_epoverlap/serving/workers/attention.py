@@ -153,36 +153,34 @@ class AttentionSide:
             self.active = self.active or (self.source is not None and self.source.serving)
 
     def start(self, seq: RunningSequence, cache: Any) -> None:
-        """A newly admitted sequence's place in `cache`: empty, or the cached blocks its prompt begins with (not
-        for a request that asks for its prompt's log-probabilities: those need every position's logits)."""
+        """A newly admitted sequence's place in `cache`: empty, or the cached blocks its prompt begins with."""
         cache.add(seq.slot)
-        if self.prefix_cache is None or seq.prompt_logprobs is not None:
-            return
-        blocks = self.prefix_cache.match(seq.request.prompt_ids)
-        if blocks:
-            seq.fed = cache.load(seq.slot, blocks)
+        if self._reuses_prefixes(seq.request):
+            blocks = self.prefix_cache.match(seq.request.prompt_ids)
+            if blocks:
+                seq.fed = cache.load(seq.slot, blocks)
 
     def cached_prefix_tokens(self, request: Any) -> int:
         """The first tokens of `request`'s prompt its start would take from the prefix cache (`start`)."""
-        if self.prefix_cache is None or (request.options is not None and request.options.prompt_logprobs is not None):
-            return 0
-        return self.prefix_cache.cached_tokens(request.prompt_ids)
+        return self.prefix_cache.cached_tokens(request.prompt_ids) if self._reuses_prefixes(request) else 0
 
     def waits_for_prefix(self, request: Any, running: Sequence[RunningSequence]) -> bool:
         """Whether a waiting request should start at a later boundary: a running sequence is prefilling a prompt
         that begins with the same full block, and the prefix cache has not got that block yet. Started now, both
         would prefill the shared prefix; one step later the request starts from its cached blocks (the `n`
         choices of one prompt prefill it once; a burst of prompts sharing a system prompt, once per worker)."""
-        cache = self.prefix_cache
-        size = cache.block_tokens if cache is not None else 0
-        prompt = request.prompt_ids
-        if cache is None or len(prompt) <= size or (request.options is not None
-                                                    and request.options.prompt_logprobs is not None):
+        if not self._reuses_prefixes(request):
             return False
-        first = tuple(prompt[:size])
-        return not cache.has_first(first) and any(
-            not seq.prefilled and len(seq.request.prompt_ids) > size and tuple(seq.request.prompt_ids[:size]) == first
-            for seq in running)
+        size = self.prefix_cache.block_tokens
+        first = tuple(request.prompt_ids[:size])
+        if len(request.prompt_ids) <= size or self.prefix_cache.has_first(first):
+            return False
+        return any(not seq.prefilled and len(seq.request.prompt_ids) > size
+                   and tuple(seq.request.prompt_ids[:size]) == first for seq in running)
+
+    def _reuses_prefixes(self, request: Any) -> bool:
+        """Whether `request` starts from cached blocks: there is a prefix cache and it does not score its prompt."""
+        return self.prefix_cache is not None and not request.scores_prompt
 
     def finish(self) -> None:
         """After the last step: retire what finished (drained steps)."""

@@ -41,6 +41,12 @@ class Request:
     def stop_token_ids(self) -> tuple[int, ...]:
         return self.options.stop_token_ids if self.options is not None else ()
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether it asks for its prompt tokens' log-probabilities (`echo`): every position's logits, so it is
+        prefilled whole, never from a prefix cache."""
+        return self.options is not None and self.options.prompt_logprobs is not None
+
 
 def load_prompts(path: str | Path, *, vocab_size: int, tokenizer: Any = None) -> list[Request]:
     """Read a JSONL prompts file: one `{"id": ..., "prompt_ids": [int, ...]}` (or `"prompt": "text"`) a line.
@@ -220,7 +226,7 @@ class RequestQueue:
             request = self.waiting.popleft()
             tokens += len(request.prompt_ids) - (self.cached_tokens(request) if self.cached_tokens else 0)
             seq = RunningSequence(request, self._next_slot, admitted_at=self.start)
-            if request.options is not None and request.options.prompt_logprobs is not None:
+            if request.scores_prompt:
                 seq.prompt_logprobs = [None]  # the first prompt token has no context to score it
             self._next_slot += 1
             self.running.append(seq)
