@@ -16,8 +16,13 @@ On a CPU that is not Intel, the MKL profiles preload `scripts/mkl_intel_path.c` 
 takes the paths it takes on Intel; where no C compiler exists those profiles fail with that reason (an AMD
 machine could not otherwise reproduce an Intel machine's results). Each run prints the ISA each library used.
 
-Usage: numerics_under_isas.py [--profiles a,b] [--list] [-- PYTEST_ARGS...]; exit 0 when every profile
-passed, 1 when one failed, 2 on bad usage.
+A profile whose libraries run exactly as an earlier one's (the same ISA reported by MKL, oneDNN and ATen, and the
+same MKL vendor path) is not run again: it would run the same kernels. On an AVX2-only CPU the two AVX2 profiles
+are one; with `--after-as-is` (`make test`, right after its main run) a profile that equals the libraries as they
+are is not run either.
+
+Usage: numerics_under_isas.py [--profiles a,b] [--after-as-is] [--list] [-- PYTEST_ARGS...]; exit 0 when every
+profile passed, 1 when one failed, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ import torch
 a = torch.randn(96, 96)
 a @ a
 (a.bfloat16() @ a.bfloat16())
+# A convolution large enough that ATen hands it to oneDNN, which then says which ISA it dispatches to.
+torch.nn.functional.conv2d(torch.randn(4, 64, 32, 32), torch.randn(64, 64, 3, 3))
 print("ATen:", torch.backends.cpu.get_cpu_capability())
 """
 
@@ -144,6 +151,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--profiles", default=",".join(DEFAULT_PROFILES),
                         help=f"comma-separated profiles (default {','.join(DEFAULT_PROFILES)}; known: "
                              f"{', '.join(p.name for p in PROFILES)})")
+    parser.add_argument("--after-as-is", action="store_true",
+                        help="the suite just ran as-is: skip a profile whose libraries run as they are")
     parser.add_argument("--list", action="store_true", help="print the profiles and which this CPU can run")
     args = parser.parse_args(argv)
     known = {p.name for p in PROFILES}
@@ -177,12 +186,22 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, subprocess.SubprocessError) as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
+        # (what the libraries report, MKL's vendor path changed) -> the profile that ran them
+        ran: dict[tuple[str, bool], str] = {}
+        if args.after_as_is:
+            ran[(probe_isas(dict(os.environ)), False)] = "as-is (the main run)"
         for profile in chosen:
             if profile.needs is not None and profile.needs not in flags:
                 rows.append((profile.name, f"skipped: this CPU has no {profile.needs}", "", 0.0))
                 continue
             env = profile_env(profile, shim)
             isas = probe_isas(env)
+            key = (isas, profile.mkl_intel_path and shim is not None)
+            if key in ran:
+                rows.append((profile.name, f"skipped: the same libraries as {ran[key]}", isas, 0.0))
+                print(f"== {profile.name}: {isas}\n   skipped: the same kernels as {ran[key]}", flush=True)
+                continue
+            ran[key] = profile.name
             print(f"== {profile.name}: {isas}", flush=True)
             passed, closing, seconds = run_profile(profile, env, pytest_args)
             failed |= not passed

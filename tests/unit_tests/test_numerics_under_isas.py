@@ -47,6 +47,16 @@ def test_the_avx2_profile_holds_aten_and_mkl_to_avx2(tmp_path):
     shim = module.build_mkl_intel_path(tmp_path) if cpu_vendor() != "GenuineIntel" else None
     isas = module.probe_isas(module.profile_env(profile, shim))
     assert "ATen: AVX2" in isas and "AVX2" in isas.split(";")[0], isas
+    assert "oneDNN: Intel AVX2" in isas, isas  # the probe reaches oneDNN, not only its cap
+
+
+def test_a_profile_whose_libraries_ran_already_is_not_run_again():
+    """`--after-as-is`: the libraries as they are ran in the main run; the as-is profile reports the same
+    ISAs, so it is skipped with that reason rather than run (`-k` would select nothing if it ran)."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--after-as-is", "--profiles", "as-is", "--",
+                           "-k", "no_test_has_this_name"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| as-is | skipped: the same libraries as as-is (the main run) |" in done.stdout, done.stdout
 
 
 def test_the_mkl_avx512_profile_runs_intel_kernels_on_any_vendor(tmp_path):

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -200,8 +201,6 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
 
     external = args.workers_plan is not None
     if external:  # srun starts the workers from this plan (they read their rank and rendezvous from Slurm)
-        import signal
-
         from mbridge_epoverlap.serving.frontend.engine_client import WORKERS_ENDED_SIGNAL
 
         # The job script's word that the workers' step ended must not kill the process (the signal's default)
@@ -250,6 +249,8 @@ def _serve(args: argparse.Namespace, engine: Any, spec: Any, name: str, max_mode
     try:
         asyncio.run(main())
     finally:
+        if external:  # the closed loop put the signal's default (end the process) back; the word may come yet
+            signal.signal(WORKERS_ENDED_SIGNAL, signal.SIG_IGN)
         engine.stop_workers()
         engine.close()
     if not server.started and outcome["code"] == EXIT_OK:
