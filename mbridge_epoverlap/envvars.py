@@ -49,6 +49,9 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
      "model (DeepSeek-V3) with the key and value up-projections absorbed into the query and the output (1), or "
      "rebuild every head's keys and values from the cached latents, each sequence alone, as the reference model "
      "does (0; MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 does the same)"),
+    ("MBRIDGE_EPOVERLAP_ZYGOTE", "1 (default) or 0: local ranks started as `python -m` (training ranks, serving workers, "
+     "replacements) are forked from a process of the launcher that imported torch once, about 1.5 s of CPU less "
+     "per rank (1), or each starts as a new interpreter (0)"),
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),

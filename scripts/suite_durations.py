@@ -4,7 +4,9 @@
 Runs pytest (the suite, or the paths and flags given after `--`) with a small plugin in each pytest process
 (xdist workers included) that times each test's setup, call and teardown, and each fixture's setup, in wall
 seconds and in CPU seconds: the process's own and its reaped children's (the worker processes, servers and
-training ranks a test starts and waits for), so a test that waits on a timeout shows wall without CPU.
+training ranks a test starts and waits for, those its zygote forked included: `launch.zygote`), so a test that
+waits on a timeout shows wall without CPU. Ranks that a test's own subprocess (a CLI, a server) started count
+when that subprocess exits.
 
     python scripts/suite_durations.py                         # the whole suite as `make test` runs it
     python scripts/suite_durations.py --top 40 -- tests/unit_tests/serving -n 2
@@ -36,7 +38,10 @@ OUT_VAR = "MBRIDGE_EPOVERLAP_DURATIONS_DIR"
 
 def _cpu_seconds() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    # Ranks forked by this process's zygote are the zygote's children: it reports their CPU as each exits.
+    zygote = sys.modules.get("mbridge_epoverlap.launch.zygote")
+    forked = zygote.forked_cpu_seconds() if zygote is not None else 0.0
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
 
 class DurationsPlugin:

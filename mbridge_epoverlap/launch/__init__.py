@@ -7,6 +7,8 @@ leave no process or network namespace behind. The training runtime (`runtime.lau
 - `ranks`: `Ranks`, the processes of one run: start (rank 0 with the rendezvous socket `reserved_listener`
   holds for it), supervise, replace expendable ones, kill, and the failure message that names the rank that
   caused it.
+- `zygote`: a process that imported torch once and forks each rank started as `python -m` (its session, files,
+  environment and title as a new interpreter's), so a rank does not pay torch's import; `ranks` uses it.
 - `heartbeat`: the tiny per-rank status file a process writes and the supervisor reads, to tell a hung
   rank from one waiting for it.
 - `netns`: an emulated inter-node link, one network namespace per rank (or per emulated host) behind a

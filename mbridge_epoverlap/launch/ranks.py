@@ -25,6 +25,7 @@ from typing import IO
 from mbridge_epoverlap.errors import EXIT_COMM, RunFailedError
 from mbridge_epoverlap.launch import heartbeat as hb
 from mbridge_epoverlap.launch.signals import signal_group
+from mbridge_epoverlap.launch.zygote import ZygoteProcess, zygote_for
 
 GRACE_S = 5.0  # after one rank fails, how long the others get to exit on their own
 PROGRESS_POLL_S = 0.05  # how often the supervisor forwards rank 0's progress lines, when it forwards them
@@ -40,12 +41,24 @@ DEFAULT_ACTIVITY = "its work"  # what the processes do, when the caller does not
 # store); a socket that stays bound from the pick to the store's start cannot.
 STORE_FD_ENV = "MBRIDGE_EPOVERLAP_STORE_FD"
 
+def _forked(command: list[str], env: dict[str, str], out: IO[bytes], err: IO[bytes],
+            inherited: tuple[int, ...]) -> ZygoteProcess | None:
+    """`command` forked from this launcher's zygote (`zygote`), or None where it starts as a new interpreter."""
+    zygote = zygote_for(command, env)
+    if zygote is None:
+        return None
+    try:
+        return zygote.spawn(command, env, stdout=out, stderr=err, pass_fds=inherited)
+    except OSError:
+        return None
+
+
 @dataclass
 class Rank:
     """One process of a rank (the first, or a replacement) and its output files."""
 
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ZygoteProcess
     out: IO[bytes]
     err: IO[bytes]
     out_path: Path
@@ -123,8 +136,10 @@ class Ranks:
         if rendezvous is not None:
             inherited, started_env = (rendezvous.fileno(),), {**env, STORE_FD_ENV: str(rendezvous.fileno())}
         try:
-            proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=started_env,
-                                    start_new_session=True, pass_fds=inherited)
+            proc = _forked(command, started_env, out, err, inherited)
+            if proc is None:
+                proc = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=started_env,
+                                        start_new_session=True, pass_fds=inherited)
         finally:
             if rendezvous is not None:
                 rendezvous.close()

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import uuid
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
+from mbridge_epoverlap.launch import Ranks
 from mbridge_epoverlap.runtime import run_local
 from mbridge_epoverlap.runtime.launch import launch_ranks
 
@@ -105,61 +106,67 @@ def test_run_local_reports_metrics_progress_and_traces(make_tiny, tmp_path):
         assert {"attn", "experts", "dispatch.issue", "combine.wait", "experts_wgrad", "gloo:all_to_all"} <= names
 
 
-def _processes_with(marker: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+def _still_running(pids: list[int]) -> list[int]:
+    """The processes of `pids` that have not exited (a zombie has)."""
+    running = []
+    for pid in pids:
         try:
-            if marker.encode() in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                running.append(pid)
+        except (OSError, IndexError):
             continue
-    return found
+    return running
 
 
 def _failing_run(cfg, fault: str, match: str, *, timeout_s: float, comm_timeout_s: float | None = None):
-    """Run with `fault` injected; the run must fail with a message matching `match` (a regex)."""
-    marker = f"MBE_TEST_MARKER={uuid.uuid4().hex}"
-    cfg.env_vars["MBE_TEST_MARKER"] = marker.split("=", 1)[1]
+    """Run with `fault` injected; the run must fail with a message matching `match` (a regex). Returns the message
+    and the process ids of the ranks (forked from the launcher's zygote or started fresh, as `Ranks` started them)."""
     cfg.env_vars["MBRIDGE_EPOVERLAP_FAULT"] = fault
     if comm_timeout_s is not None:
         cfg.env_vars["MBRIDGE_EPOVERLAP_COMM_TIMEOUT_S"] = str(comm_timeout_s)
-    with pytest.raises(RunFailedError, match=match) as exc:
+    started: list[int] = []
+    start = Ranks.start
+
+    def recording_start(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        started.append(self.ranks[-1].proc.pid)
+
+    with mock.patch.object(Ranks, "start", recording_start), pytest.raises(RunFailedError, match=match) as exc:
         run_local(cfg, max_steps=4, timeout_s=timeout_s)
-    return str(exc.value), marker
+    assert len(started) == cfg.num_gpus
+    return str(exc.value), started
 
 
 def test_a_rank_that_exits_fails_the_run_naming_it(make_tiny):
     # The exit ended the run, not its time limit (that message opens with "run timed out").
-    message, marker = _failing_run(make_tiny(2), "1:exit:2", "^rank 1 failed with exit code 17", timeout_s=120)
+    message, ranks = _failing_run(make_tiny(2), "1:exit:2", "^rank 1 failed with exit code 17", timeout_s=120)
     assert "rank 1 failed with exit code 17 (iteration" in message
     assert "injected fault 'exit'" in message  # its last stderr lines
     assert "rank 0 lost its peers" in message
-    assert _processes_with(marker) == []
+    assert _still_running(ranks) == []
 
 
 def test_a_rank_that_raises_is_named_with_its_error(make_tiny):
-    message, marker = _failing_run(make_tiny(2), "0:raise:1", "^rank 0 failed with exit code 1", timeout_s=120)
+    message, ranks = _failing_run(make_tiny(2), "0:raise:1", "^rank 0 failed with exit code 1", timeout_s=120)
     assert message.startswith("rank 0 failed with exit code 1")
     assert "RuntimeError: injected fault on rank 0 at iteration 1" in message
-    assert _processes_with(marker) == []
+    assert _still_running(ranks) == []
 
 
 def test_a_hung_rank_is_found_through_the_collective_timeout(make_tiny):
-    message, marker = _failing_run(make_tiny(2), "1:hang:2", r"^rank 1 stopped responding \(iteration 2",
+    message, ranks = _failing_run(make_tiny(2), "1:hang:2", r"^rank 1 stopped responding \(iteration 2",
                                    timeout_s=120, comm_timeout_s=3)
     assert message.startswith("rank 1 stopped responding (iteration 2")
     assert "rank 0 lost its peers" in message
-    assert _processes_with(marker) == []
+    assert _still_running(ranks) == []
 
 
 def test_a_hung_rank_is_found_by_the_watchdog(make_tiny):
-    message, marker = _failing_run(make_tiny(2), "1:hang:1", "^run timed out after 25 s; ", timeout_s=25,
+    message, ranks = _failing_run(make_tiny(2), "1:hang:1", "^run timed out after 25 s; ", timeout_s=25,
                                    comm_timeout_s=600)
     assert message.startswith("run timed out after 25 s; ")
     assert "rank 1 stopped responding (iteration 1, step 0, between steps) and was killed" in message
-    assert _processes_with(marker) == []
+    assert _still_running(ranks) == []
 
 
 def test_launcher_rejects_layouts_the_ranks_cannot_run(make_tiny):

@@ -1,0 +1,366 @@
+"""Start local ranks by forking them from a process that imported torch once (`Zygote`), not as new interpreters.
+
+A rank started as `python -m module ...` spends ~1.5 s of CPU importing torch before its first line of work
+(`python -X importtime -c "import torch"`: torch._C, its decompositions and meta registrations), as much as a
+short run's arithmetic on a 2-core machine; a launcher that starts several ranks, replacements (elastic
+serving's expert workers), or run after run (an A/B's cases, a test suite) pays it every time. The zygote pays it
+once: it starts with the ranks' environment, imports torch, and for each rank forks a child that takes the rank's
+own session, output files, inherited sockets, working directory, environment and argv, names itself after them
+(`setproctitle`, as `ps` shows a fresh process) and runs the module as `python -m` would, exit code included.
+
+The child computes as a fresh process does: the zygote runs no kernel, so no thread pool, kernel choice or
+generator state is inherited, and the environment variables torch and its math libraries read at import
+(`IMPORT_SENSITIVE`) must equal the zygote's, else the rank starts as a new interpreter (so does a command that
+is not `python -m` with this interpreter, or one behind a network namespace's `ip netns exec`). Exit codes come
+back over the control socket (a process the zygote forked is the zygote's child, not the launcher's); a
+launcher's zygotes leave with it (the socket's end closes) and `MBRIDGE_EPOVERLAP_ZYGOTE=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+ZYGOTE_ENV = "MBRIDGE_EPOVERLAP_ZYGOTE"  # "0": every rank starts as a new interpreter
+# What torch, its OpenMP and math libraries, the allocator and the interpreter read from the environment when torch
+# is imported: a rank whose values differ from the zygote's would not compute as it was asked to.
+IMPORT_SENSITIVE = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH_", "OPENBLAS_",
+                    "LD_", "MALLOC_", "GLIBC_", "PYTHON", "CUDA_", "NCCL_", "XDG_CACHE_HOME")
+# Signals a rank's launcher may ignore (an xdist worker ignores SIGINT, `nohup` SIGHUP), which its ranks then ignore.
+INHERITED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+READY_TIMEOUT_S = 120.0  # a zygote that has not imported torch by then is given up (the ranks start fresh)
+REPLY_TIMEOUT_S = 30.0  # the zygote answers a fork with the child's pid
+MAX_MESSAGE = 1 << 20
+_FDS_PER_REQUEST = 8
+
+
+def enabled() -> bool:
+    return os.environ.get(ZYGOTE_ENV, "1") != "0"
+
+
+def import_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """The part of `env` a forked rank inherits from its zygote's import instead of reading it itself."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_SENSITIVE)))
+
+
+class ZygoteProcess:
+    """A rank the zygote forked, seen as `subprocess.Popen` shows one: `pid`, `returncode`, `poll`, `wait`."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: Sequence[str]) -> None:
+        self.zygote, self.pid, self.args = zygote, pid, list(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.zygote.exit_code(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            self.returncode = self.zygote.exit_code(self.pid, min(left, 1.0))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """One zygote process, started by this launcher with `env` (see the module docstring)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.key = import_key(env)
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - its own output, shown if it fails to start
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], env=dict(env),
+                                         stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+                                         pass_fds=(theirs.fileno(),), start_new_session=True)
+        finally:
+            theirs.close()
+        self._lock = threading.Lock()
+        self._codes: dict[int, int] = {}
+        self._pending: list[dict[str, Any]] = []
+        self.alive = True
+        ready = self._next(READY_TIMEOUT_S)
+        if ready is None or not ready.get("ready"):
+            self._log.seek(0)
+            said = self._log.read()[-2000:].decode(errors="replace").strip()
+            self.close()
+            raise OSError(f"the zygote did not start: {said or 'no word within the time allowed'}")
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], *, stdout: IO[bytes], stderr: IO[bytes],
+              pass_fds: Sequence[int] = (), cwd: str | None = None) -> ZygoteProcess:
+        """Fork `argv` (`[sys.executable, "-m", module, ...]`) in its own session; `pass_fds` keep their numbers."""
+        # A new interpreter keeps the signals its launcher ignores ignored (exec keeps them so), whatever the
+        # zygote had when it started.
+        ignored = [int(sig) for sig in INHERITED_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+        request = {"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(), "pass_fds": list(pass_fds),
+                   "ignored": ignored}
+        fds = [stdout.fileno(), stderr.fileno(), *pass_fds]
+        with self._lock:
+            socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
+            deadline = time.monotonic() + REPLY_TIMEOUT_S
+            while True:
+                reply = self._read_locked(max(0.0, deadline - time.monotonic()))
+                if reply is None:
+                    raise OSError("the zygote did not answer a start")
+                if "pid" in reply or "error" in reply:
+                    break
+        if "error" in reply:
+            raise OSError(f"the zygote could not start {argv[2] if len(argv) > 2 else argv}: {reply['error']}")
+        return ZygoteProcess(self, int(reply["pid"]), argv)
+
+    def exit_code(self, pid: int, timeout: float) -> int | None:
+        """`pid`'s exit code (negative: the signal that ended it) once the zygote reported it, waiting up to
+        `timeout`; a process that ended while the zygote was gone has exit code 1."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while pid not in self._codes:
+                if not self.alive:
+                    if _ended(pid):
+                        self._codes[pid] = 1
+                    break
+                if self._read_locked(max(0.0, deadline - time.monotonic())) is None:
+                    if timeout <= 0 and _ended(pid):  # a zombie the zygote is reaping now: its word is near
+                        deadline = time.monotonic() + 2.0
+                        timeout = 2.0
+                        continue
+                    break
+            return self._codes.get(pid)
+
+    def _read_locked(self, timeout: float) -> dict[str, Any] | None:
+        """The next message that is not an exit report (those are recorded), or None after `timeout`."""
+        while self.alive:
+            message = self._next(timeout)
+            if message is None:
+                return None
+            if "exited" in message:
+                self._codes[int(message["exited"])] = int(message["code"])
+                _forked_cpu[0] += float(message.get("cpu_s", 0.0))
+                timeout = 0.0
+                continue
+            return message
+        return None
+
+    def _next(self, timeout: float) -> dict[str, Any] | None:
+        if not select.select([self._sock], [], [], max(0.0, timeout))[0]:
+            return None
+        try:
+            data = self._sock.recv(MAX_MESSAGE)
+        except OSError:
+            data = b""
+        if not data:  # the zygote is gone
+            self.alive = False
+            return None
+        return json.loads(data)
+
+    def close(self) -> None:
+        """End the zygote (its ranks go on; their launcher supervises them)."""
+        self.alive = False
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5.0)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=5.0)
+        self._log.close()
+
+
+def _ended(pid: int) -> bool:
+    """`pid` has exited (a zombie, or gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+_forked_cpu = [0.0]  # CPU seconds of this launcher's forked ranks that have exited and been reported
+
+
+def forked_cpu_seconds() -> float:
+    """CPU seconds the ranks this process's zygotes forked spent, once they exited: what `RUSAGE_CHILDREN` would
+    have counted had this process started them itself."""
+    return _forked_cpu[0]
+
+
+_ZYGOTES: dict[tuple[tuple[str, str], ...], Zygote] = {}
+_ZYGOTES_LOCK = threading.Lock()
+_FAILED: set[tuple[tuple[str, str], ...]] = set()
+
+
+def zygote_for(argv: Sequence[str], env: Mapping[str, str]) -> Zygote | None:
+    """This launcher's zygote for a rank `argv` with `env` (started at the first such rank), or None where the rank
+    must start as a new interpreter: turned off, not `python -m` with this interpreter, or the zygote failed."""
+    if not enabled() or len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+        return None
+    key = import_key(env)
+    with _ZYGOTES_LOCK:
+        zygote = _ZYGOTES.get(key)
+        if zygote is not None and not zygote.alive:
+            zygote = _ZYGOTES.pop(key)
+            zygote.close()
+            zygote = None
+        if zygote is None and key not in _FAILED:
+            try:
+                zygote = _ZYGOTES[key] = Zygote(env)
+            except OSError as exc:
+                _FAILED.add(key)
+                print(f"mbridge-epoverlap: ranks start as new interpreters ({exc})", file=sys.stderr, flush=True)
+        return zygote
+
+
+@atexit.register
+def close_all() -> None:
+    with _ZYGOTES_LOCK:
+        for zygote in _ZYGOTES.values():
+            zygote.close()
+        _ZYGOTES.clear()
+
+
+_title: Any = None  # the `setproctitle` module, in the zygote
+
+
+# --- the zygote's side -----------------------------------------------------------------------------------------
+class _Child(BaseException):
+    """Raised in a forked child to leave the zygote's loop and run the rank at the top of the stack."""
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        super().__init__()
+        self.request = request
+
+
+def _serve(control: socket.socket) -> None:
+    """Fork a child for each request; report each child's exit; return when the launcher is gone."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    control.send(json.dumps({"ready": True}).encode())
+    while True:
+        ready = select.select([control, wake_r], [], [])[0]
+        if wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        _reap(control)
+        if control not in ready:
+            continue
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(control, MAX_MESSAGE, _FDS_PER_REQUEST)
+        except OSError:
+            return
+        if not data:
+            return
+        request = json.loads(data)
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            control.send(json.dumps({"error": str(exc)}).encode())
+            pid = -1
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            os.close(wake_r)
+            os.close(wake_w)
+            control.close()  # through the object: a bare close of its number would leave the object to close
+            # that number again when collected, by then another file of the rank's (a gloo pipe, say)
+            raise _Child({**request, "fds": fds})
+        for fd in fds:
+            os.close(fd)
+        if pid > 0:
+            control.send(json.dumps({"pid": pid}).encode())
+
+
+def _reap(control: socket.socket) -> None:
+    while True:
+        try:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        report = {"exited": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime}
+        with contextlib.suppress(OSError):
+            control.send(json.dumps(report).encode())
+
+
+def _become(request: dict[str, Any]) -> None:
+    """In the forked child: take the rank's session, files, sockets, directory, environment and name, then run its
+    module as `python -m` does."""
+    import runpy
+
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for sig in INHERITED_SIGNALS:  # as a new interpreter started by the launcher has them
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if int(sig) in request["ignored"] else default)
+    os.setsid()
+    stdout, stderr, *passed = request["fds"]
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    keep = {0, 1, 2}
+    for fd, number in zip(passed, request["pass_fds"], strict=True):
+        os.dup2(fd, number)  # the number the rank's environment names (`ranks.STORE_FD_ENV`)
+        keep.add(number)
+    for fd in {devnull, stdout, stderr, *passed} - keep:
+        os.close(fd)
+    argv = request["argv"]
+    if _title is not None:  # before the environment changes: the title takes the memory argv and environ had
+        _title.setproctitle(" ".join(argv))
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = ["-m", *argv[3:]]  # the module's path replaces "-m", as `python -m` does
+    sys.path[0] = request["cwd"]  # `python -m` puts its working directory first
+    # The rank's own `__main__`, which lives until the interpreter exits (as a new interpreter's does: objects
+    # in it, such as process groups, are not torn down before the exit handlers run).
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    runpy._run_module_as_main(argv[2], alter_argv=True)  # what `python -m` runs
+
+
+def main() -> None:
+    global _title
+    control = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        import setproctitle
+
+        setproctitle.getproctitle()  # finds the memory of argv and environ while both are as the kernel set them
+        _title = setproctitle
+    except ImportError:  # the ranks then show the zygote's command line in `ps`
+        _title = None
+    import torch  # noqa: F401 - the import every child would otherwise repeat
+
+    try:
+        _serve(control)
+        return
+    except _Child as child:
+        request = child.request
+    _become(request)  # outside the handler: the rank's own errors are not chained to the fork's exception
+
+
+if __name__ == "__main__":
+    main()
