@@ -49,9 +49,12 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
      "model (DeepSeek-V3) with the key and value up-projections absorbed into the query and the output (1), or "
      "rebuild every head's keys and values from the cached latents, each sequence alone, as the reference model "
      "does (0; MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 does the same)"),
-    ("MBRIDGE_EPOVERLAP_ZYGOTE", "1 (default) or 0: local ranks started as `python -m` (training ranks, serving workers, "
-     "replacements) are forked from a process of the launcher that imported torch once, about 1.5 s of CPU less "
-     "per rank (1), or each starts as a new interpreter (0)"),
+    ("MBRIDGE_EPOVERLAP_ZYGOTE", "1 (default) or 0: local ranks started as `python -m` (training ranks, serving "
+     "workers, replacements) are forked from a process of the launcher that imported torch once, about 1.5 s of "
+     "CPU less per rank (1), or each starts as a new interpreter (0)"),
+    ("MBRIDGE_EPOVERLAP_ZYGOTE_DIR", "a directory of zygotes shared by the launchers that have it in their "
+     "environment (`launch.zygote.share`; the test suite's, one per pytest worker): one zygote per torch-import "
+     "environment, started by the first launcher that needs it, living as long as the directory's owner"),
     ("MBRIDGE_EPOVERLAP_API_KEY", "serve --http: the key every /v1/* request must send as 'Authorization: Bearer "
      "KEY' (what --api-key gives; unset: none)"),
     ("MBRIDGE_EPOVERLAP_HEARTBEAT_DIR", "set by the launcher: where ranks leave heartbeat files for its watchdog"),

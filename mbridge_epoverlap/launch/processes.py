@@ -157,7 +157,8 @@ def base_env(env_vars: Mapping[str, Any], workdir: Path, timeout_s: float) -> di
     env[hb.DIR_ENV] = str(workdir)
     # The processes import this package from wherever the launcher imported it.
     root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    entries = (root, *env.get("PYTHONPATH", "").split(os.pathsep))
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in entries if p))  # once each, in order
     env["PYTHONUNBUFFERED"] = "1"
     env[SUPERVISOR_PID_ENV] = str(os.getpid())  # who each process watches (`orphan.exit_when_orphaned`)
     return env

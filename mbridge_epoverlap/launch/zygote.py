@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import IO, Any
 
 ZYGOTE_ENV = "MBRIDGE_EPOVERLAP_ZYGOTE"  # "0": every rank starts as a new interpreter
+# A directory of zygotes shared by every launcher that has it in its environment (`share`; the test suite's, one per
+# pytest worker): one per environment, each listening at `<hash of its environment>.sock`, started by the first
+# launcher that needs it and living as long as the process that made the directory (its pid in `owner`).
+ZYGOTE_DIR_ENV = "MBRIDGE_EPOVERLAP_ZYGOTE_DIR"
 # What torch, its OpenMP and math libraries, the allocator and the interpreter read from the environment when torch
 # is imported: a rank whose values differ from the zygote's would not compute as it was asked to.
 IMPORT_SENSITIVE = ("OMP_", "GOMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH_", "OPENBLAS_",
@@ -88,28 +92,57 @@ class ZygoteProcess:
 
 
 class Zygote:
-    """One zygote process, started by this launcher with `env` (see the module docstring)."""
+    """One zygote: a process this launcher starts with `env` (see the module docstring), or, with `connect`, a
+    connection to one that listens in a shared directory (`ZYGOTE_DIR_ENV`). Started with `listen` and `owner`, the
+    zygote also takes other launchers' requests at `listen` and lives until process `owner` exits, not this one."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], *, listen: Path | None = None, owner: int | None = None) -> None:
         self.key = import_key(env)
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - its own output, shown if it fails to start
+        argv = [sys.executable, "-m", __name__, str(theirs.fileno())]
+        if listen is not None:
+            argv += [str(listen), str(owner or os.getpid())]
+        self.shared = listen is not None
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], env=dict(env),
-                                         stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-                                         pass_fds=(theirs.fileno(),), start_new_session=True)
+            self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
+                pass_fds=(theirs.fileno(),), start_new_session=True)
         finally:
             theirs.close()
-        self._lock = threading.Lock()
-        self._codes: dict[int, int] = {}
-        self._pending: list[dict[str, Any]] = []
-        self.alive = True
+        self._setup()
         ready = self._next(READY_TIMEOUT_S)
         if ready is None or not ready.get("ready"):
             self._log.seek(0)
             said = self._log.read()[-2000:].decode(errors="replace").strip()
             self.close()
             raise OSError(f"the zygote did not start: {said or 'no word within the time allowed'}")
+
+    @classmethod
+    def connect(cls, path: str) -> Zygote:
+        """A connection to the zygote listening at `path`; its `key` is the environment it imported torch with."""
+        self = cls.__new__(cls)
+        self.proc, self._log, self.shared = None, None, True
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._setup()
+        try:
+            self._sock.settimeout(5.0)
+            self._sock.connect(path)
+            self._sock.settimeout(None)
+        except OSError:
+            self.close()
+            raise
+        hello = self._next(REPLY_TIMEOUT_S)
+        if hello is None or not hello.get("ready"):
+            self.close()
+            raise OSError(f"no zygote answered at {path}")
+        self.key = tuple((k, v) for k, v in hello["key"])
+        return self
+
+    def _setup(self) -> None:
+        self._lock = threading.Lock()
+        self._codes: dict[int, int] = {}
+        self.alive = True
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], *, stdout: IO[bytes], stderr: IO[bytes],
               pass_fds: Sequence[int] = (), cwd: str | None = None) -> ZygoteProcess:
@@ -178,16 +211,19 @@ class Zygote:
         return json.loads(data)
 
     def close(self) -> None:
-        """End the zygote (its ranks go on; their launcher supervises them)."""
+        """End the zygote this launcher started (its ranks go on; their launchers supervise them), or this
+        connection to another's."""
         self.alive = False
         with contextlib.suppress(OSError):
             self._sock.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=5.0)
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=5.0)
-        self._log.close()
+        if self.proc is not None and not self.shared:  # a shared one leaves with its owner
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5.0)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=5.0)
+        if self._log is not None:
+            self._log.close()
 
 
 def _ended(pid: int) -> bool:
@@ -224,6 +260,11 @@ def zygote_for(argv: Sequence[str], env: Mapping[str, str]) -> Zygote | None:
             zygote = _ZYGOTES.pop(key)
             zygote.close()
             zygote = None
+        directory = os.environ.get(ZYGOTE_DIR_ENV)
+        if zygote is None and directory and key not in _FAILED:
+            zygote = _shared(Path(directory), key, env)
+            if zygote is not None:
+                _ZYGOTES[key] = zygote
         if zygote is None and key not in _FAILED:
             try:
                 zygote = _ZYGOTES[key] = Zygote(env)
@@ -231,6 +272,47 @@ def zygote_for(argv: Sequence[str], env: Mapping[str, str]) -> Zygote | None:
                 _FAILED.add(key)
                 print(f"mbridge-epoverlap: ranks start as new interpreters ({exc})", file=sys.stderr, flush=True)
         return zygote
+
+
+def share(directory: Path) -> None:
+    """Make `directory` (a private, empty one) the shared zygote directory (`ZYGOTE_DIR_ENV`) of this process and
+    of the commands it starts; its zygotes live as long as this process."""
+    (directory / "owner").write_text(str(os.getpid()))
+    os.environ[ZYGOTE_DIR_ENV] = str(directory)
+
+
+def stop_shared(directory: Path) -> None:
+    """End the zygotes of a shared directory (their ranks go on) and forget it."""
+    for pid_file in directory.glob("*.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    if os.environ.get(ZYGOTE_DIR_ENV) == str(directory):
+        del os.environ[ZYGOTE_DIR_ENV]
+
+
+def _shared(directory: Path, key: tuple[tuple[str, str], ...], env: Mapping[str, str]) -> Zygote | None:
+    """The shared directory's zygote for `key`: connected to, or started (listening there) by this launcher."""
+    import hashlib
+
+    path = directory / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16] + ".sock")
+    try:
+        owner = int((directory / "owner").read_text())
+    except (OSError, ValueError):
+        return None
+    for _ in range(2):  # a zygote that another launcher starts at the same moment binds first: connect to it
+        with contextlib.suppress(OSError):
+            connection = Zygote.connect(str(path))
+            if connection.key == key:
+                return connection
+            connection.close()
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a socket no zygote listens at any more
+        try:
+            return Zygote(env, listen=path, owner=owner)
+        except OSError:
+            continue
+    return None
 
 
 @atexit.register
@@ -253,48 +335,67 @@ class _Child(BaseException):
         self.request = request
 
 
-def _serve(control: socket.socket) -> None:
-    """Fork a child for each request; report each child's exit; return when the launcher is gone."""
+def _serve(control: socket.socket, listener: socket.socket | None, owner: int | None) -> None:
+    """Fork a child for each request of the launcher (`control`) or of a launcher connected at `listener`; report
+    each child's exit to the one that asked for it; return when the launcher that started this process is gone, or
+    with `owner` (a pidfd) once that process is."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    control.send(json.dumps({"ready": True}).encode())
+    hello = json.dumps({"ready": True, "key": import_key(os.environ)}).encode()
+    control.send(hello)
+    clients, owners = [control], {}  # owners: child pid -> the connection that asked for it
     while True:
-        ready = select.select([control, wake_r], [], [])[0]
+        ready = select.select([*clients, wake_r, *([listener] if listener else []), *([owner] if owner else [])],
+                              [], [])[0]
+        if owner is not None and owner in ready:
+            return
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 os.read(wake_r, 4096)
-        _reap(control)
-        if control not in ready:
-            continue
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(control, MAX_MESSAGE, _FDS_PER_REQUEST)
-        except OSError:
-            return
-        if not data:
-            return
-        request = json.loads(data)
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            control.send(json.dumps({"error": str(exc)}).encode())
-            pid = -1
-        if pid == 0:
-            signal.set_wakeup_fd(-1)
-            os.close(wake_r)
-            os.close(wake_w)
-            control.close()  # through the object: a bare close of its number would leave the object to close
-            # that number again when collected, by then another file of the rank's (a gloo pipe, say)
-            raise _Child({**request, "fds": fds})
-        for fd in fds:
-            os.close(fd)
-        if pid > 0:
-            control.send(json.dumps({"pid": pid}).encode())
+        _reap(owners)
+        if listener is not None and listener in ready:
+            with contextlib.suppress(OSError):
+                client, _ = listener.accept()
+                client.send(hello)
+                clients.append(client)
+        for client in [c for c in clients if c in ready]:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(client, MAX_MESSAGE, _FDS_PER_REQUEST)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                if client is control and owner is None:
+                    return
+                clients.remove(client)
+                client.close()
+                continue
+            request = json.loads(data)
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                client.send(json.dumps({"error": str(exc)}).encode())
+                pid = -1
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                for fd in (wake_r, wake_w, *([owner] if owner else [])):
+                    os.close(fd)
+                # Through the objects: a bare close of a number would leave an object to close that number again
+                # when collected, by then another file of the rank's (a gloo pipe, say).
+                for sock in [*clients, *([listener] if listener else [])]:
+                    sock.close()
+                raise _Child({**request, "fds": fds})
+            for fd in fds:
+                os.close(fd)
+            if pid > 0:
+                owners[pid] = client
+                with contextlib.suppress(OSError):
+                    client.send(json.dumps({"pid": pid}).encode())
 
 
-def _reap(control: socket.socket) -> None:
+def _reap(owners: dict[int, socket.socket]) -> None:
     while True:
         try:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -303,8 +404,10 @@ def _reap(control: socket.socket) -> None:
         if pid == 0:
             return
         report = {"exited": pid, "code": os.waitstatus_to_exitcode(status), "cpu_s": usage.ru_utime + usage.ru_stime}
-        with contextlib.suppress(OSError):
-            control.send(json.dumps(report).encode())
+        owner = owners.pop(pid, None)
+        if owner is not None and owner.fileno() >= 0:  # its launcher may have gone since
+            with contextlib.suppress(OSError):
+                owner.send(json.dumps(report).encode())
 
 
 def _become(request: dict[str, Any]) -> None:
@@ -352,13 +455,32 @@ def main() -> None:
         _title = setproctitle
     except ImportError:  # the ranks then show the zygote's command line in `ps`
         _title = None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `stop_shared`: leave through the clean-up below
+    listener = owner = None
+    if len(sys.argv) > 3:  # shared: listen, and leave with the owner (gone already: leave now)
+        try:
+            owner = os.pidfd_open(int(sys.argv[3]))
+        except ProcessLookupError:
+            return
+        # Bound before torch's import, so that a launcher arriving meanwhile waits for this one's word instead of
+        # starting another; taken already, another launcher's zygote was first (this one's launcher sees the end).
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(sys.argv[2])
+        listener.listen(64)
+        Path(sys.argv[2]).with_suffix(".pid").write_text(str(os.getpid()))
     import torch  # noqa: F401 - the import every child would otherwise repeat
 
     try:
-        _serve(control)
+        _serve(control, listener, owner)
         return
     except _Child as child:
         request = child.request
+    finally:
+        if listener is not None and listener.fileno() >= 0:  # the zygote's own exit (a child closed its copy)
+            listener.close()
+            for path in (Path(sys.argv[2]), Path(sys.argv[2]).with_suffix(".pid")):
+                with contextlib.suppress(OSError):
+                    path.unlink()
     _become(request)  # outside the handler: the rank's own errors are not chained to the fork's exception
 
 

@@ -6,11 +6,18 @@ bit, equal, identical, as `transformers`) is a numerics test (the online server'
 runs these again with the CPU math libraries held to each instruction set the machine can run
 (`scripts/numerics_under_isas.py`), because such a claim may hold under one kernel and not under another.
 `@pytest.mark.numerics` adds any other test.
+
+Each pytest process shares its zygotes (`launch.zygote.share`, one per torch-import environment) with every launcher
+of its tests, in-process or in a command a test starts (a server, the harness): their ranks are forked from them
+instead of each command importing torch in a zygote of its own.
 """
 
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,3 +81,21 @@ def _shared_fixtures(item: pytest.Item) -> str | None:
         return None
     params = getattr(getattr(item, "callspec", None), "params", {})
     return ",".join(f"{name}={params[name]}" for name in names if name in params)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_zygotes() -> Iterator[None]:
+    """This pytest process's zygote directory, shared with the commands its tests start (see the module
+    docstring); none where `MBRIDGE_EPOVERLAP_ZYGOTE=0`."""
+    from mbridge_epoverlap.launch import zygote
+
+    if not zygote.enabled():
+        yield
+        return
+    directory = Path(tempfile.mkdtemp(prefix="mbe-zygotes-"))
+    zygote.share(directory)
+    try:
+        yield
+    finally:
+        zygote.stop_shared(directory)
+        shutil.rmtree(directory, ignore_errors=True)

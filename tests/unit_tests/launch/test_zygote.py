@@ -15,7 +15,16 @@ import pytest
 
 from mbridge_epoverlap.errors import RunFailedError
 from mbridge_epoverlap.launch import launch_processes
-from mbridge_epoverlap.launch.zygote import ZYGOTE_ENV, Zygote, ZygoteProcess, zygote_for
+from mbridge_epoverlap.launch import zygote as zygote_module
+from mbridge_epoverlap.launch.zygote import (
+    ZYGOTE_DIR_ENV,
+    ZYGOTE_ENV,
+    Zygote,
+    ZygoteProcess,
+    share,
+    stop_shared,
+    zygote_for,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 RANK_MODULE = "tests.unit_tests.launch.zygote_rank"
@@ -103,6 +112,7 @@ def test_a_failing_forked_rank_fails_the_run_naming_its_exit_code():
 LAUNCHER = """
 import sys
 from mbridge_epoverlap.launch import launch_processes
+from mbridge_epoverlap.launch import zygote as zygote_module
 launch_processes(1, lambda r: [sys.executable, "-m", RANK_MODULE, "orphan", MARK], collect=lambda w: {},
                  on_start=lambda pids: print(pids[0], flush=True), timeout_s=600)
 """
@@ -115,6 +125,7 @@ def test_the_zygote_and_its_ranks_leave_when_the_launcher_is_killed(tmp_path):
     code = f"RANK_MODULE = {RANK_MODULE!r}\nMARK = {str(mark)!r}\n{LAUNCHER}"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop(ZYGOTE_ENV, None)
+    env.pop(ZYGOTE_DIR_ENV, None)  # its own zygote, not the suite's shared ones
     launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     try:
         rank = int(launcher.stdout.readline())
@@ -142,3 +153,38 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def test_commands_share_a_directory_s_zygote_per_environment_and_it_outlives_them(tmp_path, monkeypatch):
+    """`share`: the first launcher that needs a zygote for an environment starts it in the shared directory; the
+    next launcher of that environment forks its ranks from the same one, even after the first exited; one of
+    another environment (OMP_NUM_THREADS, read at torch's import) gets its own; all end with `stop_shared`."""
+    monkeypatch.delenv(ZYGOTE_DIR_ENV, raising=False)
+    for key in list(zygote_module._ZYGOTES):  # this process's own zygotes would answer before the directory
+        monkeypatch.delitem(zygote_module._ZYGOTES, key)
+    directory = tmp_path / "z"
+    directory.mkdir()
+    share(directory)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop(ZYGOTE_ENV, None)
+    parents = []
+    try:
+        for threads in ("1", "1", "2"):
+            code = (f"RANK_MODULE = {RANK_MODULE!r}\nMARK = {str(tmp_path / threads)!r}\n"
+                    + LAUNCHER.replace("collect=", f"env_vars={{'OMP_NUM_THREADS': '{threads}'}}, collect="))
+            launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                                        cwd=REPO)
+            try:
+                rank = int(launcher.stdout.readline())
+                parents.append(int(Path(f"/proc/{rank}/stat").read_text().split(")")[1].split()[1]))
+            finally:
+                launcher.kill()
+                launcher.wait(timeout=30)
+        assert parents[0] == parents[1] != parents[2] and _alive(parents[0]) and _alive(parents[2])
+        assert len(list(directory.glob("*.sock"))) == 2
+    finally:
+        stop_shared(directory)
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in parents) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in parents) and not list(directory.glob("*.sock"))
