@@ -13,7 +13,11 @@ generator state is inherited, and the environment variables torch and its math l
 (`IMPORT_SENSITIVE`) must equal the zygote's, else the rank starts as a new interpreter (so does a command that
 is not `python -m` with this interpreter, or one behind a network namespace's `ip netns exec`). Exit codes come
 back over the control socket (a process the zygote forked is the zygote's child, not the launcher's); a
-launcher's zygotes leave with it (the socket's end closes) and `MBRIDGE_EPOVERLAP_ZYGOTE=0` turns them off.
+launcher's zygotes leave with it (the socket's end closes) and `MBRIDGE_EPOVERLAP_ZYGOTE=0` turns them off. A child
+maps the file pages the zygote has resident before it runs, so its resident set starts where a new interpreter's
+does (the memory report's runtime). Launchers of one environment can share zygotes through a directory (`share`,
+`ZYGOTE_DIR_ENV`): the test suite does, so that the servers and harness runs its tests start fork their workers
+from a zygote that is already up.
 """
 
 from __future__ import annotations
