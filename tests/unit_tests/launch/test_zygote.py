@@ -30,6 +30,12 @@ REPO = Path(__file__).resolve().parents[3]
 RANK_MODULE = "tests.unit_tests.launch.zygote_rank"
 
 
+@pytest.fixture(autouse=True)
+def _zygotes_on(monkeypatch):
+    """These tests are about the zygote: on even where the suite runs with `MBRIDGE_EPOVERLAP_ZYGOTE=0`."""
+    monkeypatch.delenv(ZYGOTE_ENV, raising=False)
+
+
 def _rank(*args: str) -> list[str]:
     return [sys.executable, "-m", RANK_MODULE, *args]
 
