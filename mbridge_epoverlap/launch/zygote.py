@@ -86,14 +86,6 @@ class ZygoteProcess:
             self.returncode = self.zygote.exit_code(self.pid, min(left, 1.0))
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 class Zygote:
     """One zygote: a process this launcher starts with `env` (see the module docstring), or, with `connect`, a
