@@ -169,11 +169,11 @@ class Zygote:
         with self._lock:
             while pid not in self._codes:
                 if not self.alive:
-                    if _ended(pid):
+                    if ended(pid):
                         self._codes[pid] = 1
                     break
                 if self._read_locked(max(0.0, deadline - time.monotonic())) is None:
-                    if timeout <= 0 and _ended(pid):  # a zombie the zygote is reaping now: its word is near
+                    if timeout <= 0 and ended(pid):  # a zombie the zygote is reaping now: its word is near
                         deadline = time.monotonic() + 2.0
                         timeout = 2.0
                         continue
@@ -222,7 +222,7 @@ class Zygote:
             self._log.close()
 
 
-def _ended(pid: int) -> bool:
+def ended(pid: int) -> bool:
     """`pid` has exited (a zombie, or gone)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -21,6 +21,7 @@ from mbridge_epoverlap.launch.zygote import (
     ZYGOTE_ENV,
     Zygote,
     ZygoteProcess,
+    ended,
     share,
     stop_shared,
     zygote_for,
@@ -140,9 +141,9 @@ def test_the_zygote_and_its_ranks_leave_when_the_launcher_is_killed(tmp_path):
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 60
-        while (_alive(rank) or _alive(zygote)) and time.monotonic() < deadline:
+        while (not ended(rank) or not ended(zygote)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(rank) and not _alive(zygote)
+        assert ended(rank) and ended(zygote)
         assert mark.read_text() == "released"
     finally:
         launcher.kill()
@@ -151,14 +152,6 @@ def test_the_zygote_and_its_ranks_leave_when_the_launcher_is_killed(tmp_path):
 
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def test_commands_share_a_directory_s_zygote_per_environment_and_it_outlives_them(tmp_path, monkeypatch):
@@ -186,11 +179,11 @@ def test_commands_share_a_directory_s_zygote_per_environment_and_it_outlives_the
             finally:
                 launcher.kill()
                 launcher.wait(timeout=30)
-        assert parents[0] == parents[1] != parents[2] and _alive(parents[0]) and _alive(parents[2])
+        assert parents[0] == parents[1] != parents[2] and not ended(parents[0]) and not ended(parents[2])
         assert len(list(directory.glob("*.sock"))) == 2
     finally:
         stop_shared(directory)
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in parents) and time.monotonic() < deadline:
+    while any(not ended(p) for p in parents) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in parents) and not list(directory.glob("*.sock"))
+    assert all(ended(p) for p in parents) and not list(directory.glob("*.sock"))

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 from unittest import mock
 
 import pytest
 
 from mbridge_epoverlap.errors import RunFailedError, UsageError
 from mbridge_epoverlap.launch import Ranks
+from mbridge_epoverlap.launch.zygote import ended
 from mbridge_epoverlap.runtime import run_local
 from mbridge_epoverlap.runtime.launch import launch_ranks
 
@@ -106,18 +106,6 @@ def test_run_local_reports_metrics_progress_and_traces(make_tiny, tmp_path):
         assert {"attn", "experts", "dispatch.issue", "combine.wait", "experts_wgrad", "gloo:all_to_all"} <= names
 
 
-def _still_running(pids: list[int]) -> list[int]:
-    """The processes of `pids` that have not exited (a zombie has)."""
-    running = []
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                running.append(pid)
-        except (OSError, IndexError):
-            continue
-    return running
-
-
 def _failing_run(cfg, fault: str, match: str, *, timeout_s: float, comm_timeout_s: float | None = None):
     """Run with `fault` injected; the run must fail with a message matching `match` (a regex). Returns the message
     and the process ids of the ranks (forked from the launcher's zygote or started fresh, as `Ranks` started them)."""
@@ -143,14 +131,14 @@ def test_a_rank_that_exits_fails_the_run_naming_it(make_tiny):
     assert "rank 1 failed with exit code 17 (iteration" in message
     assert "injected fault 'exit'" in message  # its last stderr lines
     assert "rank 0 lost its peers" in message
-    assert _still_running(ranks) == []
+    assert [pid for pid in ranks if not ended(pid)] == []
 
 
 def test_a_rank_that_raises_is_named_with_its_error(make_tiny):
     message, ranks = _failing_run(make_tiny(2), "0:raise:1", "^rank 0 failed with exit code 1", timeout_s=120)
     assert message.startswith("rank 0 failed with exit code 1")
     assert "RuntimeError: injected fault on rank 0 at iteration 1" in message
-    assert _still_running(ranks) == []
+    assert [pid for pid in ranks if not ended(pid)] == []
 
 
 def test_a_hung_rank_is_found_through_the_collective_timeout(make_tiny):
@@ -158,7 +146,7 @@ def test_a_hung_rank_is_found_through_the_collective_timeout(make_tiny):
                                    timeout_s=120, comm_timeout_s=3)
     assert message.startswith("rank 1 stopped responding (iteration 2")
     assert "rank 0 lost its peers" in message
-    assert _still_running(ranks) == []
+    assert [pid for pid in ranks if not ended(pid)] == []
 
 
 def test_a_hung_rank_is_found_by_the_watchdog(make_tiny):
@@ -168,7 +156,7 @@ def test_a_hung_rank_is_found_by_the_watchdog(make_tiny):
                                    comm_timeout_s=600)
     assert message.startswith("run timed out after 12 s; ")
     assert "rank 1 stopped responding (iteration 1, step 0, between steps) and was killed" in message
-    assert _still_running(ranks) == []
+    assert [pid for pid in ranks if not ended(pid)] == []
 
 
 def test_launcher_rejects_layouts_the_ranks_cannot_run(make_tiny):
