@@ -43,7 +43,7 @@ def write_checkpoint(directory: Path) -> Path:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from mbridge_epoverlap.serving.model.architectures.fp8 import quantize_checkpoint
+    from mbridge_epoverlap.serving.model.architectures.formats.fp8 import quantize_checkpoint
 
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=2048, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN,

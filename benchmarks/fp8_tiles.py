@@ -33,7 +33,7 @@ def _layer(experts: int):
     import torch
 
     from mbridge_epoverlap.serving.model import packed
-    from mbridge_epoverlap.serving.model.architectures import fp8
+    from mbridge_epoverlap.serving.model.architectures.formats import fp8
 
     gen = torch.Generator().manual_seed(0)
     w1 = torch.empty(experts, 2 * FFN, HIDDEN)

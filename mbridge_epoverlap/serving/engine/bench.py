@@ -50,8 +50,9 @@ def finish_bench_result(result: dict[str, Any], spec: Any, *, requests: Sequence
     """Add what a bench result carries beside the engine's own fields, in place, and return it.
 
     `matches_reference` (only when `requests` are given: whether every token equals the single-process
-    reference, False for a run that did not succeed), then `machine`, `model` and `kv_cache_bytes_per_token` (over
-    all layers: a latent attention model's latents, another's keys and values).
+    reference, False for a run that did not succeed), then `machine`, `model`, `kv_cache_bytes_per_token` (over
+    all layers: a latent attention model's latents, another's keys and values) and `state_bytes_per_sequence` (a
+    hybrid model's linear-attention states, whatever the length; 0 for others).
     """
     if requests is not None:
         result["matches_reference"] = succeeded and matches_reference(spec, requests, result["completions"],
@@ -60,7 +61,10 @@ def finish_bench_result(result: dict[str, Any], spec: Any, *, requests: Sequence
 
     result["machine"] = machine()
     result["model"] = spec.describe()
+    from mbridge_epoverlap.serving.model.linear.state_cache import state_bytes_per_sequence
+
     result["kv_cache_bytes_per_token"] = kv_cache_bytes_per_token(spec)
+    result["state_bytes_per_sequence"] = state_bytes_per_sequence(spec)
     return result
 
 

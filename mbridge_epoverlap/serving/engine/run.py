@@ -69,8 +69,9 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     none: requests arrive while the workers run, each at most `max_model_len` tokens long, and an engine step feeds
     at most `max_prefill_tokens` prompt tokens over its attention workers (0: `max_model_len` per admission); a
     longer prompt is fed in chunks over several steps; `prefix_cache_bytes` gives each attention worker an automatic
-    prefix cache of that size (0: none). `replicated_experts`: colocated processes hold every expert
-    each (no all-to-all; `EnginePlan.replicated_experts`). `threads` is torch's intra-op threads per worker
+    prefix cache of that size (0: none; none for a hybrid model, whose linear-attention states blocks cannot
+    restore). `replicated_experts`: colocated processes hold every expert each (no all-to-all;
+    `EnginePlan.replicated_experts`). `threads` is torch's intra-op threads per worker
     process; 0 shares the cores evenly (`plan.default_threads`).
 
     Raises:
@@ -116,7 +117,9 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
                       backend=backend, slot_bytes=slot_bytes, timeout_s=timeout_s, num_layers=num_layers, seed=seed,
                       dtype=dtype, online_requests=tuple(online_requests), online_events=online_events,
                       max_model_len=max_model_len, prefill_budget=prefill_budget,
-                      prefix_cache_bytes=prefix_cache_bytes if online_requests else 0,
+                      # a hybrid model's sequences also carry linear-attention states, which cached key and value
+                      # blocks cannot restore: its prompts are prefilled whole (vLLM's default for these models too)
+                      prefix_cache_bytes=prefix_cache_bytes if online_requests and not spec.linear_layers else 0,
                       replicated_experts=replicated_experts,
                       threads=threads or default_threads(colocated or attn_workers + expert_workers))
 

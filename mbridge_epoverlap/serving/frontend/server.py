@@ -102,8 +102,10 @@ def serve_http(args: argparse.Namespace) -> int:
 
     _log_to_stderr()
     from mbridge_epoverlap.serving.model.kv_cache import kv_cache_bytes_per_token
+    from mbridge_epoverlap.serving.model.linear.state_cache import state_bytes_per_sequence
 
-    metrics = ServerMetrics(spec.moe_layer_ids, args.expert_metrics, kv_cache_bytes_per_token(spec))
+    metrics = ServerMetrics(spec.moe_layer_ids, args.expert_metrics, kv_cache_bytes_per_token(spec),
+                            state_bytes_per_sequence(spec))
     outcome: dict[str, Any] = {"code": EXIT_OK, "server": None}  # the exit code; uvicorn's server once it exists
 
     def engine_ended(reason: str | None) -> None:

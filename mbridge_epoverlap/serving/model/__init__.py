@@ -21,8 +21,11 @@ Nothing here knows processes or messages; workers hold these pieces and call the
   one pass), built at first use.
 - `expert_store`: the expert weights one expert worker holds, and how they change (restores, moves).
 - `batch`: `TokenBatch`, the tokens of one step from several sequences, flat, and how they attend.
-- `kv_cache`: `KVCache`, the keys and values of every sequence, and decode attention over them (the one
-  owner of `decode_attention` and `cached_attention`); `LatentKVCache`, DeepSeek-V3's cache of latents.
+- `kv_cache`: `KVCache`, the keys and values of every sequence (and a hybrid model's `StateCache`), and decode
+  attention over them (the one owner of `decode_attention` and `cached_attention`); `LatentKVCache`, DeepSeek-V3's
+  cache of latents.
+- `linear`: linear attention (Qwen3-Next's gated DeltaNet) and `StateCache`, the per-sequence states it keeps
+  beside the KV cache.
 - `prefix_cache`: `PrefixCache`, full blocks of prompts' cached keys and values (or latents) reused by later
   prompts that begin with the same tokens (automatic prefix caching), least recently used evicted.
 - `tokenizer`: text prompts for checkpoints that ship a `tokenizer.json`.

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model import architectures
-from mbridge_epoverlap.serving.model.architectures import fp8
 from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source
+from mbridge_epoverlap.serving.model.architectures.formats import fp8
 from mbridge_epoverlap.serving.model.hf_layout import ARCHITECTURES, all_sources
 from mbridge_epoverlap.serving.model.spec import DTYPES, ModelSpec
 
@@ -146,8 +146,8 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
 
 
 def _fp8_block(path: Path, raw: dict[str, Any], arch: Any) -> tuple[int, int] | None:
-    """The FP8 block size of a block-scaled checkpoint (`architectures.fp8`), None for an unquantized one; any other
-    `quant_method` than the architecture's own (GPT-OSS's MXFP4) is refused naming what is supported."""
+    """The FP8 block size of a block-scaled checkpoint (`architectures.formats.fp8`), None for an unquantized one; any
+    other `quant_method` than the architecture's own (GPT-OSS's MXFP4) is refused naming what is supported."""
     if raw.get("quantization_config") is None:
         return None
     method = _quant_method(raw)
@@ -339,7 +339,7 @@ def _quant_method(raw: dict[str, Any]) -> Any:
 
 
 def _is_mxfp4(spec: ModelSpec, name: str) -> bool:
-    """Whether `name` is an MXFP4 expert tensor (uint8 blocks and scales, `serving.model.mxfp4`)."""
+    """Whether `name` is an MXFP4 expert tensor (uint8 blocks and scales, `architectures.formats.mxfp4`)."""
     return spec.expert_quantization == "mxfp4" and name.endswith(("_blocks", "_scales"))
 
 
@@ -357,7 +357,7 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name` as stored (dtype converted by the caller); an FP8 weight dequantized to fp32 with its
-        scales (`architectures.fp8`)."""
+        scales (`architectures.formats.fp8`)."""
         tensor = self._handle(name).get_tensor(name)
         if self.is_fp8(name):
             return fp8.dequantize(tensor, self.get(fp8.scale_name(name)), self.fp8_block)

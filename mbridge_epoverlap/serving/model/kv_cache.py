@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.serving.model.batch import PromptGroup, TokenBatch
+from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
 from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
 
 _INITIAL_CAPACITY = 64
@@ -69,13 +70,19 @@ class KVCache:
         self._row: dict[int, int] = {}  # seq_id -> its row
         self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # a heap: the lowest free row is taken first
         self._lengths: dict[int, list[int]] = {}
+        # A hybrid model's linear-attention states (`linear.state_cache.StateCache`), added and freed with the
+        # sequences here; its layers' key and value buffers stay at their first small size, never written.
+        self.states: StateCache | None = None
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, device: torch.device | None = None, *, exact_decode: bool = True) -> KVCache:
         if spec.mla is not None:  # DeepSeek-V3: a cache of latents, not of per-head keys and values
             return LatentKVCache.for_spec(spec, device, exact_decode=exact_decode)
-        return cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.torch_dtype(), device=device,
-                   exact_decode=exact_decode)
+        cache = cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.torch_dtype(), device=device,
+                    exact_decode=exact_decode)
+        if spec.linear_layers:
+            cache.states = StateCache(spec, device=device)
+        return cache
 
     @classmethod
     def for_engine(cls, spec: ModelSpec) -> KVCache:
@@ -97,11 +104,15 @@ class KVCache:
         # a view instead of a copy.
         self._row[seq_id] = heapq.heappop(self._free_rows)
         self._lengths[seq_id] = [0] * self.num_layers
+        if self.states is not None:
+            self.states.add(seq_id)
 
     def empty_like(self) -> KVCache:
         """A new, empty cache of the same shapes."""
-        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device,
-                       exact_decode=self.exact_decode)
+        cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device,
+                        exact_decode=self.exact_decode)
+        cache.states = None if self.states is None else self.states.empty_like()
+        return cache
 
     def free(self, seq_id: int) -> None:
         """Drop a finished sequence's keys and values.
@@ -116,6 +127,8 @@ class KVCache:
             raise KeyError(f"sequence {seq_id} is not in the KV cache")
         row = self._row.pop(seq_id)
         del self._lengths[seq_id]
+        if self.states is not None:
+            self.states.free(seq_id)
         last = max(self._row.values(), default=-1)
         if last > row:
             mover = next(seq for seq, r in self._row.items() if r == last)
@@ -618,4 +631,4 @@ def kv_cache_bytes_per_token(spec: ModelSpec) -> int:
         per_layer = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
     else:
         per_layer = 2 * spec.num_kv_heads * spec.head_dim
-    return spec.num_layers * per_layer * size
+    return len(spec.attention_layer_ids) * per_layer * size

@@ -39,16 +39,20 @@ class RMSNorm(torch.nn.Module):
     multiplies it in that dtype, as every architecture here does it in `transformers`. (`moe.norm.RMSNorm`
     multiplies by the weight in fp32 before rounding: the same in fp32, another bf16 result unless the weight
     is all ones.) With `round_after_weight` (GPT-OSS, `spec.norm_round_after_weight`) the weight multiplies the
-    fp32 normalised x and the product is rounded once, as `transformers` does for that model."""
+    fp32 normalised x and the product is rounded once, as `transformers` does for that model. With `zero_centred`
+    (Qwen3-Next, `spec.norm_zero_centred`) the scale is 1 + weight, in fp32, and the product is rounded once."""
 
-    def __init__(self, size: int, *, eps: float, dtype: torch.dtype, round_after_weight: bool = False) -> None:
+    def __init__(self, size: int, *, eps: float, dtype: torch.dtype, round_after_weight: bool = False,
+                 zero_centred: bool = False) -> None:
         super().__init__()
-        self.eps, self.round_after_weight = eps, round_after_weight
+        self.eps, self.round_after_weight, self.zero_centred = eps, round_after_weight, zero_centred
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         if self.round_after_weight:  # GPT-OSS: the weight times the fp32 input (in fp32), rounded once
             return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
@@ -58,7 +62,8 @@ def make_norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> torch.nn.Module
     """The spec's normalisation over `size` features."""
     if spec.normalization == "LayerNorm":
         return LayerNorm(size, eps=spec.norm_eps, dtype=dtype)
-    return RMSNorm(size, eps=spec.norm_eps, dtype=dtype, round_after_weight=spec.norm_round_after_weight)
+    return RMSNorm(size, eps=spec.norm_eps, dtype=dtype, round_after_weight=spec.norm_round_after_weight,
+                   zero_centred=spec.norm_zero_centred)
 
 
 class Attention(torch.nn.Module):
@@ -68,14 +73,17 @@ class Attention(torch.nn.Module):
     (same rows, `spec.qkv_bias`), `q_norm.weight` / `k_norm.weight` (`spec.qk_norm`: [head_dim] each per head,
     or [heads * head_dim] / [groups * head_dim] over the projection), `proj.weight` [hidden, heads * head_dim],
     `proj_bias` [hidden] (`spec.attention_out_bias`), `sinks` [heads] (`spec.attention_sinks`: one logit per
-    head that joins the softmax; the KV cache's attention uses it).
+    head that joins the softmax; the KV cache's attention uses it). With `spec.attention_output_gate` (Qwen3-Next)
+    the q rows are per head its query then its gate (2 * heads * head_dim rows); `project_qkv` keeps the gate
+    for `project_out`, which multiplies the attention output by its sigmoid first.
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.heads, self.groups, self.head_dim = spec.num_heads, spec.num_kv_heads, d
-        self.widths = [self.heads * d, self.groups * d, self.groups * d]
+        self.output_gate = spec.attention_output_gate
+        self.widths = [self.heads * d * (2 if self.output_gate else 1), self.groups * d, self.groups * d]
         self.qkv = Linear(h, sum(self.widths), dtype=dtype)
         self.qkv_bias = torch.nn.Parameter(torch.empty(sum(self.widths), dtype=dtype)) if spec.qkv_bias else None
         self.proj = Linear(self.heads * d, h, dtype=dtype)
@@ -87,14 +95,17 @@ class Attention(torch.nn.Module):
         self.clip = spec.clip_qkv
         self.fused = spec.fused_qkv
         q_size, k_size = (d, d) if self.norm_per_head else (self.widths[0], self.widths[1])
-        self.q_norm = RMSNorm(q_size, eps=spec.norm_eps, dtype=dtype) if spec.qk_norm else None
-        self.k_norm = RMSNorm(k_size, eps=spec.norm_eps, dtype=dtype) if spec.qk_norm else None
+        zero = spec.norm_zero_centred
+        self.q_norm = RMSNorm(q_size, eps=spec.norm_eps, dtype=dtype, zero_centred=zero) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_size, eps=spec.norm_eps, dtype=dtype, zero_centred=zero) if spec.qk_norm else None
+        self.gate: torch.Tensor | None = None  # the output gate `project_qkv` left for `project_out`
         # oneDNN-packed copies of the fused q/k/v and output weights (`AttentionPart(packed=True)` sets them)
         self.packed_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.packed_proj: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def project_qkv(self, x: torch.Tensor, *, separate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q [T, heads, head_dim], k and v [T, groups, head_dim] (q and k normalised, not rotated).
+        """x [T, hidden] -> q [T, heads, head_dim], k and v [T, groups, head_dim] (q and k normalised, not rotated);
+        with an output gate, that gate [T, heads * head_dim] is `project_out`'s to apply (`gates`).
 
         `separate`: three GEMMs over the stacked weight's row blocks, as checkpoints define the projections (one
         where the checkpoint has one fused projection, `spec.fused_qkv`).
@@ -110,6 +121,9 @@ class Attention(torch.nn.Module):
         if self.clip is not None:
             # DBRX clamps the fused projection; elementwise, so the same on q, k and v apart
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        if self.output_gate:  # per head: its query, then its gate
+            q, gate = q.reshape(x.shape[0], self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+            self.gate = gate.reshape(x.shape[0], -1)
         norms = self.q_norm is not None and self.k_norm is not None
         if norms and not self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -122,6 +136,9 @@ class Attention(torch.nn.Module):
 
     def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
         """[T, heads * head_dim] attention output -> [T, hidden]."""
+        if self.output_gate:
+            heads_out = heads_out * torch.sigmoid(self.gate)
+            self.gate = None
         if self.packed_proj is not None:
             out = self.packed_proj(heads_out)
             return out if self.proj_bias is None else out + self.proj_bias

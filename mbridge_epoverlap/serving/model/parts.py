@@ -47,6 +47,7 @@ from mbridge_epoverlap.serving.model.layers import (
     rotary_for,
     softmax_topk_pnorm,
 )
+from mbridge_epoverlap.serving.model.linear.delta_net import GatedDeltaNetAttention
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 __all__ = [
@@ -81,8 +82,13 @@ class DecodeLayer(torch.nn.Module):
         super().__init__()
         h = spec.hidden_size
         self.input_norm = make_norm(spec, h, dtype)
-        self.attention: Attention | MultiLatentAttention = (
-            MultiLatentAttention(spec, dtype, bias=spec.qkv_bias) if spec.mla is not None else Attention(spec, dtype))
+        self.attention: Attention | MultiLatentAttention | GatedDeltaNetAttention
+        if spec.is_linear(layer):  # Qwen3-Next's gated DeltaNet: a state per sequence, no keys or values
+            self.attention = GatedDeltaNetAttention(spec, dtype)
+        elif spec.mla is not None:
+            self.attention = MultiLatentAttention(spec, dtype, bias=spec.qkv_bias)
+        else:
+            self.attention = Attention(spec, dtype)
         self.post_norm = make_norm(spec, h, dtype)
         self.router: GroupedSigmoidRouter | TopKRouter | None = None
         if spec.is_moe(layer) and spec.grouped_routing is not None:  # DeepSeek-V3, GLM-4.5
@@ -164,7 +170,11 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
-        if isinstance(block.attention, MultiLatentAttention):  # DeepSeek-V3: its cache holds latents
+        if isinstance(block.attention, GatedDeltaNetAttention):  # its states live beside the KV cache
+            if cache.states is None:
+                raise TypeError(f"{self.spec.architecture} needs a KVCache with a state cache (KVCache.for_spec)")
+            heads = block.attention.attend(layer, block.input_norm(x), batch, cache.states)
+        elif isinstance(block.attention, MultiLatentAttention):  # DeepSeek-V3: its cache holds latents
             if not isinstance(cache, LatentKVCache):
                 raise TypeError(f"{self.spec.architecture} attends over a LatentKVCache (KVCache.for_spec makes one)")
             heads = block.attention.attend(layer, block.input_norm(x), batch, cache, self._cos_sin(batch.positions))

@@ -74,6 +74,35 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class GatedDeltaNet:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5-MoE; `linear.delta_net.GatedDeltaNetAttention`): per token,
+    `num_key_heads` query and key heads of `key_head_dim` and `num_value_heads` value heads of `value_head_dim`
+    (each query/key head serving num_value_heads / num_key_heads value heads), a causal depthwise convolution of
+    `conv_kernel` taps over the concatenated q, k, v, and per value head a [key_head_dim, value_head_dim] state
+    decayed and corrected by the gated delta rule. A sequence carries no keys or values, only that state and the
+    convolution's last inputs (`linear.state_cache.StateCache`)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape and semantics of a decoder-only MoE model, and where its weights come from.
 
@@ -118,9 +147,9 @@ class ModelSpec:
             an fp32 GEMM of a few rows rounds differently with the weight transposed (`docs/numerics.md`).
         rope_scaling: the rotary embedding's scaling (`RopeScaling`, YaRN) or None for the plain rope.
         expert_quantization: how the checkpoint stores the experts' weights: None (floats) or "mxfp4" (blocks and
-            scales, dequantized when an expert is loaded: `serving.model.mxfp4`).
+            scales, dequantized when an expert is loaded: `serving.model.architectures.formats.mxfp4`).
         fp8_block: the checkpoint stores its projection weights as FP8 in blocks of [rows, columns] with a
-            `weight_scale_inv` each (`architectures.fp8`); they are dequantized as they are read. None: floats.
+            `weight_scale_inv` each (`architectures.formats.fp8`); they are dequantized as they are read. None: floats.
         clip_qkv: the q, k and v projections are clamped to [-clip_qkv, clip_qkv] (DBRX); None: not clamped.
         router_softmax_in_dtype: the softmax over all experts runs in the logits' dtype, not fp32 (DBRX); only
             bf16 tells the two apart.
@@ -134,6 +163,12 @@ class ModelSpec:
             (GLM-4.5's `partial_rotary_factor`); 0: the whole head (`rope_dim` reads it).
         grouped_routing: DeepSeek-V3 / GLM-4.5 routing (`GroupedRouting`) instead of a softmax; None: not so.
         mla: multi-head latent attention (`LatentAttention`, DeepSeek-V3) instead of q/k/v projections; None: not.
+        linear_attention: the sizes of the gated DeltaNet layers of a hybrid model (`GatedDeltaNet`); None: none.
+        linear_layers: for each layer, whether it is a gated DeltaNet layer (else softmax attention); empty: none.
+        attention_output_gate: the q projection also yields a per-head gate; the attention output is multiplied by
+            its sigmoid before the output projection (Qwen3-Next's full-attention layers).
+        norm_zero_centred: every RMSNorm but the DeltaNet's gated one scales by (1 + weight), the product taken in
+            fp32 and rounded once (Qwen3-Next's zero-centred RMSNorm).
         tie_word_embeddings: the output head is the embedding matrix.
         eos_token_ids: generation stops after any of these (empty: only the token limit stops it).
         dtype: parameter and activation dtype ("float32" or "bfloat16").
@@ -187,6 +222,10 @@ class ModelSpec:
     rotary_dim: int = 0
     grouped_routing: GroupedRouting | None = None
     mla: LatentAttention | None = None
+    linear_attention: GatedDeltaNet | None = None
+    linear_layers: tuple[bool, ...] = ()
+    attention_output_gate: bool = False
+    norm_zero_centred: bool = False
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
@@ -205,6 +244,20 @@ class ModelSpec:
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_layers[layer]
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a gated DeltaNet layer (its sequence state lives in a `StateCache`, not the KV cache)."""
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        """The gated DeltaNet layers, ascending."""
+        return [i for i in range(self.num_layers) if self.is_linear(i)]
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """The softmax-attention layers (the ones with keys and values in the KV cache), ascending."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
 
     @property
     def rope_dim(self) -> int:
@@ -227,7 +280,8 @@ class ModelSpec:
     def describe(self) -> str:
         """One line for logs and command output."""
         moe = len(self.moe_layer_ids)
-        return (f"{self.architecture} from {self.source}: {self.num_layers} layers ({moe} MoE), hidden "
+        linear = f", {len(self.linear_layer_ids)} linear attention" if self.linear_layers else ""
+        return (f"{self.architecture} from {self.source}: {self.num_layers} layers ({moe} MoE{linear}), hidden "
                 f"{self.hidden_size}, {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}, "
                 f"{self.num_experts} experts top-{self.top_k} (FFN {self.expert_ffn}), vocab {self.vocab_size}, "
                 f"{self.dtype}")

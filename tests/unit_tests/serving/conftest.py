@@ -14,6 +14,8 @@
   than the longest prompt), attention sinks, q/k/v/o, router and expert biases, 8 experts top-2 stored fused
   with gate and up interleaved, a clamped SwiGLU whose `swiglu_limit` (0.8) the activations exceed, YaRN rope
   (factor 4 over an original context of 64).
+- `tiny_qwen3_next_dir`: `Qwen3NextForCausalLM`, a hybrid: three gated DeltaNet layers and one gated full-attention
+  layer (`qwen3_next_config`).
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
@@ -242,6 +244,34 @@ def tiny_glm4_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(model, tmp_path_factory.mktemp("tiny_glm4_moe"))
 
 
+def qwen3_next_config():
+    """The tiny Qwen3-Next of `tiny_qwen3_next_dir`: 4 layers, three gated DeltaNet layers then a full-attention one
+    (the released 3:1 pattern), layer 1 dense; 2 key heads serving 4 value heads (GQA-like grouping) of 8, a
+    4-tap convolution; full attention with GQA, head_dim 16, a quarter of each head rotated and an output gate;
+    8 experts top-2 renormalised and a gated shared expert."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        max_position_embeddings=256, initializer_range=INIT_STD, bos_token_id=None, eos_token_id=3,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`Qwen3NextForCausalLM` (`qwen3_next_config`), its norm weights and biases drawn."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(2025)
+    model = Qwen3NextForCausalLM(qwen3_next_config()).eval()
+    _draw_vectors(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_qwen3_next"))
+
+
 DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
 
@@ -286,7 +316,7 @@ def tiny_deepseek_v3_direct_q_dir(tmp_path_factory: pytest.TempPathFactory) -> P
     return _tiny_deepseek_v3(tmp_path_factory, None, 1618)
 
 
-# --- FP8 block-scaled checkpoints (`serving.model.architectures.fp8`) -------------------------------------------
+# --- FP8 block-scaled checkpoints (`architectures.formats.fp8`) -----------------------------------------------------
 
 def _fp8_pair(tmp_path_factory: pytest.TempPathFactory, source: Path, name: str, block: tuple[int, int],
               shard_bytes: int | None) -> tuple[Path, Path]:
@@ -297,7 +327,7 @@ def _fp8_pair(tmp_path_factory: pytest.TempPathFactory, source: Path, name: str,
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from mbridge_epoverlap.serving.model.architectures.fp8 import quantize_checkpoint
+    from mbridge_epoverlap.serving.model.architectures.formats.fp8 import quantize_checkpoint
 
     quantized = tmp_path_factory.mktemp(f"{name}_fp8")
     quantize_checkpoint(source, quantized, block=block, max_shard_bytes=shard_bytes)

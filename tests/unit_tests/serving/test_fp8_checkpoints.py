@@ -1,4 +1,4 @@
-"""FP8 block-scaled checkpoints (`serving.model.architectures.fp8`), as DeepSeek-V3, Kimi K2 and the `-FP8` releases of
+"""FP8 block-scaled checkpoints (`architectures.formats.fp8`), as DeepSeek-V3, Kimi K2 and the `-FP8` releases of
 Qwen3 and GLM-4.5 ship them, served in every layout with `transformers`' tokens on the dequantized weights.
 
 The tiny DeepSeek-V3 in blocks of [16, 16] (partial last blocks), sharded with an index, and the tiny GLM-4.5 in the
@@ -19,7 +19,7 @@ import torch
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
 from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-from mbridge_epoverlap.serving.model.architectures import fp8
+from mbridge_epoverlap.serving.model.architectures.formats import fp8
 from mbridge_epoverlap.serving.model.checkpoint import CheckpointReader, load_spec
 from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, leftovers, requests_of
 

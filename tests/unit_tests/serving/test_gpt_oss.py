@@ -121,7 +121,7 @@ def mxfp4_dirs(tiny_gpt_oss_dir, tmp_path_factory) -> tuple[Path, Path]:
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from mbridge_epoverlap.serving.model.architectures.mxfp4 import quantize
+    from mbridge_epoverlap.serving.model.architectures.formats.mxfp4 import quantize
 
     quantized = Path(shutil.copytree(tiny_gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "q"))
     plain = Path(shutil.copytree(tiny_gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "plain"))

@@ -2,12 +2,11 @@
 
 - `base`: `Architecture` (the shared checkpoint layout; a module overrides only what differs),
   `ConfigFields` (typed config.json reads) and `Source` (the tensors one parameter is built from).
-- `mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`: one
+- `mixtral`, `qwen3_moe`, `qwen2_moe`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`, `qwen3_next`: one
   `Architecture` each: the config defaults, what its config.json means for the `ModelSpec`, and its tensor
   names.
-- `fp8`: FP8 block-scaled weights (DeepSeek-V3, Kimi K2, the `-FP8` releases of Qwen3 and GLM-4.5): the config's
-  block size, dequantizing a stored tensor with its `weight_scale_inv`, and writing such checkpoints.
-- `mxfp4`: GPT-OSS's MXFP4 expert weights (FP4 blocks, power-of-two scales), dequantized at load.
+- `formats`: the quantized weight formats checkpoints store (`fp8`: FP8 block-scaled weights; `mxfp4`: GPT-OSS's
+  MXFP4 experts), dequantized as they are read.
 
 Adding an architecture is one module here, its entry in `_ARCHITECTURES` and its tests. The arithmetic is
 not here: the spec's fields select the shared pieces of `serving.model.layers`.
@@ -24,9 +23,10 @@ from mbridge_epoverlap.serving.model.architectures.mixtral import Mixtral
 from mbridge_epoverlap.serving.model.architectures.olmoe import Olmoe
 from mbridge_epoverlap.serving.model.architectures.qwen2_moe import Qwen2Moe
 from mbridge_epoverlap.serving.model.architectures.qwen3_moe import Qwen3Moe
+from mbridge_epoverlap.serving.model.architectures.qwen3_next import Qwen3Next
 
 _ARCHITECTURES: tuple[Architecture, ...] = (Mixtral(), Qwen3Moe(), Qwen2Moe(), Olmoe(), Dbrx(), GptOss(), Glm4Moe(),
-                                              DeepseekV3())
+                                              DeepseekV3(), Qwen3Next())
 REGISTRY: dict[str, Architecture] = {a.name: a for a in _ARCHITECTURES}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 

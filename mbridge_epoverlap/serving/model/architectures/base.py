@@ -113,6 +113,28 @@ class ConfigFields:
 ATTENTION_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
+def partial_rotary_dim(cfg: ConfigFields, default_factor: float) -> int:
+    """How many leading dimensions of each attention head the rotary embedding turns (0: all), as `transformers`
+    computes it: int(head_dim * partial_rotary_factor), the factor from `rope_parameters` (5.x), the top level (4.x)
+    or the config class's default."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    field, factor = "partial_rotary_factor", default_factor
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        field, factor = "rope_parameters.partial_rotary_factor", params["partial_rotary_factor"]
+    elif cfg.get("partial_rotary_factor") is not None:
+        factor = cfg.get("partial_rotary_factor")
+    heads = cfg.positive_int("num_attention_heads")
+    head_dim = (cfg.positive_int("hidden_size") // heads if cfg.get("head_dim") is None
+                else cfg.positive_int("head_dim"))
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise UsageError(f"{cfg.path}: field {field!r} is {factor!r}; it must be a number in (0, 1]")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise UsageError(f"{cfg.path}: field {field!r} is {factor!r}; the rotated part of a head "
+                         f"(int({head_dim} * {factor}) = {dim}) must be a positive even size")
+    return 0 if dim == head_dim else dim
+
+
 class Architecture:
     """One `architectures` entry of config.json: its defaults, its semantics and its tensor names.
 
@@ -167,7 +189,7 @@ class Architecture:
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             out[f"{ours}.input_norm.weight"] = one(f"{hf}.input_layernorm.weight", h)
             out[f"{ours}.post_norm.weight"] = one(f"{hf}.post_attention_layernorm.weight", h)
-            attention = self.attention_tensors(spec, f"{hf}.self_attn")
+            attention = self.mixer_tensors(spec, i, hf)
             out.update({f"{ours}.attention.{k}": v for k, v in attention.items()})
             if spec.is_moe(i):
                 out.update({f"{ours}.{k}": v for k, v in self.moe_tensors(spec, f"{hf}.{self.moe_block}").items()})
@@ -176,15 +198,22 @@ class Architecture:
                                                                                "intermediate_size").items()})
         return out
 
+    def mixer_tensors(self, spec: ModelSpec, layer: int, prefix: str) -> dict[str, Source]:
+        """The tensors of layer `layer`'s token mixer (`prefix`: the layer's own, `model.layers.{i}`): its softmax
+        attention here; a hybrid architecture returns its linear attention's for the layers that have one."""
+        return self.attention_tensors(spec, f"{prefix}.self_attn")
+
     def attention_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
-        """Separate q, k, v (and o) projections, with biases and q/k norms where the spec has them."""
+        """Separate q, k, v (and o) projections, with biases and q/k norms where the spec has them (q's rows
+        doubled where each head also has an output gate)."""
         h, d, hq, hkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
         f = ATTENTION_FIELDS
-        out = {"qkv.weight": cat((f"{prefix}.q_proj.weight", (hq * d, h)), (f"{prefix}.k_proj.weight", (hkv * d, h)),
+        q_rows = hq * d * (2 if spec.attention_output_gate else 1)
+        out = {"qkv.weight": cat((f"{prefix}.q_proj.weight", (q_rows, h)), (f"{prefix}.k_proj.weight", (hkv * d, h)),
                                  (f"{prefix}.v_proj.weight", (hkv * d, h)), fields=f),
                "proj.weight": one(f"{prefix}.o_proj.weight", h, hq * d, fields=f)}
         if spec.qkv_bias:
-            out["qkv_bias"] = cat((f"{prefix}.q_proj.bias", (hq * d,)), (f"{prefix}.k_proj.bias", (hkv * d,)),
+            out["qkv_bias"] = cat((f"{prefix}.q_proj.bias", (q_rows,)), (f"{prefix}.k_proj.bias", (hkv * d,)),
                                   (f"{prefix}.v_proj.bias", (hkv * d,)), fields=f)
         if spec.qk_norm:
             q_size, k_size = (d, d) if spec.qk_norm_scope == "head" else (hq * d, hkv * d)

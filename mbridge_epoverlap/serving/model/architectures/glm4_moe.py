@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.model.architectures.base import Architecture, ConfigFields, Source, one
+from mbridge_epoverlap.serving.model.architectures.base import (
+    Architecture,
+    ConfigFields,
+    Source,
+    one,
+    partial_rotary_dim,
+)
 from mbridge_epoverlap.serving.model.spec import GroupedRouting, ModelSpec
 
 # the only routing `GroupedSigmoidRouter` implements, under the names DeepSeek's config.json gives it
@@ -103,28 +109,7 @@ class Glm4Moe(Architecture):
 
     def read_config(self, cfg: ConfigFields, num_layers: int) -> dict[str, Any]:
         return {**read_grouped_moe(cfg, num_layers), "qkv_bias": cfg.boolean("attention_bias"),
-                "qk_norm": cfg.boolean("use_qk_norm"), "rotary_dim": self._rotary_dim(cfg)}
-
-    @staticmethod
-    def _rotary_dim(cfg: ConfigFields) -> int:
-        """How many leading dimensions of each head turn (0: all), as `transformers` computes it:
-        int(head_dim * partial_rotary_factor)."""
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        field, factor = "partial_rotary_factor", 0.5
-        if isinstance(params, dict) and "partial_rotary_factor" in params:
-            field, factor = "rope_parameters.partial_rotary_factor", params["partial_rotary_factor"]
-        elif cfg.get("partial_rotary_factor") is not None:
-            factor = cfg.get("partial_rotary_factor")
-        heads = cfg.positive_int("num_attention_heads")
-        head_dim = (cfg.positive_int("hidden_size") // heads if cfg.get("head_dim") is None
-                    else cfg.positive_int("head_dim"))
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
-            raise UsageError(f"{cfg.path}: field {field!r} is {factor!r}; it must be a number in (0, 1]")
-        dim = int(head_dim * factor)
-        if dim < 2 or dim % 2:
-            raise UsageError(f"{cfg.path}: field {field!r} is {factor!r}; the rotated part of a head "
-                             f"(int({head_dim} * {factor}) = {dim}) must be a positive even size")
-        return 0 if dim == head_dim else dim
+                "qk_norm": cfg.boolean("use_qk_norm"), "rotary_dim": partial_rotary_dim(cfg, 0.5)}
 
     def moe_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
         return grouped_moe_tensors(spec, prefix)

@@ -13,7 +13,7 @@
 
 MXFP4 experts (`quantization_config` {"quant_method": "mxfp4"}, as OpenAI released the models: `*_blocks` and
 `*_scales` instead of `gate_up_proj` and `down_proj`) are dequantized as each expert is loaded
-(`serving.model.mxfp4`), to the weights `transformers` dequantizes them to.
+(`serving.model.architectures.formats.mxfp4`), to the weights `transformers` dequantizes them to.
 
 Refused before any weight is read: a rope type other than the default or YaRN, a partial rotary factor,
 `layer_types` other than sliding/full attention, another quantization method, and MXFP4 widths that are not
@@ -31,7 +31,7 @@ from mbridge_epoverlap.serving.model.architectures.base import Architecture, Con
 from mbridge_epoverlap.serving.model.spec import ModelSpec, RopeScaling
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
-_MXFP4_BLOCK = 32  # inputs per MXFP4 scale (`serving.model.mxfp4.BLOCK`; that module needs torch, this one not)
+_MXFP4_BLOCK = 32  # inputs per MXFP4 scale (`formats.mxfp4.BLOCK`; that module needs torch, this one not)
 # GptOssConfig's rope when config.json states none (not a `defaults` entry: a 4.x config's `rope_scaling` must win)
 _YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
          "original_max_position_embeddings": 4096}
@@ -162,7 +162,7 @@ class GptOss(Architecture):
     def expert_weights(self, reader: Any, spec: ModelSpec, layer: int, expert: int) -> dict[str, Any]:
         """Expert `expert`'s slice of the fused tensors, gate and up columns de-interleaved (gate first, as the
         serving experts hold them; which column holds what does not change a column's product)."""
-        from mbridge_epoverlap.serving.model.architectures import mxfp4
+        from mbridge_epoverlap.serving.model.architectures.formats import mxfp4
 
         prefix = f"model.layers.{layer}.mlp.experts"
         if spec.expert_quantization == "mxfp4":  # stored [out, in]: gate_up's rows interleaved

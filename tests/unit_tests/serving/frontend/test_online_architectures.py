@@ -42,7 +42,7 @@ def _with_tokenizer(source: Path, directory: Path) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3", "qwen3_next"])
 def test_text_prompts_equal_transformers_greedy(family, request, tmp_path, start_server, hf_greedy):
     from transformers import AutoTokenizer
 
@@ -82,3 +82,30 @@ def test_an_fp8_checkpoint_served_online_equals_transformers_on_its_dequantized_
     ready = next(line for line in server.stderr if "ready at http://" in line)
     assert re.search(r"weights [\d.]+ [KMG]iB fp32 \+ [\d.]+ [KMG]iB fp8, KV cache" if small_gemm.available()
                      else r"weights [\d.]+ [KMG]iB fp32, KV cache", ready) and "peak RSS" in ready, ready
+
+
+def test_a_hybrid_model_fed_in_chunks_beside_others_equals_transformers(tiny_qwen3_next_dir, tmp_path, start_server,
+                                                                         hf_greedy):
+    """Qwen3-Next disaggregated (two expert workers) with a prefill budget of 4 tokens a step: a 100-token prompt is
+    fed in 25 chunks, each continuing the DeltaNet states the last left, while two short prompts decode beside it;
+    all three equal `transformers`. /metrics reports the state bytes per sequence, and no prompt token goes through
+    a prefix cache (a hybrid model keeps none)."""
+    import random
+    import urllib.request
+
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+    from mbridge_epoverlap.serving.model.linear.state_cache import state_bytes_per_sequence
+
+    server = start_server(tiny_qwen3_next_dir, "--expert-workers", "2", "--max-prefill-tokens", "4", "--timeout", "60")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
+    rng = random.Random(3)
+    batch = [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (100, 3, 6)]
+    answer = client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    got = sorted(answer.choices, key=lambda c: c.index)
+    assert [c.model_extra["token_ids"] for c in got] == hf_greedy(tiny_qwen3_next_dir, batch, MAX_TOKENS)
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    value = {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}
+    assert value["mbe_state_cache_bytes_per_sequence"] == state_bytes_per_sequence(load_spec(tiny_qwen3_next_dir))
+    assert value["mbe_prefix_cache_queries_total"] == 0

@@ -1,0 +1,104 @@
+"""`StateCache`: what a hybrid model's gated DeltaNet layers keep of each sequence, beside the KV cache.
+
+A linear-attention layer keeps no keys or values. Per sequence and per such layer it keeps two tensors of a fixed
+size, whatever the sequence's length: the last `conv_kernel` inputs of its causal convolution (q, k and v channels,
+the model dtype) and its recurrent state, one [key_head_dim, value_head_dim] matrix per value head (fp32, as
+`transformers` keeps it). A row per sequence, taken when the sequence is added and given back when it is freed;
+the rows grow by doubling as the KV cache's do.
+
+The attention side's `KVCache` owns one (`KVCache.states`) when the spec has linear layers, so a sequence is added
+to and freed from both at once, and a micro-batch's `empty_like` cache gets its own.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from mbridge_epoverlap.serving.model.spec import ModelSpec
+
+_INITIAL_ROWS = 8
+
+
+class StateCache:
+    """Per-sequence convolution windows and recurrent states of the gated DeltaNet layers of `spec`."""
+
+    def __init__(self, spec: ModelSpec, *, device: torch.device | None = None) -> None:
+        if spec.linear_attention is None:
+            raise ValueError(f"{spec.source} has no linear-attention layers; it needs no state cache")
+        self.spec, self.device = spec, device
+        la = spec.linear_attention
+        self.layers = spec.linear_layer_ids
+        self._conv_shape = (la.conv_dim, la.conv_kernel)
+        self._state_shape = (la.num_value_heads, la.key_head_dim, la.value_head_dim)
+        self.dtype = spec.torch_dtype()
+        self._conv = {layer: torch.zeros(_INITIAL_ROWS, *self._conv_shape, dtype=self.dtype, device=device)
+                      for layer in self.layers}
+        self._state = {layer: torch.zeros(_INITIAL_ROWS, *self._state_shape, dtype=torch.float32, device=device)
+                       for layer in self.layers}
+        self._row: dict[int, int] = {}
+        self._free_rows: list[int] = list(range(_INITIAL_ROWS))
+        # tokens each sequence has fed through each linear layer: 0 means no state yet (a prompt starts from zeros)
+        self._fed: dict[int, dict[int, int]] = {}
+
+    def empty_like(self) -> StateCache:
+        return StateCache(self.spec, device=self.device)
+
+    def add(self, seq_id: int) -> None:
+        if seq_id in self._row:
+            raise ValueError(f"sequence {seq_id} is already in the state cache")
+        if not self._free_rows:
+            rows = next(iter(self._conv.values())).shape[0]
+            for store in (self._conv, self._state):
+                for layer, tensor in store.items():
+                    store[layer] = torch.cat([tensor, torch.zeros_like(tensor)])
+            self._free_rows = list(range(rows, 2 * rows))
+        row = heapq.heappop(self._free_rows)
+        for layer in self.layers:  # a reused row starts from zeros, as a new sequence's state does
+            self._conv[layer][row].zero_()
+            self._state[layer][row].zero_()
+        self._row[seq_id] = row
+        self._fed[seq_id] = dict.fromkeys(self.layers, 0)
+
+    def free(self, seq_id: int) -> None:
+        if seq_id not in self._row:
+            raise KeyError(f"sequence {seq_id} is not in the state cache")
+        heapq.heappush(self._free_rows, self._row.pop(seq_id))
+        del self._fed[seq_id]
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._row
+
+    def fed(self, seq_id: int, layer: int) -> int:
+        """Tokens of `seq_id` layer `layer` has consumed (0: its state is still the zero state)."""
+        return self._fed[seq_id][layer]
+
+    def rows_of(self, seq_ids: list[int]) -> torch.Tensor:
+        return torch.tensor([self._row[s] for s in seq_ids], dtype=torch.int64)
+
+    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the (conv window [n, conv_dim, kernel], recurrent state [n, heads, dk, dv]) of `rows`."""
+        return self._conv[layer].index_select(0, rows), self._state[layer].index_select(0, rows)
+
+    def write(self, layer: int, seq_ids: list[int], rows: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
+              tokens: list[int]) -> None:
+        """Store the new windows and states of `rows` (the sequences `seq_ids`, each having fed `tokens` more)."""
+        self._conv[layer].index_copy_(0, rows, conv.to(self.dtype))
+        self._state[layer].index_copy_(0, rows, state.to(torch.float32))
+        for seq_id, n in zip(seq_ids, tokens, strict=True):
+            self._fed[seq_id][layer] += n
+
+    def bytes_per_sequence(self) -> int:
+        return state_bytes_per_sequence(self.spec)
+
+
+def state_bytes_per_sequence(spec: ModelSpec) -> int:
+    """Bytes one sequence's states take over all linear layers (0 for a model without them): its convolution window
+    in the model dtype and its fp32 recurrent state, whatever its length."""
+    la = spec.linear_attention
+    if la is None or not spec.linear_layers:
+        return 0
+    conv = la.conv_dim * la.conv_kernel * (torch.finfo(spec.torch_dtype()).bits // 8)
+    state = la.num_value_heads * la.key_head_dim * la.value_head_dim * 4
+    return len(spec.linear_layer_ids) * (conv + state)
