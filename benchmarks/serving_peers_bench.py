@@ -1,7 +1,8 @@
 """The serving engine beside its peers on one CPU: `transformers` `generate`, vLLM's CPU build, our layouts.
 
 Builds random checkpoints with `transformers` (a 57M Mixtral: hidden 512, 4 layers, 8 experts top-2;
-a 108M Qwen3-MoE: hidden 512, 4 layers, 64 experts top-8, expert FFN 256; a 108M GPT-OSS of the same width: 4 layers
+a 108M Qwen3-MoE: hidden 512, 4 layers, 64 experts top-8, expert FFN 256; a Qwen3-Next of that width in bf16: three
+gated DeltaNet layers to one gated full-attention layer, head dims of 128; a 108M GPT-OSS of the same width: 4 layers
 alternating 128-token sliding windows and full attention, attention sinks, biases, 32 experts top-4 with a clamped
 SwiGLU, YaRN; a DeepSeek-V3 of the same width in bf16: its latent sizes, kv_lora_rank 512 and qk_rope_head_dim 64,
 64 experts top-6 in 8 groups, a shared expert, a dense first layer, compared in bf16 unless `--dtype` says otherwise
@@ -49,9 +50,9 @@ sys.path.insert(0, str(REPO))
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 VOCAB = 4096
-MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16")
-# The dtype a model is compared in unless --dtype says otherwise: vLLM's CPU MLA refuses float32.
-MODEL_DTYPES = {"deepseek_v3_bf16": "bfloat16"}
+MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16", "qwen3_next_bf16")
+# The dtype a model is compared in unless --dtype says otherwise: vLLM's CPU MLA and gated DeltaNet refuse float32.
+MODEL_DTYPES = {"deepseek_v3_bf16": "bfloat16", "qwen3_next_bf16": "bfloat16"}
 
 # name -> make_plan keywords; "default" is what `serve` picks without layout flags.
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -107,6 +108,8 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
         MixtralForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
     )
 
     common = dict(vocab_size=VOCAB, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -132,6 +135,14 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
             n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
             norm_topk_prob=True, tie_word_embeddings=False, topk_method="noaux_tc",  # as DeepSeek's config.json
             **dict(common, num_key_value_heads=8))),
+        # Qwen3-Next's structure at this width: three gated DeltaNet layers to one gated full-attention layer, the
+        # released head dims (128: vLLM's CPU kernels take no other), 2 key heads serving 4 value heads, 64 experts
+        # top-8 and a gated shared expert; stored in bf16.
+        "qwen3_next_bf16": (Qwen3NextForCausalLM, Qwen3NextConfig(
+            intermediate_size=1024, moe_intermediate_size=256, shared_expert_intermediate_size=256, head_dim=128,
+            num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
+            **dict(common, num_attention_heads=4))),
     }
     out = {}
     for name, (cls, config) in configs.items():
@@ -376,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="compute dtype of every engine (default float32, bfloat16 for deepseek_v3_bf16)")
+                        help="compute dtype of every engine (default float32, bfloat16 for the *_bf16 models)")
     parser.add_argument("--layouts", nargs="*", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS),
                         help="the built checkpoints to compare on (default all)")
@@ -391,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(args.prompts)
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, avx512_bf16={info['avx512_bf16']}, "
-          f"amx_bf16={info['amx_bf16']}; {args.dtype or 'float32 (deepseek_v3_bf16: bfloat16)'}; "
+          f"amx_bf16={info['amx_bf16']}; {args.dtype or 'float32 (*_bf16 models: bfloat16)'}; "
           f"{len(prompts)} prompts of 32-128 tokens, "
           f"{args.max_new_tokens} new tokens, greedy; A B A B x{args.repeats}")
     doc: dict[str, Any] = {"machine": info, "dtype": args.dtype, "prompts": len(prompts),

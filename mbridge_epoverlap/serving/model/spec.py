@@ -80,13 +80,16 @@ class GatedDeltaNet:
     (each query/key head serving num_value_heads / num_key_heads value heads), a causal depthwise convolution of
     `conv_kernel` taps over the concatenated q, k, v, and per value head a [key_head_dim, value_head_dim] state
     decayed and corrected by the gated delta rule. A sequence carries no keys or values, only that state and the
-    convolution's last inputs (`linear.state_cache.StateCache`)."""
+    convolution's last inputs (`linear.state_cache.StateCache`). `grouped`: the checkpoint's input projections hold,
+    per key head, its q, its k, then the v and z of the value heads it serves (Qwen3-Next's `in_proj_qkvz` and
+    `in_proj_ba`); else q, k, v, z, b and a each side by side over all heads (Qwen3.5's four projections)."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    grouped: bool = True
 
     @property
     def key_dim(self) -> int:

@@ -15,7 +15,7 @@
   with gate and up interleaved, a clamped SwiGLU whose `swiglu_limit` (0.8) the activations exceed, YaRN rope
   (factor 4 over an original context of 64).
 - `tiny_qwen3_next_dir`: `Qwen3NextForCausalLM`, a hybrid: three gated DeltaNet layers and one gated full-attention
-  layer (`qwen3_next_config`).
+  layer (`qwen3_next_config`); `tiny_qwen3_5_moe_dir`: `Qwen3_5MoeForCausalLM`, the same sizes, every layer MoE.
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
@@ -270,6 +270,26 @@ def tiny_qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = Qwen3NextForCausalLM(qwen3_next_config()).eval()
     _draw_vectors(model)
     return _save(model, tmp_path_factory.mktemp("tiny_qwen3_next"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`Qwen3_5MoeForCausalLM`: `qwen3_next_config`'s sizes (every layer MoE, as Qwen3.5 has no dense layers), its
+    DeltaNet projections stored apart; norm weights drawn."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    fields = qwen3_next_config().to_dict()
+    sizes = {k: fields[k] for k in ("vocab_size", "hidden_size", "moe_intermediate_size",
+                                    "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                    "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                                    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                    "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings",
+                                    "initializer_range", "bos_token_id", "eos_token_id")}
+    torch.manual_seed(2026)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**sizes)).eval()
+    _draw_vectors(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_qwen3_5_moe"))
 
 
 DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,

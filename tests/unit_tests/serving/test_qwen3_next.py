@@ -1,12 +1,12 @@
-"""Qwen3-Next, a hybrid model: gated DeltaNet layers (`serving.model.linear.delta_net`) whose per-sequence states live
-in a `StateCache` beside the KV cache, and gated full attention.
+"""Qwen3-Next and Qwen3.5-MoE, hybrid models: gated DeltaNet layers (`serving.model.linear.delta_net`) whose
+per-sequence states live in a `StateCache` beside the KV cache, and gated full attention.
 
-On the tiny checkpoint of the serving fixtures (`tiny_qwen3_next_dir`; the shared checks of every family, including
-bit-for-bit prefill logits, are `test_architectures.py`'s): prompts longer than the DeltaNet's 64-token block, and
-prompts fed in chunks as the scheduler splits them, decode to `transformers`' greedy tokens in fp32 and bf16; the
-chunked form and the recurrence agree; the engine gives those tokens in every layout; the state cache keeps a
-sequence's state apart from the others' and reports its size; a config the engine cannot serve is refused before
-any weight is read.
+On the tiny checkpoints of the serving fixtures (`tiny_qwen3_next_dir`, `tiny_qwen3_5_moe_dir`; the shared checks of
+every family, including bit-for-bit prefill logits, are `test_architectures.py`'s): prompts longer than the
+DeltaNet's 64-token block, and prompts fed in chunks as the scheduler splits them, decode to `transformers`' greedy
+tokens in fp32 and bf16; the chunked form and the recurrence agree; the engine gives those tokens in every layout and
+after an expert worker is lost; the state cache keeps a sequence's state apart from the others' and reports its size;
+a config the engine cannot serve is refused before any weight is read.
 """
 
 from __future__ import annotations
@@ -55,13 +55,22 @@ def test_spec_reads_the_hybrid_layout(tiny_qwen3_next_dir) -> None:
     assert "3 linear attention" in spec.describe()
 
 
+def test_qwen3_5_moe_spec_reads_its_separate_projections(tiny_qwen3_5_moe_dir) -> None:
+    spec = load_spec(tiny_qwen3_5_moe_dir)
+    assert spec.architecture == "Qwen3_5MoeForCausalLM" and all(spec.moe_layers) and spec.dense_ffn == 0
+    assert spec.linear_layers == (True, True, True, False) and spec.norm_topk_prob
+    assert spec.linear_attention == GatedDeltaNet(2, 4, 8, 8, 4, grouped=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prompts_across_the_deltanet_block_equal_transformers(tiny_qwen3_next_dir, long_prompts, hf_greedy,
+def test_prompts_across_the_deltanet_block_equal_transformers(family, request, long_prompts, hf_greedy,
                                                               dtype) -> None:
-    spec = load_spec(tiny_qwen3_next_dir, dtype=dtype)
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
+    spec = load_spec(directory, dtype=dtype)
     ours = generate_reference(spec, long_prompts, MAX_NEW)
-    theirs = hf_greedy(tiny_qwen3_next_dir, long_prompts, MAX_NEW) if dtype == "float32" else _bf16_greedy(
-        tiny_qwen3_next_dir, long_prompts)
+    theirs = hf_greedy(directory, long_prompts, MAX_NEW) if dtype == "float32" else _bf16_greedy(
+        directory, long_prompts)
     assert ours == theirs
     assert len({tuple(o) for o in ours}) == len(long_prompts)
 
@@ -151,26 +160,27 @@ def test_the_state_cache_keeps_sequences_apart(tiny_qwen3_next_dir) -> None:
     assert 1 not in cache.states
 
 
-@pytest.mark.parametrize("layout", [
-    {"micro_batches": 1, "expert_workers": 1},
-    {"micro_batches": 3, "expert_workers": 2},
-    {"attn_workers": 2, "micro_batches": 2, "expert_workers": 1},
-    {"colocated": 2, "micro_batches": 2},
-    {"colocated": 1, "micro_batches": 1, "replicated_experts": True},
-], ids=["disaggregated-m1", "disaggregated-m3", "two-attention-workers", "colocated", "replicated"])
-def test_every_layout_gives_transformers_tokens(tiny_qwen3_next_dir, long_prompts, prompts, hf_greedy,
-                                                layout) -> None:
+@pytest.mark.parametrize(("family", "layout"), [
+    ("qwen3_next", {"micro_batches": 1, "expert_workers": 1}),
+    ("qwen3_next", {"micro_batches": 3, "expert_workers": 2}),
+    ("qwen3_next", {"attn_workers": 2, "micro_batches": 2, "expert_workers": 1}),
+    ("qwen3_next", {"colocated": 2, "micro_batches": 2}),
+    ("qwen3_next", {"colocated": 1, "micro_batches": 1, "replicated_experts": True}),
+    ("qwen3_5_moe", {"micro_batches": 2, "expert_workers": 2}),
+], ids=["disaggregated-m1", "disaggregated-m3", "two-attention-workers", "colocated", "replicated",
+        "qwen3_5_moe-disaggregated-m2"])
+def test_every_layout_gives_transformers_tokens(family, request, long_prompts, prompts, hf_greedy, layout) -> None:
     """The states live on the attention side: each layout (micro-batches with their own caches, several attention
     workers, colocated and replicated experts) decodes long and short prompts together to the same tokens."""
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
 
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
     batch = long_prompts + prompts
     max_new = 5
-    plan = make_plan(load_spec(tiny_qwen3_next_dir), requests_of(batch), max_new_tokens=max_new, timeout_s=30,
-                     **layout)
+    plan = make_plan(load_spec(directory), requests_of(batch), max_new_tokens=max_new, timeout_s=30, **layout)
     result = run_engine(plan)
     assert all(c["status"] == "ok" for c in result["completions"])
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_qwen3_next_dir, batch, max_new)
+    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(directory, batch, max_new)
 
 
 def test_a_lost_expert_worker_leaves_the_states_whole(tiny_qwen3_next_dir, long_prompts, hf_greedy) -> None:

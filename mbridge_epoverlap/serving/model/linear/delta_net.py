@@ -110,10 +110,11 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 class GatedDeltaNetAttention(torch.nn.Module):
     """One gated DeltaNet layer's parameters (uninitialised) and its attention over a `StateCache`.
 
-    Parameters: `in_proj_qkvz.weight` [2 * key_dim + 2 * value_dim, hidden] (per key head: its q, its k, then the v
-    and z of the value heads it serves), `in_proj_ba.weight` [2 * value heads, hidden] (per key head: b, then a, of
-    its value heads), `conv_weight` [conv_dim, 1, kernel], `dt_bias` and `A_log` [value heads], `norm.weight`
-    [value_head_dim], `out_proj.weight` [hidden, value_dim].
+    Parameters: `in_proj_qkvz.weight` [2 * key_dim + 2 * value_dim, hidden] (`GatedDeltaNet.grouped`: per key head
+    its q, its k, then the v and z of the value heads it serves; else all q, all k, all v, all z), `in_proj_ba.weight`
+    [2 * value heads, hidden] (grouped: per key head b, then a, of its value heads; else all b, all a),
+    `conv_weight` [conv_dim, 1, kernel], `dt_bias` and `A_log` [value heads], `norm.weight` [value_head_dim],
+    `out_proj.weight` [hidden, value_dim].
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
@@ -138,6 +139,11 @@ class GatedDeltaNetAttention(torch.nn.Module):
     def _inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> (q, k, v side by side [T, conv_dim], z [T, value heads, dv], b, a [T, value heads])."""
         la, t = self.la, x.shape[0]
+        if not la.grouped:  # Qwen3.5: q, k, v | z | b | a, each its own GEMM as the checkpoint's projections are
+            qkv_w, z_w = self.in_proj_qkvz.weight.split([la.conv_dim, la.value_dim])
+            b_w, a_w = self.in_proj_ba.weight.chunk(2)
+            z = F.linear(x, z_w).view(t, la.num_value_heads, la.value_head_dim)
+            return F.linear(x, qkv_w), z, F.linear(x, b_w), F.linear(x, a_w)
         per_key = la.num_value_heads // la.num_key_heads
         qkvz = F.linear(x, self.in_proj_qkvz.weight).view(t, la.num_key_heads, -1)
         ba = F.linear(x, self.in_proj_ba.weight).view(t, la.num_key_heads, -1)
