@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -139,6 +140,9 @@ class AttentionPart(torch.nn.Module):
                       if pack else None)
         self._separate = not packed
         self._packed_attention: list[packed_gemm.PackedLinear] = []
+        for block in self.layers:  # the workers' DeltaNet arithmetic is arranged for speed (`delta_net`)
+            if isinstance(block.attention, GatedDeltaNetAttention):
+                block.attention.exact = not packed or os.environ.get("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0") == "1"
         if pack:
             for block in self.layers:
                 if isinstance(block.attention, Attention):

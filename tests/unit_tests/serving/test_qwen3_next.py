@@ -130,6 +130,37 @@ def test_the_chunked_form_and_the_recurrence_agree() -> None:
     assert whole.abs().max() > 0.1  # not a vacuous agreement of zeros
 
 
+def test_the_workers_arithmetic_equals_the_exact_one_to_rounding(tiny_qwen3_next_dir, long_prompts) -> None:
+    """The engine's DeltaNet (`exact` False: convolution as multiply-adds, the state read once and updated in place)
+    gives the exact path's outputs to fp32 rounding, with the decoding sequences' rows one range in the cache and
+    not (a freed row moved the last sequence; one sequence still prefilling beside them)."""
+    spec = load_spec(tiny_qwen3_next_dir)
+    part = load_attention_part(spec)
+    layer = spec.linear_layer_ids[1]
+    block = part.layers[layer]
+    caches = [KVCache.for_spec(spec), KVCache.for_spec(spec)]
+    prompts = long_prompts[:4]
+    for cache in caches:
+        for seq in range(5):
+            cache.add(seq)
+        cache.free(1)  # sequence 4 moves into row 1: rows 0, 1, 2, 3 hold sequences 0, 4, 2, 3
+    steps = [[(seq, prompts[i][:20 + i], 0) for i, seq in enumerate((0, 4, 2, 3))],
+             [(0, [7], 20), (4, [8], 21), (2, [9], 22), (3, [10], 23)],  # all four decode: one range of rows
+             [(0, [11], 21), (2, [12], 23), (4, prompts[1][21:30], 22)]]  # rows 0 and 2 decode, 4 prefills
+    for chunks in steps:
+        batch = TokenBatch.from_chunks(chunks)
+        x = block.input_norm(part.embed(batch.token_ids))
+        out = []
+        for exact, cache in zip((True, False), caches, strict=True):
+            block.attention.exact = exact
+            out.append(block.attention.attend(layer, x, batch, cache.states))
+        torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5)
+    for seq in (0, 2, 3, 4):
+        exact, fast = (c.states.read(layer, c.states.rows_of([seq])) for c in caches)
+        torch.testing.assert_close(fast[1], exact[1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(fast[0], exact[0])  # the same convolution windows
+
+
 def test_the_state_cache_keeps_sequences_apart(tiny_qwen3_next_dir) -> None:
     """Rows are given back on free and a reused row starts from zeros; more sequences than the first rows grow the
     cache without moving the others' states; a micro-batch's `empty_like` cache has states of its own."""
@@ -144,7 +175,9 @@ def test_the_state_cache_keeps_sequences_apart(tiny_qwen3_next_dir) -> None:
     for seq in range(12):
         conv, state = states.read(layer, states.rows_of([seq]))
         assert bool((conv == seq).all()) and bool((state == seq).all()) and states.fed(seq, layer) == 3
-    states.free(4)
+    states.free(4)  # sequence 11 moves into its row
+    conv, state = states.read(layer, states.rows_of([11]))
+    assert bool((conv == 11).all()) and bool((state == 11).all()) and states.rows_of([11]).item() == 4
     states.add(40)
     conv, state = states.read(layer, states.rows_of([40]))
     assert not conv.any() and not state.any() and states.fed(40, layer) == 0

@@ -62,10 +62,22 @@ class StateCache:
         self._fed[seq_id] = dict.fromkeys(self.layers, 0)
 
     def free(self, seq_id: int) -> None:
+        """Give the sequence's row back. The sequence in the highest row moves into it (its windows and states
+        copied, every layer), so the live rows stay 0..n-1 and a decode batch updates its states in place, as a
+        view of the buffers (`span`), instead of gathering and scattering copies at every layer of every step."""
         if seq_id not in self._row:
             raise KeyError(f"sequence {seq_id} is not in the state cache")
-        heapq.heappush(self._free_rows, self._row.pop(seq_id))
+        row = self._row.pop(seq_id)
         del self._fed[seq_id]
+        last = max(self._row.values(), default=-1)
+        if last > row:
+            mover = next(seq for seq, r in self._row.items() if r == last)
+            for store in (self._conv, self._state):
+                for tensor in store.values():
+                    tensor[row] = tensor[last]
+            self._row[mover] = row
+            row = last
+        heapq.heappush(self._free_rows, row)
 
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._row
@@ -76,6 +88,23 @@ class StateCache:
 
     def rows_of(self, seq_ids: list[int]) -> torch.Tensor:
         return torch.tensor([self._row[s] for s in seq_ids], dtype=torch.int64)
+
+    def span(self, layer: int, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Views of the windows and states of `seq_ids` when their rows are one contiguous range (as `free` keeps
+        the live rows), and for each view row the position of its sequence in `seq_ids`; None otherwise."""
+        rows = [self._row[s] for s in seq_ids]
+        low = min(rows)
+        if max(rows) - low + 1 != len(rows):
+            return None
+        order = torch.empty(len(rows), dtype=torch.int64)
+        order[torch.tensor(rows) - low] = torch.arange(len(rows))
+        end = low + len(rows)
+        return self._conv[layer][low:end], self._state[layer][low:end], order
+
+    def advance(self, seq_ids: list[int], layer: int, tokens: int = 1) -> None:
+        """Count `tokens` more fed through `layer` for each of `seq_ids` (their states were updated in place)."""
+        for seq_id in seq_ids:
+            self._fed[seq_id][layer] += tokens
 
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the (conv window [n, conv_dim, kernel], recurrent state [n, heads, dk, dv]) of `rows`."""
