@@ -312,6 +312,11 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
                          f"checkpoint (expert worker {f['from']} died during the move)"))
     if "dtype" in result:
         rows.append(("dtype", f"{result['dtype']['dtype']} ({result['dtype']['reason']})"))
+    if "kv_cache_bytes_per_token" in result:
+        cache = f"{result['kv_cache_bytes_per_token']:,} bytes per token"
+        if result.get("state_bytes_per_sequence"):  # a hybrid model's linear-attention states
+            cache += f"; linear-attention states {result['state_bytes_per_sequence']:,} bytes per sequence"
+        rows.append(("KV cache", cache))
     if "memory" in result:
         from mbridge_epoverlap.memory import describe
 

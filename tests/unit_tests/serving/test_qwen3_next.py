@@ -234,6 +234,24 @@ def test_a_lost_expert_worker_leaves_the_states_whole(tiny_qwen3_next_dir, long_
     assert leftovers(pids) == ([], [])
 
 
+def test_serve_reports_the_state_bytes_beside_the_kv_bytes(tiny_qwen3_next_dir, tmp_path, capsys) -> None:
+    """`serve --prompts` answers, and its JSON and table say
+    what a sequence's states take beside what a token takes in the KV cache."""
+    import json
+
+    from mbridge_epoverlap.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt_ids": [5, 6, 7, 8]}) + "\n")
+    base = ["serve", "--checkpoint", str(tiny_qwen3_next_dir), "--prompts", str(prompts), "--max-new-tokens", "3",
+            "--colocated", "1"]
+    assert main([*base, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["state_bytes_per_sequence"] == 6144 and result["kv_cache_bytes_per_token"] == 256
+    assert main(base) == 0
+    assert "KV cache" in (table := capsys.readouterr().out) and "states 6,144 bytes per sequence" in table
+
+
 def test_online_plans_keep_no_prefix_cache_for_a_hybrid_model(tiny_qwen3_next_dir, tiny_mixtral_dir) -> None:
     """Cached key and value blocks cannot restore a sequence's DeltaNet state: a hybrid model's plan has no prefix
     cache however much is asked, another model's keeps it."""
