@@ -121,8 +121,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model_args(bench, required=False)
     layout_args(bench, colocated_flag=True)
     bench.add_argument("--layers", type=positive, default=None, metavar="L", help="MoE layers of a recipe model")
-    bench.add_argument("--batch", type=positive, default=None, metavar="B",
-                       help="sequences decoding at once (default: sized so attention and expert stages balance)")
+    bench.add_argument("--batch", type=_bench_batch, default=None, metavar="B",
+                       help=f"sequences decoding at once (default: {DEFAULT_BENCH_BATCH} per attention worker, "
+                            "whatever the micro-batches, so layouts compare at one batch; 'balanced': sized from "
+                            "short probes so the attention and expert stages take about as long)")
     bench.add_argument("--steps", type=positive, default=16, metavar="S", help="tokens generated per sequence")
     host_args(bench)
     bench.set_defaults(handler=handle_bench)
@@ -212,6 +214,23 @@ def check_context(requests: Any, max_new_tokens: int, context: int) -> None:
                              "(max_position_embeddings)")
 
 
+# The batch of `serve-bench` without --batch, per attention worker: vLLM's and SGLang's usual concurrency on a small
+# server, and a fixed one: the probes' pick (--batch balanced) moved from 32 to 2,048 between runs of one command.
+DEFAULT_BENCH_BATCH = 64
+BALANCED = "balanced"
+
+
+def _bench_batch(text: str) -> int | str:
+    """--batch: a positive count of sequences, or 'balanced'."""
+    if text == BALANCED:
+        return BALANCED
+    try:
+        return positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of sequences or 'balanced', got {text!r}"
+                                         ) from None
+
+
 def handle_bench(args: argparse.Namespace) -> int:
     source = checked_source(args)
     from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch, finish_bench_result, synthetic_requests
@@ -227,11 +246,13 @@ def handle_bench(args: argparse.Namespace) -> int:
     fill_layout_defaults(args)
     attn, experts = args.attn_workers, args.expert_workers
     probes: list[dict[str, float]] = []
-    if args.batch is None:
+    if args.batch == BALANCED:
         micro, probes = balanced_micro_batch(spec, attn_workers=attn, expert_workers=experts)
-        batch = micro * args.micro_batches * attn
+        batch, batch_source = micro * args.micro_batches * attn, "balanced: sized from the stage probes"
+    elif args.batch is None:
+        batch, batch_source = DEFAULT_BENCH_BATCH * attn, f"the default, {DEFAULT_BENCH_BATCH} per attention worker"
     else:
-        batch = args.batch
+        batch, batch_source = args.batch, "--batch"
     requests = synthetic_requests(batch, spec.vocab_size)
     choice = None
     if chosen:
@@ -248,6 +269,7 @@ def handle_bench(args: argparse.Namespace) -> int:
     if choice is not None:
         result["layout_choice"] = _choice_field(choice)
     result["batch"] = batch
+    result["batch_source"] = batch_source
     result["balance_probes"] = probes
     result["dtype"] = dtype.to_dict()
     finish_bench_result(result, spec, requests=requests, max_new_tokens=args.steps, succeeded=code == 0)
@@ -336,7 +358,7 @@ def _serve_table(result: dict[str, Any]) -> None:
 def _bench_table(result: dict[str, Any]) -> None:
     from mbridge_epoverlap.serving.engine.bench import describe_probe
 
-    rows = [("batch", str(result["batch"]))]
+    rows = [("batch", f"{result['batch']} ({result['batch_source']})")]
     for probe in result["balance_probes"]:
         rows.append((f"probe micro-batch {probe['micro_batch']:g}", describe_probe(probe)))
     rows += _common(result)

@@ -152,6 +152,26 @@ def test_serve_bench_reports_and_matches_reference(tiny_qwen3_moe_dir, capsys):
     assert out["tbt_ms_p50"] is not None and out["machine"]["cpu"]
 
 
+def test_serve_bench_decodes_the_same_default_batch_for_every_micro_batch_count(tiny_mixtral_dir, capsys):
+    """Without --batch: 64 sequences per attention worker for m = 1 and m = 2 alike (no probes, nothing that moves
+    from run to run), said in the result and the table; --batch balanced still sizes it from probes; a wrong
+    --batch exits 2 naming both forms."""
+    from mbridge_epoverlap.cli import main
+
+    base = ["serve-bench", "--checkpoint", str(tiny_mixtral_dir), "--steps", "2", "--attn-workers", "1",
+            "--expert-workers", "1"]
+    for m in ("1", "2"):
+        assert main([*base, "--micro-batches", m, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["batch"], out["balance_probes"], out["matches_reference"]) == (64, [], True)
+        assert "default" in out["batch_source"]
+    assert main([*base, "--micro-batches", "2"]) == 0
+    assert "64 (the default, 64 per attention worker)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([*base, "--batch", "many"])
+    assert exit_info.value.code == 2 and "'balanced'" in capsys.readouterr().err
+
+
 def test_balanced_sizing_picks_the_largest_expected_gain(tiny_mixtral_dir):
     from mbridge_epoverlap.serving.engine.bench import balanced_micro_batch
 
