@@ -82,24 +82,30 @@ class GroupedSigmoidRouter(torch.nn.Module):
     scores among them pick the experts. The weights are the chosen experts' unbiased scores, renormalised to sum
     to one when `normalize` (`norm_topk_prob`), times `scaling` (`routed_scaling_factor`). The operations and their
     order are `transformers`' (`topk(sorted=False)` included, so the k weights sum in the same order): the same
-    expert ids and fp32 weights bit for bit.
+    expert ids and fp32 weights bit for bit. `logits_dtype`: the logits are computed in that dtype (MiniMax-M2's
+    router multiplies in the model dtype, then takes the sigmoid in fp32); None: in fp32 (DeepSeek-V3, GLM-4.5).
     """
 
     def __init__(self, hidden: int, num_experts: int, topk: int, *, n_group: int, topk_group: int, scaling: float,
-                 normalize: bool) -> None:
+                 normalize: bool, logits_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if n_group < 1 or num_experts % n_group or num_experts // n_group < 2 or not 1 <= topk_group <= n_group:
             raise ValueError(f"{num_experts} experts in {n_group} groups, {topk_group} eligible: groups must be "
                              "equal, of at least 2 experts, and 1 <= topk_group <= n_group")
         self.num_experts, self.topk, self.normalize = num_experts, topk, normalize
         self.n_group, self.topk_group, self.scaling = n_group, topk_group, scaling
+        self.logits_dtype = logits_dtype
         self.weight = torch.nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         # a buffer in transformers; a parameter here so that loading fills it as it fills every other tensor
         self.e_score_correction_bias = torch.nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
 
     def route(self, x: torch.Tensor) -> Routing:
         """x [T, hidden] (any float dtype) -> Routing (ids [T, k] int64, fp32 weights [T, k])."""
-        scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
+        if self.logits_dtype is None:
+            scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
+        else:
+            dtype = self.logits_dtype
+            scores = torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype)).float().sigmoid()
         biased = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = biased.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)

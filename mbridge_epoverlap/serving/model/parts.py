@@ -92,11 +92,12 @@ class DecodeLayer(torch.nn.Module):
             self.attention = Attention(spec, dtype)
         self.post_norm = make_norm(spec, h, dtype)
         self.router: GroupedSigmoidRouter | TopKRouter | None = None
-        if spec.is_moe(layer) and spec.grouped_routing is not None:  # DeepSeek-V3, GLM-4.5
+        if spec.is_moe(layer) and spec.grouped_routing is not None:  # DeepSeek-V3, GLM-4.5, MiniMax-M2
             g = spec.grouped_routing
             self.router = GroupedSigmoidRouter(h, spec.num_experts, spec.top_k, n_group=g.n_group,
                                                topk_group=g.topk_group, scaling=g.routed_scaling_factor,
-                                               normalize=spec.norm_topk_prob)
+                                               normalize=spec.norm_topk_prob,
+                                               logits_dtype=dtype if g.logits_in_model_dtype else None)
         elif spec.is_moe(layer):
             self.router = TopKRouter(h, spec.num_experts, spec.top_k, dtype=dtype, bias=spec.router_bias)
         self.mlp = None if spec.is_moe(layer) else SwiGLU(h, spec.dense_ffn, dtype)

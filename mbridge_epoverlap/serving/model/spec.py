@@ -36,11 +36,13 @@ class GroupedRouting:
     """DeepSeek-V3 / GLM-4.5 routing (`moe.router.GroupedSigmoidRouter`): sigmoid scores, a per-expert correction
     bias added for the choice only, the experts split into `n_group` groups of which the `topk_group` best (by
     the sum of each group's two best scores) are eligible, top-k within those, the chosen scores renormalised
-    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`."""
+    when `norm_topk_prob`, then multiplied by `routed_scaling_factor`. `logits_in_model_dtype`: the router's product
+    runs in the model dtype (MiniMax-M2), not fp32."""
 
     n_group: int
     topk_group: int
     routed_scaling_factor: float
+    logits_in_model_dtype: bool = False
 
     def check(self, num_experts: int, top_k: int) -> None:
         """The grouping can route: equal groups of at least two experts (a group ranks by its two best scores),

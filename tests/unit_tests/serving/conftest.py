@@ -16,6 +16,8 @@
   (factor 4 over an original context of 64).
 - `tiny_qwen3_next_dir`: `Qwen3NextForCausalLM`, a hybrid: three gated DeltaNet layers and one gated full-attention
   layer (`qwen3_next_config`); `tiny_qwen3_5_moe_dir`: `Qwen3_5MoeForCausalLM`, the same sizes, every layer MoE.
+- `tiny_minimax_m2_dir`: `MiniMaxM2ForCausalLM`, sigmoid routing with a correction bias, q/k RMSNorm over the
+  projections, partial rotary.
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
@@ -290,6 +292,25 @@ def tiny_qwen3_5_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**sizes)).eval()
     _draw_vectors(model)
     return _save(model, tmp_path_factory.mktemp("tiny_qwen3_5_moe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_minimax_m2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`MiniMaxM2ForCausalLM`: 2 layers, GQA, q/k RMSNorm over the projections, half of each head rotated (MiniMax's
+    own `rotary_dim`), 8 experts top-2 chosen by sigmoid scores with a drawn correction bias."""
+    import torch
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    torch.manual_seed(2718)
+    config = MiniMaxM2Config(
+        vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=256, initializer_range=INIT_STD, bos_token_id=None, eos_token_id=3,
+    )
+    model = MiniMaxM2ForCausalLM(config).eval()
+    _draw_vectors(model)
+    _draw_correction_bias(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_minimax_m2"))
 
 
 DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,

@@ -3,7 +3,8 @@ and refuses what it cannot serve before any weight is read.
 
 Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert, a dense layer), OLMoE (q/k RMSNorm over the whole
 projection), DBRX (nested config, clamped fused q/k/v, LayerNorm, p-norm routing, experts fused in one tensor per
-projection), GPT-OSS, GLM-4.5, Qwen3-Next and Qwen3.5-MoE (gated DeltaNet layers beside gated full attention) on tiny
+projection), GPT-OSS, GLM-4.5, Qwen3-Next and Qwen3.5-MoE (gated DeltaNet layers beside gated full attention) and
+MiniMax-M2 (sigmoid routing with a correction bias, q/k RMSNorm over the projections, partial rotary) on tiny
 checkpoints written by `transformers` (the serving fixtures): greedy tokens equal
 `generate(do_sample=False)`, fp32 and bf16 prefill logits equal the eager model's bit for bit, experts split over parts
 and the disaggregated engine give the same tokens. Mixtral and Qwen3-MoE have the same checks in
@@ -29,7 +30,7 @@ from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, 
 MAX_NEW = 10
 # The reference-model and disaggregated-engine checks of every architecture module but Mixtral and Qwen3-MoE
 # (`test_reference_decode.py`, `test_engine.py`) and DeepSeek-V3 (its own file: two fixtures, two decode paths).
-FAMILIES = ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "qwen3_next", "qwen3_5_moe"]
+FAMILIES = ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "qwen3_next", "qwen3_5_moe", "minimax_m2"]
 SHARDED = ["qwen2_moe", "olmoe", "dbrx"]  # the sharded bf16 checkpoints below
 
 
@@ -113,6 +114,30 @@ def test_qwen2_moe_sparse_layers_follow_decoder_sparse_step(tmp_path) -> None:
     assert arch.read_config(cfg, 6)["moe_layers"] == (False, True, False, False, False, True)
 
 
+def test_minimax_m2_spec(tiny_minimax_m2_dir) -> None:
+    from mbridge_epoverlap.serving.model.spec import GroupedRouting
+
+    spec = load_spec(tiny_minimax_m2_dir)
+    assert spec.architecture == "MiniMaxM2ForCausalLM" and all(spec.moe_layers)
+    assert (spec.qk_norm, spec.qk_norm_scope, spec.rotary_dim, spec.norm_topk_prob) == (True, "projection", 8, True)
+    assert spec.grouped_routing == GroupedRouting(1, 1, 1.0, logits_in_model_dtype=True)
+    assert not spec.router_weights_in_dtype and spec.rope_theta == 5e6
+
+
+def test_minimax_m2_correction_bias_changes_choices(tiny_minimax_m2_dir, prompts) -> None:
+    """The drawn correction bias picks other experts for some tokens of the fixture's prompts: the token checks above
+    would catch a bias read into the wrong place or left out."""
+    from mbridge_epoverlap.serving.model.parts import load_attention_part
+
+    part = load_attention_part(load_spec(tiny_minimax_m2_dir))
+    router = part.layers[0].router
+    x = part.layers[0].post_norm(part.embed(torch.tensor([t for p in prompts for t in p])))
+    chosen = router.route(x).experts.sort(dim=-1).values
+    with torch.no_grad():
+        router.e_score_correction_bias.zero_()
+    assert not torch.equal(chosen, router.route(x).experts.sort(dim=-1).values)
+
+
 def test_olmoe_spec(tiny_olmoe_dir) -> None:
     spec = load_spec(tiny_olmoe_dir)
     assert (spec.architecture, spec.qk_norm, spec.qk_norm_scope) == ("OlmoeForCausalLM", True, "projection")
@@ -182,6 +207,9 @@ def test_every_registered_architecture_is_named_when_one_is_unknown(tiny_olmoe_d
     ("dbrx", {"attn_config.clip_qkv": 0}, ["'attn_config.clip_qkv'", "is 0"]),
     ("dbrx", {"attn_config.kv_n_heads": 3}, ["'n_heads' (4)", "'attn_config.kv_n_heads' (3)"]),
     ("dbrx", {"ffn_config": "moe"}, ["'ffn_config'", "'moe'"]),
+    ("minimax_m2", {"scoring_func": "softmax"}, ["'scoring_func'", "'softmax'", "sigmoid"]),
+    ("minimax_m2", {"qk_norm_type": "per_head"}, ["'qk_norm_type'", "'per_head'"]),
+    ("minimax_m2", {"rotary_dim": 7, "rope_parameters": {"rope_theta": 5e6}}, ["'rotary_dim'", "7"]),
 ])
 def test_unsupported_features_exit_2_naming_field_and_value(family, changes, named, request, tmp_path) -> None:
     directory = config_only(request.getfixturevalue(f"tiny_{family}_dir"), tmp_path, **changes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source, cat
-from mbridge_epoverlap.serving.model.architectures.qwen3_next import LINEAR_FIELDS, Qwen3Next
+from mbridge_epoverlap.serving.model.architectures.qwen.qwen3_next import LINEAR_FIELDS, Qwen3Next
 from mbridge_epoverlap.serving.model.spec import GatedDeltaNet, ModelSpec
 
 
