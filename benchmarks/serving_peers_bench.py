@@ -2,7 +2,8 @@
 
 Builds random checkpoints with `transformers` (a 57M Mixtral: hidden 512, 4 layers, 8 experts top-2;
 a 108M Qwen3-MoE: hidden 512, 4 layers, 64 experts top-8, expert FFN 256; a Qwen3-Next of that width in bf16: three
-gated DeltaNet layers to one gated full-attention layer, head dims of 128; a 108M GPT-OSS of the same width: 4 layers
+gated DeltaNet layers to one gated full-attention layer, head dims of 128; a Nemotron-H of that width: Mamba-2 and
+relu^2 MoE blocks around one attention block; a 108M GPT-OSS of the same width: 4 layers
 alternating 128-token sliding windows and full attention, attention sinks, biases, 32 experts top-4 with a clamped
 SwiGLU, YaRN; a DeepSeek-V3 of the same width in bf16: its latent sizes, kv_lora_rank 512 and qk_rope_head_dim 64,
 64 experts top-6 in 8 groups, a shared expert, a dense first layer, compared in bf16 unless `--dtype` says otherwise
@@ -50,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 VOCAB = 4096
-MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16", "qwen3_next_bf16")
+MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16", "qwen3_next_bf16", "nemotron_h")
 # The dtype a model is compared in unless --dtype says otherwise: vLLM's CPU MLA and gated DeltaNet refuse float32.
 MODEL_DTYPES = {"deepseek_v3_bf16": "bfloat16", "qwen3_next_bf16": "bfloat16"}
 
@@ -106,6 +107,8 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
         GptOssForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        NemotronHConfig,
+        NemotronHForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
         Qwen3NextConfig,
@@ -143,6 +146,15 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
             num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False,
             **dict(common, num_attention_heads=4))),
+        # Nemotron 3's structure at this width: Mamba-2 and relu^2 MoE blocks alternating with one attention block
+        # (8 blocks, 4 engine layers), Mamba-2 heads of 64 with a 64-wide state in 2 groups, 64 experts top-6 in 8
+        # groups with a shared expert. vLLM's CPU build refuses its experts ("is_act_and_mul=False").
+        "nemotron_h": (NemotronHForCausalLM, NemotronHConfig(
+            layers_block_type=["linear_attention", "moe", "linear_attention", "moe", "full_attention", "moe",
+                               "linear_attention", "moe"], head_dim=64, mamba_num_heads=8, mamba_head_dim=64,
+            ssm_state_size=64, n_groups=2, chunk_size=64, n_routed_experts=64, num_experts_per_tok=6,
+            moe_intermediate_size=256, moe_shared_expert_intermediate_size=512, n_group=8, topk_group=4,
+            routed_scaling_factor=2.5, tie_word_embeddings=False, **dict(common, num_hidden_layers=8))),
     }
     out = {}
     for name, (cls, config) in configs.items():

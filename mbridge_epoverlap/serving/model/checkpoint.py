@@ -127,6 +127,7 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
                          f"{cfg.name(experts_field)!r} "
                          f"({experts})")
     semantics = arch.read_config(cfg, layers)
+    layers = semantics.pop("num_layers", layers)  # Nemotron-H pairs its blocks into fewer layers
     moe_layers = semantics["moe_layers"]
     if not any(moe_layers):
         raise UsageError(f"{config_path}: no layer is a MoE layer (fields 'mlp_only_layers', "

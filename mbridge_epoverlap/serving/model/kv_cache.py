@@ -80,7 +80,7 @@ class KVCache:
             return LatentKVCache.for_spec(spec, device, exact_decode=exact_decode)
         cache = cls(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype=spec.torch_dtype(), device=device,
                     exact_decode=exact_decode)
-        if spec.linear_layers:
+        if spec.state_layer_ids:
             cache.states = StateCache(spec, device=device)
         return cache
 

@@ -164,13 +164,36 @@ class SwiGLU(torch.nn.Module):
         return F.linear(F.silu(gate) * up, self.fc2.weight)
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, Nemotron-H's MLP activation (`transformers`' "relu2")."""
+    return torch.square(F.relu(x))
+
+
+class ReluSquaredMLP(torch.nn.Module):
+    """down(relu(up(x))^2), an MLP without a gate projection (Nemotron-H); `up.weight` [ffn, hidden], `down.weight`
+    [hidden, ffn]."""
+
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.up = Linear(hidden, ffn, dtype=dtype)
+        self.down = Linear(ffn, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, *, separate: bool = True) -> torch.Tensor:
+        return F.linear(relu_squared(F.linear(x, self.up.weight)), self.down.weight)
+
+
+def dense_mlp(spec: ModelSpec, hidden: int, ffn: int, dtype: torch.dtype) -> SwiGLU | ReluSquaredMLP:
+    """The spec's MLP of a dense layer (`spec.mlp_activation`)."""
+    return ReluSquaredMLP(hidden, ffn, dtype) if spec.mlp_activation == "relu2" else SwiGLU(hidden, ffn, dtype)
+
+
 class SharedExpert(torch.nn.Module):
     """A MoE layer's always-on expert, its output scaled by sigmoid(gate(x)) when `gated` (`gate.weight`
-    [1, hidden])."""
+    [1, hidden]); a SwiGLU MLP, or relu(up x)^2 with `activation` "relu2"."""
 
-    def __init__(self, hidden: int, ffn: int, *, gated: bool, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, ffn: int, *, gated: bool, dtype: torch.dtype, activation: str = "swiglu") -> None:
         super().__init__()
-        self.mlp = SwiGLU(hidden, ffn, dtype)
+        self.mlp = ReluSquaredMLP(hidden, ffn, dtype) if activation == "relu2" else SwiGLU(hidden, ffn, dtype)
         self.gate = Linear(hidden, 1, dtype=dtype) if gated else None
 
     def forward(self, x: torch.Tensor, *, separate: bool = True) -> torch.Tensor:

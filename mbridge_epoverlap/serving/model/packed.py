@@ -292,7 +292,7 @@ class PackedExperts:
         tiled_rows = self._tiled_rows()
         # Per expert only the two GEMMs; the activation runs once over every row (fewer small ops per expert:
         # a decode layer has 32-64 experts with a few rows each, and each op costs microseconds of dispatch).
-        hidden = x.new_empty(x.shape[0], 2 * self.w2.shape[-1])
+        hidden = x.new_empty(x.shape[0], self.w1.shape[1])  # gate and up rows (up alone: experts without a gate)
         self._gemms(x, groups, hidden, up=True, tiled_rows=tiled_rows)
         if b1 is not None:
             hidden = hidden + torch.cat([b1[e].expand(n, -1) for e, _, n in groups])

@@ -43,12 +43,14 @@ from mbridge_epoverlap.serving.model.layers import (
     Attention,
     MultiLatentAttention,
     SharedExpert,
-    SwiGLU,
+    dense_mlp,
     make_norm,
+    relu_squared,
     rotary_for,
     softmax_topk_pnorm,
 )
 from mbridge_epoverlap.serving.model.linear.delta_net import GatedDeltaNetAttention
+from mbridge_epoverlap.serving.model.linear.mamba2 import Mamba2Mixer
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 __all__ = [
@@ -82,15 +84,20 @@ class DecodeLayer(torch.nn.Module):
     def __init__(self, spec: ModelSpec, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         h = spec.hidden_size
-        self.input_norm = make_norm(spec, h, dtype)
-        self.attention: Attention | MultiLatentAttention | GatedDeltaNetAttention
-        if spec.is_linear(layer):  # Qwen3-Next's gated DeltaNet: a state per sequence, no keys or values
+        # a Nemotron-H layer may lack its mixer (an MLP block after another MLP block) or its MLP
+        self.input_norm = make_norm(spec, h, dtype) if spec.has_mixer(layer) else None
+        self.attention: Attention | MultiLatentAttention | GatedDeltaNetAttention | Mamba2Mixer | None
+        if not spec.has_mixer(layer):
+            self.attention = None
+        elif spec.is_linear(layer):  # Qwen3-Next's gated DeltaNet: a state per sequence, no keys or values
             self.attention = GatedDeltaNetAttention(spec, dtype)
+        elif spec.is_mamba(layer):  # Nemotron-H's Mamba-2: likewise
+            self.attention = Mamba2Mixer(spec, dtype)
         elif spec.mla is not None:
             self.attention = MultiLatentAttention(spec, dtype, bias=spec.qkv_bias)
         else:
             self.attention = Attention(spec, dtype)
-        self.post_norm = make_norm(spec, h, dtype)
+        self.post_norm = make_norm(spec, h, dtype) if spec.has_ffn(layer) else None
         self.router: GroupedSigmoidRouter | TopKRouter | None = None
         if spec.is_moe(layer) and spec.grouped_routing is not None:  # DeepSeek-V3, GLM-4.5, MiniMax-M2
             g = spec.grouped_routing
@@ -100,8 +107,10 @@ class DecodeLayer(torch.nn.Module):
                                                logits_dtype=dtype if g.logits_in_model_dtype else None)
         elif spec.is_moe(layer):
             self.router = TopKRouter(h, spec.num_experts, spec.top_k, dtype=dtype, bias=spec.router_bias)
-        self.mlp = None if spec.is_moe(layer) else SwiGLU(h, spec.dense_ffn, dtype)
-        self.shared_expert = (SharedExpert(h, spec.shared_expert_ffn, gated=spec.shared_expert_gate, dtype=dtype)
+        self.mlp = (dense_mlp(spec, h, spec.dense_ffn, dtype)
+                    if not spec.is_moe(layer) and spec.has_ffn(layer) else None)
+        self.shared_expert = (SharedExpert(h, spec.shared_expert_ffn, gated=spec.shared_expert_gate, dtype=dtype,
+                                           activation=spec.mlp_activation)
                               if spec.is_moe(layer) and spec.shared_expert_ffn else None)
 
 
@@ -141,8 +150,8 @@ class AttentionPart(torch.nn.Module):
                       if pack else None)
         self._separate = not packed
         self._packed_attention: list[packed_gemm.PackedLinear] = []
-        for block in self.layers:  # the workers' DeltaNet arithmetic is arranged for speed (`delta_net`)
-            if isinstance(block.attention, GatedDeltaNetAttention):
+        for block in self.layers:  # the workers' state layers' arithmetic is arranged for speed (`linear`)
+            if isinstance(block.attention, GatedDeltaNetAttention | Mamba2Mixer):
                 block.attention.exact = not packed or os.environ.get("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0") == "1"
         if pack:
             for block in self.layers:
@@ -175,7 +184,9 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
-        if isinstance(block.attention, GatedDeltaNetAttention):  # its states live beside the KV cache
+        if block.attention is None or block.input_norm is None:  # a layer of an MLP alone (Nemotron-H)
+            return self._after_mixer(layer, x, x)
+        if isinstance(block.attention, GatedDeltaNetAttention | Mamba2Mixer):  # states live beside the KV cache
             if cache.states is None:
                 raise TypeError(f"{self.spec.architecture} needs a KVCache with a state cache (KVCache.for_spec)")
             heads = block.attention.attend(layer, block.input_norm(x), batch, cache.states)
@@ -185,14 +196,20 @@ class AttentionPart(torch.nn.Module):
             heads = block.attention.attend(layer, block.input_norm(x), batch, cache, self._cos_sin(batch.positions))
         else:
             q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
-            cos, sin = self._cos_sin(batch.positions)
-            if self.spec.rotary_dim:  # GLM-4.5: only the head's first `rotary_dim` dimensions turn
-                q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-            else:
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if self.spec.rope:  # (Nemotron-H's attention has none: positions reach it through its Mamba-2 layers)
+                cos, sin = self._cos_sin(batch.positions)
+                # GLM-4.5 and others: only the head's first `rotary_dim` dimensions turn
+                turn = apply_partial_rotary if self.spec.rotary_dim else apply_rotary
+                q, k = turn(q, cos, sin), turn(k, cos, sin)
             heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.window_of(layer),
                                  sinks=block.attention.sinks)
-        resid = x + block.attention.project_out(heads)
+        return self._after_mixer(layer, x + block.attention.project_out(heads), x)
+
+    def _after_mixer(self, layer: int, resid: torch.Tensor, x: torch.Tensor) -> AttnOut:
+        """The pre-MLP norm and the router of layer `layer` on the residual stream after its mixer."""
+        block = self.layers[layer]
+        if block.post_norm is None:  # a layer of a mixer alone (Nemotron-H): its MLP step adds nothing
+            return AttnOut(resid=resid, tokens=resid, expert_ids=None, gate_weights=None)
         tokens = block.post_norm(resid)
         if block.router is None:
             return AttnOut(resid=resid, tokens=tokens, expert_ids=None, gate_weights=None)
@@ -226,6 +243,8 @@ class AttentionPart(torch.nn.Module):
         expert id, (+ shared expert); for a dense layer the dense MLP runs here (`expert_out` None)."""
         block = self.layers[layer]
         if attn.expert_ids is None or attn.gate_weights is None:
+            if block.mlp is None and block.post_norm is None:  # no MLP in this layer
+                return attn.resid
             if block.mlp is None:
                 raise ValueError(f"layer {layer} is a MoE layer; its AttnOut needs expert ids and gate weights")
             return attn.resid + block.mlp(attn.tokens, separate=self._separate)
@@ -291,6 +310,9 @@ class ExpertPart(torch.nn.Module):
             str(layer): GroupedExperts(len(ids), spec.hidden_size, spec.expert_ffn, dtype=dtype)
             for layer in spec.moe_layer_ids
         })
+        if not spec.expert_gated:  # Nemotron-H: an up projection alone, relu(up x)^2
+            for e in self.experts.values():
+                e.w1 = torch.nn.Parameter(e.w1.new_empty(len(ids), spec.expert_ffn, spec.hidden_size))
         if spec.expert_weights_in_out:
             # transformers multiplies by the weights as a checkpoint stores them, [in, out]; holding them in that
             # layout (w1, w2 are transposed views of it) makes each expert GEMM its GEMM (docs/numerics.md)
@@ -425,7 +447,9 @@ def expert_activation(spec: ModelSpec) -> Callable[[torch.Tensor], torch.Tensor]
         return None
     if spec.expert_activation == "clamped_swiglu":
         return functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
-    raise ValueError(f"expert activation {spec.expert_activation!r} must be 'swiglu' or 'clamped_swiglu'")
+    if spec.expert_activation == "relu2":
+        return relu_squared
+    raise ValueError(f"expert activation {spec.expert_activation!r} must be 'swiglu', 'relu2' or 'clamped_swiglu'")
 
 
 def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch.Tensor:

@@ -108,6 +108,35 @@ class GatedDeltaNet:
 
 
 @dataclass(frozen=True)
+class Mamba2:
+    """Mamba-2 layers (Nemotron-H; `linear.mamba2.Mamba2Mixer`): `num_heads` heads of `head_dim` channels, each with
+    a [head_dim, state_size] state and a scalar decay; B and C of `state_size` shared by the heads of each of
+    `n_groups` groups; a causal depthwise convolution of `conv_kernel` taps (with a bias when `conv_bias`) over x, B
+    and C; the chunked scan in blocks of `chunk_size` with the time step clamped to `time_step_limit`; a gated
+    RMSNorm over groups of channels; `proj_bias`: biases on the input and output projections."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def inner(self) -> int:
+        """Channels of the scan: heads x head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C side by side."""
+        return self.inner + 2 * self.n_groups * self.state_size
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape and semantics of a decoder-only MoE model, and where its weights come from.
 
@@ -144,7 +173,8 @@ class ModelSpec:
         router_softmax_after_topk: the k largest router logits are chosen first and a softmax over those k
             (in the logits' dtype) gives the weights (GPT-OSS); else a softmax over all experts, then top-k.
         expert_bias: each expert's gate/up and down projections have biases (`b1` [2*ffn], `b2` [hidden]).
-        expert_activation: "swiglu" (silu(gate) * up) or "clamped_swiglu" (GPT-OSS: gate clamped above at
+        expert_activation: "swiglu" (silu(gate) * up), "relu2" (relu(up)^2, experts without a gate projection:
+            Nemotron-H) or "clamped_swiglu" (GPT-OSS: gate clamped above at
             `swiglu_limit`, up to +-`swiglu_limit`, then (up + 1) * gate * sigmoid(`swiglu_alpha` * gate)).
         swiglu_limit, swiglu_alpha: the clamped SwiGLU's clamp and sigmoid gain.
         expert_weights_in_out: `transformers` multiplies by the experts' weights stored [in, out] (GPT-OSS's fused
@@ -170,6 +200,17 @@ class ModelSpec:
         mla: multi-head latent attention (`LatentAttention`, DeepSeek-V3) instead of q/k/v projections; None: not.
         linear_attention: the sizes of the gated DeltaNet layers of a hybrid model (`GatedDeltaNet`); None: none.
         linear_layers: for each layer, whether it is a gated DeltaNet layer (else softmax attention); empty: none.
+        mamba: the sizes of the Mamba-2 layers of a hybrid model (`Mamba2`); None: none.
+        mamba_layers: for each layer, whether its token mixer is a Mamba-2 layer; empty: none.
+        mixerless_layers: for each layer, whether it has no token mixer at all (a MoE or MLP block of Nemotron-H with
+            no mixer block before it: the layer adds only its MLP); empty: every layer has one.
+        ffnless_layers: for each layer, whether it has no MLP (a mixer block of Nemotron-H with no MLP block after
+            it); empty: every layer has one.
+        blocks: for each layer, the checkpoint's (mixer block, MLP block) indices where its layers are single
+            blocks (Nemotron-H's `layers_block_type`; -1: none); empty: layer i is block i.
+        mlp_activation: the dense MLPs' and shared experts' activation: "swiglu", or "relu2" (relu(up(x))^2, no gate
+            projection: Nemotron-H).
+        rope: whether attention turns queries and keys by a rotary embedding (Nemotron-H's attention has none).
         attention_output_gate: the q projection also yields a per-head gate; the attention output is multiplied by
             its sigmoid before the output projection (Qwen3-Next's full-attention layers).
         norm_zero_centred: every RMSNorm but the DeltaNet's gated one scales by (1 + weight), the product taken in
@@ -229,6 +270,13 @@ class ModelSpec:
     mla: LatentAttention | None = None
     linear_attention: GatedDeltaNet | None = None
     linear_layers: tuple[bool, ...] = ()
+    mamba: Mamba2 | None = None
+    mamba_layers: tuple[bool, ...] = ()
+    mixerless_layers: tuple[bool, ...] = ()
+    ffnless_layers: tuple[bool, ...] = ()
+    blocks: tuple[tuple[int, int], ...] = ()
+    mlp_activation: str = "swiglu"
+    rope: bool = True
     attention_output_gate: bool = False
     norm_zero_centred: bool = False
     tie_word_embeddings: bool = False
@@ -254,15 +302,36 @@ class ModelSpec:
         """Whether `layer` is a gated DeltaNet layer (its sequence state lives in a `StateCache`, not the KV cache)."""
         return bool(self.linear_layers) and self.linear_layers[layer]
 
+    def is_mamba(self, layer: int) -> bool:
+        """Whether `layer`'s token mixer is a Mamba-2 layer (its state lives in a `StateCache`)."""
+        return bool(self.mamba_layers) and self.mamba_layers[layer]
+
+    def has_mixer(self, layer: int) -> bool:
+        return not (self.mixerless_layers and self.mixerless_layers[layer])
+
+    def has_ffn(self, layer: int) -> bool:
+        return not (self.ffnless_layers and self.ffnless_layers[layer])
+
+    @property
+    def expert_gated(self) -> bool:
+        """Whether an expert has a gate projection beside its up projection (w1 holds both)."""
+        return self.expert_activation != "relu2"
+
     @property
     def linear_layer_ids(self) -> list[int]:
         """The gated DeltaNet layers, ascending."""
         return [i for i in range(self.num_layers) if self.is_linear(i)]
 
     @property
+    def state_layer_ids(self) -> list[int]:
+        """The layers that keep a state per sequence (gated DeltaNet and Mamba-2), ascending."""
+        return [i for i in range(self.num_layers) if self.is_linear(i) or self.is_mamba(i)]
+
+    @property
     def attention_layer_ids(self) -> list[int]:
         """The softmax-attention layers (the ones with keys and values in the KV cache), ascending."""
-        return [i for i in range(self.num_layers) if not self.is_linear(i)]
+        return [i for i in range(self.num_layers)
+                if self.has_mixer(i) and not self.is_linear(i) and not self.is_mamba(i)]
 
     @property
     def rope_dim(self) -> int:
@@ -286,6 +355,7 @@ class ModelSpec:
         """One line for logs and command output."""
         moe = len(self.moe_layer_ids)
         linear = f", {len(self.linear_layer_ids)} linear attention" if self.linear_layers else ""
+        linear += f", {sum(self.mamba_layers)} Mamba-2" if self.mamba_layers else ""
         return (f"{self.architecture} from {self.source}: {self.num_layers} layers ({moe} MoE{linear}), hidden "
                 f"{self.hidden_size}, {self.num_heads}/{self.num_kv_heads} heads x {self.head_dim}, "
                 f"{self.num_experts} experts top-{self.top_k} (FFN {self.expert_ffn}), vocab {self.vocab_size}, "

@@ -18,6 +18,7 @@
   layer (`qwen3_next_config`); `tiny_qwen3_5_moe_dir`: `Qwen3_5MoeForCausalLM`, the same sizes, every layer MoE.
 - `tiny_minimax_m2_dir`: `MiniMaxM2ForCausalLM`, sigmoid routing with a correction bias, q/k RMSNorm over the
   projections, partial rotary.
+- `tiny_nemotron_h_dir`: `NemotronHForCausalLM`, Mamba-2, attention and relu^2 MoE and MLP blocks.
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
@@ -311,6 +312,34 @@ def tiny_minimax_m2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _draw_vectors(model)
     _draw_correction_bias(model)
     return _save(model, tmp_path_factory.mktemp("tiny_minimax_m2"))
+
+
+NEMOTRON_H_BLOCKS = ["linear_attention", "moe", "full_attention", "moe", "linear_attention", "linear_attention", "mlp",
+                     "moe"]
+
+
+@pytest.fixture(scope="session")
+def tiny_nemotron_h_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`NemotronHForCausalLM` of 8 blocks (`NEMOTRON_H_BLOCKS`): Mamba-2 (4 heads of 8 in 2 groups, state 16, a 4-tap
+    convolution with a bias, chunks of 16 tokens), attention without rope, relu^2 experts (8, top-2, 2 groups of which
+    1 is eligible, a drawn correction bias) with a shared expert, a relu^2 MLP; as engine layers: Mamba-2 + MoE,
+    attention + MoE, Mamba-2 alone, Mamba-2 + MLP, MoE alone."""
+    import torch
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(1618)
+    config = NemotronHConfig(
+        vocab_size=TINY_VOCAB, hidden_size=32, layers_block_type=NEMOTRON_H_BLOCKS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=40, mamba_num_heads=4, mamba_head_dim=8,
+        ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, moe_shared_expert_intermediate_size=20, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5, max_position_embeddings=256, initializer_range=INIT_STD, bos_token_id=None,
+        eos_token_id=3,
+    )
+    model = NemotronHForCausalLM(config).eval()
+    _draw_vectors(model)
+    _draw_correction_bias(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_nemotron_h"))
 
 
 DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,

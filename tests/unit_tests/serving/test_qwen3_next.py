@@ -252,16 +252,18 @@ def test_serve_reports_the_state_bytes_beside_the_kv_bytes(tiny_qwen3_next_dir, 
     assert "KV cache" in (table := capsys.readouterr().out) and "states 6,144 bytes per sequence" in table
 
 
-def test_online_plans_keep_no_prefix_cache_for_a_hybrid_model(tiny_qwen3_next_dir, tiny_mixtral_dir) -> None:
-    """Cached key and value blocks cannot restore a sequence's DeltaNet state: a hybrid model's plan has no prefix
-    cache however much is asked, another model's keeps it."""
+def test_online_plans_keep_no_prefix_cache_for_a_hybrid_model(tiny_qwen3_next_dir, tiny_nemotron_h_dir,
+                                                               tiny_mixtral_dir) -> None:
+    """Cached key and value blocks cannot restore a sequence's DeltaNet or Mamba-2 state: a hybrid model's plan has
+    no prefix cache however much is asked, another model's keeps it."""
     from mbridge_epoverlap.serving.engine.run import make_plan
 
     def cache_bytes(directory):
         return make_plan(load_spec(directory), [], colocated=1, micro_batches=1, online_requests=["tcp://x:1"],
                          online_events="tcp://x:2", max_model_len=64, prefix_cache_bytes=1 << 20).prefix_cache_bytes
 
-    assert cache_bytes(tiny_qwen3_next_dir) == 0 and cache_bytes(tiny_mixtral_dir) == 1 << 20
+    assert cache_bytes(tiny_qwen3_next_dir) == cache_bytes(tiny_nemotron_h_dir) == 0
+    assert cache_bytes(tiny_mixtral_dir) == 1 << 20
 
 
 @pytest.mark.parametrize(("changes", "named"), [

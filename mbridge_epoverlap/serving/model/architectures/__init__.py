@@ -2,10 +2,10 @@
 
 - `base`: `Architecture` (the shared checkpoint layout; a module overrides only what differs),
   `ConfigFields` (typed config.json reads) and `Source` (the tensors one parameter is built from).
-- `mixtral`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`, `minimax_m2`, and `qwen` (Qwen2-MoE, Qwen3-MoE,
-  Qwen3-Next, Qwen3.5-MoE): one `Architecture` each: the config defaults, what its config.json means for the
-  `ModelSpec`, and its tensor names (a family that extends another inherits from it: MiniMax-M2 from Mixtral,
-  Qwen3-Next from Qwen2-MoE, Qwen3.5-MoE from Qwen3-Next).
+- `mixtral`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`, `minimax_m2`, `nemotron_h`, and `qwen`
+  (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): one `Architecture` each: the config defaults, what its
+  config.json means for the `ModelSpec`, and its tensor names (a family that extends another inherits from it:
+  MiniMax-M2 from Mixtral, Qwen3-Next from Qwen2-MoE, Qwen3.5-MoE from Qwen3-Next).
 - `formats`: the quantized weight formats checkpoints store (`fp8`: FP8 block-scaled weights; `mxfp4`: GPT-OSS's
   MXFP4 experts), dequantized as they are read.
 
@@ -22,6 +22,7 @@ from mbridge_epoverlap.serving.model.architectures.glm4_moe import Glm4Moe
 from mbridge_epoverlap.serving.model.architectures.gpt_oss import GptOss
 from mbridge_epoverlap.serving.model.architectures.minimax_m2 import MiniMaxM2
 from mbridge_epoverlap.serving.model.architectures.mixtral import Mixtral
+from mbridge_epoverlap.serving.model.architectures.nemotron_h import NemotronH
 from mbridge_epoverlap.serving.model.architectures.olmoe import Olmoe
 from mbridge_epoverlap.serving.model.architectures.qwen.qwen2_moe import Qwen2Moe
 from mbridge_epoverlap.serving.model.architectures.qwen.qwen3_5_moe import Qwen3_5Moe
@@ -29,7 +30,7 @@ from mbridge_epoverlap.serving.model.architectures.qwen.qwen3_moe import Qwen3Mo
 from mbridge_epoverlap.serving.model.architectures.qwen.qwen3_next import Qwen3Next
 
 _ARCHITECTURES: tuple[Architecture, ...] = (Mixtral(), Qwen3Moe(), Qwen2Moe(), Olmoe(), Dbrx(), GptOss(), Glm4Moe(),
-                                              DeepseekV3(), Qwen3Next(), Qwen3_5Moe(), MiniMaxM2())
+                                              DeepseekV3(), Qwen3Next(), Qwen3_5Moe(), MiniMaxM2(), NemotronH())
 REGISTRY: dict[str, Architecture] = {a.name: a for a in _ARCHITECTURES}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 

@@ -13,8 +13,7 @@ for op, in the same order): a prompt (or a chunk of one, or a one-token prompt) 
 token through the one-step recurrence (`delta_rule_step`), every decoding sequence of a batch at once.
 
 The engine's workers (`exact` False) run the same arithmetic arranged for speed, rounded differently in the last
-bits as their packed GEMMs are: the depthwise convolution as K multiply-adds in fp32 (in bf16, `F.conv1d` runs a
-per-channel loop on a CPU: 58 ms of a 140 ms decode step of the Qwen3-Next-shaped bench model, AMD EPYC, AVX2), and
+bits as their packed GEMMs are: the depthwise convolution as K multiply-adds in fp32 (`linear.conv`), and
 the decode step reading each state once (q and k against it in one product), then decaying and updating it in
 place with one batched rank-1 product, on a view of the state cache's rows.
 """
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.model.batch import Segment, TokenBatch
+from mbridge_epoverlap.serving.model.linear.conv import prompt_conv, step_conv
 from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
 from mbridge_epoverlap.serving.model.spec import GatedDeltaNet, ModelSpec
 
@@ -161,22 +161,6 @@ class GatedDeltaNetAttention(torch.nn.Module):
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return (mixed, z.reshape(t, la.num_value_heads, la.value_head_dim), b.reshape(t, -1), a.reshape(t, -1))
 
-    def _conv(self, window: torch.Tensor | None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prompt or chunk x [conv_dim, L] after `window` [conv_dim, kernel] (None: the sequence's first tokens)
-        -> (SiLU(conv) [L, conv_dim], the new window)."""
-        kernel, length = self.la.conv_kernel, x.shape[-1]
-        full = x[None] if window is None else torch.cat([window, x], dim=-1)[None]
-        if full.shape[-1] < kernel:  # a prompt shorter than the kernel: zeros before it, as transformers' cache pads
-            full = F.pad(full, (kernel - full.shape[-1], 0))
-        weight = self.conv_weight
-        if self.exact:
-            out = F.conv1d(full.to(weight.dtype), weight, padding=kernel - 1, groups=full.shape[1])
-            out = F.silu(out[..., :full.shape[-1]]).to(x.dtype)[..., -length:]
-        else:  # output t: the K inputs ending at t (zeros before the first) times the taps, summed in fp32
-            taps = F.pad(full[0].float(), (kernel - 1, 0)).unfold(-1, kernel, 1)[:, -length:]
-            out = F.silu((taps * weight[:, 0, None, :].float()).sum(-1)).to(x.dtype)[None]
-        return out[0].t(), full[0, :, -kernel:]
-
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[..., L, conv_dim] -> q, k [..., L, key heads, dk], v [..., L, value heads, dv]."""
         la = self.la
@@ -207,7 +191,8 @@ class GatedDeltaNetAttention(torch.nn.Module):
         rows = states.rows_of([seg.seq_id])
         started = states.fed(seg.seq_id, layer) > 0
         window, state = states.read(layer, rows)
-        conv_out, window = self._conv(window[0] if started else None, mixed[seg.rows].t())
+        conv_out, window = prompt_conv(window[0] if started else None, mixed[seg.rows].t(), self.conv_weight, None,
+                                       exact=self.exact)
         q, k, v = self._split_heads(conv_out[None])
         out, state = chunked_delta_rule(q, k, v, g[seg.rows][None], beta[seg.rows][None],
                                         state if started else None)
@@ -222,14 +207,12 @@ class GatedDeltaNetAttention(torch.nn.Module):
         rows = states.rows_of(seq_ids)
         batch_rows = torch.tensor([seg.rows.start for seg in segs], dtype=torch.int64)
         windows, state = states.read(layer, rows)
-        full = torch.cat([windows, mixed.index_select(0, batch_rows)[:, :, None]], dim=-1).to(self.conv_weight.dtype)
-        conv = F.conv1d(full, self.conv_weight, groups=full.shape[1])[..., -1:]
-        conv = F.silu(conv).to(mixed.dtype).transpose(1, 2)  # [B, 1, conv_dim]
-        q, k, v = self._split_heads(conv)
+        conv, windows = step_conv(windows, mixed.index_select(0, batch_rows), self.conv_weight, None, exact=True)
+        q, k, v = self._split_heads(conv[:, None])
         out, state = delta_rule_step(q, k, v, g.index_select(0, batch_rows)[:, None],
                                      beta.index_select(0, batch_rows)[:, None], state)
         heads[batch_rows] = out[:, 0]
-        states.write(layer, seq_ids, rows, full[..., -self.la.conv_kernel:], state, [1] * len(segs))
+        states.write(layer, seq_ids, rows, windows, state, [1] * len(segs))
 
     def _decode_in_place(self, layer: int, segs: list[Segment], mixed: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, states: StateCache, heads: torch.Tensor) -> None:
@@ -248,10 +231,8 @@ class GatedDeltaNetAttention(torch.nn.Module):
         else:
             windows, state, order = span
         take = batch_rows.index_select(0, order)  # the batch rows in the order of the states
-        x = mixed.index_select(0, take)
-        windows.copy_(torch.cat([windows[..., 1:], x[..., None].to(windows.dtype)], dim=-1))
-        taps = self.conv_weight[:, 0, :].float()
-        conv = F.silu((windows.float() * taps).sum(-1)).to(mixed.dtype)  # [n, conv_dim]
+        conv, new_windows = step_conv(windows, mixed.index_select(0, take), self.conv_weight, None, exact=False)
+        windows.copy_(new_windows)
         q, k, v = self._split_heads(conv)
         q, k, v, b, decay = _heads_first(q[:, None], k[:, None], v[:, None], g.index_select(0, take)[:, None],
                                          beta.index_select(0, take)[:, None])

@@ -1,12 +1,12 @@
-"""`StateCache`: what a hybrid model's gated DeltaNet layers keep of each sequence, beside the KV cache.
+"""`StateCache`: what a hybrid model's state layers (gated DeltaNet, Mamba-2) keep of each sequence.
 
-A linear-attention layer keeps no keys or values. Per sequence and per such layer it keeps two tensors of a fixed
-size, whatever the sequence's length: the last `conv_kernel` inputs of its causal convolution (q, k and v channels,
-the model dtype) and its recurrent state, one [key_head_dim, value_head_dim] matrix per value head (fp32, as
-`transformers` keeps it). A row per sequence, taken when the sequence is added and given back when it is freed;
-the rows grow by doubling as the KV cache's do.
+A state layer keeps no keys or values. Per sequence and per such layer it keeps two tensors of a fixed size,
+whatever the sequence's length: the last `conv_kernel` inputs of its causal convolution (the model dtype) and its
+recurrent state (fp32, as `transformers` keeps it): one [key_head_dim, value_head_dim] matrix per value head of a
+DeltaNet layer, one [head_dim, state_size] matrix per head of a Mamba-2 layer. A row per sequence, taken when the
+sequence is added and given back when it is freed; the rows grow by doubling as the KV cache's do.
 
-The attention side's `KVCache` owns one (`KVCache.states`) when the spec has linear layers, so a sequence is added
+The attention side's `KVCache` owns one (`KVCache.states`) when the spec has state layers, so a sequence is added
 to and freed from both at once, and a micro-batch's `empty_like` cache gets its own.
 """
 
@@ -25,18 +25,15 @@ class StateCache:
     """Per-sequence convolution windows and recurrent states of the gated DeltaNet layers of `spec`."""
 
     def __init__(self, spec: ModelSpec, *, device: torch.device | None = None) -> None:
-        if spec.linear_attention is None:
-            raise ValueError(f"{spec.source} has no linear-attention layers; it needs no state cache")
+        if not spec.state_layer_ids:
+            raise ValueError(f"{spec.source} has no state layers (linear attention, Mamba-2): it needs no state cache")
         self.spec, self.device = spec, device
-        la = spec.linear_attention
-        self.layers = spec.linear_layer_ids
-        self._conv_shape = (la.conv_dim, la.conv_kernel)
-        self._state_shape = (la.num_value_heads, la.key_head_dim, la.value_head_dim)
+        self.layers = spec.state_layer_ids
         self.dtype = spec.torch_dtype()
-        self._conv = {layer: torch.zeros(_INITIAL_ROWS, *self._conv_shape, dtype=self.dtype, device=device)
+        self._conv = {layer: torch.zeros(_INITIAL_ROWS, *state_shapes(spec, layer)[0], dtype=self.dtype, device=device)
                       for layer in self.layers}
-        self._state = {layer: torch.zeros(_INITIAL_ROWS, *self._state_shape, dtype=torch.float32, device=device)
-                       for layer in self.layers}
+        self._state = {layer: torch.zeros(_INITIAL_ROWS, *state_shapes(spec, layer)[1], dtype=torch.float32,
+                                          device=device) for layer in self.layers}
         self._row: dict[int, int] = {}
         self._free_rows: list[int] = list(range(_INITIAL_ROWS))
         # tokens each sequence has fed through each linear layer: 0 means no state yet (a prompt starts from zeros)
@@ -122,12 +119,23 @@ class StateCache:
         return state_bytes_per_sequence(self.spec)
 
 
+def state_shapes(spec: ModelSpec, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the convolution window's shape, the recurrent state's shape) of one sequence in state layer `layer`."""
+    if spec.is_linear(layer) and spec.linear_attention is not None:
+        la = spec.linear_attention
+        return (la.conv_dim, la.conv_kernel), (la.num_value_heads, la.key_head_dim, la.value_head_dim)
+    if spec.is_mamba(layer) and spec.mamba is not None:
+        m = spec.mamba
+        return (m.conv_dim, m.conv_kernel), (m.num_heads, m.head_dim, m.state_size)
+    raise ValueError(f"layer {layer} of {spec.source} keeps no state")
+
+
 def state_bytes_per_sequence(spec: ModelSpec) -> int:
-    """Bytes one sequence's states take over all linear layers (0 for a model without them): its convolution window
-    in the model dtype and its fp32 recurrent state, whatever its length."""
-    la = spec.linear_attention
-    if la is None or not spec.linear_layers:
-        return 0
-    conv = la.conv_dim * la.conv_kernel * (torch.finfo(spec.torch_dtype()).bits // 8)
-    state = la.num_value_heads * la.key_head_dim * la.value_head_dim * 4
-    return len(spec.linear_layer_ids) * (conv + state)
+    """Bytes one sequence's states take over all state layers (0 for a model without them): its convolution windows
+    in the model dtype and its fp32 recurrent states, whatever its length."""
+    size = torch.finfo(spec.torch_dtype()).bits // 8
+    total = 0
+    for layer in spec.state_layer_ids:
+        conv, state = state_shapes(spec, layer)
+        total += conv[0] * conv[1] * size + state[0] * state[1] * state[2] * 4
+    return total

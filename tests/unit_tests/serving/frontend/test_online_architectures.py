@@ -43,7 +43,7 @@ def _with_tokenizer(source: Path, directory: Path) -> Path:
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3", "qwen3_next",
-                                    "minimax_m2"])
+                                    "minimax_m2", "nemotron_h"])
 def test_text_prompts_equal_transformers_greedy(family, request, tmp_path, start_server, hf_greedy):
     from transformers import AutoTokenizer
 

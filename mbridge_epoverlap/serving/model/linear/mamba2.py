@@ -1,0 +1,185 @@
+"""Mamba-2, the state-space token mixer of Nemotron-H, with its state in a `StateCache`.
+
+Per token: one projection gives a gate z (heads x head_dim), x, B, C (`n_groups` x `state_size` each, shared by the
+heads of a group) and a time step per head; x, B and C pass a causal depthwise convolution (with a bias) and SiLU.
+Each head keeps a [head_dim, state_size] state S: a token decays it by exp(dt A) (A = -exp(A_log) < 0, dt =
+softplus(raw + dt_bias)), adds dt x B^T, and reads y = S C + D x. The heads' outputs pass an RMSNorm over groups of
+channels, gated by SiLU(z) before the norm, then the output projection.
+
+As for the gated DeltaNet (`linear.delta_net`), a prompt or prompt chunk runs the chunked scan (`chunked_scan`:
+within blocks of `chunk_size` tokens an attention-like product, across blocks the states), a decode token the one-step
+recurrence (`scan_step`), every decoding sequence at once; both follow `transformers`' torch path, op for op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mbridge_epoverlap.moe.wgrad import Linear
+from mbridge_epoverlap.serving.model.batch import Segment, TokenBatch
+from mbridge_epoverlap.serving.model.linear.conv import prompt_conv, step_conv
+from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
+from mbridge_epoverlap.serving.model.spec import Mamba2, ModelSpec
+
+
+def _segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """a [..., T] -> [..., T, T]: entry (i, j) the sum of a over (j, i] for j <= i, -inf above the diagonal."""
+    t = a.shape[-1]
+    grid = a[..., None].expand(*a.shape, t)
+    grid = grid.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(-1), 0)
+    sums = grid.cumsum(dim=-2)
+    return sums.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(0), float("-inf"))
+
+
+def _time_step(dt: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.softplus(dt + bias.to(dt.dtype))
+
+
+def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                 d: torch.Tensor, dt_bias: torch.Tensor, m: Mamba2, state: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's L tokens: x [L, heads, head_dim], dt [L, heads] (before its bias and softplus), a [heads] (A,
+    fp32), b and c [L, groups, state_size], d [heads], `state` [heads, head_dim, state_size] before the first token
+    (None: zeros) -> (y [L, heads, head_dim] fp32 with the D skip, the state after the last token, fp32)."""
+    length, heads = x.shape[0], x.shape[1]
+    dt = _time_step(dt, dt_bias).clamp(m.time_step_limit[0], m.time_step_limit[1])
+    per_group = heads // b.shape[1]
+    x = x.float()
+    b = b.float().repeat_interleave(per_group, dim=1, output_size=heads)
+    c = c.float().repeat_interleave(per_group, dim=1, output_size=heads)
+    pad = (m.chunk_size - length % m.chunk_size) % m.chunk_size
+    skip = d[:, None] * F.pad(x, (0, 0, 0, 0, 0, pad))
+    x = x * dt[..., None].float()
+    a = a.to(x.dtype) * dt.float()
+    blocks = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)).reshape(  # noqa: E731
+        -1, m.chunk_size, *t.shape[1:])
+    x, a, b, c = blocks(x), blocks(a), blocks(b), blocks(c)  # [blocks, l, heads, ...]
+    a = a.permute(2, 0, 1)  # [heads, blocks, l]
+    a_sums = a.cumsum(dim=-1)
+    within = torch.exp(_segment_sums(a))  # [heads, blocks, l, s]
+    scores = torch.einsum("clhn,cshn->clsh", c, b) * within.permute(1, 2, 3, 0)
+    y_within = torch.einsum("clsh,cshp->clhp", scores, x)
+    to_end = torch.exp(a_sums[:, :, -1:] - a_sums)  # decay from each token to its block's end
+    block_states = torch.einsum("clhn,clhp->chpn", b * to_end.permute(1, 2, 0)[..., None], x)
+    start = torch.zeros_like(block_states[:1]) if state is None else state[None].to(block_states.dtype)
+    block_states = torch.cat([start, block_states])
+    across = torch.exp(_segment_sums(F.pad(a_sums[:, :, -1], (1, 0)))).permute(2, 1, 0)  # [from, to, heads]
+    states = torch.einsum("zch,zhpn->chpn", across, block_states)
+    states, final = states[:-1], states[-1]
+    y_across = torch.einsum("clhn,chpn->clhp", c, states) * torch.exp(a_sums).permute(1, 2, 0)[..., None]
+    y = (y_within + y_across).reshape(-1, heads, x.shape[-1]) + skip
+    return y[:length], final
+
+
+def scan_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              c: torch.Tensor, d: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: state [B, heads, head_dim, state_size] fp32, x [B, heads, head_dim], dt
+    [B, heads], b and c [B, groups, state_size] -> (y [B, heads, head_dim] in x's dtype, the new state)."""
+    batch, heads, head_dim = x.shape
+    per_group = heads // b.shape[1]
+    dt = _time_step(dt, dt_bias)[..., None]  # [B, heads, 1]
+    decay = torch.exp(dt.float()[..., None] * a.float()[:, None, None])  # [B, heads, 1, 1] over the state
+    b = b[:, :, None].expand(-1, -1, per_group, -1).reshape(batch, heads, 1, -1)
+    c = c[:, :, None].expand(-1, -1, per_group, -1).reshape(batch, heads, -1)
+    written = (dt[..., None] * b) * x[..., None]  # [B, heads, head_dim, state]
+    state = state * decay + written
+    y = torch.bmm(state.to(c.dtype).view(batch * heads, head_dim, -1), c.reshape(batch * heads, -1, 1))
+    y = y.view(batch, heads, head_dim)
+    y = (y + x * d[:, None]).to(y.dtype)
+    return y.to(x.dtype), state
+
+
+class Mamba2Mixer(torch.nn.Module):
+    """One Mamba-2 layer's parameters (uninitialised) and its scan over a `StateCache`.
+
+    Parameters: `in_proj.weight` [inner + conv_dim + heads, hidden] (z, then x, B, C, then the time steps;
+    + `in_proj_bias` with `Mamba2.proj_bias`), `conv_weight` [conv_dim, 1, kernel] (+ `conv_bias` [conv_dim]),
+    `dt_bias`, `A_log`, `D` [heads], `norm.weight` [inner], `out_proj.weight` [hidden, inner] (+ `out_proj_bias`).
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        if spec.mamba is None:
+            raise ValueError(f"{spec.source} has no Mamba-2 layers (spec.mamba is None)")
+        m: Mamba2 = spec.mamba
+        self.m, self.eps = m, spec.norm_eps
+        h = spec.hidden_size
+
+        def vector(size: int, present: bool = True) -> torch.nn.Parameter | None:
+            return torch.nn.Parameter(torch.empty(size, dtype=dtype)) if present else None
+
+        self.in_proj = Linear(h, m.inner + m.conv_dim + m.num_heads, dtype=dtype)
+        self.in_proj_bias = vector(m.inner + m.conv_dim + m.num_heads, m.proj_bias)
+        self.conv_weight = torch.nn.Parameter(torch.empty(m.conv_dim, 1, m.conv_kernel, dtype=dtype))
+        self.conv_bias = vector(m.conv_dim, m.conv_bias)
+        self.dt_bias, self.A_log, self.D = vector(m.num_heads), vector(m.num_heads), vector(m.num_heads)
+        self.norm = torch.nn.Module()
+        self.norm.weight = torch.nn.Parameter(torch.empty(m.inner, dtype=dtype))
+        self.out_proj = Linear(m.inner, h, dtype=dtype)
+        self.out_proj_bias = vector(h, m.proj_bias)
+        self.exact = True  # `transformers`' operations (the reference model); the engine's workers set it False
+
+    def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
+        return F.linear(heads_out, self.out_proj.weight, self.out_proj_bias)
+
+    def attend(self, layer: int, x: torch.Tensor, batch: TokenBatch, states: StateCache) -> torch.Tensor:
+        """The layer's scan for the batch's tokens (x [T, hidden], normalised), each sequence continuing from its
+        state in `states` (updated) -> [T, inner] in the model dtype, before the output projection."""
+        m = self.m
+        z, xbc, dt = F.linear(x, self.in_proj.weight, self.in_proj_bias).split([m.inner, m.conv_dim, m.num_heads],
+                                                                               dim=-1)
+        out = x.new_empty(x.shape[0], m.inner)
+        steps = [seg for seg in batch.segments if seg.length == 1 and states.fed(seg.seq_id, layer)]
+        if steps:
+            self._decode(layer, steps, z, xbc, dt, states, out)
+        for seg in batch.segments:
+            if seg.length > 1 or not states.fed(seg.seq_id, layer):
+                self._prefill(layer, seg, z, xbc, dt, states, out)
+        return out
+
+    def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, conv_dim] -> x [n, heads, head_dim], B and C [n, groups, state_size]."""
+        m = self.m
+        xs, b, c = conv.split([m.inner, m.n_groups * m.state_size, m.n_groups * m.state_size], dim=-1)
+        n = conv.shape[0]
+        return (xs.reshape(n, m.num_heads, m.head_dim), b.reshape(n, m.n_groups, m.state_size),
+                c.reshape(n, m.n_groups, m.state_size))
+
+    def _prefill(self, layer: int, seg: Segment, z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor,
+                 states: StateCache, out: torch.Tensor) -> None:
+        rows = states.rows_of([seg.seq_id])
+        started = states.fed(seg.seq_id, layer) > 0
+        window, state = states.read(layer, rows)
+        conv, window = prompt_conv(window[0] if started else None, xbc[seg.rows].t(), self.conv_weight,
+                                   self.conv_bias, exact=self.exact)
+        xs, b, c = self._split(conv)
+        a = -torch.exp(self.A_log.float())
+        y, state = chunked_scan(xs, dt[seg.rows], a, b, c, self.D, self.dt_bias, self.m,
+                                state[0] if started else None)
+        # the chunked scan's output stays fp32 into the norm, as in `transformers`
+        out[seg.rows] = self._gated_norm(y.reshape(seg.length, -1), z[seg.rows]).to(out.dtype)
+        states.write(layer, [seg.seq_id], rows, window[None], state[None], [seg.length])
+
+    def _decode(self, layer: int, segs: list[Segment], z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor,
+                states: StateCache, out: torch.Tensor) -> None:
+        seq_ids = [seg.seq_id for seg in segs]
+        rows = states.rows_of(seq_ids)
+        batch_rows = torch.tensor([seg.rows.start for seg in segs], dtype=torch.int64)
+        windows, state = states.read(layer, rows)
+        conv, windows = step_conv(windows, xbc.index_select(0, batch_rows), self.conv_weight, self.conv_bias,
+                                  exact=self.exact)
+        xs, b, c = self._split(conv)
+        a = -torch.exp(self.A_log.float())
+        y, state = scan_step(state, xs, dt.index_select(0, batch_rows), a, b, c, self.D, self.dt_bias)
+        out[batch_rows] = self._gated_norm(y.reshape(len(segs), -1), z.index_select(0, batch_rows))
+        states.write(layer, seq_ids, rows, windows, state, [1] * len(segs))
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y times SiLU(z) in fp32, then an RMSNorm over each group of inner / n_groups channels; the weight applied
+        in y's dtype."""
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        groups = h.view(h.shape[0], self.m.n_groups, -1)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm.weight * groups.view(h.shape).to(dtype)
