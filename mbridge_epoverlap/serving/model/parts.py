@@ -159,6 +159,10 @@ class AttentionPart(torch.nn.Module):
                     block.attention.packed_qkv = packed_gemm.PackedLinear(block.attention.qkv.weight)
                     block.attention.packed_proj = packed_gemm.PackedLinear(block.attention.proj.weight)
                     self._packed_attention += [block.attention.packed_qkv, block.attention.packed_proj]
+                elif isinstance(block.attention, Mamba2Mixer):  # its two projections, as attention's
+                    block.attention.packed_in = packed_gemm.PackedLinear(block.attention.in_proj.weight)
+                    block.attention.packed_out = packed_gemm.PackedLinear(block.attention.out_proj.weight)
+                    self._packed_attention += [block.attention.packed_in, block.attention.packed_out]
 
     def prepack(self) -> None:
         """Pack the head now (loading does), not in the first step that needs it."""

@@ -8,10 +8,14 @@ channels, gated by SiLU(z) before the norm, then the output projection.
 
 As for the gated DeltaNet (`linear.delta_net`), a prompt or prompt chunk runs the chunked scan (`chunked_scan`:
 within blocks of `chunk_size` tokens an attention-like product, across blocks the states), a decode token the one-step
-recurrence (`scan_step`), every decoding sequence at once; both follow `transformers`' torch path, op for op.
+recurrence (`scan_step`), every decoding sequence at once; both follow `transformers`' torch path, op for op. The
+engine's workers (`exact` False) project with oneDNN-packed weights, convolve with multiply-adds and update the
+decoding sequences' states in place (`_decode_in_place`), equal to rounding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,39 +41,43 @@ def _time_step(dt: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                 d: torch.Tensor, dt_bias: torch.Tensor, m: Mamba2, state: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's L tokens: x [L, heads, head_dim], dt [L, heads] (before its bias and softplus), a [heads] (A,
-    fp32), b and c [L, groups, state_size], d [heads], `state` [heads, head_dim, state_size] before the first token
-    (None: zeros) -> (y [L, heads, head_dim] fp32 with the D skip, the state after the last token, fp32)."""
-    length, heads = x.shape[0], x.shape[1]
+                 d: torch.Tensor, dt_bias: torch.Tensor, m: Mamba2, state: torch.Tensor | None,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """S sequences of L tokens: x [S, L, heads, head_dim], dt [S, L, heads] (before its bias and softplus), a
+    [heads] (A, fp32), b and c [S, L, groups, state_size], d [heads], `state` [S, heads, head_dim, state_size] before
+    the first token (None: zeros) -> (y [S, L, heads, head_dim] fp32 with the D skip, the states after the last
+    tokens, fp32). `valid` [S, L]: the real tokens of sequences padded at their end to L; a padding token neither
+    decays nor writes the state (its time step is 0), so each final state is its sequence's own."""
+    batch, length, heads = x.shape[0], x.shape[1], x.shape[2]
     dt = _time_step(dt, dt_bias).clamp(m.time_step_limit[0], m.time_step_limit[1])
-    per_group = heads // b.shape[1]
+    if valid is not None:
+        dt = dt * valid[..., None].to(dt.dtype)
+    per_group = heads // b.shape[2]
     x = x.float()
-    b = b.float().repeat_interleave(per_group, dim=1, output_size=heads)
-    c = c.float().repeat_interleave(per_group, dim=1, output_size=heads)
+    b = b.float().repeat_interleave(per_group, dim=2, output_size=heads)
+    c = c.float().repeat_interleave(per_group, dim=2, output_size=heads)
     pad = (m.chunk_size - length % m.chunk_size) % m.chunk_size
-    skip = d[:, None] * F.pad(x, (0, 0, 0, 0, 0, pad))
+    skip = d[..., None] * F.pad(x, (0, 0, 0, 0, 0, pad))
     x = x * dt[..., None].float()
     a = a.to(x.dtype) * dt.float()
-    blocks = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)).reshape(  # noqa: E731
-        -1, m.chunk_size, *t.shape[1:])
-    x, a, b, c = blocks(x), blocks(a), blocks(b), blocks(c)  # [blocks, l, heads, ...]
-    a = a.permute(2, 0, 1)  # [heads, blocks, l]
+    blocks = lambda t: F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)).reshape(  # noqa: E731
+        batch, -1, m.chunk_size, *t.shape[2:])
+    x, a, b, c = blocks(x), blocks(a), blocks(b), blocks(c)  # [S, blocks, l, heads, ...]
+    a = a.permute(0, 3, 1, 2)  # [S, heads, blocks, l]
     a_sums = a.cumsum(dim=-1)
-    within = torch.exp(_segment_sums(a))  # [heads, blocks, l, s]
-    scores = torch.einsum("clhn,cshn->clsh", c, b) * within.permute(1, 2, 3, 0)
-    y_within = torch.einsum("clsh,cshp->clhp", scores, x)
-    to_end = torch.exp(a_sums[:, :, -1:] - a_sums)  # decay from each token to its block's end
-    block_states = torch.einsum("clhn,clhp->chpn", b * to_end.permute(1, 2, 0)[..., None], x)
-    start = torch.zeros_like(block_states[:1]) if state is None else state[None].to(block_states.dtype)
-    block_states = torch.cat([start, block_states])
-    across = torch.exp(_segment_sums(F.pad(a_sums[:, :, -1], (1, 0)))).permute(2, 1, 0)  # [from, to, heads]
-    states = torch.einsum("zch,zhpn->chpn", across, block_states)
-    states, final = states[:-1], states[-1]
-    y_across = torch.einsum("clhn,chpn->clhp", c, states) * torch.exp(a_sums).permute(1, 2, 0)[..., None]
-    y = (y_within + y_across).reshape(-1, heads, x.shape[-1]) + skip
-    return y[:length], final
+    within = torch.exp(_segment_sums(a))  # [S, heads, blocks, l, s]
+    scores = torch.einsum("bclhn,bcshn->bclsh", c, b) * within.permute(0, 2, 3, 4, 1)
+    y_within = torch.einsum("bclsh,bcshp->bclhp", scores, x)
+    to_end = torch.exp(a_sums[..., -1:] - a_sums)  # decay from each token to its block's end
+    block_states = torch.einsum("bclhn,bclhp->bchpn", b * to_end.permute(0, 2, 3, 1)[..., None], x)
+    start = torch.zeros_like(block_states[:, :1]) if state is None else state[:, None].to(block_states.dtype)
+    block_states = torch.cat([start, block_states], dim=1)
+    across = torch.exp(_segment_sums(F.pad(a_sums[..., -1], (1, 0)))).transpose(1, 3)  # [S, from, to, heads]
+    states = torch.einsum("bzch,bzhpn->bchpn", across, block_states)
+    states, final = states[:, :-1], states[:, -1]
+    y_across = torch.einsum("bclhn,bchpn->bclhp", c, states) * torch.exp(a_sums).permute(0, 2, 3, 1)[..., None]
+    y = (y_within + y_across).reshape(batch, -1, heads, x.shape[-1]) + skip
+    return y[:, :length], final
 
 
 def scan_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -119,19 +127,32 @@ class Mamba2Mixer(torch.nn.Module):
         self.out_proj = Linear(m.inner, h, dtype=dtype)
         self.out_proj_bias = vector(h, m.proj_bias)
         self.exact = True  # `transformers`' operations (the reference model); the engine's workers set it False
+        # oneDNN-packed copies of the two projections (`AttentionPart(packed=True)` sets them, fp32)
+        self.packed_in: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.packed_out: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
+        if self.packed_out is not None:
+            out = self.packed_out(heads_out)
+            return out if self.out_proj_bias is None else out + self.out_proj_bias
         return F.linear(heads_out, self.out_proj.weight, self.out_proj_bias)
+
+    def _project_in(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_in is not None:
+            out = self.packed_in(x)
+            return out if self.in_proj_bias is None else out + self.in_proj_bias
+        return F.linear(x, self.in_proj.weight, self.in_proj_bias)
 
     def attend(self, layer: int, x: torch.Tensor, batch: TokenBatch, states: StateCache) -> torch.Tensor:
         """The layer's scan for the batch's tokens (x [T, hidden], normalised), each sequence continuing from its
         state in `states` (updated) -> [T, inner] in the model dtype, before the output projection."""
         m = self.m
-        z, xbc, dt = F.linear(x, self.in_proj.weight, self.in_proj_bias).split([m.inner, m.conv_dim, m.num_heads],
-                                                                               dim=-1)
+        z, xbc, dt = self._project_in(x).split([m.inner, m.conv_dim, m.num_heads], dim=-1)
         out = x.new_empty(x.shape[0], m.inner)
         steps = [seg for seg in batch.segments if seg.length == 1 and states.fed(seg.seq_id, layer)]
-        if steps:
+        if steps and not self.exact:
+            self._decode_in_place(layer, steps, z, xbc, dt, states, out)
+        elif steps:
             self._decode(layer, steps, z, xbc, dt, states, out)
         for seg in batch.segments:
             if seg.length > 1 or not states.fed(seg.seq_id, layer):
@@ -155,11 +176,11 @@ class Mamba2Mixer(torch.nn.Module):
                                    self.conv_bias, exact=self.exact)
         xs, b, c = self._split(conv)
         a = -torch.exp(self.A_log.float())
-        y, state = chunked_scan(xs, dt[seg.rows], a, b, c, self.D, self.dt_bias, self.m,
-                                state[0] if started else None)
+        y, state = chunked_scan(xs[None], dt[seg.rows][None], a, b[None], c[None], self.D, self.dt_bias, self.m,
+                                state if started else None)
         # the chunked scan's output stays fp32 into the norm, as in `transformers`
         out[seg.rows] = self._gated_norm(y.reshape(seg.length, -1), z[seg.rows]).to(out.dtype)
-        states.write(layer, [seg.seq_id], rows, window[None], state[None], [seg.length])
+        states.write(layer, [seg.seq_id], rows, window[None], state, [seg.length])
 
     def _decode(self, layer: int, segs: list[Segment], z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor,
                 states: StateCache, out: torch.Tensor) -> None:
@@ -174,6 +195,42 @@ class Mamba2Mixer(torch.nn.Module):
         y, state = scan_step(state, xs, dt.index_select(0, batch_rows), a, b, c, self.D, self.dt_bias)
         out[batch_rows] = self._gated_norm(y.reshape(len(segs), -1), z.index_select(0, batch_rows))
         states.write(layer, seq_ids, rows, windows, state, [1] * len(segs))
+
+    def _decode_in_place(self, layer: int, segs: list[Segment], z: torch.Tensor, xbc: torch.Tensor, dt: torch.Tensor,
+                         states: StateCache, out: torch.Tensor) -> None:
+        """`_decode` for the engine: the windows and states updated where they lie (a view of the cache's rows, in
+        row order), the convolution as multiply-adds, the state decayed in place, the token written with one
+        batched rank-1 product (dt x) B^T and read with one product S C: three passes over the states where the
+        exact step makes a dozen."""
+        m, seq_ids = self.m, [seg.seq_id for seg in segs]
+        batch_rows = torch.tensor([seg.rows.start for seg in segs], dtype=torch.int64)
+        span = states.span(layer, seq_ids)
+        if span is None:  # rows not one range: work on copies and write them back
+            rows = states.rows_of(seq_ids)
+            windows, state = states.read(layer, rows)
+            order = torch.arange(len(segs))
+        else:
+            windows, state, order = span
+        take = batch_rows.index_select(0, order)
+        conv, new_windows = step_conv(windows, xbc.index_select(0, take), self.conv_weight, self.conv_bias,
+                                      exact=False)
+        windows.copy_(new_windows)
+        xs, b, c = self._split(conv)
+        n, h, p = xs.shape
+        per_group = h // m.n_groups
+        step = _time_step(dt.index_select(0, take), self.dt_bias).float()  # [n, heads]
+        a = -torch.exp(self.A_log.float())
+        state.mul_(torch.exp(step * a)[..., None, None])
+        b = b.float().repeat_interleave(per_group, dim=1)  # [n, heads, state]
+        c = c.float().repeat_interleave(per_group, dim=1)
+        flat = state.view(n * h, p, m.state_size)
+        flat.baddbmm_((step[..., None] * xs.float()).reshape(n * h, p, 1), b.reshape(n * h, 1, -1))
+        y = torch.bmm(flat, c.reshape(n * h, -1, 1)).view(n, h, p) + xs.float() * self.D.float()[:, None]
+        out[take] = self._gated_norm(y.to(xs.dtype).reshape(n, -1), z.index_select(0, take))
+        if span is None:
+            states.write(layer, seq_ids, rows, windows, state, [1] * n)
+        else:
+            states.advance(seq_ids, layer)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y times SiLU(z) in fp32, then an RMSNorm over each group of inner / n_groups channels; the weight applied
