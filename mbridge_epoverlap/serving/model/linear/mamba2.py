@@ -41,17 +41,14 @@ def _time_step(dt: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                 d: torch.Tensor, dt_bias: torch.Tensor, m: Mamba2, state: torch.Tensor | None,
-                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 d: torch.Tensor, dt_bias: torch.Tensor, m: Mamba2, state: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """S sequences of L tokens: x [S, L, heads, head_dim], dt [S, L, heads] (before its bias and softplus), a
     [heads] (A, fp32), b and c [S, L, groups, state_size], d [heads], `state` [S, heads, head_dim, state_size] before
     the first token (None: zeros) -> (y [S, L, heads, head_dim] fp32 with the D skip, the states after the last
-    tokens, fp32). `valid` [S, L]: the real tokens of sequences padded at their end to L; a padding token neither
-    decays nor writes the state (its time step is 0), so each final state is its sequence's own."""
+    tokens, fp32)."""
     batch, length, heads = x.shape[0], x.shape[1], x.shape[2]
     dt = _time_step(dt, dt_bias).clamp(m.time_step_limit[0], m.time_step_limit[1])
-    if valid is not None:
-        dt = dt * valid[..., None].to(dt.dtype)
     per_group = heads // b.shape[2]
     x = x.float()
     b = b.float().repeat_interleave(per_group, dim=2, output_size=heads)
