@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.model.spec import ModelSpec
+from mbridge_epoverlap.serving.model.spec import GroupedRouting, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,19 @@ class ConfigFields:
 
 
 ATTENTION_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def checked_routing(cfg: ConfigFields, routing: GroupedRouting) -> GroupedRouting:
+    """`routing`, once it can route the config's experts (`GroupedRouting.check`); else a UsageError naming the
+    fields and their values."""
+    experts, top_k = cfg.positive_int("num_local_experts"), cfg.positive_int("num_experts_per_tok")
+    try:
+        routing.check(experts, top_k)
+    except ValueError as err:
+        raise UsageError(f"{cfg.path}: fields 'n_group' ({routing.n_group}), 'topk_group' ({routing.topk_group}), "
+                         f"{cfg.name('num_local_experts')!r} ({experts}) and 'num_experts_per_tok' ({top_k}): "
+                         f"{err}") from None
+    return routing
 
 
 def partial_rotary_dim(cfg: ConfigFields, default_factor: float) -> int:

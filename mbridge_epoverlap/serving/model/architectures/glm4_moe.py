@@ -29,6 +29,7 @@ from mbridge_epoverlap.serving.model.architectures.base import (
     Architecture,
     ConfigFields,
     Source,
+    checked_routing,
     one,
     partial_rotary_dim,
 )
@@ -58,17 +59,10 @@ def read_grouped_moe(cfg: ConfigFields, num_layers: int) -> dict[str, Any]:
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         raise cfg.bad("first_k_dense_replace", "a non-negative integer")
     moe_layers = tuple(i >= dense for i in range(num_layers))
-    experts, top_k = cfg.positive_int("num_local_experts"), cfg.positive_int("num_experts_per_tok")
     scaling = cfg.get("routed_scaling_factor")
-    routing = GroupedRouting(n_group=cfg.positive_int("n_group"), topk_group=cfg.positive_int("topk_group"),
-                             routed_scaling_factor=cfg.positive_float("routed_scaling_factor")
-                             if scaling is not None else 1.0)
-    try:
-        routing.check(experts, top_k)
-    except ValueError as err:
-        raise UsageError(f"{cfg.path}: fields 'n_group' ({routing.n_group}), 'topk_group' ({routing.topk_group}), "
-                         f"{cfg.name('num_local_experts')!r} ({experts}) and 'num_experts_per_tok' ({top_k}): "
-                         f"{err}") from None
+    routing = checked_routing(cfg, GroupedRouting(
+        n_group=cfg.positive_int("n_group"), topk_group=cfg.positive_int("topk_group"),
+        routed_scaling_factor=cfg.positive_float("routed_scaling_factor") if scaling is not None else 1.0))
     shared = cfg.get("n_shared_experts")
     if isinstance(shared, bool) or not isinstance(shared, int | None) or (shared or 0) < 0:
         raise cfg.bad("n_shared_experts", "a non-negative integer or null")

@@ -16,7 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source, one, partial_rotary_dim
+from mbridge_epoverlap.serving.model.architectures.base import (
+    ConfigFields,
+    Source,
+    checked_routing,
+    one,
+    partial_rotary_dim,
+)
 from mbridge_epoverlap.serving.model.architectures.mixtral import Mixtral
 from mbridge_epoverlap.serving.model.spec import GroupedRouting, ModelSpec
 
@@ -40,13 +46,8 @@ class MiniMaxM2(Mixtral):
             if cfg.get(name) is not None and cfg.get(name) != value:
                 raise UsageError(f"{cfg.path}: field {name!r} is {cfg.get(name)!r}; MiniMax-M2 is served as "
                                  f"`transformers` computes it ({name} {value!r})")
-        routing = GroupedRouting(n_group=1, topk_group=1, routed_scaling_factor=1.0, logits_in_model_dtype=True)
-        experts, top_k = cfg.positive_int("num_local_experts"), cfg.positive_int("num_experts_per_tok")
-        try:
-            routing.check(experts, top_k)
-        except ValueError as err:
-            raise UsageError(f"{cfg.path}: fields 'num_local_experts' ({experts}) and 'num_experts_per_tok' "
-                             f"({top_k}): {err}") from None
+        routing = checked_routing(cfg, GroupedRouting(n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                                                      logits_in_model_dtype=True))
         return {**super().read_config(cfg, num_layers), "grouped_routing": routing, "qk_norm": True,
                 "qk_norm_scope": "projection", "rotary_dim": self.rotary_dim(cfg)}
 

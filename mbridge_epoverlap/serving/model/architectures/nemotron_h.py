@@ -20,14 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.model.architectures.base import (
-    ATTENTION_FIELDS,
-    Architecture,
-    ConfigFields,
-    Source,
-    cat,
-    one,
-)
+from mbridge_epoverlap.serving.model.architectures.base import Architecture, ConfigFields, Source, checked_routing, one
 from mbridge_epoverlap.serving.model.spec import GroupedRouting, Mamba2, ModelSpec
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
@@ -106,14 +99,9 @@ class NemotronH(Architecture):
             cfg.require(name, only, f"{name} {cfg.get(name)!r}")
         blocks = pair_blocks(kinds)
         ffn_kinds = [kinds[f] if f >= 0 else None for _, f in blocks]
-        routing = GroupedRouting(n_group=cfg.positive_int("n_group"), topk_group=cfg.positive_int("topk_group"),
-                                 routed_scaling_factor=cfg.positive_float("routed_scaling_factor"))
-        experts, top_k = cfg.positive_int("num_local_experts"), cfg.positive_int("num_experts_per_tok")
-        try:
-            routing.check(experts, top_k)
-        except ValueError as err:
-            raise UsageError(f"{cfg.path}: fields 'n_group', 'topk_group', {cfg.name('num_local_experts')!r} and "
-                             f"'num_experts_per_tok': {err}") from None
+        routing = checked_routing(cfg, GroupedRouting(
+            n_group=cfg.positive_int("n_group"), topk_group=cfg.positive_int("topk_group"),
+            routed_scaling_factor=cfg.positive_float("routed_scaling_factor")))
         has_mamba = "linear_attention" in kinds
         return {"num_layers": len(blocks), "blocks": tuple(blocks),
                 "moe_layers": tuple(kind == "moe" for kind in ffn_kinds),
@@ -168,13 +156,6 @@ class NemotronH(Architecture):
                     out.update({f"{ours}.mlp.{k}": v for k, v in relu2_mlp(f"{block}.mixer", spec.dense_ffn, h,
                                                                           "intermediate_size").items()})
         return out
-
-    def attention_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
-        h, d, hq, hkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
-        f = ATTENTION_FIELDS
-        return {"qkv.weight": cat((f"{prefix}.q_proj.weight", (hq * d, h)), (f"{prefix}.k_proj.weight", (hkv * d, h)),
-                                  (f"{prefix}.v_proj.weight", (hkv * d, h)), fields=f),
-                "proj.weight": one(f"{prefix}.o_proj.weight", h, hq * d, fields=f)}
 
     @staticmethod
     def mamba_tensors(spec: ModelSpec, prefix: str) -> dict[str, Source]:

@@ -221,16 +221,11 @@ class GatedDeltaNetAttention(torch.nn.Module):
 
         With S the state, e = exp(g), the token's delta d = beta (v - e S^T k) and the new state e S + k d^T, the
         output q^T (e S + k d^T) is e q^T S + (q . k) d: both reads of S come from one product [q; k]^T S."""
-        la, seq_ids = self.la, [seg.seq_id for seg in segs]
+        la = self.la
         batch_rows = torch.tensor([seg.rows.start for seg in segs], dtype=torch.int64)
-        span = states.span(layer, seq_ids)
-        if span is None:  # rows not one range: work on copies and write them back
-            rows = states.rows_of(seq_ids)
-            windows, state = states.read(layer, rows)
-            order = torch.arange(len(segs))
-        else:
-            windows, state, order = span
-        take = batch_rows.index_select(0, order)  # the batch rows in the order of the states
+        step = states.for_update(layer, [seg.seq_id for seg in segs])
+        windows, state = step.windows, step.state
+        take = batch_rows.index_select(0, step.order)  # the batch rows in the order of the states
         conv, new_windows = step_conv(windows, mixed.index_select(0, take), self.conv_weight, None, exact=False)
         windows.copy_(new_windows)
         q, k, v = self._split_heads(conv)
@@ -247,10 +242,7 @@ class GatedDeltaNetAttention(torch.nn.Module):
         state.view(n * h, la.key_head_dim, la.value_head_dim).baddbmm_(k.reshape(n * h, -1, 1),
                                                                       delta.reshape(n * h, 1, -1))
         heads[take] = out.to(heads.dtype)
-        if span is None:
-            states.write(layer, seq_ids, rows, windows, state, [1] * n)
-        else:
-            states.advance(seq_ids, layer)
+        step.done()
 
     def _gated_norm(self, heads: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output (the weight applied in the model dtype), times SiLU(z) in fp32."""

@@ -199,35 +199,27 @@ class Mamba2Mixer(torch.nn.Module):
         row order), the convolution as multiply-adds, the state decayed in place, the token written with one
         batched rank-1 product (dt x) B^T and read with one product S C: three passes over the states where the
         exact step makes a dozen."""
-        m, seq_ids = self.m, [seg.seq_id for seg in segs]
+        m = self.m
         batch_rows = torch.tensor([seg.rows.start for seg in segs], dtype=torch.int64)
-        span = states.span(layer, seq_ids)
-        if span is None:  # rows not one range: work on copies and write them back
-            rows = states.rows_of(seq_ids)
-            windows, state = states.read(layer, rows)
-            order = torch.arange(len(segs))
-        else:
-            windows, state, order = span
-        take = batch_rows.index_select(0, order)
+        step = states.for_update(layer, [seg.seq_id for seg in segs])
+        windows, state = step.windows, step.state
+        take = batch_rows.index_select(0, step.order)  # the batch rows in the order of the states
         conv, new_windows = step_conv(windows, xbc.index_select(0, take), self.conv_weight, self.conv_bias,
                                       exact=False)
         windows.copy_(new_windows)
         xs, b, c = self._split(conv)
         n, h, p = xs.shape
         per_group = h // m.n_groups
-        step = _time_step(dt.index_select(0, take), self.dt_bias).float()  # [n, heads]
+        time_step = _time_step(dt.index_select(0, take), self.dt_bias).float()  # [n, heads]
         a = -torch.exp(self.A_log.float())
-        state.mul_(torch.exp(step * a)[..., None, None])
+        state.mul_(torch.exp(time_step * a)[..., None, None])
         b = b.float().repeat_interleave(per_group, dim=1)  # [n, heads, state]
         c = c.float().repeat_interleave(per_group, dim=1)
         flat = state.view(n * h, p, m.state_size)
-        flat.baddbmm_((step[..., None] * xs.float()).reshape(n * h, p, 1), b.reshape(n * h, 1, -1))
+        flat.baddbmm_((time_step[..., None] * xs.float()).reshape(n * h, p, 1), b.reshape(n * h, 1, -1))
         y = torch.bmm(flat, c.reshape(n * h, -1, 1)).view(n, h, p) + xs.float() * self.D.float()[:, None]
         out[take] = self._gated_norm(y.to(xs.dtype).reshape(n, -1), z.index_select(0, take))
-        if span is None:
-            states.write(layer, seq_ids, rows, windows, state, [1] * n)
-        else:
-            states.advance(seq_ids, layer)
+        step.done()
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y times SiLU(z) in fp32, then an RMSNorm over each group of inner / n_groups channels; the weight applied

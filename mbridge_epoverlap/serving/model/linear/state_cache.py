@@ -13,6 +13,7 @@ to and freed from both at once, and a micro-batch's `empty_like` cache gets its 
 from __future__ import annotations
 
 import heapq
+from typing import NamedTuple
 
 import torch
 
@@ -103,6 +104,18 @@ class StateCache:
         for seq_id in seq_ids:
             self._fed[seq_id][layer] += tokens
 
+    def for_update(self, layer: int, seq_ids: list[int]) -> StepStates:
+        """The windows and states of `seq_ids` to update in place for one decode token each: views of the buffers
+        where their rows are one range (`span`), else copies that `done` writes back."""
+        span = self.span(layer, seq_ids)
+        if span is not None:
+            windows, state, order = span
+            return StepStates(self, layer, seq_ids, windows, state, order, None)
+        rows = self.rows_of(seq_ids)
+        windows, state = self.read(layer, rows)
+        return StepStates(self, layer, seq_ids, windows, state, torch.arange(len(seq_ids)), rows)
+
+
     def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the (conv window [n, conv_dim, kernel], recurrent state [n, heads, dk, dv]) of `rows`."""
         return self._conv[layer].index_select(0, rows), self._state[layer].index_select(0, rows)
@@ -115,8 +128,26 @@ class StateCache:
         for seq_id, n in zip(seq_ids, tokens, strict=True):
             self._fed[seq_id][layer] += n
 
-    def bytes_per_sequence(self) -> int:
-        return state_bytes_per_sequence(self.spec)
+
+class StepStates(NamedTuple):
+    """A decode step's windows [n, conv, kernel] and states of `seq_ids` in `layer`, entry i holding the sequence at
+    position `order[i]` of `seq_ids`; `rows`: where copies go back (None: they are views, updated in place)."""
+
+    cache: StateCache
+    layer: int
+    seq_ids: list[int]
+    windows: torch.Tensor
+    state: torch.Tensor
+    order: torch.Tensor
+    rows: torch.Tensor | None
+
+    def done(self) -> None:
+        """The step's windows and states are updated: write back the copies, count the token."""
+        if self.rows is not None:
+            self.cache.write(self.layer, [self.seq_ids[i] for i in self.order.tolist()], self.rows, self.windows,
+                             self.state, [1] * len(self.seq_ids))
+            return
+        self.cache.advance(self.seq_ids, self.layer)
 
 
 def state_shapes(spec: ModelSpec, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
