@@ -336,8 +336,8 @@ def _common(result: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("dtype", f"{result['dtype']['dtype']} ({result['dtype']['reason']})"))
     if "kv_cache_bytes_per_token" in result:
         cache = f"{result['kv_cache_bytes_per_token']:,} bytes per token"
-        if result.get("state_bytes_per_sequence"):  # a hybrid model's linear-attention states
-            cache += f"; linear-attention states {result['state_bytes_per_sequence']:,} bytes per sequence"
+        if result.get("state_bytes_per_sequence"):  # a hybrid model's DeltaNet or Mamba-2 states
+            cache += f"; recurrent states {result['state_bytes_per_sequence']:,} bytes per sequence"
         rows.append(("KV cache", cache))
     if "memory" in result:
         from mbridge_epoverlap.memory import describe

@@ -52,7 +52,7 @@ def finish_bench_result(result: dict[str, Any], spec: Any, *, requests: Sequence
     `matches_reference` (only when `requests` are given: whether every token equals the single-process
     reference, False for a run that did not succeed), then `machine`, `model`, `kv_cache_bytes_per_token` (over
     all layers: a latent attention model's latents, another's keys and values) and `state_bytes_per_sequence` (a
-    hybrid model's linear-attention states, whatever the length; 0 for others).
+    hybrid model's DeltaNet or Mamba-2 states, whatever the length; 0 for others).
     """
     if requests is not None:
         result["matches_reference"] = succeeded and matches_reference(spec, requests, result["completions"],

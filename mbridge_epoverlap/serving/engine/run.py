@@ -69,7 +69,7 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
     none: requests arrive while the workers run, each at most `max_model_len` tokens long, and an engine step feeds
     at most `max_prefill_tokens` prompt tokens over its attention workers (0: `max_model_len` per admission); a
     longer prompt is fed in chunks over several steps; `prefix_cache_bytes` gives each attention worker an automatic
-    prefix cache of that size (0: none; none for a hybrid model, whose linear-attention states blocks cannot
+    prefix cache of that size (0: none; none for a hybrid model, whose DeltaNet or Mamba-2 states blocks cannot
     restore). `replicated_experts`: colocated processes hold every expert each (no all-to-all;
     `EnginePlan.replicated_experts`). `threads` is torch's intra-op threads per worker
     process; 0 shares the cores evenly (`plan.default_threads`).

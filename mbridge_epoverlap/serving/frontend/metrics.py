@@ -10,8 +10,8 @@ Names (all prefixed `mbe_`):
   submission to the last token).
 - `mbe_requests_running`, `mbe_requests_waiting`: gauges, summed over the attention workers' last reports.
 - `mbe_kv_cache_tokens`: tokens held in the attention workers' KV caches (freed rows leave it).
-- `mbe_state_cache_bytes_per_sequence`: a hybrid model's (Qwen3-Next) linear-attention states per sequence, whatever
-  its length: the convolution windows and the fp32 recurrent states of every gated DeltaNet layer (0: none).
+- `mbe_state_cache_bytes_per_sequence`: a hybrid model's (Qwen3-Next, Nemotron-H) states per sequence, whatever
+  its length: the convolution windows and the fp32 recurrent states of every DeltaNet or Mamba-2 layer (0: none).
 - `mbe_kv_cache_bytes_per_token`: bytes one token takes in the KV cache over all layers, in the compute dtype (a
   latent attention model's latents, another's keys and values): times `mbe_kv_cache_tokens`, the cache in use.
 - `mbe_expert_load_imbalance`: max/mean of the (token, choice) pairs routed to each expert, summed over the MoE
@@ -86,7 +86,7 @@ class ServerMetrics:
             expert_metrics: `top` (the `HOT_EXPERTS` hottest experts per layer) or `full` (also a counter per
                 layer and expert, `mbe_expert_tokens_total`).
             kv_bytes_per_token: the KV cache's bytes per token (`kv_cache.kv_cache_bytes_per_token`), if known.
-            state_bytes_per_sequence: a hybrid model's linear-attention states per sequence
+            state_bytes_per_sequence: a hybrid model's DeltaNet or Mamba-2 states per sequence
                 (`linear.state_cache.state_bytes_per_sequence`; 0 for a model without them).
         """
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -118,8 +118,9 @@ class ServerMetrics:
                               registry=registry)
         if kv_bytes_per_token is not None:
             self.kv_bytes.set(kv_bytes_per_token)
-        self.state_bytes = Gauge("mbe_state_cache_bytes_per_sequence", "Bytes one sequence's linear-attention states "
-                                 "take, all layers (0: no such layers)", registry=registry)
+        self.state_bytes = Gauge("mbe_state_cache_bytes_per_sequence",
+                                 "Bytes one sequence's DeltaNet or Mamba-2 states take, all layers (0: none)",
+                                 registry=registry)
         self.state_bytes.set(state_bytes_per_sequence)
         self.imbalance = Gauge("mbe_expert_load_imbalance",
                                "Max/mean tokens per expert over all MoE layers, last window", registry=registry)

@@ -31,7 +31,7 @@ def weight_slot_bytes(spec: Any, experts_per_message: int) -> int:
     """M2N slot size for one message of `experts_per_message` experts' weights (every MoE layer), their biases
     included where the model has them (GPT-OSS)."""
     element = torch.empty(0, dtype=spec.torch_dtype()).element_size()
-    per_layer = 3 * spec.expert_ffn * spec.hidden_size
+    per_layer = (spec.expert_w1_rows + spec.expert_ffn) * spec.hidden_size  # w1 (gate and up, or up), w2
     if spec.expert_bias:
         per_layer += 2 * spec.expert_ffn + spec.hidden_size
     per_expert = len(spec.moe_layer_ids) * per_layer * element

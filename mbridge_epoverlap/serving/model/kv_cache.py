@@ -44,7 +44,14 @@ from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
 from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
 
 _INITIAL_CAPACITY = 64
+EXACT_ATTENTION_ENV = "MBRIDGE_EPOVERLAP_EXACT_ATTENTION"
 _INITIAL_ROWS = 8
+
+
+def exact_attention_asked() -> bool:
+    """Whether MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 asks the engine's workers for the reference model's attention
+    arithmetic (the KV caches' exact decode, the state layers' `transformers` operations)."""
+    return os.environ.get(EXACT_ATTENTION_ENV, "0") == "1"
 
 
 class KVCache:
@@ -70,7 +77,7 @@ class KVCache:
         self._row: dict[int, int] = {}  # seq_id -> its row
         self._free_rows: list[int] = list(range(_INITIAL_ROWS))  # a heap: the lowest free row is taken first
         self._lengths: dict[int, list[int]] = {}
-        # A hybrid model's linear-attention states (`linear.state_cache.StateCache`), added and freed with the
+        # A hybrid model's DeltaNet or Mamba-2 states (`linear.state_cache.StateCache`), added and freed with the
         # sequences here; its layers' key and value buffers stay at their first small size, never written.
         self.states: StateCache | None = None
 
@@ -90,7 +97,7 @@ class KVCache:
         MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 asks for the exact one."""
         if spec.mla is not None:
             return LatentKVCache.for_engine(spec)
-        return cls.for_spec(spec, exact_decode=os.environ.get("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0") == "1")
+        return cls.for_spec(spec, exact_decode=exact_attention_asked())
 
     def add(self, seq_id: int) -> None:
         """Start an empty cache for a new sequence."""
@@ -564,7 +571,7 @@ class LatentKVCache(KVCache):
     def for_engine(cls, spec: ModelSpec) -> LatentKVCache:
         """An engine worker's cache: absorbed decode, unless MBRIDGE_EPOVERLAP_MLA_ABSORB=0 or
         MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1 asks for the exact one."""
-        return cls.for_spec(spec, exact_decode=os.environ.get("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0") == "1",
+        return cls.for_spec(spec, exact_decode=exact_attention_asked(),
                             absorb=os.environ.get("MBRIDGE_EPOVERLAP_MLA_ABSORB", "1") != "0")
 
     def empty_like(self) -> LatentKVCache:

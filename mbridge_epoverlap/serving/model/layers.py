@@ -74,8 +74,8 @@ class Attention(torch.nn.Module):
     or [heads * head_dim] / [groups * head_dim] over the projection), `proj.weight` [hidden, heads * head_dim],
     `proj_bias` [hidden] (`spec.attention_out_bias`), `sinks` [heads] (`spec.attention_sinks`: one logit per
     head that joins the softmax; the KV cache's attention uses it). With `spec.attention_output_gate` (Qwen3-Next)
-    the q rows are per head its query then its gate (2 * heads * head_dim rows); `project_qkv` keeps the gate
-    for `project_out`, which multiplies the attention output by its sigmoid first.
+    the q rows are per head its query then its gate (2 * heads * head_dim rows); `project_qkv` returns the gate
+    and `project_out` multiplies the attention output by its sigmoid first.
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
@@ -98,14 +98,14 @@ class Attention(torch.nn.Module):
         zero = spec.norm_zero_centred
         self.q_norm = RMSNorm(q_size, eps=spec.norm_eps, dtype=dtype, zero_centred=zero) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_size, eps=spec.norm_eps, dtype=dtype, zero_centred=zero) if spec.qk_norm else None
-        self.gate: torch.Tensor | None = None  # the output gate `project_qkv` left for `project_out`
         # oneDNN-packed copies of the fused q/k/v and output weights (`AttentionPart(packed=True)` sets them)
         self.packed_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.packed_proj: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def project_qkv(self, x: torch.Tensor, *, separate: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q [T, heads, head_dim], k and v [T, groups, head_dim] (q and k normalised, not rotated);
-        with an output gate, that gate [T, heads * head_dim] is `project_out`'s to apply (`gates`).
+    def project_qkv(self, x: torch.Tensor, *, separate: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] -> q [T, heads, head_dim], k and v [T, groups, head_dim] (q and k normalised, not rotated)
+        and the output gate [T, heads * head_dim] for `project_out` (None without `spec.attention_output_gate`).
 
         `separate`: three GEMMs over the stacked weight's row blocks, as checkpoints define the projections (one
         where the checkpoint has one fused projection, `spec.fused_qkv`).
@@ -121,9 +121,10 @@ class Attention(torch.nn.Module):
         if self.clip is not None:
             # DBRX clamps the fused projection; elementwise, so the same on q, k and v apart
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        gate = None
         if self.output_gate:  # per head: its query, then its gate
             q, gate = q.reshape(x.shape[0], self.heads, 2 * self.head_dim).chunk(2, dim=-1)
-            self.gate = gate.reshape(x.shape[0], -1)
+            gate = gate.reshape(x.shape[0], -1)
         norms = self.q_norm is not None and self.k_norm is not None
         if norms and not self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -132,13 +133,12 @@ class Attention(torch.nn.Module):
         v = v.reshape(x.shape[0], self.groups, self.head_dim)
         if norms and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        return q, k, v
+        return q, k, v, gate
 
-    def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
-        """[T, heads * head_dim] attention output -> [T, hidden]."""
-        if self.output_gate:
-            heads_out = heads_out * torch.sigmoid(self.gate)
-            self.gate = None
+    def project_out(self, heads_out: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, heads * head_dim] attention output (times sigmoid(`gate`), `project_qkv`'s) -> [T, hidden]."""
+        if gate is not None:
+            heads_out = heads_out * torch.sigmoid(gate)
         if self.packed_proj is not None:
             out = self.packed_proj(heads_out)
             return out if self.proj_bias is None else out + self.proj_bias

@@ -185,11 +185,11 @@ def fp8_tiles_for(spec: ModelSpec) -> bool:
     here, and `MBRIDGE_EPOVERLAP_QUANTIZED_TILES` not 0."""
     return (spec.fp8_block is not None and spec.dtype == "float32"
             and os.environ.get("MBRIDGE_EPOVERLAP_QUANTIZED_TILES", "1") != "0"
-            and small_gemm.runs_for(torch.float32, 2 * spec.expert_ffn, spec.hidden_size))
+            and small_gemm.runs_for(torch.float32, spec.expert_w1_rows, spec.hidden_size))
 
 
 class Fp8RowScales:
-    """One MoE layer's FP8 scales per expert weight row: s1 [experts, 2*ffn, ceil(hidden / b1)] (w1's rows), s2
+    """One MoE layer's FP8 scales per expert weight row: s1 [experts, w1 rows, ceil(hidden / b1)], s2
     [experts, hidden, ceil(ffn / b1)]; an expert whose scales were never filled (zeros: received in an elastic move)
     keeps fp32 tiles only."""
 
@@ -201,7 +201,7 @@ class Fp8RowScales:
     @classmethod
     def empty(cls, experts: int, spec: ModelSpec) -> Fp8RowScales:
         b1 = spec.fp8_block[1]
-        return cls(torch.zeros(experts, 2 * spec.expert_ffn, -(-spec.hidden_size // b1)),
+        return cls(torch.zeros(experts, spec.expert_w1_rows, -(-spec.hidden_size // b1)),
                    torch.zeros(experts, spec.hidden_size, -(-spec.expert_ffn // b1)), b1)
 
     def fill(self, local: int, s1: torch.Tensor | None, s2: torch.Tensor | None) -> None:

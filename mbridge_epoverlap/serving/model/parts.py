@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -38,7 +37,7 @@ from mbridge_epoverlap.serving.model import architectures
 from mbridge_epoverlap.serving.model import packed as packed_gemm
 from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.kernels import combine
-from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache
+from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache, exact_attention_asked
 from mbridge_epoverlap.serving.model.layers import (
     Attention,
     MultiLatentAttention,
@@ -152,7 +151,7 @@ class AttentionPart(torch.nn.Module):
         self._packed_attention: list[packed_gemm.PackedLinear] = []
         for block in self.layers:  # the workers' state layers' arithmetic is arranged for speed (`linear`)
             if isinstance(block.attention, GatedDeltaNetAttention | Mamba2Mixer):
-                block.attention.exact = not packed or os.environ.get("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0") == "1"
+                block.attention.exact = not packed or exact_attention_asked()
         if pack:
             for block in self.layers:
                 if isinstance(block.attention, Attention):
@@ -189,7 +188,7 @@ class AttentionPart(torch.nn.Module):
         """
         block = self.layers[layer]
         if block.attention is None or block.input_norm is None:  # a layer of an MLP alone (Nemotron-H)
-            return self._after_mixer(layer, x, x)
+            return self._after_mixer(layer, x)
         if isinstance(block.attention, GatedDeltaNetAttention | Mamba2Mixer):  # states live beside the KV cache
             if cache.states is None:
                 raise TypeError(f"{self.spec.architecture} needs a KVCache with a state cache (KVCache.for_spec)")
@@ -199,7 +198,7 @@ class AttentionPart(torch.nn.Module):
                 raise TypeError(f"{self.spec.architecture} attends over a LatentKVCache (KVCache.for_spec makes one)")
             heads = block.attention.attend(layer, block.input_norm(x), batch, cache, self._cos_sin(batch.positions))
         else:
-            q, k, v = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
+            q, k, v, gate = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
             if self.spec.rope:  # (Nemotron-H's attention has none: positions reach it through its Mamba-2 layers)
                 cos, sin = self._cos_sin(batch.positions)
                 # GLM-4.5 and others: only the head's first `rotary_dim` dimensions turn
@@ -207,9 +206,10 @@ class AttentionPart(torch.nn.Module):
                 q, k = turn(q, cos, sin), turn(k, cos, sin)
             heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.window_of(layer),
                                  sinks=block.attention.sinks)
-        return self._after_mixer(layer, x + block.attention.project_out(heads), x)
+            return self._after_mixer(layer, x + block.attention.project_out(heads, gate))
+        return self._after_mixer(layer, x + block.attention.project_out(heads))
 
-    def _after_mixer(self, layer: int, resid: torch.Tensor, x: torch.Tensor) -> AttnOut:
+    def _after_mixer(self, layer: int, resid: torch.Tensor) -> AttnOut:
         """The pre-MLP norm and the router of layer `layer` on the residual stream after its mixer."""
         block = self.layers[layer]
         if block.post_norm is None:  # a layer of a mixer alone (Nemotron-H): its MLP step adds nothing
@@ -316,7 +316,7 @@ class ExpertPart(torch.nn.Module):
         })
         if not spec.expert_gated:  # Nemotron-H: an up projection alone, relu(up x)^2
             for e in self.experts.values():
-                e.w1 = torch.nn.Parameter(e.w1.new_empty(len(ids), spec.expert_ffn, spec.hidden_size))
+                e.w1 = torch.nn.Parameter(e.w1.new_empty(len(ids), spec.expert_w1_rows, spec.hidden_size))
         if spec.expert_weights_in_out:
             # transformers multiplies by the weights as a checkpoint stores them, [in, out]; holding them in that
             # layout (w1, w2 are transposed views of it) makes each expert GEMM its GEMM (docs/numerics.md)

@@ -202,12 +202,10 @@ class ModelSpec:
         linear_layers: for each layer, whether it is a gated DeltaNet layer (else softmax attention); empty: none.
         mamba: the sizes of the Mamba-2 layers of a hybrid model (`Mamba2`); None: none.
         mamba_layers: for each layer, whether its token mixer is a Mamba-2 layer; empty: none.
-        mixerless_layers: for each layer, whether it has no token mixer at all (a MoE or MLP block of Nemotron-H with
-            no mixer block before it: the layer adds only its MLP); empty: every layer has one.
-        ffnless_layers: for each layer, whether it has no MLP (a mixer block of Nemotron-H with no MLP block after
-            it); empty: every layer has one.
         blocks: for each layer, the checkpoint's (mixer block, MLP block) indices where its layers are single
-            blocks (Nemotron-H's `layers_block_type`; -1: none); empty: layer i is block i.
+            blocks (Nemotron-H's `layers_block_type`); -1: the layer has none (an MLP block after an MLP block makes
+            a layer without a mixer, a mixer block after a mixer block one without an MLP); empty: layer i is block
+            i, with both.
         mlp_activation: the dense MLPs' and shared experts' activation: "swiglu", or "relu2" (relu(up(x))^2, no gate
             projection: Nemotron-H).
         rope: whether attention turns queries and keys by a rotary embedding (Nemotron-H's attention has none).
@@ -272,8 +270,6 @@ class ModelSpec:
     linear_layers: tuple[bool, ...] = ()
     mamba: Mamba2 | None = None
     mamba_layers: tuple[bool, ...] = ()
-    mixerless_layers: tuple[bool, ...] = ()
-    ffnless_layers: tuple[bool, ...] = ()
     blocks: tuple[tuple[int, int], ...] = ()
     mlp_activation: str = "swiglu"
     rope: bool = True
@@ -307,15 +303,20 @@ class ModelSpec:
         return bool(self.mamba_layers) and self.mamba_layers[layer]
 
     def has_mixer(self, layer: int) -> bool:
-        return not (self.mixerless_layers and self.mixerless_layers[layer])
+        return not self.blocks or self.blocks[layer][0] >= 0
 
     def has_ffn(self, layer: int) -> bool:
-        return not (self.ffnless_layers and self.ffnless_layers[layer])
+        return not self.blocks or self.blocks[layer][1] >= 0
 
     @property
     def expert_gated(self) -> bool:
         """Whether an expert has a gate projection beside its up projection (w1 holds both)."""
         return self.expert_activation != "relu2"
+
+    @property
+    def expert_w1_rows(self) -> int:
+        """Rows of an expert's first weight w1: its gate and up projections, or the up projection alone."""
+        return (2 if self.expert_gated else 1) * self.expert_ffn
 
     @property
     def linear_layer_ids(self) -> list[int]:

@@ -34,7 +34,7 @@ WIDE_TOKENS = 128  # a step with this many tokens or more computes on torch's th
 
 def experts_tile(spec: ModelSpec) -> bool:
     """Whether the model's routed experts run on the tiled GEMMs here (fp32, whole tiles, the library built)."""
-    return small_gemm.runs_for(spec.torch_dtype(), 2 * spec.expert_ffn, spec.hidden_size)
+    return small_gemm.runs_for(spec.torch_dtype(), spec.expert_w1_rows, spec.hidden_size)
 
 
 class StepCores:

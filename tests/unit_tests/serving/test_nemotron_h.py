@@ -53,8 +53,8 @@ def test_spec_reads_the_blocks(tiny_nemotron_h_dir) -> None:
     assert spec.blocks == ((0, 1), (2, 3), (4, -1), (5, 6), (-1, 7))
     assert spec.mamba_layers == (True, False, True, True, False)
     assert spec.moe_layers == (True, True, False, False, True)
-    assert spec.mixerless_layers == (False, False, False, False, True)
-    assert spec.ffnless_layers == (False, False, True, False, False)
+    assert [spec.has_mixer(i) for i in range(5)] == [True, True, True, True, False]
+    assert [spec.has_ffn(i) for i in range(5)] == [True, True, False, True, True]
     assert spec.mamba == Mamba2(num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4, chunk_size=16)
     assert (spec.expert_activation, spec.mlp_activation, spec.rope, spec.dense_ffn, spec.shared_expert_ffn) == (
         "relu2", "relu2", False, 40, 20)

@@ -106,7 +106,6 @@ class NemotronH(Architecture):
         return {"num_layers": len(blocks), "blocks": tuple(blocks),
                 "moe_layers": tuple(kind == "moe" for kind in ffn_kinds),
                 "mamba_layers": tuple(m >= 0 and kinds[m] == "linear_attention" for m, _ in blocks),
-                "mixerless_layers": tuple(m < 0 for m, _ in blocks), "ffnless_layers": tuple(f < 0 for _, f in blocks),
                 "expert_ffn": cfg.positive_int("moe_intermediate_size"),
                 "dense_ffn": cfg.positive_int("intermediate_size") if "mlp" in kinds else 0,
                 "shared_expert_ffn": cfg.positive_int("moe_shared_expert_intermediate_size"),

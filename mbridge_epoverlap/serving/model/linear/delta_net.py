@@ -176,14 +176,13 @@ class GatedDeltaNetAttention(torch.nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         heads = mixed.new_empty(x.shape[0], self.la.num_value_heads, self.la.value_head_dim)
-        steps = [seg for seg in batch.segments if seg.length == 1 and states.fed(seg.seq_id, layer)]
+        steps, prompts = states.split(batch, layer)
         if steps and not self.exact:
             self._decode_in_place(layer, steps, mixed, g, beta, states, heads)
         elif steps:
             self._decode(layer, steps, mixed, g, beta, states, heads)
-        for seg in batch.segments:
-            if seg.length > 1 or not states.fed(seg.seq_id, layer):
-                self._prefill(layer, seg, mixed, g, beta, states, heads)
+        for seg in prompts:
+            self._prefill(layer, seg, mixed, g, beta, states, heads)
         return self._gated_norm(heads, z).reshape(x.shape[0], -1)
 
     def _prefill(self, layer: int, seg: Segment, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -146,14 +146,13 @@ class Mamba2Mixer(torch.nn.Module):
         m = self.m
         z, xbc, dt = self._project_in(x).split([m.inner, m.conv_dim, m.num_heads], dim=-1)
         out = x.new_empty(x.shape[0], m.inner)
-        steps = [seg for seg in batch.segments if seg.length == 1 and states.fed(seg.seq_id, layer)]
+        steps, prompts = states.split(batch, layer)
         if steps and not self.exact:
             self._decode_in_place(layer, steps, z, xbc, dt, states, out)
         elif steps:
             self._decode(layer, steps, z, xbc, dt, states, out)
-        for seg in batch.segments:
-            if seg.length > 1 or not states.fed(seg.seq_id, layer):
-                self._prefill(layer, seg, z, xbc, dt, states, out)
+        for seg in prompts:
+            self._prefill(layer, seg, z, xbc, dt, states, out)
         return out
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

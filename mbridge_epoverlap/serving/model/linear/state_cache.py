@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from mbridge_epoverlap.serving.model.batch import Segment, TokenBatch
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
 _INITIAL_ROWS = 8
@@ -98,6 +99,15 @@ class StateCache:
         order[torch.tensor(rows) - low] = torch.arange(len(rows))
         end = low + len(rows)
         return self._conv[layer][low:end], self._state[layer][low:end], order
+
+    def split(self, batch: TokenBatch, layer: int) -> tuple[list[Segment], list[Segment]]:
+        """(decode steps, prompts) of `batch` in `layer`, as `transformers` tells them apart: a single token of a
+        sequence that has a state takes one step of the recurrence; a prompt, a prompt chunk or a sequence's first
+        token runs the chunked form from its state (zeros for a new sequence)."""
+        steps, prompts = [], []
+        for seg in batch.segments:
+            (steps if seg.length == 1 and self.fed(seg.seq_id, layer) else prompts).append(seg)
+        return steps, prompts
 
     def advance(self, seq_ids: list[int], layer: int, tokens: int = 1) -> None:
         """Count `tokens` more fed through `layer` for each of `seq_ids` (their states were updated in place)."""

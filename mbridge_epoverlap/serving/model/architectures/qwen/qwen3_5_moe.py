@@ -24,10 +24,8 @@ class Qwen3_5Moe(Qwen3Next):  # noqa: N801 (the transformers class name)
 
     def read_config(self, cfg: ConfigFields, num_layers: int) -> dict[str, Any]:
         every = ConfigFields(cfg.path, {**cfg.values, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                                        "norm_topk_prob": True, "intermediate_size": 1}, cfg.names)
-        out = super().read_config(every, num_layers)
-        out["dense_ffn"] = 0
-        return out
+                                        "norm_topk_prob": True}, cfg.names)
+        return super().read_config(every, num_layers)
 
     @staticmethod
     def gated_delta_net(cfg: ConfigFields) -> GatedDeltaNet:
