@@ -148,6 +148,12 @@ def _lm_eval(doc: dict[str, Any]) -> str:
             f"{doc['tolerance']:g})")
 
 
+def _sparse_attention(doc: dict[str, Any]) -> str:
+    ms = doc["ms_per_step"]
+    return (f"decode attention at {doc['context'] / doc['index_topk']:.0f}x index_topk: sparse {ms['sparse']:.1f} "
+            f"ms vs dense {ms['dense']:.1f} ms per step ({doc['dense_over_sparse']:.2f}x)")
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -172,6 +178,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("fp8_decode_step", "fp8_decode_step.py", False, _fp8_decode_step),
     Benchmark("serving", "serving_bench.py", True, _serving),
     Benchmark("serving_peers", "serving_peers_bench.py", True, _peers),
+    Benchmark("sparse_attention", "sparse_attention_bench.py", True, _sparse_attention),
     Benchmark("lm_eval", "lm_eval_check.py", False, _lm_eval),
     Benchmark("mcore_release_fuzz", "mcore_release_fuzz.py", False, _fuzz,
               needs_path=("MEGATRON_LM", "--megatron-lm")),

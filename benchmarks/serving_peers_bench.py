@@ -51,9 +51,10 @@ sys.path.insert(0, str(REPO))
 from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 VOCAB = 4096
-MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16", "qwen3_next_bf16", "nemotron_h")
+MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16", "qwen3_next_bf16", "nemotron_h",
+          "deepseek_v32_bf16")
 # The dtype a model is compared in unless --dtype says otherwise: vLLM's CPU MLA and gated DeltaNet refuse float32.
-MODEL_DTYPES = {"deepseek_v3_bf16": "bfloat16", "qwen3_next_bf16": "bfloat16"}
+MODEL_DTYPES = {"deepseek_v3_bf16": "bfloat16", "qwen3_next_bf16": "bfloat16", "deepseek_v32_bf16": "bfloat16"}
 
 # name -> make_plan keywords; "default" is what `serve` picks without layout flags.
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -103,6 +104,8 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
     from transformers import (
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
         GptOssConfig,
         GptOssForCausalLM,
         MixtralConfig,
@@ -137,6 +140,15 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
             qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6,
             n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
             norm_topk_prob=True, tie_word_embeddings=False, topk_method="noaux_tc",  # as DeepSeek's config.json
+            **dict(common, num_key_value_heads=8))),
+        # DeepSeek-V3.2: the DeepSeek-V3 model above with DeepSeek Sparse Attention, its indexer at DeepSeek's sizes
+        # (64 heads of 128) choosing 128 tokens (DeepSeek: 2,048), so that the prompts and continuations here reach
+        # past the choice; no CPU engine but this one serves it (vLLM: "Sparse Attention is not supported on CPU").
+        "deepseek_v32_bf16": (DeepseekV32ForCausalLM, DeepseekV32Config(
+            intermediate_size=1024, moe_intermediate_size=256, q_lora_rank=256, kv_lora_rank=512,
+            qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=64, num_experts_per_tok=6,
+            n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, tie_word_embeddings=False, index_n_heads=64, index_head_dim=128, index_topk=128,
             **dict(common, num_key_value_heads=8))),
         # Qwen3-Next's structure at this width: three gated DeltaNet layers to one gated full-attention layer, the
         # released head dims (128: vLLM's CPU kernels take no other), 2 key heads serving 4 value heads, 64 experts

@@ -1,5 +1,6 @@
 """Rotary position embeddings (RoPE), the "rotate half" variant of Llama, Mixtral and Qwen3, YaRN's scaled
-frequencies (GPT-OSS, DeepSeek-V3) and a rotation of the first dimensions of each head only (GLM-4.5).
+frequencies (GPT-OSS, DeepSeek-V3), Llama 3's scaled frequencies, a rotation of the first dimensions of each head
+only (GLM-4.5) and Llama 4's rotation of adjacent pairs as complex numbers.
 
 The angles are computed in fp32 from integer positions, one product per (position, frequency) pair, and
 the rotation is `x * cos + rotate_half(x) * sin`, the same operations in the same order as Hugging Face
@@ -22,15 +23,18 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq: [head_dim / 2] fp32 frequencies of a scaled rope (YaRN), instead of the default ones.
         attention_scaling: cos and sin are multiplied by it (in fp32, before any rounding), as a scaled rope's
             `attention_factor` asks; None: not multiplied.
+        pairs: the tables are for `apply_pair_rotary` (Llama 4): [T, head_dim / 2], one angle per pair, cos and
+            sin taken by `torch.polar` as `transformers` takes them there (its cos and sin are not always
+            `torch.cos`'s and `torch.sin`'s bits).
     """
 
     def __init__(self, head_dim: int, theta: float, *, inv_freq: torch.Tensor | None = None,
-                 attention_scaling: float | None = None) -> None:
+                 attention_scaling: float | None = None, pairs: bool = False) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
         self.head_dim, self.theta = head_dim, float(theta)
-        self.attention_scaling = attention_scaling
+        self.attention_scaling, self.pairs = attention_scaling, pairs
         if inv_freq is None:
             exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
             inv_freq = 1.0 / (self.theta ** exponent)
@@ -39,8 +43,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64 -> (cos, sin), each [T, head_dim] fp32."""
+        """positions: [T] int64 -> (cos, sin), each [T, head_dim] fp32 ([T, head_dim / 2] with `pairs`)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        if self.pairs:
+            turns = torch.polar(torch.ones_like(freqs), freqs)
+            if self.attention_scaling is not None:
+                turns = turns * self.attention_scaling
+            return turns.real, turns.imag
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.attention_scaling is None:
             return emb.cos(), emb.sin()
@@ -57,6 +66,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x: [T, heads, head_dim] by the angles of its tokens (cos, sin: [T, head_dim])."""
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def apply_pair_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: [T, heads, head_dim] as Llama 4 does: each adjacent pair (x0, x1), (x2, x3), ... is a complex
+    number multiplied by its angle's cos + i sin (`RotaryEmbedding(pairs=True)`'s tables, [T, head_dim / 2]), in
+    fp32, and the result rounded to x's dtype. The product is torch's complex one, as in `transformers`, so its
+    bits are that product's on every CPU."""
+    turns = torch.complex(cos, sin)[:, None, :]
+    pairs = torch.view_as_complex(x.float().contiguous().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * turns).flatten(-2).to(x.dtype)
+
+
+def llama3_inv_freq(head_dim: int, theta: float, *, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int) -> torch.Tensor:
+    """[head_dim / 2] fp32 frequencies of Llama 3's rope scaling: those whose wavelength exceeds
+    original / `low_freq_factor` divided by `factor`, those shorter than original / `high_freq_factor` kept, and
+    those between blended linearly in original / wavelength. The operations of `transformers`'
+    `_compute_llama3_parameters`, in its order and dtypes (equal factors make the blend's weights inf or nan, on
+    entries the blend never selects, as there)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    context = original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    longest, shortest = context / low_freq_factor, context / high_freq_factor
+    scaled = torch.where(wavelen > longest, inv_freq / factor, inv_freq)
+    blend = (context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    between = ~(wavelen < shortest) * ~(wavelen > longest)
+    return torch.where(between, blended, scaled)
 
 
 def yarn_inv_freq(head_dim: int, theta: float, *, factor: float, beta_fast: float, beta_slow: float,

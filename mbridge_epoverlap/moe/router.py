@@ -71,6 +71,20 @@ class TopKRouter(torch.nn.Module):
         top, experts = torch.topk(logits, self.topk, dim=-1)
         return Routing(experts=experts, weights=torch.softmax(top, dim=-1, dtype=top.dtype))
 
+    def topk_sigmoid(self, x: torch.Tensor) -> Routing:
+        """Routing as Hugging Face Llama 4 computes it (inference): the k largest logits (in the logits' dtype),
+        each chosen expert's score the sigmoid of its logit, taken in fp32 and rounded to the logits' dtype. The
+        scores are not renormalised (Llama 4 multiplies each expert's input by its score).
+
+        The sigmoid runs over every expert's entry, the others -inf, as there: ATen takes an array's last few
+        elements on a scalar path that rounds otherwise than its vector one, so an entry's bits depend on where
+        it sits in the array."""
+        logits = torch.nn.functional.linear(x, self.weight, self.bias)
+        top, experts = torch.topk(logits, self.topk, dim=-1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, experts, top)
+        weights = torch.sigmoid(scores.float()).to(logits.dtype).gather(1, experts)
+        return Routing(experts=experts, weights=weights)
+
 
 class GroupedSigmoidRouter(torch.nn.Module):
     """DeepSeek-V3 / GLM-4.5 routing (inference); parameters uninitialised (`weight` [experts, hidden] and

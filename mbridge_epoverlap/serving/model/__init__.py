@@ -3,9 +3,9 @@
 Nothing here knows processes or messages; workers hold these pieces and call them.
 
 - `spec`: `ModelSpec`, the small frozen description of a model every worker gets.
-- `architectures`: one module per Hugging Face architecture (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, DBRX, GPT-OSS,
-  GLM-4.5, DeepSeek-V3) and the registry: its config defaults, what its config.json means for the spec, and its
-  tensor names; GPT-OSS's MXFP4 weight format.
+- `architectures`: one module per Hugging Face architecture family (Mixtral, the Qwen MoEs, OLMoE, DBRX, GPT-OSS,
+  GLM-4.5, DeepSeek-V3, DeepSeek-V3.2 and GLM-5, MiniMax-M2, Nemotron-H, ...) and the registry: its config
+  defaults, what its config.json means for the spec, and its tensor names; the quantized weight formats.
 - `checkpoint`: `load_spec` of a Hugging Face checkpoint directory (any registered architecture) or a recipe
   name, checked up front, and `CheckpointReader` for single tensors.
 - `hf_layout`: where each parameter lives in a Hugging Face checkpoint, and its expected shape (the spec's
@@ -23,9 +23,11 @@ Nothing here knows processes or messages; workers hold these pieces and call the
 - `batch`: `TokenBatch`, the tokens of one step from several sequences, flat, and how they attend.
 - `kv_cache`: `KVCache`, the keys and values of every sequence (and a hybrid model's `StateCache`), and decode
   attention over them (the one owner of `decode_attention` and `cached_attention`); `LatentKVCache`, DeepSeek-V3's
-  cache of latents.
-- `linear`: linear attention (Qwen3-Next's gated DeltaNet) and `StateCache`, the per-sequence states it keeps
-  beside the KV cache.
+  cache of latents (and DeepSeek-V3.2's indexer keys).
+- `linear`: the state layers (Qwen3-Next's gated DeltaNet, Nemotron-H's Mamba-2) and `StateCache`, the
+  per-sequence states they keep beside the KV cache.
+- `latent`: DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5) and its choice of the cached
+  latents each query reads.
 - `prefix_cache`: `PrefixCache`, full blocks of prompts' cached keys and values (or latents) reused by later
   prompts that begin with the same tokens (automatic prefix caching), least recently used evicted.
 - `tokenizer`: text prompts for checkpoints that ship a `tokenizer.json`.

@@ -10,8 +10,8 @@ Configuration semantics follow `transformers`' config classes: a field missing f
 class's default; what a field means for the model is its architecture module's (`serving.model.architectures`),
 the sizes every architecture has are read here. The rotary base is `rope_parameters.rope_theta` (5.x) or
 `rope_theta` (4.x); only the default (unscaled) rope is supported, except where an architecture reads a scaled
-one (GPT-OSS's YaRN), and a `quantization_config` is refused unless the architecture dequantizes its method
-(GPT-OSS's MXFP4 experts).
+one (GPT-OSS's YaRN, Llama 4's Llama 3 scaling), and a `quantization_config` is refused unless the architecture
+dequantizes its method (GPT-OSS's MXFP4 experts).
 """
 
 from __future__ import annotations

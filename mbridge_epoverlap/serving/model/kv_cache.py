@@ -26,7 +26,8 @@ batches, with the up-projections absorbed (`absorbed_decode_attention`; MBRIDGE_
 MBRIDGE_EPOVERLAP_EXACT_ATTENTION=1: exact). Its projections are `layers.MultiLatentAttention`'s.
 
 Every attention here takes GPT-OSS's attention sinks (`sinks`: a logit per head that joins the softmax and is
-dropped after it) and a sliding window.
+dropped after it), a sliding window and Llama 4's attention chunks (`chunk`: a query sees only the keys of its own
+chunk of positions).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from mbridge_epoverlap.serving.model.batch import PromptGroup, TokenBatch
+from mbridge_epoverlap.serving.model.batch import AttentionGroups, PromptGroup, TokenBatch
+from mbridge_epoverlap.serving.model.latent.indexer import IndexQueries, exact_selection, padded_selection
 from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
 from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
 
@@ -140,7 +142,7 @@ class KVCache:
         if last > row:
             mover = next(seq for seq, r in self._row.items() if r == last)
             for layer, filled in enumerate(self._lengths[mover]):
-                for store in (self._keys, self._values):
+                for store in self._stores():
                     store[layer][row, :, :filled] = store[layer][last, :, :filled]
             self._row[mover] = row
             row = last
@@ -238,7 +240,8 @@ class KVCache:
                 position + 1, None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TokenBatch, *,
-               sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+               chunk: int | None = None) -> torch.Tensor:
         """Store the batch's keys and values for `layer` and attend each token's query to its sequence so far.
 
         Decode tokens (one per sequence) attend as one batch; a prompt (several tokens), or a lone decode
@@ -251,6 +254,8 @@ class KVCache:
             batch: the tokens' sequence ids and positions; each sequence's tokens start at its cached length.
             sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
             sinks: [heads] per-head logits that join each softmax (`cached_attention`), or None.
+            chunk: a key is visible when its position and the query's are in one chunk of `chunk` positions
+                (Llama 4's chunked attention; None: no chunks).
 
         Returns:
             [T, heads * head_dim].
@@ -263,21 +268,22 @@ class KVCache:
                                                               k[rows], v[rows])
             attention = decode_attention if self.exact_decode else padded_decode_attention
             rows = _in_order(rows, order)
-            heads[rows] = attention(q[rows], keys, values, lengths, sliding_window=sliding_window, sinks=sinks)
+            heads[rows] = attention(q[rows], keys, values, lengths, sliding_window=sliding_window, sinks=sinks,
+                                    chunk=chunk)
         alone = groups.alone
         if not self.exact_decode and sliding_window is None and sinks is None:
-            self._attend_prompts(layer, q, k, v, batch.prompt_groups, heads)
+            self._attend_prompts(layer, q, k, v, batch.prompt_groups, heads, chunk)
             alone = tuple(seg for seg in alone if seg.length == 1)  # a lone decode token
         for seg in alone:
             keys, values = self.append(layer, seg.seq_id, seg.start, k[seg.rows], v[seg.rows])
             heads[seg.rows] = cached_attention(q[seg.rows], keys, values, batch.positions[seg.rows],
-                                               sliding_window=sliding_window, sinks=sinks)
+                                               sliding_window=sliding_window, sinks=sinks, chunk=chunk)
         return heads
 
     def _attend_prompts(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        groups: Sequence[PromptGroup], heads: torch.Tensor) -> None:
+                        groups: Sequence[PromptGroup], heads: torch.Tensor, chunk: int | None = None) -> None:
         """Store the keys and values of each group's prompts and attend them in one `prompt_attention` call a group,
-        into `heads`.
+        into `heads` (`chunk`: as `attend`'s).
 
         A burst's prompts are mostly of one length: 32 prompts of 64 tokens of the 57M Mixtral (8 heads in 4
         groups) take one call a layer instead of 32 rounds of eager products (a repeated copy of the keys, the
@@ -298,7 +304,7 @@ class KVCache:
             if start:  # chunks after the first: the history from the cache
                 keys, values = k_buf[row_index, :, :end], v_buf[row_index, :, :end]
             queries = q[rows].view(count, n, q.shape[1], d).transpose(1, 2)
-            heads[rows] = prompt_attention(queries, keys, values, start).transpose(1, 2).reshape(count * n, -1)
+            heads[rows] = prompt_attention(queries, keys, values, start, chunk).transpose(1, 2).reshape(count * n, -1)
 
     def _check(self, layer: int, seq_id: int, start: int) -> int:
         if seq_id not in self._row:
@@ -315,9 +321,13 @@ class KVCache:
         if end > capacity:
             self._resize(layer=layer, capacity=max(end, 2 * capacity))
 
+    def _stores(self) -> tuple[list[torch.Tensor], ...]:
+        """The per-layer buffers of [rows, heads, capacity, width] that grow, and move with a sequence, together."""
+        return self._keys, self._values
+
     def _resize(self, *, rows: int | None = None, layer: int | None = None, capacity: int | None = None) -> None:
         for index in range(self.num_layers) if layer is None else (layer,):
-            for store in (self._keys, self._values):
+            for store in self._stores():
                 old = store[index]
                 new = old.new_zeros(rows or old.shape[0], old.shape[1], capacity or old.shape[2], old.shape[3])
                 new[:old.shape[0], :, :old.shape[2]] = old
@@ -330,7 +340,8 @@ def _in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, *,
-                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                     chunk: int | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new queries to all its keys so far.
 
     Eager arithmetic in the order Hugging Face's eager attention uses (scores = q k^T * scale, masked
@@ -338,7 +349,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     the keys no query can see are left out (a decode token reads its last `sliding_window` keys, as
     `transformers`' sliding-window cache holds them). With `sinks` (GPT-OSS) each head's sink logit is appended
     to its scores, the row's maximum subtracted, a softmax taken in the scores' dtype and the sink's column
-    dropped, as `transformers`' GPT-OSS eager attention does.
+    dropped, as `transformers`' GPT-OSS eager attention does. With a `chunk` (Llama 4) a query sees the keys of its
+    own chunk of positions; the keys read are those a sliding window of `chunk` reads, masked to the chunk, as
+    `transformers`' chunked cache holds them (its last `chunk` keys at a decode token), so the softmax runs over
+    the same row.
 
     Args:
         q: [n, heads, head_dim] queries (rotated) of the tokens at `q_positions`.
@@ -347,6 +361,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
         q_positions: [n] int64 positions of the queries (each < m).
         sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
         sinks: [heads] per-head logits that join the softmax (None: none).
+        chunk: a key is visible when floor(k_pos / chunk) == floor(q_pos / chunk) (None: no chunks).
 
     Returns:
         [n, heads * head_dim].
@@ -355,8 +370,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     groups = k.shape[1]
     rep = heads // groups
     first = 0
-    if sliding_window is not None:
-        first = max(0, int(q_positions.min()) - sliding_window + 1)
+    reach = min((w for w in (sliding_window, chunk) if w is not None), default=None)
+    if reach is not None:
+        first = max(0, int(q_positions.min()) - reach + 1)
         k, v = k[first:], v[first:]
     keys, values = _repeat_groups(k, rep), _repeat_groups(v, rep)
     scores = torch.matmul(q.transpose(0, 1), keys.transpose(1, 2)) * (d ** -0.5)
@@ -364,6 +380,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     hidden = k_positions[None, :] > q_positions[:, None]
     if sliding_window is not None:
         hidden |= q_positions[:, None] - k_positions[None, :] >= sliding_window
+    if chunk is not None:
+        hidden |= q_positions[:, None] // chunk != k_positions[None, :] // chunk
     scores = scores.masked_fill(hidden[None], float("-inf"))
     if sinks is None:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -373,7 +391,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return out.transpose(0, 1).reshape(n, heads * d)
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     chunk: int | None = None) -> torch.Tensor:
     """Causal attention of several sequences' queries at positions start..start+n-1 to their keys at 0..start+n-1:
     `cached_attention`'s result for each (the scaled scores, the later keys masked, a softmax, the product with the
     values) in one `scaled_dot_product_attention` call, rounded differently in the last bits.
@@ -382,19 +401,26 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         q: [B, heads, n, head_dim] queries (rotated). k, v: [B, groups, start + n, head_dim] keys (rotated) and
             values; a query head h reads group h // (heads // groups).
         start: the position of the first query.
+        chunk: a key is visible only in the query's chunk of `chunk` positions (None: no chunks).
 
     Returns:
         [B, heads, n, head_dim].
     """
     n, m = q.shape[2], k.shape[2]
-    mask = None if start == 0 else (torch.arange(m, device=q.device)[None, :]
-                                    <= torch.arange(start, start + n, device=q.device)[:, None])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0,
+    mask = None
+    if start or chunk is not None:
+        k_positions = torch.arange(m, device=q.device)[None, :]
+        q_positions = torch.arange(start, start + n, device=q.device)[:, None]
+        mask = k_positions <= q_positions
+        if chunk is not None:
+            mask &= k_positions // chunk == q_positions // chunk
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
-                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                     chunk: int | None = None) -> torch.Tensor:
     """Attention of one new query per sequence to its cached keys: each sequence through `cached_attention` on its
     own, so each gets exactly the products (shapes, strides, kernels) it gets alone and that `transformers`' eager
     attention gives it, on every CPU.
@@ -412,6 +438,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         lengths: [B] int64 keys per sequence, the new token's included.
         sliding_window: a key is visible when q_pos - k_pos < sliding_window (None: all earlier keys).
         sinks: [heads] per-head logits that join the softmax (None: none).
+        chunk: a key is visible only in the query's chunk of `chunk` positions (None: no chunks).
 
     Returns:
         [B, heads * head_dim].
@@ -420,12 +447,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     out = q.new_empty(b, heads * d)
     for i, n in enumerate(lengths.tolist()):
         out[i] = cached_attention(q[i:i + 1], k[i, :, :n].transpose(0, 1), v[i, :, :n].transpose(0, 1),
-                                  torch.tensor([n - 1]), sliding_window=sliding_window, sinks=sinks)[0]
+                                  torch.tensor([n - 1]), sliding_window=sliding_window, sinks=sinks, chunk=chunk)[0]
     return out
 
 
 def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, *,
-                            sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                            chunk: int | None = None) -> torch.Tensor:
     """`decode_attention`'s result as one padded batch: every sequence's scores against the longest history in
     one product (the `rep` query heads of a key group as the rows of one GEMM, the keys read in place), the
     padding masked to -inf before an fp32 softmax, and one product with the values.
@@ -446,6 +474,8 @@ def padded_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     hidden = k_positions[None, :] >= lengths[:, None]
     if sliding_window is not None:
         hidden |= (lengths[:, None] - 1) - k_positions[None, :] >= sliding_window
+    if chunk is not None:
+        hidden |= (lengths[:, None] - 1) // chunk != k_positions[None, :] // chunk
     scores = scores.mul_(d ** -0.5).masked_fill_(hidden[:, None, None, :], float("-inf"))
     if sinks is None:
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -475,7 +505,8 @@ def _repeat_groups(t: torch.Tensor, rep: int) -> torch.Tensor:
 # --- multi-head latent attention (DeepSeek-V3; its projections are `layers.MultiLatentAttention`'s) ------------
 
 def exact_latent_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                           q_positions: torch.Tensor, kv_b: torch.Tensor, mla: LatentAttention) -> torch.Tensor:
+                           q_positions: torch.Tensor, kv_b: torch.Tensor, mla: LatentAttention,
+                           allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new queries to all its latents so far, as `transformers`' DeepseekV3
     eager attention computes it: every head's keys and values rebuilt from the latents (`kv_b_proj` over all of
     them, keys assembled in a fresh [1, heads, m, qk] tensor), queries [1, heads, n, qk] contiguous, the scaled
@@ -486,6 +517,8 @@ def exact_latent_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: t
         latent [m, kv_lora_rank], k_rope [m, rope]: the sequence's latents and rotated keys, positions 0..m-1.
         q_positions: [n] int64 positions of the queries (each < m).
         kv_b: [heads * (nope + v), kv_lora_rank] the layer's `kv_b_proj` weight; mla: the layer's sizes and scale.
+        allowed: [n, m] bool, the tokens each query may attend to (DeepSeek Sparse Attention's selection; the
+            others are masked as `transformers` masks them), or None: every earlier token.
 
     Returns:
         [n, heads * v].
@@ -501,6 +534,8 @@ def exact_latent_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: t
     query = torch.cat((q_nope.transpose(0, 1)[None], q_rope.transpose(0, 1)[None]), dim=-1)
     scores = torch.matmul(query, keys.transpose(2, 3)) * mla.softmax_scale
     hidden = torch.arange(m)[None, :] > q_positions[:, None]
+    if allowed is not None:
+        hidden |= ~allowed
     scores = scores.masked_fill(hidden[None, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.matmul(weights, values)  # [1, heads, n, v]
@@ -508,7 +543,8 @@ def exact_latent_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: t
 
 
 def absorbed_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                              lengths: torch.Tensor, kv_b: torch.Tensor, mla: LatentAttention) -> torch.Tensor:
+                              lengths: torch.Tensor, kv_b: torch.Tensor, mla: LatentAttention, *,
+                              usable: torch.Tensor | None = None) -> torch.Tensor:
     """One new query per sequence attending to its cached latents with the up-projections absorbed, the batch
     padded to its longest history.
 
@@ -522,6 +558,8 @@ def absorbed_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent
         latent [B, longest, kv_lora_rank], k_rope [B, longest, rope]: sequence b's in its first lengths[b] positions.
         lengths: [B] int64.
         kv_b: the layer's `kv_b_proj` weight; mla: its sizes and scale.
+        usable: [B, longest] bool, the rows each query reads (the latents DeepSeek Sparse Attention selected,
+            gathered), in place of `lengths`.
 
     Returns:
         [B, heads * v].
@@ -532,7 +570,7 @@ def absorbed_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent
     per_head = kv_b.view(heads, nope + v_dim, mla.kv_lora_rank)  # W_uk [heads, nope, rank], then W_uv [heads, v, rank]
     q_latent = torch.matmul(q_nope.transpose(0, 1), per_head[:, :nope]).transpose(0, 1)  # [B, heads, rank]
     scores = torch.matmul(q_latent, latent.transpose(1, 2)) + torch.matmul(q_rope, k_rope.transpose(1, 2))
-    padding = torch.arange(longest)[None, :] >= lengths[:, None]
+    padding = torch.arange(longest)[None, :] >= lengths[:, None] if usable is None else ~usable
     scores = scores.mul_(mla.softmax_scale).masked_fill_(padding[:, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
     context = torch.matmul(weights, latent)  # [B, heads, rank]
@@ -542,8 +580,10 @@ def absorbed_decode_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent
 
 class LatentKVCache(KVCache):
     """The KV cache of an MLA model: per layer and sequence the normalised latents [positions, kv_lora_rank] and
-    the rotated keys [positions, rope], nothing per head. The bookkeeping (rows, lengths, growth) is `KVCache`'s,
-    with the latents where it keeps keys and the rotary keys where it keeps values (one "head" each).
+    the rotated keys [positions, rope], nothing per head, and for DeepSeek Sparse Attention the indexer's keys
+    [positions, index_head_dim] (in its indexed layers; a layer that shares the selection before it keeps none). The
+    bookkeeping (rows, lengths, growth) is `KVCache`'s, with the latents where it keeps keys and the rotary keys where
+    it keeps values (one "head" each).
 
     Args:
         num_layers, kv_lora_rank, rope_dim: the model's sizes.
@@ -551,13 +591,22 @@ class LatentKVCache(KVCache):
         exact_decode: decode tokens attend through `exact_latent_attention`, each sequence alone (the reference
             model's); False: through `absorbed_decode_attention` unless `absorb` is False.
         absorb: with `exact_decode` False, the workers' absorbed decode (MBRIDGE_EPOVERLAP_MLA_ABSORB, default 1).
+        index_widths: per layer the indexer key width (0: no indexer keys); None: no sparse attention.
     """
 
     def __init__(self, num_layers: int, kv_lora_rank: int, rope_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, exact_decode: bool = True, absorb: bool = True) -> None:
+                 device: torch.device | None = None, exact_decode: bool = True, absorb: bool = True,
+                 index_widths: Sequence[int] | None = None) -> None:
         super().__init__(num_layers, 1, kv_lora_rank, dtype=dtype, device=device, exact_decode=exact_decode)
         self.rope_dim, self.absorb = rope_dim, absorb
         self._values = [v.new_zeros(v.shape[0], 1, v.shape[2], rope_dim) for v in self._values]
+        self.index_widths = tuple(index_widths) if index_widths is not None else None
+        self._index_keys = [v.new_zeros(v.shape[0], 1, v.shape[2], width)
+                            for v, width in zip(self._values, self.index_widths or (), strict=False)]
+        # The last indexed layer's choice, for the layers that share it (GLM-5): per sequence the [n, m] tokens its
+        # queries attend to (None: all), and the decode batch's (positions, usable) of the absorbed decode.
+        self._chosen: dict[int, torch.Tensor | None] = {}
+        self._chosen_decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, device: torch.device | None = None, *, exact_decode: bool = True,
@@ -565,7 +614,7 @@ class LatentKVCache(KVCache):
         if spec.mla is None:
             raise ValueError(f"{spec.source} has no latent attention; use KVCache")
         return cls(spec.num_layers, spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, dtype=spec.torch_dtype(),
-                   device=device, exact_decode=exact_decode, absorb=absorb)
+                   device=device, exact_decode=exact_decode, absorb=absorb, index_widths=index_key_widths(spec))
 
     @classmethod
     def for_engine(cls, spec: ModelSpec) -> LatentKVCache:
@@ -576,11 +625,42 @@ class LatentKVCache(KVCache):
 
     def empty_like(self) -> LatentKVCache:
         return LatentKVCache(self.num_layers, self.head_dim, self.rope_dim, dtype=self.dtype, device=self.device,
-                             exact_decode=self.exact_decode, absorb=self.absorb)
+                             exact_decode=self.exact_decode, absorb=self.absorb, index_widths=self.index_widths)
+
+    def _stores(self) -> tuple[list[torch.Tensor], ...]:
+        return (self._keys, self._values, self._index_keys) if self._index_keys else (self._keys, self._values)
+
+    def free(self, seq_id: int) -> None:
+        super().free(seq_id)
+        self._chosen.pop(seq_id, None)
 
     def bytes_per_token(self) -> int:
         """Bytes one cached token takes over all layers."""
-        return self.num_layers * (self.head_dim + self.rope_dim) * (torch.finfo(self.dtype).bits // 8)
+        index = sum(self.index_widths or ())
+        return (self.num_layers * (self.head_dim + self.rope_dim) + index) * (torch.finfo(self.dtype).bits // 8)
+
+    def rows(self, seq_id: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As `KVCache.rows`; with sparse attention each layer's indexer keys follow its rotary keys in the second
+        tensor ([1, n, rope + index width])."""
+        out = super().rows(seq_id, start, end)
+        if not self._index_keys:
+            return out
+        row = self._row[seq_id]
+        return [(latent, torch.cat([rope, self._index_keys[layer][row, :, start:end]], dim=-1))
+                for layer, (latent, rope) in enumerate(out)]
+
+    def load(self, seq_id: int, blocks: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> int:
+        if not self._index_keys:
+            return super().load(seq_id, blocks)
+        split = [[(latent, both[..., :self.rope_dim]) for latent, both in block] for block in blocks]
+        end = super().load(seq_id, split)
+        row, start = self._row[seq_id], 0
+        for block in blocks:
+            size = block[0][0].shape[1]
+            for layer, (_, both) in enumerate(block):
+                self._index_keys[layer][row, :, start:start + size] = both[..., self.rope_dim:]
+            start += size
+        return end
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TokenBatch, *,
                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -588,8 +668,8 @@ class LatentKVCache(KVCache):
                         "`layers.MultiLatentAttention.attend`")
 
     def attend_latent(self, layer: int, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                      k_rope: torch.Tensor, batch: TokenBatch, kv_b: torch.Tensor,
-                      mla: LatentAttention) -> torch.Tensor:
+                      k_rope: torch.Tensor, batch: TokenBatch, kv_b: torch.Tensor, mla: LatentAttention, *,
+                      index: IndexQueries | None = None) -> torch.Tensor:
         """Store the batch's latents and rotated keys for `layer` and attend each token's query to its sequence so
         far: decode tokens as one batch (absorbed, or each exactly), a prompt or a lone decode token exactly.
 
@@ -597,6 +677,8 @@ class LatentKVCache(KVCache):
             q_nope [T, heads, nope], q_rope [T, heads, rope] (rotated): the queries, rows in batch order.
             latent [T, kv_lora_rank] (normalised), k_rope [T, rope] (rotated): the tokens' cache entries.
             kv_b: [heads * (nope + v), kv_lora_rank] the layer's `kv_b_proj` weight; mla: its sizes and scale.
+            index: DeepSeek Sparse Attention's indexer projections (their keys are cached too), or the word to
+                reuse the last indexed layer's choice; None: dense attention.
 
         Returns:
             [T, heads * v].
@@ -609,25 +691,112 @@ class LatentKVCache(KVCache):
                                                            latent[rows][:, None], k_rope[rows][:, None])
             rows = _in_order(rows, order)
             if self.exact_decode or not self.absorb:
-                out[rows] = _each_exactly(q_nope[rows], q_rope[rows], lat, rope, lengths.tolist(), kv_b, mla)
+                allowed = self._decode_choices(layer, groups, rows, order, index)
+                out[rows] = _each_exactly(q_nope[rows], q_rope[rows], lat, rope, lengths.tolist(), kv_b, mla, allowed)
             else:
+                usable, keys = None, None
+                if index is not None and not index.shared:
+                    keys = self._new_index_keys(layer, groups, index)
+                if index is not None and lat.shape[2] > index.topk:  # a history longer than the selection
+                    positions, usable = self._padded_choice(layer, rows, lengths, index, keys)
+                    pick = torch.arange(lat.shape[0])[:, None]
+                    lat, rope = lat[pick, 0, positions][:, None], rope[pick, 0, positions][:, None]
                 out[rows] = absorbed_decode_attention(q_nope[rows], q_rope[rows], lat[:, 0], rope[:, 0], lengths, kv_b,
-                                                      mla)
+                                                      mla, usable=usable)
         for seg in groups.alone:
             lat, rope = self.append(layer, seg.seq_id, seg.start, latent[seg.rows][:, None], k_rope[seg.rows][:, None])
+            allowed = None
+            if index is not None:
+                allowed = self._prompt_choice(layer, seg.seq_id, seg.start, seg.rows, batch.positions[seg.rows], index)
             out[seg.rows] = exact_latent_attention(q_nope[seg.rows], q_rope[seg.rows], lat[:, 0], rope[:, 0],
-                                                   batch.positions[seg.rows], kv_b, mla)
+                                                   batch.positions[seg.rows], kv_b, mla, allowed)
         return out
+
+    # --- DeepSeek Sparse Attention: the indexer's keys and choices -------------------------------------------------
+
+    def _prompt_choice(self, layer: int, seq_id: int, start: int, rows: slice, q_positions: torch.Tensor,
+                       index: IndexQueries) -> torch.Tensor | None:
+        """Store a prompt's (or lone token's) indexer keys and choose what its queries attend to, exactly."""
+        if index.shared:
+            return self._chosen.get(seq_id)
+        assert index.q is not None and index.weights is not None and index.keys is not None
+        row = self._row[seq_id]
+        end = start + q_positions.shape[0]
+        buffer = self._index_keys[layer]
+        buffer[row, 0, start:end] = index.keys[rows]
+        chosen = exact_selection(index.q[rows], index.weights[rows], buffer[row, 0, :end], q_positions, index.topk,
+                                 self.dtype)
+        self._chosen[seq_id] = chosen
+        return chosen
+
+    def _new_index_keys(self, layer: int, groups: AttentionGroups, index: IndexQueries) -> torch.Tensor:
+        """Store the decode tokens' indexer keys; every sequence's indexer keys [B, longest, width], arranged as
+        `append_decode` arranged the latents (a view of the rows in row order where they are a range)."""
+        assert index.keys is not None
+        seq_ids, starts = groups.decode_seq_ids, groups.decode_starts
+        cache_rows = [self._row[s] for s in seq_ids]
+        row_index = torch.tensor(cache_rows, dtype=torch.int64)
+        buffer = self._index_keys[layer]
+        buffer[row_index, 0, torch.tensor(starts, dtype=torch.int64)] = index.keys[groups.decode_rows]
+        longest = max(starts) + 1
+        low = min(cache_rows)
+        if max(cache_rows) - low + 1 == len(cache_rows):
+            return buffer[low:low + len(cache_rows), 0, :longest]
+        return buffer[:, 0, :longest].index_select(0, row_index)
+
+    def _decode_choices(self, layer: int, groups: AttentionGroups, rows: torch.Tensor, order: torch.Tensor | None,
+                        index: IndexQueries | None) -> list[torch.Tensor | None] | None:
+        """Each decode token's exact choice ([1, m] bool, None: all), in `rows`' order (the batch rows as
+        `append_decode` arranged the histories); None without sparse attention."""
+        if index is None:
+            return None
+        seq_ids = groups.decode_seq_ids
+        ids = [seq_ids[i] for i in (order.tolist() if order is not None else range(len(seq_ids)))]
+        if index.shared:
+            return [self._chosen.get(s) for s in ids]
+        assert index.q is not None and index.weights is not None
+        keys = self._new_index_keys(layer, groups, index)
+        choices: list[torch.Tensor | None] = []
+        for i, seq_id in enumerate(ids):
+            n = self._lengths[seq_id][layer]
+            choice = exact_selection(index.q[rows[i:i + 1]], index.weights[rows[i:i + 1]], keys[i, :n],
+                                     torch.tensor([n - 1]), index.topk, self.dtype)
+            self._chosen[seq_id] = choice
+            choices.append(choice)
+        return choices
+
+    def _padded_choice(self, layer: int, rows: torch.Tensor, lengths: torch.Tensor, index: IndexQueries,
+                       keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode batch's chosen positions and which are real tokens (`padded_selection` over `keys`, the
+        histories of indexer keys), in `rows`' order; a shared layer's: the last indexed layer's."""
+        if index.shared:
+            if self._chosen_decode is None:
+                raise RuntimeError(f"layer {layer} shares a selection no indexed layer made in this step")
+            return self._chosen_decode
+        assert index.q is not None and index.weights is not None and keys is not None
+        self._chosen_decode = padded_selection(index.q[rows], index.weights[rows], keys, lengths, index.topk)
+        return self._chosen_decode
 
 
 def _each_exactly(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                  lengths: Sequence[int], kv_b: torch.Tensor, mla: LatentAttention) -> torch.Tensor:
-    """`exact_latent_attention` for each decode token alone (latent [B, 1, longest, rank], k_rope likewise)."""
+                  lengths: Sequence[int], kv_b: torch.Tensor, mla: LatentAttention,
+                  allowed: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """`exact_latent_attention` for each decode token alone (latent [B, 1, longest, rank], k_rope likewise; `allowed`:
+    each token's sparse-attention choice)."""
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1] * mla.v_head_dim)
     for i, n in enumerate(lengths):
         out[i] = exact_latent_attention(q_nope[i:i + 1], q_rope[i:i + 1], latent[i, 0, :n], k_rope[i, 0, :n],
-                                        torch.tensor([n - 1]), kv_b, mla)[0]
+                                        torch.tensor([n - 1]), kv_b, mla, None if allowed is None else allowed[i])[0]
     return out
+
+
+def index_key_widths(spec: ModelSpec) -> tuple[int, ...] | None:
+    """Per layer the width of the indexer keys the cache holds (0 where a layer shares the selection before it);
+    None for a model without DeepSeek Sparse Attention."""
+    if spec.mla is None or spec.mla.indexer is None:
+        return None
+    ix = spec.mla.indexer
+    return tuple(0 if layer in ix.shared_layers else ix.head_dim for layer in range(spec.num_layers))
 
 
 def kv_cache_bytes_per_token(spec: ModelSpec) -> int:
@@ -638,4 +807,4 @@ def kv_cache_bytes_per_token(spec: ModelSpec) -> int:
         per_layer = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
     else:
         per_layer = 2 * spec.num_kv_heads * spec.head_dim
-    return len(spec.attention_layer_ids) * per_layer * size
+    return (len(spec.attention_layer_ids) * per_layer + sum(index_key_widths(spec) or ())) * size

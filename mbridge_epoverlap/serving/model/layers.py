@@ -8,6 +8,8 @@
 - `SharedExpert`: the always-on expert of a MoE layer, plain or scaled by sigmoid(a [1, hidden] gate)
   (Qwen2-MoE).
 - `RMSNorm`, `make_norm`: the checkpoints' RMSNorm (or LayerNorm, as the spec says).
+- `weightless_rms_norm`, `temperature_scaled`: Llama 4's q/k norm without weights and the attention temperature
+  of its layers without rope.
 - `MultiLatentAttention`: DeepSeek-V3's latent attention projections (queries directly or through a
   `q_lora_rank` bottleneck, the compressed latent, its per-head up-projection, interleaved rotary); the attention
   over the cached latents is the KV cache's (`LatentKVCache`).
@@ -27,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.moe.norm import LayerNorm
-from mbridge_epoverlap.moe.rotary import RotaryEmbedding, apply_rotary, yarn_inv_freq
+from mbridge_epoverlap.moe.rotary import RotaryEmbedding, llama3_inv_freq, yarn_inv_freq
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.kv_cache import LatentKVCache
+from mbridge_epoverlap.serving.model.latent.indexer import IndexQueries, LightningIndexer, rotate_pairs
 from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
 
 
@@ -56,6 +59,21 @@ class RMSNorm(torch.nn.Module):
         if self.round_after_weight:  # GPT-OSS: the weight times the fp32 input (in fp32), rounded once
             return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
+
+
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, in fp32, rounded to x's dtype: Llama 4's q/k norm (no weight)."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def temperature_scaled(q: torch.Tensor, positions: torch.Tensor, floor_scale: float,
+                       attn_scale: float) -> torch.Tensor:
+    """Queries q [T, heads, head_dim] of the tokens at `positions` times log1p(floor((p + 1) / floor_scale)) *
+    attn_scale + 1, the scale in fp32 and the product rounded to q's dtype: Llama 4's attention temperature on its
+    layers without rope, which sharpens the softmax of far positions."""
+    scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return (q * scales[:, None, None]).to(q.dtype)
 
 
 def make_norm(spec: ModelSpec, size: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -240,7 +258,7 @@ class MultiLatentAttention(torch.nn.Module):
     (+ `o_bias`). qk = nope + rope: `qk_nope_head_dim` + `qk_rope_head_dim`.
     """
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, *, bias: bool = False) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, *, bias: bool = False, layer: int = 0) -> None:
         super().__init__()
         if spec.mla is None:
             raise ValueError(f"{spec.source} has no latent attention (spec.mla is None)")
@@ -270,32 +288,34 @@ class MultiLatentAttention(torch.nn.Module):
         self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim), dtype=dtype)
         self.o_proj = Linear(self.heads * self.v_dim, h, dtype=dtype)
         self.o_bias = vector(h)
+        # DeepSeek Sparse Attention: this layer's indexer, or (GLM-5's shared layers) the selection of the layer before
+        self.sparse = m.indexer
+        self.indexer = (LightningIndexer(spec, dtype)
+                        if m.indexer is not None and layer not in m.indexer.shared_layers else None)
 
     # --- projections --------------------------------------------------------------------------------
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] (normalised) -> q [T, heads, nope + rope], the normalised latent [T, kv_lora_rank] and the
-        rotary key [T, rope] (neither rotated)."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden] (normalised) -> q [T, heads, nope + rope], the normalised latent [T, kv_lora_rank], the
+        rotary key [T, rope] (neither rotated) and the normalised query bottleneck [T, q_lora_rank] (None without
+        one)."""
+        q_resid = None
         if self.q_proj is not None:
             q = F.linear(x, self.q_proj.weight)
         else:
             assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None
-            q = F.linear(self.q_a_norm(F.linear(x, self.q_a_proj.weight, self.q_a_bias)), self.q_b_proj.weight)
+            q_resid = self.q_a_norm(F.linear(x, self.q_a_proj.weight, self.q_a_bias))
+            q = F.linear(q_resid, self.q_b_proj.weight)
         compressed = F.linear(x, self.kv_a_proj.weight, self.kv_a_bias)
         latent, k_rope = compressed.split([self.rank, self.rope], dim=-1)
-        return q.view(x.shape[0], self.heads, self.nope + self.rope), self.kv_a_norm(latent), k_rope
+        return q.view(x.shape[0], self.heads, self.nope + self.rope), self.kv_a_norm(latent), k_rope, q_resid
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, rope] by its tokens' angles (cos, sin [T, rope] fp32). With `rope_interleave` the
         pairs are (x0, x1), (x2, x3), ... and the result holds the first of each pair, then the second (as
         `transformers`' `apply_rotary_pos_emb_interleave` lays it out; queries and keys alike, so their dot
         products are those of the interleaved rotation)."""
-        if not self.mla.rope_interleave:
-            return apply_rotary(x, cos, sin)
-        half = cos.shape[-1] // 2
-        c, s = cos[:, None, :half].to(x.dtype), sin[:, None, :half].to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        return rotate_pairs(x, cos, sin, interleave=self.mla.rope_interleave)
 
     def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
         """[T, heads * v] attention output -> [T, hidden]."""
@@ -304,24 +324,37 @@ class MultiLatentAttention(torch.nn.Module):
     def attend(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: LatentKVCache,
                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The attention of layer `layer` for the batch's tokens (their latents go into `cache`) -> [T, heads * v]."""
-        q, latent, k_rope = self.project(x)
+        q, latent, k_rope, q_resid = self.project(x)
         cos, sin = cos_sin
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q_rope = self.rotate(q_rope, cos, sin)
         k_rope = self.rotate(k_rope[:, None, :], cos, sin)[:, 0]
-        return cache.attend_latent(layer, q_nope, q_rope, latent, k_rope, batch, self.kv_b_proj.weight, self.mla)
+        index = None
+        if self.sparse is not None:
+            index = IndexQueries(None, None, None, self.sparse.topk)
+            if self.indexer is not None:
+                assert q_resid is not None
+                q_index, k_index, weights = self.indexer.project(x, q_resid, cos, sin)
+                index = IndexQueries(q=q_index, weights=weights, keys=k_index, topk=self.sparse.topk)
+        return cache.attend_latent(layer, q_nope, q_rope, latent, k_rope, batch, self.kv_b_proj.weight, self.mla,
+                                   index=index)
 
 
 def rotary_for(spec: ModelSpec) -> RotaryEmbedding:
-    """The spec's rotary embedding: the default rope over its rotated dimensions, or YaRN's frequencies (cos and
-    sin scaled by its attention factor)."""
+    """The spec's rotary embedding: the default rope over its rotated dimensions, Llama 3's scaled frequencies, or
+    YaRN's (cos and sin scaled by its attention factor); tables of one angle per pair with `spec.rope_pairs`."""
     scaling = spec.rope_scaling
     if scaling is None:
-        return RotaryEmbedding(spec.rope_dim, spec.rope_theta)
+        return RotaryEmbedding(spec.rope_dim, spec.rope_theta, pairs=spec.rope_pairs)
+    if scaling.kind == "llama3":
+        inv_freq = llama3_inv_freq(spec.rope_dim, spec.rope_theta, factor=scaling.factor,
+                                   low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                                   original_max_position_embeddings=scaling.original_max_position_embeddings)
+        return RotaryEmbedding(spec.rope_dim, spec.rope_theta, inv_freq=inv_freq, pairs=spec.rope_pairs)
     if scaling.kind != "yarn":
-        raise ValueError(f"rope scaling {scaling.kind!r} is not implemented (only 'yarn')")
+        raise ValueError(f"rope scaling {scaling.kind!r} is not implemented (only 'yarn' and 'llama3')")
     inv_freq = yarn_inv_freq(spec.rope_dim, spec.rope_theta, factor=scaling.factor, beta_fast=scaling.beta_fast,
                              beta_slow=scaling.beta_slow, truncate=scaling.truncate,
                              original_max_position_embeddings=scaling.original_max_position_embeddings)
     return RotaryEmbedding(spec.rope_dim, spec.rope_theta, inv_freq=inv_freq,
-                           attention_scaling=scaling.attention_factor)
+                           attention_scaling=scaling.attention_factor, pairs=spec.rope_pairs)

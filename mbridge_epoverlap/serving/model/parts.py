@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.moe.experts import GroupedExperts, clamped_swiglu, grouped_expert_swiglu
 from mbridge_epoverlap.moe.model import seeded_normal
-from mbridge_epoverlap.moe.rotary import apply_partial_rotary, apply_rotary
+from mbridge_epoverlap.moe.rotary import apply_pair_rotary, apply_partial_rotary, apply_rotary
 from mbridge_epoverlap.moe.router import GroupedSigmoidRouter, TopKRouter
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.decoding.sampling import StopRule, greedy
@@ -47,6 +47,8 @@ from mbridge_epoverlap.serving.model.layers import (
     relu_squared,
     rotary_for,
     softmax_topk_pnorm,
+    temperature_scaled,
+    weightless_rms_norm,
 )
 from mbridge_epoverlap.serving.model.linear.delta_net import GatedDeltaNetAttention
 from mbridge_epoverlap.serving.model.linear.mamba2 import Mamba2Mixer
@@ -66,15 +68,19 @@ class AttnOut:
 
     Attributes:
         resid: [T, hidden] the layer input plus attention (the residual stream).
-        tokens: [T, hidden] the normalised input of the experts (or of the dense MLP).
+        tokens: [T, hidden] the normalised input of the experts (or of the dense MLP); with
+            `spec.router_scales_input` already multiplied by each token's router score.
         expert_ids: [T, k] int64 global expert ids, or None for a dense layer.
         gate_weights: [T, k] fp32 combine weights, or None for a dense layer.
+        normed: [T, hidden] the normalised input of the shared expert where `tokens` is scaled (Llama 4); None:
+            `tokens`.
     """
 
     resid: torch.Tensor
     tokens: torch.Tensor
     expert_ids: torch.Tensor | None
     gate_weights: torch.Tensor | None
+    normed: torch.Tensor | None = None
 
 
 class DecodeLayer(torch.nn.Module):
@@ -93,7 +99,7 @@ class DecodeLayer(torch.nn.Module):
         elif spec.is_mamba(layer):  # Nemotron-H's Mamba-2: likewise
             self.attention = Mamba2Mixer(spec, dtype)
         elif spec.mla is not None:
-            self.attention = MultiLatentAttention(spec, dtype, bias=spec.qkv_bias)
+            self.attention = MultiLatentAttention(spec, dtype, bias=spec.qkv_bias, layer=layer)
         else:
             self.attention = Attention(spec, dtype)
         self.post_norm = make_norm(spec, h, dtype) if spec.has_ffn(layer) else None
@@ -199,15 +205,28 @@ class AttentionPart(torch.nn.Module):
             heads = block.attention.attend(layer, block.input_norm(x), batch, cache, self._cos_sin(batch.positions))
         else:
             q, k, v, gate = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
-            if self.spec.rope:  # (Nemotron-H's attention has none: positions reach it through its Mamba-2 layers)
-                cos, sin = self._cos_sin(batch.positions)
-                # GLM-4.5 and others: only the head's first `rotary_dim` dimensions turn
-                turn = apply_partial_rotary if self.spec.rotary_dim else apply_rotary
-                q, k = turn(q, cos, sin), turn(k, cos, sin)
+            q, k = self._positioned(layer, q, k, batch.positions)
             heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.window_of(layer),
-                                 sinks=block.attention.sinks)
+                                 sinks=block.attention.sinks, chunk=self.spec.chunk_of(layer))
             return self._after_mixer(layer, x + block.attention.project_out(heads, gate))
         return self._after_mixer(layer, x + block.attention.project_out(heads))
+
+    def _positioned(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s queries and keys with their positions in: turned by the rotary embedding (then normalised
+        by `spec.qk_l2_norm`), or, on a layer without rope, the queries scaled by `spec.attn_temperature`.
+        Nemotron-H's attention and Llama 4's NoPE layers have no rope: positions reach them otherwise."""
+        spec = self.spec
+        if spec.rope_of(layer):
+            cos, sin = self._cos_sin(positions)
+            # Llama 4 turns adjacent pairs; GLM-4.5 and others only the head's first `rotary_dim` dimensions
+            turn = apply_pair_rotary if spec.rope_pairs else apply_partial_rotary if spec.rotary_dim else apply_rotary
+            q, k = turn(q, cos, sin), turn(k, cos, sin)
+            if spec.qk_l2_norm:
+                q, k = weightless_rms_norm(q, spec.norm_eps), weightless_rms_norm(k, spec.norm_eps)
+        elif spec.attn_temperature is not None:
+            q = temperature_scaled(q, positions, *spec.attn_temperature)
+        return q, k
 
     def _after_mixer(self, layer: int, resid: torch.Tensor) -> AttnOut:
         """The pre-MLP norm and the router of layer `layer` on the residual stream after its mixer."""
@@ -223,12 +242,23 @@ class AttentionPart(torch.nn.Module):
         elif self.spec.router_softmax_after_topk:
             routing = block.router.topk_softmax(tokens)
             ids, weights = routing.experts, routing.weights
+        elif self.spec.router_sigmoid_after_topk:
+            routing = block.router.topk_sigmoid(tokens)
+            ids, weights = routing.experts, routing.weights
         elif self.spec.router_softmax_in_dtype or self.spec.topk_norm_p is not None:
             ids, weights = softmax_topk_pnorm(block.router, tokens, self.spec.top_k,
                                               in_dtype=self.spec.router_softmax_in_dtype, p=self.spec.topk_norm_p)
         else:
             routing = block.router.softmax_topk(tokens, normalize=self.spec.norm_topk_prob)
             ids, weights = routing.experts, routing.weights
+        if self.spec.router_scales_input:
+            # the expert takes its token times the score and its output adds with weight 1: one row per token, so
+            # each token has one expert (the architecture refuses more), and every transport sends these rows
+            if ids.shape[1] != 1:
+                raise ValueError(f"router scores scale the experts' input only with one expert per token, not "
+                                 f"{ids.shape[1]}")
+            return AttnOut(resid=resid, tokens=tokens * weights.to(tokens.dtype), expert_ids=ids,
+                           gate_weights=torch.ones(ids.shape), normed=tokens)
         weights = weights.to(tokens.dtype) if self.spec.router_weights_in_dtype else weights
         return AttnOut(resid=resid, tokens=tokens, expert_ids=ids, gate_weights=weights)
 
@@ -261,7 +291,8 @@ class AttentionPart(torch.nn.Module):
             return combine.weighted_sum(expert_out, attn.expert_ids, attn.gate_weights, attn.resid)
         mlp = gate_weighted_sum(expert_out, attn.expert_ids, attn.gate_weights, attn.resid.dtype)
         if block.shared_expert is not None:
-            mlp = mlp + block.shared_expert(attn.tokens, separate=self._separate)
+            normed = attn.tokens if attn.normed is None else attn.normed
+            mlp = mlp + block.shared_expert(normed, separate=self._separate)
         return attn.resid + mlp
 
     @torch.no_grad()
@@ -328,9 +359,13 @@ class ExpertPart(torch.nn.Module):
             for layer in spec.moe_layer_ids
         }) if spec.expert_bias else None
         self.activation = expert_activation(spec)
-        # layer -> per local expert (gate [ffn, hidden], up [ffn, hidden], down [ffn, hidden]) as the checkpoint
-        # stores them, for the reference model of `spec.expert_gate_up_separate` (`load_expert_part` fills it)
-        self.stored: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # Llama 4's reference: `transformers` runs every expert over every token (those routed elsewhere scaled to
+        # zero), and a GEMM may round a row by the rows beside it, so each expert multiplies all the rows given
+        self.every_row = spec.router_scales_input and not packed
+        # layer -> per local expert its weights as the checkpoint stores them, for the reference model: (gate, up,
+        # down), each [ffn, hidden], of `spec.expert_gate_up_separate`; (gate_up [hidden, 2*ffn], down
+        # [ffn, hidden]) of `every_row` (`load_expert_part` fills it)
+        self.stored: dict[str, list[tuple[torch.Tensor, ...]]] = {}
         self.requires_grad_(False)
         # where the checkpoint is FP8, each expert's row scales (`load_expert_part` fills them), so a decode step
         # reads its few-row experts' weights as FP8 tiles (`packed.PackedExperts`)
@@ -369,6 +404,9 @@ class ExpertPart(torch.nn.Module):
         if bool((local < 0).any()):
             stray = sorted(set(expert_ids[local < 0].tolist()))
             raise ValueError(f"experts {stray} are not in this part (it holds {list(self.expert_ids)})")
+        if self.every_row:
+            return every_row_experts(experts, tokens if token_index is None else tokens[token_index], local,
+                                     self.stored.get(str(layer)))
         # One stable sort groups the rows by expert (each expert's rows keep their order, so every expert sees
         # the same GEMM as row-by-row selection would give it) instead of a search over all rows per expert:
         # with many small experts that search, not the GEMMs, was the expert stage's cost.
@@ -390,6 +428,24 @@ class ExpertPart(torch.nn.Module):
         # Back in input order as a gather through the inverse permutation: half the time of out[order] = done.
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
         return done.index_select(0, inverse)
+
+
+def every_row_experts(experts: GroupedExperts, rows: torch.Tensor, local: torch.Tensor,
+                      stored: Sequence[tuple[torch.Tensor, ...]] | None = None) -> torch.Tensor:
+    """Each row of rows [n, hidden] through its expert (`local`: local ids [n]) as `transformers` runs Llama 4's
+    experts: each expert chosen by some row multiplies all n rows, those of the other experts zero, by its weights
+    in their stored [in, out] layout (`spec.expert_weights_in_out`), and keeps its own rows' results. `stored`: per
+    local expert (gate_up [hidden, 2*ffn], down [ffn, hidden]) at their file offsets (a GEMM of a few rows rounds by
+    its weight's alignment); None: views of `experts`' weights."""
+    out = rows.new_empty(rows.shape)
+    for e in torch.unique(local).tolist():
+        chosen = local == e
+        gate_up, down = stored[e] if stored is not None else (experts.w1[e].t(), experts.w2[e].t())
+        x = torch.zeros_like(rows)
+        x[chosen] = rows[chosen]
+        gate, up = torch.matmul(x, gate_up).chunk(2, dim=-1)
+        out[chosen] = torch.matmul(up * F.silu(gate), down)[chosen]
+    return out
 
 
 def packed_expert_swiglu(experts: packed_gemm.PackedExperts, x: torch.Tensor, counts: list[int],
@@ -526,6 +582,8 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool
                     if part.biases is not None:
                         part.biases[str(layer)].b1[local].copy_(weights["b1"])
                         part.biases[str(layer)].b2[local].copy_(weights["b2"])
+                    if part.every_row:
+                        part.stored.setdefault(str(layer), []).append(_stored_rows(reader, spec, layer, e))
                 elif reader is not None:
                     from mbridge_epoverlap.serving.model.hf_layout import expert_sources
 
@@ -544,6 +602,22 @@ def load_expert_part(spec: ModelSpec, expert_ids: Sequence[int], *, packed: bool
         reader.close()
     part.prepack()
     return part
+
+
+def _stored_rows(reader: Any, spec: ModelSpec, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+    """Expert `expert`'s entry of each fused tensor it is read from (`expert_sources`: [experts, ...] each) as
+    `transformers` holds it: in the model dtype, at the address offset of that entry in the file when the file has
+    that dtype (else a fresh, aligned conversion)."""
+    from mbridge_epoverlap.serving.model.hf_layout import expert_sources
+
+    out = []
+    for source in expert_sources(spec, layer, expert):
+        name = source.parts[0][0]
+        rows = reader.rows(name, expert, expert + 1)[0]
+        as_stored = rows.dtype == spec.torch_dtype() and not reader.is_fp8(name)
+        offset = reader.byte_offset(name, expert) if as_stored else None
+        out.append(_at_file_offset(rows.to(spec.torch_dtype()), offset))
+    return tuple(out)
 
 
 def _stored_expert(reader: Any, spec: ModelSpec, up: Any, down: Any) -> tuple[torch.Tensor, ...]:

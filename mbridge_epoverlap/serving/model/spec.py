@@ -17,10 +17,13 @@ DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """YaRN rotary scaling, the fields of a config's `rope_parameters` (`transformers`' `_compute_yarn_parameters`
-    reads the same): interpolated frequencies `factor` times slower, blended into the original ones over the
-    dimensions between the `beta_fast` and `beta_slow` rotation counts of `original_max_position_embeddings`
-    (bounds floored / ceiled when `truncate`), cos and sin scaled by `attention_factor`."""
+    """A scaled rope, the fields of a config's `rope_parameters`. `kind` "yarn" (`transformers`'
+    `_compute_yarn_parameters` reads the same): interpolated frequencies `factor` times slower, blended into the
+    original ones over the dimensions between the `beta_fast` and `beta_slow` rotation counts of
+    `original_max_position_embeddings` (bounds floored / ceiled when `truncate`), cos and sin scaled by
+    `attention_factor`. `kind` "llama3" (`_compute_llama3_parameters`): the frequencies whose wavelength exceeds
+    original / `low_freq_factor` `factor` times slower, those shorter than original / `high_freq_factor` kept, a
+    blend between (the YaRN fields then unused: beta 0, no truncation, attention factor 1)."""
 
     kind: str
     factor: float
@@ -29,6 +32,8 @@ class RopeScaling:
     original_max_position_embeddings: int
     truncate: bool
     attention_factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,30 @@ class GroupedRouting:
 
 
 @dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5; `latent.indexer`): per token `num_heads`
+    small queries of `head_dim` (from the query bottleneck) and one key of `head_dim` (cached beside the latent);
+    a query scores each earlier token as sum_h w_h * relu(q_h . k / sqrt(head_dim)) and attends only to the `topk`
+    best. The first `qk_rope_head_dim` dimensions of its queries and keys turn, in pairs (x0, x1), ... when
+    `rope_interleave` (GLM-5), else as two halves (DeepSeek-V3.2). `shared_layers`: the layers that reuse the
+    selection of the indexed layer before them instead of running their own indexer (GLM-5's `indexer_types`)."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+    rope_interleave: bool
+    shared_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class LatentAttention:
     """Multi-head latent attention (DeepSeek-V2/V3, `layers.MultiLatentAttention`): queries from `hidden` directly or
     through a `q_lora_rank` bottleneck; keys and values from one compressed latent of `kv_lora_rank` values per
     token plus a `qk_rope_head_dim` rotary key shared by every head; per head a query/key of
     `qk_nope_head_dim + qk_rope_head_dim` and a value of `v_head_dim`. `rope_interleave`: the rotary dimensions
     are pairs (x0, x1), (x2, x3), ... rather than two halves. `softmax_scale`: the scores' scale (1/sqrt of the
-    query width, times YaRN's mscale squared where the config asks)."""
+    query width, times YaRN's mscale squared where the config asks). `indexer`: DeepSeek Sparse Attention's, where each
+    query attends only to the tokens it selects (None: every earlier token)."""
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -73,6 +95,7 @@ class LatentAttention:
     v_head_dim: int
     rope_interleave: bool
     softmax_scale: float
+    indexer: SparseIndexer | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +232,22 @@ class ModelSpec:
         mlp_activation: the dense MLPs' and shared experts' activation: "swiglu", or "relu2" (relu(up(x))^2, no gate
             projection: Nemotron-H).
         rope: whether attention turns queries and keys by a rotary embedding (Nemotron-H's attention has none).
+        rope_layers: per layer, whether its attention turns queries and keys (Llama 4's `no_rope_layers`: its NoPE
+            layers do not); empty: every layer as `rope` says (`rope_of` reads it).
+        rope_pairs: the rotary embedding turns adjacent pairs (x0, x1), (x2, x3), ... as complex numbers (Llama 4)
+            rather than the head's two halves.
+        qk_l2_norm: on the layers that turn them, queries and keys are divided by their root mean square per head
+            (no weight, the norm's epsilon), after the rotary embedding (Llama 4's `use_qk_norm`).
+        attn_temperature: (floor_scale, attn_scale): on the layers without rope, the query at position p is
+            multiplied by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 (Llama 4's
+            `attn_temperature_tuning`); None: not.
+        layer_chunks: per layer, its attention chunk or None (Llama 4's chunked attention): a query sees only the
+            earlier keys of its own chunk of positions, floor(position / chunk) equal; empty: no layer is chunked
+            (`chunk_of` reads it).
+        router_sigmoid_after_topk: the k largest router logits (in the model dtype) are chosen, and each chosen
+            expert's score is the sigmoid of its logit, taken in fp32 and rounded to the model dtype (Llama 4).
+        router_scales_input: the router's score multiplies the expert's input, not its output (Llama 4: the
+            attention side scales the rows it sends, `AttnOut.tokens`, and the outputs are added with weight 1).
         attention_output_gate: the q projection also yields a per-head gate; the attention output is multiplied by
             its sigmoid before the output projection (Qwen3-Next's full-attention layers).
         norm_zero_centred: every RMSNorm but the DeltaNet's gated one scales by (1 + weight), the product taken in
@@ -273,6 +312,13 @@ class ModelSpec:
     blocks: tuple[tuple[int, int], ...] = ()
     mlp_activation: str = "swiglu"
     rope: bool = True
+    rope_layers: tuple[bool, ...] = ()
+    rope_pairs: bool = False
+    qk_l2_norm: bool = False
+    attn_temperature: tuple[float, float] | None = None
+    layer_chunks: tuple[int | None, ...] = ()
+    router_sigmoid_after_topk: bool = False
+    router_scales_input: bool = False
     attention_output_gate: bool = False
     norm_zero_centred: bool = False
     tie_word_embeddings: bool = False
@@ -342,6 +388,14 @@ class ModelSpec:
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it attends to every earlier position)."""
         return self.layer_windows[layer] if self.layer_windows else self.sliding_window
+
+    def chunk_of(self, layer: int) -> int | None:
+        """The attention chunk of `layer` (None: its queries see keys across chunks)."""
+        return self.layer_chunks[layer] if self.layer_chunks else None
+
+    def rope_of(self, layer: int) -> bool:
+        """Whether `layer`'s attention turns its queries and keys by the rotary embedding."""
+        return self.rope_layers[layer] if self.rope_layers else self.rope
 
     def torch_dtype(self) -> torch.dtype:
         import torch

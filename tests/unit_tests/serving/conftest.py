@@ -19,6 +19,10 @@
 - `tiny_minimax_m2_dir`: `MiniMaxM2ForCausalLM`, sigmoid routing with a correction bias, q/k RMSNorm over the
   projections, partial rotary.
 - `tiny_nemotron_h_dir`: `NemotronHForCausalLM`, Mamba-2, attention and relu^2 MoE and MLP blocks.
+- `tiny_llama4_dir`: `Llama4ForCausalLM`, chunked attention on its rope layers (chunks of 4), a NoPE layer with the
+  attention temperature, MoE and dense layers interleaved, top-1 routing scaling the experts' input.
+- `tiny_deepseek_v32_dir`, `tiny_glm_moe_dsa_dir`: `DeepseekV32ForCausalLM` and `GlmMoeDsaForCausalLM`, DeepSeek-V3's
+  latent attention with DeepSeek Sparse Attention choosing 4 tokens per query (GLM-5: a layer sharing the choice).
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
@@ -342,6 +346,37 @@ def tiny_nemotron_h_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(model, tmp_path_factory.mktemp("tiny_nemotron_h"))
 
 
+LLAMA4_CHUNK = 4  # shorter than three of the four prompts: queries of their later chunks see only their own chunk
+
+
+def llama4_config(**changes: object):
+    """A tiny `Llama4TextConfig`: 4 layers, the last without rope (`no_rope_layer_interval` 4) and the three others
+    chunked by `LLAMA4_CHUNK`; GQA with head_dim 16 != hidden/heads, q/k RMS norm on the rope layers; the attention
+    temperature from position 3 on (`floor_scale` 4, `attn_scale` 0.5: the released 8192 and 0.1 never fire within
+    the prompts); layers 1 and 3 MoE (`interleave_moe_layer_step` 2) with 8 experts top-1 and a shared expert of
+    24, layers 0 and 2 dense of 40."""
+    from transformers import Llama4TextConfig
+
+    sizes = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=24, intermediate_size_mlp=40,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                 num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=LLAMA4_CHUNK, floor_scale=4,
+                 attn_scale=0.5, max_position_embeddings=256, initializer_range=INIT_STD, bos_token_id=None,
+                 eos_token_id=3, pad_token_id=None)
+    return Llama4TextConfig(**{**sizes, **changes})
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`Llama4ForCausalLM` (`llama4_config`), its norm weights drawn."""
+    import torch
+    from transformers import Llama4ForCausalLM
+
+    torch.manual_seed(4004)
+    model = Llama4ForCausalLM(llama4_config()).eval()
+    _draw_vectors(model)
+    return _save(model, tmp_path_factory.mktemp("tiny_llama4"))
+
+
 DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
 
@@ -384,6 +419,53 @@ def tiny_deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_deepseek_v3_direct_q_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`DeepseekV3ForCausalLM` with queries projected directly (`q_lora_rank` null)."""
     return _tiny_deepseek_v3(tmp_path_factory, None, 1618)
+
+
+# --- DeepSeek Sparse Attention: DeepSeek-V3.2 and GLM-5 -----------------------------------------------------------
+
+DSA_TOPK = 4  # shorter than three of the four prompts and every continuation: the indexer's choice matters
+
+
+def dsa_config(cls, **changes: object):
+    """DeepSeek-V3.2's or GLM-5's config at `deepseek_v3_config`'s sizes (16-wide query bottleneck), with an
+    indexer of 8 heads of 16 (the first 8 turned) choosing `DSA_TOPK` tokens."""
+    sizes = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=40, moe_intermediate_size=24,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                 n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                 norm_topk_prob=True, index_topk=DSA_TOPK, index_n_heads=8, index_head_dim=16,
+                 max_position_embeddings=256, initializer_range=INIT_STD, bos_token_id=None, eos_token_id=3)
+    return cls(**{**sizes, **changes})
+
+
+def _tiny_dsa(tmp_path_factory: pytest.TempPathFactory, model_cls, config, name: str, seed: int) -> Path:
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    _draw_vectors(model)
+    _draw_correction_bias(model)
+    return _save(model, tmp_path_factory.mktemp(name))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`DeepseekV32ForCausalLM` (`dsa_config`), YaRN as `deepseek_v3_config`'s; the indexer turns its rotary half
+    by halves."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    config = dsa_config(DeepseekV32Config, rope_parameters=dict(DEEPSEEK_V3_ROPE))
+    return _tiny_dsa(tmp_path_factory, DeepseekV32ForCausalLM, config, "tiny_deepseek_v32", 3141)
+
+
+@pytest.fixture(scope="session")
+def tiny_glm_moe_dsa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`GlmMoeDsaForCausalLM` (`dsa_config`, GLM-5's RMSNorm epsilon), its indexer in interleaved pairs; layer 1
+    reuses layer 0's choice (`index_topk_pattern` "FSF")."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    config = dsa_config(GlmMoeDsaConfig, index_topk_pattern="FSF")
+    return _tiny_dsa(tmp_path_factory, GlmMoeDsaForCausalLM, config, "tiny_glm_moe_dsa", 2236)
 
 
 # --- FP8 block-scaled checkpoints (`architectures.formats.fp8`) -----------------------------------------------------

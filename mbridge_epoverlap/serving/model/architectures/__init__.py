@@ -2,7 +2,8 @@
 
 - `base`: `Architecture` (the shared checkpoint layout; a module overrides only what differs),
   `ConfigFields` (typed config.json reads) and `Source` (the tensors one parameter is built from).
-- `mixtral`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`, `minimax_m2`, `nemotron_h`, and `qwen`
+- `mixtral`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`, `deepseek_v32` (DeepSeek-V3.2 and GLM-5, sparse
+  attention), `minimax_m2`, `nemotron_h`, `llama4` (Llama 4's text model), and `qwen`
   (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): one `Architecture` each: the config defaults, what its
   config.json means for the `ModelSpec`, and its tensor names (a family that extends another inherits from it:
   MiniMax-M2 from Mixtral, Qwen3-Next from Qwen2-MoE, Qwen3.5-MoE from Qwen3-Next).
@@ -18,8 +19,10 @@ from __future__ import annotations
 from mbridge_epoverlap.serving.model.architectures.base import Architecture
 from mbridge_epoverlap.serving.model.architectures.dbrx import Dbrx
 from mbridge_epoverlap.serving.model.architectures.deepseek_v3 import DeepseekV3
+from mbridge_epoverlap.serving.model.architectures.deepseek_v32 import DeepseekV32, GlmMoeDsa
 from mbridge_epoverlap.serving.model.architectures.glm4_moe import Glm4Moe
 from mbridge_epoverlap.serving.model.architectures.gpt_oss import GptOss
+from mbridge_epoverlap.serving.model.architectures.llama4 import Llama4
 from mbridge_epoverlap.serving.model.architectures.minimax_m2 import MiniMaxM2
 from mbridge_epoverlap.serving.model.architectures.mixtral import Mixtral
 from mbridge_epoverlap.serving.model.architectures.nemotron_h import NemotronH
@@ -30,7 +33,8 @@ from mbridge_epoverlap.serving.model.architectures.qwen.qwen3_moe import Qwen3Mo
 from mbridge_epoverlap.serving.model.architectures.qwen.qwen3_next import Qwen3Next
 
 _ARCHITECTURES: tuple[Architecture, ...] = (Mixtral(), Qwen3Moe(), Qwen2Moe(), Olmoe(), Dbrx(), GptOss(), Glm4Moe(),
-                                              DeepseekV3(), Qwen3Next(), Qwen3_5Moe(), MiniMaxM2(), NemotronH())
+                                              DeepseekV3(), Qwen3Next(), Qwen3_5Moe(), MiniMaxM2(), NemotronH(),
+                                              DeepseekV32(), GlmMoeDsa(), Llama4())
 REGISTRY: dict[str, Architecture] = {a.name: a for a in _ARCHITECTURES}
 NAMES: tuple[str, ...] = tuple(REGISTRY)
 

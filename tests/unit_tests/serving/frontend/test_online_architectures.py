@@ -44,7 +44,7 @@ def _with_tokenizer(source: Path, directory: Path) -> Path:
 
 # Qwen3-Next online: `test_a_hybrid_model_fed_in_chunks_beside_others_equals_transformers` below.
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3", "minimax_m2",
-                                    "nemotron_h"])
+                                    "nemotron_h", "glm_moe_dsa", "llama4"])
 def test_text_prompts_equal_transformers_greedy(family, request, tmp_path, start_server, hf_greedy):
     from transformers import AutoTokenizer
 
@@ -111,3 +111,20 @@ def test_a_hybrid_model_fed_in_chunks_beside_others_equals_transformers(tiny_qwe
     value = {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}
     assert value["mbe_state_cache_bytes_per_sequence"] == state_bytes_per_sequence(load_spec(tiny_qwen3_next_dir))
     assert value["mbe_prefix_cache_queries_total"] == 0
+
+
+def test_llama4_prompts_fed_across_attention_chunks_equal_transformers(tiny_llama4_dir, start_server, hf_greedy):
+    """Llama 4 disaggregated (two expert workers) with a prefill budget of 3 tokens a step, against its attention
+    chunks of 4: a 30-token prompt is fed in pieces that start inside chunks (the workers' `prompt_attention` from a
+    later position, masked to the chunks), while two short prompts decode beside it; all three equal
+    `transformers`."""
+    import random
+
+    server = start_server(tiny_llama4_dir, "--expert-workers", "2", "--max-prefill-tokens", "3", "--timeout", "60")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
+    rng = random.Random(3)
+    batch = [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (30, 3, 6)]
+    answer = client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    got = sorted(answer.choices, key=lambda c: c.index)
+    assert [c.model_extra["token_ids"] for c in got] == hf_greedy(tiny_llama4_dir, batch, MAX_TOKENS)
