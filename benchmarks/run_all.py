@@ -154,6 +154,12 @@ def _sparse_attention(doc: dict[str, Any]) -> str:
             f"ms vs dense {ms['dense']:.1f} ms per step ({doc['dense_over_sparse']:.2f}x)")
 
 
+def _paper_ablations(doc: dict[str, Any]) -> str:
+    findings = doc["findings"]
+    return (f"{sum(f['within'] for f in findings)} of {len(findings)} planner figures within 25 % of the paper's; "
+            f"explained: {', '.join(sorted({f['experiment'] for f in findings if f['explanation']})) or 'none'}")
+
+
 @dataclass(frozen=True)
 class Benchmark:
     name: str
@@ -167,6 +173,7 @@ class Benchmark:
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("eplb", "eplb_bench.py", False, _eplb),
     Benchmark("planner", "planner_bench.py", False, _planner),
+    Benchmark("paper_ablations", "paper_ablations.py", False, _paper_ablations),
     Benchmark("profile_analyzer", "profile_analyzer_bench.py", False, _profile),
     Benchmark("gloo_alltoall_cost", "gloo_alltoall_cost.py", False, _gloo),
     Benchmark("runtime_overlap", "runtime_overlap_bench.py", True, _runtime),

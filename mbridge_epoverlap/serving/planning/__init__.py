@@ -4,6 +4,8 @@
 - `perf_model`: MegaScale-Infer's roofline performance model of one micro-batch in one layer.
 - `search`: the deployment search over TP sizes, replicas, micro-batches and batch, and the colocated
   baseline; `mbridge-epoverlap plan` (`serving.cli.plan`) prints what it finds.
+- `ablations`: MegaScale-Infer's ablations (micro-batches, attention replicas, heterogeneous GPUs, colocation)
+  replayed through the search, each figure beside the paper's.
 - `to_engine`: a planned deployment as the engine's layout flags, shrunk to the machine's worker processes
   (`plan --engine-workers N`).
 

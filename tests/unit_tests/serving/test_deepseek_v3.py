@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (`serving.model.architectures.deepseek_v3`, `layers.MultiLatentAttention`) decodes its checkpoints as
-`transformers` does, and refuses what it cannot serve before any weight is read.
+"""DeepSeek-V3 (`serving.model.architectures.deepseek.deepseek_v3`, `layers.MultiLatentAttention`) decodes its
+checkpoints as `transformers` does, and refuses what it cannot serve before any weight is read.
 
 Latent attention against `transformers`' `DeepseekV3Attention` on random inputs: the exact path (prefill, a lone
 decode token, a batch of decode tokens each alone) bit for bit, the absorbed decode batch to rounding. On the tiny
@@ -69,7 +69,7 @@ def _attention_pair(checkpoint: Path, q_lora_rank: int | None):
     """transformers' attention of layer 0 with random weights, and ours with the same weights."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-    from mbridge_epoverlap.serving.model.architectures.deepseek_v3 import DeepseekV3
+    from mbridge_epoverlap.serving.model.architectures.deepseek.deepseek_v3 import DeepseekV3
 
     config = deepseek_v3_config(q_lora_rank)
     config._attn_implementation = "eager"

@@ -2,11 +2,11 @@
 
 - `base`: `Architecture` (the shared checkpoint layout; a module overrides only what differs),
   `ConfigFields` (typed config.json reads) and `Source` (the tensors one parameter is built from).
-- `mixtral`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `deepseek_v3`, `deepseek_v32` (DeepSeek-V3.2 and GLM-5, sparse
-  attention), `minimax_m2`, `nemotron_h`, `llama4` (Llama 4's text model), and `qwen`
-  (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE): one `Architecture` each: the config defaults, what its
-  config.json means for the `ModelSpec`, and its tensor names (a family that extends another inherits from it:
-  MiniMax-M2 from Mixtral, Qwen3-Next from Qwen2-MoE, Qwen3.5-MoE from Qwen3-Next).
+- `mixtral`, `olmoe`, `dbrx`, `gpt_oss`, `glm4_moe`, `minimax_m2`, `nemotron_h`, `llama4` (Llama 4's text model),
+  `deepseek` (DeepSeek-V3, DeepSeek-V3.2 and GLM-5) and `qwen` (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE):
+  one `Architecture` each: the config defaults, what its config.json means for the `ModelSpec`, and its tensor
+  names (a family that extends another inherits from it: MiniMax-M2 from Mixtral, Qwen3-Next from Qwen2-MoE,
+  Qwen3.5-MoE from Qwen3-Next, DeepSeek-V3.2 from DeepSeek-V3).
 - `formats`: the quantized weight formats checkpoints store (`fp8`: FP8 block-scaled weights; `mxfp4`: GPT-OSS's
   MXFP4 experts), dequantized as they are read.
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from mbridge_epoverlap.serving.model.architectures.base import Architecture
 from mbridge_epoverlap.serving.model.architectures.dbrx import Dbrx
-from mbridge_epoverlap.serving.model.architectures.deepseek_v3 import DeepseekV3
-from mbridge_epoverlap.serving.model.architectures.deepseek_v32 import DeepseekV32, GlmMoeDsa
+from mbridge_epoverlap.serving.model.architectures.deepseek.deepseek_v3 import DeepseekV3
+from mbridge_epoverlap.serving.model.architectures.deepseek.deepseek_v32 import DeepseekV32, GlmMoeDsa
 from mbridge_epoverlap.serving.model.architectures.glm4_moe import Glm4Moe
 from mbridge_epoverlap.serving.model.architectures.gpt_oss import GptOss
 from mbridge_epoverlap.serving.model.architectures.llama4 import Llama4

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source, one
-from mbridge_epoverlap.serving.model.architectures.deepseek_v3 import DeepseekV3
+from mbridge_epoverlap.serving.model.architectures.deepseek.deepseek_v3 import DeepseekV3
 from mbridge_epoverlap.serving.model.spec import ModelSpec, SparseIndexer
 
 _INDEX_FIELDS = ("hidden_size", "q_lora_rank", "index_n_heads", "index_head_dim")
