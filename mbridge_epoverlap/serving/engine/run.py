@@ -117,9 +117,11 @@ def make_plan(spec: Any, requests: Sequence[Request], *, attn_workers: int = 1, 
                       backend=backend, slot_bytes=slot_bytes, timeout_s=timeout_s, num_layers=num_layers, seed=seed,
                       dtype=dtype, online_requests=tuple(online_requests), online_events=online_events,
                       max_model_len=max_model_len, prefill_budget=prefill_budget,
-                      # a hybrid model's sequences also carry DeltaNet or Mamba-2 states, which cached key and value
-                      # blocks cannot restore: its prompts are prefilled whole
-                      prefix_cache_bytes=prefix_cache_bytes if online_requests and not spec.state_layer_ids else 0,
+                      # a hybrid model's sequences also carry DeltaNet or Mamba-2 states (DeepSeek-V4's windows
+                      # and pooled entries), which cached key and value blocks cannot restore: its prompts are
+                      # prefilled whole
+                      prefix_cache_bytes=(prefix_cache_bytes if online_requests and not spec.state_layer_ids
+                                          and spec.compressed is None else 0),
                       replicated_experts=replicated_experts,
                       threads=threads or default_threads(colocated or attn_workers + expert_workers))
 

@@ -4,7 +4,7 @@ Nothing here knows processes or messages; workers hold these pieces and call the
 
 - `spec`: `ModelSpec`, the small frozen description of a model every worker gets.
 - `architectures`: one module per Hugging Face architecture family (Mixtral, the Qwen MoEs, OLMoE, DBRX, GPT-OSS,
-  GLM-4.5, DeepSeek-V3, DeepSeek-V3.2 and GLM-5, MiniMax-M2, Nemotron-H, ...) and the registry: its config
+  GLM-4.5, DeepSeek-V3, DeepSeek-V3.2 and GLM-5, DeepSeek-V4, MiniMax-M2, Nemotron-H, ...) and the registry: its config
   defaults, what its config.json means for the spec, and its tensor names; the quantized weight formats.
 - `checkpoint`: `load_spec` of a Hugging Face checkpoint directory (any registered architecture) or a recipe
   name, checked up front, and `CheckpointReader` for single tensors.
@@ -28,6 +28,8 @@ Nothing here knows processes or messages; workers hold these pieces and call the
   per-sequence states they keep beside the KV cache.
 - `latent`: DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5) and its choice of the cached
   latents each query reads.
+- `compressed`: DeepSeek-V4's attention (a sliding window of one shared key-value head, entries pooled from
+  windows of tokens, a lightning indexer over them), its per-sequence `CompressedCache`, and its hyper-connections.
 - `prefix_cache`: `PrefixCache`, full blocks of prompts' cached keys and values (or latents) reused by later
   prompts that begin with the same tokens (automatic prefix caching), least recently used evicted.
 - `tokenizer`: text prompts for checkpoints that ship a `tokenizer.json`.

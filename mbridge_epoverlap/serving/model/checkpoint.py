@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,7 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
     arch = architectures.get(_architecture(config_path, raw))
     raw = _resolve_aliases(config_path, raw)
     raw, names = arch.flatten_config(config_path, raw)
+    raw = _resolve_aliases(config_path, raw)  # a nested config's own (a vision-language release's `text_config`)
     fp8_block = _fp8_block(config_path, raw, arch)
     cfg = ConfigFields(config_path, {**arch.defaults, **raw}, names)
     for name in arch.required:
@@ -133,13 +135,14 @@ def _checkpoint_spec(directory: Path, dtype: str) -> ModelSpec:
         raise UsageError(f"{config_path}: no layer is a MoE layer (fields 'mlp_only_layers', "
                          "'decoder_sparse_step'); expert-parallel serving needs experts")
     rope_theta = _rope_theta(config_path, cfg, arch.rope_types)
-    files = _tensor_files(directory)
+    files = _tensor_files(directory, arch.tensor_prefixes)
     spec = ModelSpec(
         architecture=arch.name, source=str(directory), num_layers=layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=cfg.positive_int("vocab_size"), num_experts=experts,
         top_k=top_k, norm_eps=cfg.positive_float("rms_norm_eps"), rope_theta=rope_theta,
         tie_word_embeddings=cfg.boolean("tie_word_embeddings"), eos_token_ids=_eos_ids(directory, cfg),
-        dtype=dtype, tensor_files=tuple(sorted(files.items())), fp8_block=fp8_block, **semantics,
+        dtype=dtype, tensor_files=tuple(sorted(files.items())), fp8_block=fp8_block,
+        tensor_prefixes=arch.tensor_prefixes, **semantics,
     )
     _check_tensors(directory, spec, files)
     _log_layers_past_the_model(directory, spec, files)
@@ -244,8 +247,26 @@ def _eos_ids(directory: Path, cfg: ConfigFields) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _tensor_files(directory: Path) -> dict[str, str]:
-    """Tensor name -> file name, from the header of every *.safetensors file (no tensor data is read)."""
+def logical_name(stored: str, prefixes: Sequence[tuple[str, str]]) -> str:
+    """A tensor's name as the architecture reads it: a stored name under a `prefixes` entry's stored prefix
+    (`model.language_model.` of a vision-language checkpoint) under its logical one (`model.`)."""
+    for logical, stored_prefix in prefixes:
+        if stored.startswith(stored_prefix):
+            return logical + stored[len(stored_prefix):]
+    return stored
+
+
+def stored_name(logical: str, prefixes: Sequence[tuple[str, str]]) -> str:
+    """The name a tensor has in the files: `logical_name` undone."""
+    for logical_prefix, stored_prefix in prefixes:
+        if logical.startswith(logical_prefix):
+            return stored_prefix + logical[len(logical_prefix):]
+    return logical
+
+
+def _tensor_files(directory: Path, prefixes: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    """Tensor name (logical: `logical_name`) -> file name, from the header of every *.safetensors file (no tensor
+    data is read)."""
     from safetensors import safe_open
 
     paths = sorted(directory.glob("*.safetensors"))
@@ -260,9 +281,10 @@ def _tensor_files(directory: Path) -> dict[str, str]:
         except Exception as err:  # safetensors raises its own error types for a bad header
             raise UsageError(f"{path} is not a readable safetensors file: {err}") from None
         for name in names:
-            if name in files:
-                raise UsageError(f"{path}: tensor {name!r} is also in {files[name]}; each tensor must be in one file")
-            files[name] = path.name
+            if logical_name(name, prefixes) in files:
+                raise UsageError(f"{path}: tensor {name!r} is also in {files[logical_name(name, prefixes)]}; each "
+                                 "tensor must be in one file")
+            files[logical_name(name, prefixes)] = path.name
     return files
 
 
@@ -285,7 +307,7 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
     for file_name, tensors in by_file.items():
         with safe_open(str(directory / file_name), framework="pt") as handle:
             for name, shape, fields in tensors:
-                view = handle.get_slice(name)
+                view = handle.get_slice(stored_name(name, spec.tensor_prefixes))
                 found, dtype = tuple(view.get_shape()), view.get_dtype()
                 if found != shape:
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has shape {list(found)}, but "
@@ -293,7 +315,8 @@ def _check_tensors(directory: Path, spec: ModelSpec, files: dict[str, str]) -> N
                                      f"{', '.join(repr(f) for f in fields)}")
                 if dtype == fp8.STORED_DTYPE:
                     fp8_weights[name] = found
-                elif dtype not in FLOAT_DTYPES and not (dtype == "U8" and _is_mxfp4(spec, name)):
+                elif dtype not in FLOAT_DTYPES and not (dtype == "U8" and _is_mxfp4(spec, name)) and not (
+                        dtype in ("I64", "I32") and name.endswith(".tid2eid")):  # DeepSeek-V4's hash routing table
                     raise UsageError(f"{directory / file_name}: tensor {name!r} has dtype {dtype}; "
                                      f"expected one of {', '.join(FLOAT_DTYPES)}")
     if fp8_weights:
@@ -321,7 +344,7 @@ def _check_fp8_scales(directory: Path, spec: ModelSpec, files: dict[str, str],
         with safe_open(str(directory / file_name), framework="pt") as handle:
             for name in names:
                 shape, scale = weights[name], fp8.scale_name(name)
-                view = handle.get_slice(scale)
+                view = handle.get_slice(stored_name(scale, spec.tensor_prefixes))
                 found, dtype = tuple(view.get_shape()), view.get_dtype()
                 expected = fp8.scale_shape(shape, spec.fp8_block)
                 if len(shape) != 2 or found != expected:
@@ -355,11 +378,15 @@ class CheckpointReader:
         self.fp8_block = spec.fp8_block
         self._handles: dict[str, Any] = {}
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.prefixes = spec.tensor_prefixes
+
+    def _stored(self, name: str) -> str:
+        return stored_name(name, self.prefixes)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name` as stored (dtype converted by the caller); an FP8 weight dequantized to fp32 with its
         scales (`architectures.formats.fp8`)."""
-        tensor = self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get_tensor(self._stored(name))
         if self.is_fp8(name):
             return fp8.dequantize(tensor, self.get(fp8.scale_name(name)), self.fp8_block)
         return tensor
@@ -367,10 +394,11 @@ class CheckpointReader:
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the tensor `name` (dim 0), reading only those rows (one expert of a fused
         tensor) and, for an FP8 weight, only the scale rows of their blocks."""
-        rows = self._handle(name).get_slice(name)[start:stop]
+        rows = self._handle(name).get_slice(self._stored(name))[start:stop]
         if self.is_fp8(name):
             b0 = self.fp8_block[0]
-            scales = self._handle(fp8.scale_name(name)).get_slice(fp8.scale_name(name))[start // b0:-(-stop // b0)]
+            scale = fp8.scale_name(name)
+            scales = self._handle(scale).get_slice(self._stored(scale))[start // b0:-(-stop // b0)]
             return fp8.dequantize(rows, scales, self.fp8_block, first_row=start)
         return rows
 
@@ -390,7 +418,8 @@ class CheckpointReader:
 
     def is_fp8(self, name: str) -> bool:
         """Whether `name` is stored as FP8 with a scale beside it (`load_spec` checked the pair)."""
-        return self.fp8_block is not None and self._handle(name).get_slice(name).get_dtype() == fp8.STORED_DTYPE
+        return (self.fp8_block is not None
+                and self._handle(name).get_slice(self._stored(name)).get_dtype() == fp8.STORED_DTYPE)
 
     def byte_offset(self, name: str, row: int = 0) -> int:
         """Where row `row` of tensor `name` starts in its file, in bytes (a memory map of the file puts it there)."""
@@ -400,7 +429,7 @@ class CheckpointReader:
                 length = int.from_bytes(handle.read(8), "little")
                 self._headers[file_name] = (8 + length, json.loads(handle.read(length)))
         data_start, header = self._headers[file_name]
-        entry = header[name]
+        entry = header[self._stored(name)]
         rows = entry["shape"][0] if entry["shape"] else 1
         row_bytes = (entry["data_offsets"][1] - entry["data_offsets"][0]) // max(rows, 1)
         return data_start + entry["data_offsets"][0] + row * row_bytes

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.serving.model.batch import AttentionGroups, PromptGroup, TokenBatch
+from mbridge_epoverlap.serving.model.compressed.state import CompressedCache, pooled_bytes_per_token
 from mbridge_epoverlap.serving.model.latent.indexer import IndexQueries, exact_selection, padded_selection
 from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
 from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
@@ -82,6 +83,8 @@ class KVCache:
         # A hybrid model's DeltaNet or Mamba-2 states (`linear.state_cache.StateCache`), added and freed with the
         # sequences here; its layers' key and value buffers stay at their first small size, never written.
         self.states: StateCache | None = None
+        # DeepSeek-V4's windows and pooled entries (`compressed.state.CompressedCache`), added and freed likewise
+        self.compressed: CompressedCache | None = None
 
     @classmethod
     def for_spec(cls, spec: ModelSpec, device: torch.device | None = None, *, exact_decode: bool = True) -> KVCache:
@@ -91,6 +94,8 @@ class KVCache:
                     exact_decode=exact_decode)
         if spec.state_layer_ids:
             cache.states = StateCache(spec, device=device)
+        if spec.compressed is not None:
+            cache.compressed = CompressedCache(spec)
         return cache
 
     @classmethod
@@ -115,12 +120,15 @@ class KVCache:
         self._lengths[seq_id] = [0] * self.num_layers
         if self.states is not None:
             self.states.add(seq_id)
+        if self.compressed is not None:
+            self.compressed.add(seq_id)
 
     def empty_like(self) -> KVCache:
         """A new, empty cache of the same shapes."""
         cache = KVCache(self.num_layers, self.num_kv_heads, self.head_dim, dtype=self.dtype, device=self.device,
                         exact_decode=self.exact_decode)
         cache.states = None if self.states is None else self.states.empty_like()
+        cache.compressed = None if self.compressed is None else self.compressed.empty_like()
         return cache
 
     def free(self, seq_id: int) -> None:
@@ -138,6 +146,8 @@ class KVCache:
         del self._lengths[seq_id]
         if self.states is not None:
             self.states.free(seq_id)
+        if self.compressed is not None:
+            self.compressed.free(seq_id)
         last = max(self._row.values(), default=-1)
         if last > row:
             mover = next(seq for seq, r in self._row.items() if r == last)
@@ -801,7 +811,10 @@ def index_key_widths(spec: ModelSpec) -> tuple[int, ...] | None:
 
 def kv_cache_bytes_per_token(spec: ModelSpec) -> int:
     """Bytes the KV cache holds per token over all layers: the latent and the rotary key of an MLA model, the
-    keys and values of every KV head otherwise."""
+    keys and values of every KV head otherwise; DeepSeek-V4's pooled entries (its sliding windows are bounded per
+    sequence: `compressed.state.window_bytes_per_sequence`)."""
+    if spec.compressed is not None:
+        return pooled_bytes_per_token(spec)
     size = torch.finfo(spec.torch_dtype()).bits // 8
     if spec.mla is not None:
         per_layer = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim

@@ -36,6 +36,16 @@ from mbridge_epoverlap.serving.decoding.sampling import StopRule, greedy
 from mbridge_epoverlap.serving.model import architectures
 from mbridge_epoverlap.serving.model import packed as packed_gemm
 from mbridge_epoverlap.serving.model.batch import TokenBatch
+from mbridge_epoverlap.serving.model.compressed.attention import CompressedAttention
+from mbridge_epoverlap.serving.model.compressed.hyper import (
+    HyperConnection,
+    HyperHead,
+    LimitedSwiGLU,
+    ScoreRouter,
+    limited_swiglu,
+    mix,
+)
+from mbridge_epoverlap.serving.model.compressed.rope import Norm as CompressedNorm
 from mbridge_epoverlap.serving.model.kernels import combine
 from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache, exact_attention_asked
 from mbridge_epoverlap.serving.model.layers import (
@@ -74,6 +84,8 @@ class AttnOut:
         gate_weights: [T, k] fp32 combine weights, or None for a dense layer.
         normed: [T, hidden] the normalised input of the shared expert where `tokens` is scaled (Llama 4); None:
             `tokens`.
+        streams: DeepSeek-V4 (`resid` then [T, hc_mult, hidden], the residual streams): the MLP block's post
+            [T, hc_mult] and comb [T, hc_mult, hc_mult] weights that `post_step` mixes them by; None: no streams.
     """
 
     resid: torch.Tensor
@@ -81,6 +93,7 @@ class AttnOut:
     expert_ids: torch.Tensor | None
     gate_weights: torch.Tensor | None
     normed: torch.Tensor | None = None
+    streams: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DecodeLayer(torch.nn.Module):
@@ -89,6 +102,9 @@ class DecodeLayer(torch.nn.Module):
     def __init__(self, spec: ModelSpec, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
         h = spec.hidden_size
+        if spec.compressed is not None:  # DeepSeek-V4: its own attention, streams, router and shared expert
+            self._compressed(spec, layer, dtype)
+            return
         # a Nemotron-H layer may lack its mixer (an MLP block after another MLP block) or its MLP
         self.input_norm = make_norm(spec, h, dtype) if spec.has_mixer(layer) else None
         self.attention: Attention | MultiLatentAttention | GatedDeltaNetAttention | Mamba2Mixer | None
@@ -118,6 +134,19 @@ class DecodeLayer(torch.nn.Module):
                                            activation=spec.mlp_activation)
                               if spec.is_moe(layer) and spec.shared_expert_ffn else None)
 
+    def _compressed(self, spec: ModelSpec, layer: int, dtype: torch.dtype) -> None:
+        c = spec.compressed
+        assert c is not None
+        h = spec.hidden_size
+        self.input_norm, self.post_norm = CompressedNorm(h, spec.norm_eps), CompressedNorm(h, spec.norm_eps)
+        self.attention = CompressedAttention(spec, layer, dtype)
+        self.attn_hc, self.ffn_hc = (HyperConnection(c.hc_mult, h, iters=c.hc_sinkhorn_iters, eps=c.hc_eps,
+                                                     norm_eps=spec.norm_eps) for _ in range(2))
+        self.router = ScoreRouter(h, spec.num_experts, spec.top_k, scoring=c.scoring, scaling=c.routed_scaling_factor,
+                                  vocab=spec.vocab_size if layer in c.hash_layers else None, dtype=dtype)
+        self.mlp = None
+        self.shared_expert = LimitedSwiGLU(h, spec.shared_expert_ffn, spec.swiglu_limit, dtype)
+
 
 class AttentionPart(torch.nn.Module):
     """Embedding, attention, routers, dense MLPs, final norm and head; parameters uninitialised
@@ -142,7 +171,11 @@ class AttentionPart(torch.nn.Module):
         self.spec = spec
         self.embedding = torch.nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(DecodeLayer(spec, i, dtype) for i in range(spec.num_layers))
-        self.final_norm = make_norm(spec, spec.hidden_size, dtype)
+        self.final_norm = (make_norm(spec, spec.hidden_size, dtype) if spec.compressed is None
+                           else CompressedNorm(spec.hidden_size, spec.norm_eps))
+        c = spec.compressed
+        self.hc_head = None if c is None else HyperHead(c.hc_mult, spec.hidden_size, eps=c.hc_eps,
+                                                        norm_eps=spec.norm_eps)
         self.head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, dtype=dtype)
         self.rotary = rotary_for(spec)
         # (positions, (cos, sin)) of the last batches: every layer of a step turns the same positions, so they are
@@ -178,8 +211,11 @@ class AttentionPart(torch.nn.Module):
 
     @torch.no_grad()
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """[T] token ids -> [T, hidden]."""
-        return F.embedding(token_ids, self.embedding)
+        """[T] token ids -> [T, hidden] (DeepSeek-V4: [T, hc_mult, hidden], each stream the embedding)."""
+        x = F.embedding(token_ids, self.embedding)
+        if self.spec.compressed is not None:
+            return x.unsqueeze(1).expand(-1, self.spec.compressed.hc_mult, -1).contiguous()
+        return x
 
     @torch.no_grad()
     def attention_step(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: KVCache) -> AttnOut:
@@ -193,6 +229,8 @@ class AttentionPart(torch.nn.Module):
             cache: holds every sequence of the batch; each sequence's tokens start at its cached length.
         """
         block = self.layers[layer]
+        if isinstance(block.attention, CompressedAttention):
+            return self._compressed_step(layer, x, batch, cache)
         if block.attention is None or block.input_norm is None:  # a layer of an MLP alone (Nemotron-H)
             return self._after_mixer(layer, x)
         if isinstance(block.attention, GatedDeltaNetAttention | Mamba2Mixer):  # states live beside the KV cache
@@ -210,6 +248,20 @@ class AttentionPart(torch.nn.Module):
                                  sinks=block.attention.sinks, chunk=self.spec.chunk_of(layer))
             return self._after_mixer(layer, x + block.attention.project_out(heads, gate))
         return self._after_mixer(layer, x + block.attention.project_out(heads))
+
+    def _compressed_step(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: KVCache) -> AttnOut:
+        """DeepSeek-V4's layer up to its experts: x [T, hc_mult, hidden] the streams; the attention block between
+        its hyper-connection's collapse and mix, then the MLP block's collapse, norm and routing (hash layers take
+        their experts from the batch's token ids)."""
+        block = self.layers[layer]
+        if cache.compressed is None:
+            raise TypeError(f"{self.spec.architecture} needs a KVCache with a compressed cache (KVCache.for_spec)")
+        post, comb, collapsed = block.attn_hc(x)
+        streams = mix(x, block.attention(block.input_norm(collapsed), batch, cache.compressed), post, comb)
+        post, comb, collapsed = block.ffn_hc(streams)
+        tokens = block.post_norm(collapsed)
+        ids, weights = block.router.route(tokens, batch.token_ids)
+        return AttnOut(resid=streams, tokens=tokens, expert_ids=ids, gate_weights=weights, streams=(post, comb))
 
     def _positioned(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +338,9 @@ class AttentionPart(torch.nn.Module):
             shape = None if expert_out is None else list(expert_out.shape)
             raise ValueError(f"layer {layer}: expert outputs {shape} do not match expert ids "
                              f"{list(attn.expert_ids.shape)} (expected [T, k, hidden])")
+        if attn.streams is not None:  # DeepSeek-V4: the routed and shared experts' sum spread into the streams
+            mlp = gate_weighted_sum(expert_out, attn.expert_ids, attn.gate_weights, attn.resid.dtype)
+            return mix(attn.resid, mlp + block.shared_expert(attn.tokens), *attn.streams)
         if block.shared_expert is None and combine.applies(expert_out, attn.expert_ids, attn.gate_weights, attn.resid):
             # gate_weighted_sum and the residual in one pass, the same bits (kernels/combine.py)
             return combine.weighted_sum(expert_out, attn.expert_ids, attn.gate_weights, attn.resid)
@@ -297,7 +352,10 @@ class AttentionPart(torch.nn.Module):
 
     @torch.no_grad()
     def logits(self, x_last: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] last-layer outputs -> [n, vocab] fp32 logits (final norm, then the head)."""
+        """[n, hidden] last-layer outputs -> [n, vocab] fp32 logits (final norm, then the head); DeepSeek-V4's
+        [n, hc_mult, hidden] streams are collapsed first."""
+        if self.hc_head is not None:
+            x_last = self.hc_head(x_last)
         if self._head is not None:
             return self._head(self.final_norm(x_last)).float()
         weight = self.embedding if self.head is None else self.head.weight
@@ -509,7 +567,10 @@ def expert_activation(spec: ModelSpec) -> Callable[[torch.Tensor], torch.Tensor]
         return functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
     if spec.expert_activation == "relu2":
         return relu_squared
-    raise ValueError(f"expert activation {spec.expert_activation!r} must be 'swiglu', 'relu2' or 'clamped_swiglu'")
+    if spec.expert_activation == "limited_swiglu":
+        return functools.partial(limited_swiglu, limit=spec.swiglu_limit)
+    raise ValueError(f"expert activation {spec.expert_activation!r} must be 'swiglu', 'relu2', 'clamped_swiglu' or "
+                     "'limited_swiglu'")
 
 
 def run_experts(parts: Sequence[ExpertPart], layer: int, attn: AttnOut) -> torch.Tensor:

@@ -160,6 +160,41 @@ class Mamba2:
 
 
 @dataclass(frozen=True)
+class CompressedAttention:
+    """DeepSeek-V4's attention and residual streams (`compressed`): per layer a sliding window of `sliding_window`
+    positions over one shared key = value head, plus, where `layer_rates[i]` > 0, entries pooled from every
+    `layer_rates[i]` tokens (overlapping windows and a lightning indexer choosing `index_topk` of them per query where
+    `indexed[i]`: compressed sparse attention; non-overlapping, all seen: heavily compressed attention). Queries come
+    through a `q_lora_rank` bottleneck; the trailing `rope_dim` of each head turn in interleaved pairs by
+    `rope_theta` on sliding layers and `compress_rope_theta` on the others, and the output turns back; the heads'
+    output goes through `o_groups` groups of `o_lora_rank`. The residual is `hc_mult` streams mixed by
+    hyper-connections (`hc_sinkhorn_iters`, `hc_eps`). Router scores are `scoring` ("sqrtsoftplus" or "sigmoid")
+    of the logits; `hash_layers` take their experts from a token-id table instead of the top-k. `rope_scaling` /
+    `compress_rope_scaling`: YaRN on the main / compress rope (None: the default rope)."""
+
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    rope_dim: int
+    rope_theta: float
+    compress_rope_theta: float
+    sliding_window: int
+    layer_rates: tuple[int, ...]
+    indexed: tuple[bool, ...]
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    hash_layers: tuple[int, ...]
+    scoring: str
+    routed_scaling_factor: float
+    rope_scaling: RopeScaling | None = None
+    compress_rope_scaling: RopeScaling | None = None
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Shape and semantics of a decoder-only MoE model, and where its weights come from.
 
@@ -198,7 +233,8 @@ class ModelSpec:
         expert_bias: each expert's gate/up and down projections have biases (`b1` [2*ffn], `b2` [hidden]).
         expert_activation: "swiglu" (silu(gate) * up), "relu2" (relu(up)^2, experts without a gate projection:
             Nemotron-H) or "clamped_swiglu" (GPT-OSS: gate clamped above at
-            `swiglu_limit`, up to +-`swiglu_limit`, then (up + 1) * gate * sigmoid(`swiglu_alpha` * gate)).
+            `swiglu_limit`, up to +-`swiglu_limit`, then (up + 1) * gate * sigmoid(`swiglu_alpha` * gate)) or
+            "limited_swiglu" (DeepSeek-V4: the same clamps, then silu(gate) * up).
         swiglu_limit, swiglu_alpha: the clamped SwiGLU's clamp and sigmoid gain.
         expert_weights_in_out: `transformers` multiplies by the experts' weights stored [in, out] (GPT-OSS's fused
             `gate_up_proj` / `down_proj`); the reference model runs that product on an [in, out] copy, because
@@ -252,6 +288,8 @@ class ModelSpec:
             its sigmoid before the output projection (Qwen3-Next's full-attention layers).
         norm_zero_centred: every RMSNorm but the DeltaNet's gated one scales by (1 + weight), the product taken in
             fp32 and rounded once (Qwen3-Next's zero-centred RMSNorm).
+        compressed: DeepSeek-V4's compressed attention, hyper-connections and routing (`CompressedAttention`);
+            None: not that model.
         tie_word_embeddings: the output head is the embedding matrix.
         eos_token_ids: generation stops after any of these (empty: only the token limit stops it).
         dtype: parameter and activation dtype ("float32" or "bfloat16").
@@ -321,11 +359,15 @@ class ModelSpec:
     router_scales_input: bool = False
     attention_output_gate: bool = False
     norm_zero_centred: bool = False
+    compressed: CompressedAttention | None = None
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
     seed: int = 0
     tensor_files: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    # (logical prefix, stored prefix) of the tensor names, where a checkpoint keeps the text model under another
+    # prefix than the architecture reads (a vision-language release: `model.language_model.`)
+    tensor_prefixes: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_checkpoint(self) -> bool:

@@ -21,8 +21,12 @@
 - `tiny_nemotron_h_dir`: `NemotronHForCausalLM`, Mamba-2, attention and relu^2 MoE and MLP blocks.
 - `tiny_llama4_dir`: `Llama4ForCausalLM`, chunked attention on its rope layers (chunks of 4), a NoPE layer with the
   attention temperature, MoE and dense layers interleaved, top-1 routing scaling the experts' input.
+- `tiny_qwen3_5_moe_vl_dir`, `tiny_llama4_vl_dir`: the Qwen3.5-MoE and Llama 4 text models as their families release
+  them (`...ForConditionalGeneration`: the language model under another prefix, a vision tower beside it).
 - `tiny_deepseek_v32_dir`, `tiny_glm_moe_dsa_dir`: `DeepseekV32ForCausalLM` and `GlmMoeDsaForCausalLM`, DeepSeek-V3's
   latent attention with DeepSeek Sparse Attention choosing 4 tokens per query (GLM-5: a layer sharing the choice).
+- `tiny_deepseek_v4_dir`: `DeepseekV4ForCausalLM` (`deepseek_v4_config`): compressed sparse, heavily compressed and
+  sliding-window attention layers, three residual streams, a hash-routed first layer.
 - `prompts`: token-id prompts of different lengths.
 - `hf_greedy(directory, prompts, max_new_tokens, eos_token_id=...)`: `generate(do_sample=False)` of the
   checkpoint, one prompt at a time: the ground truth.
@@ -421,6 +425,52 @@ def tiny_deepseek_v3_direct_q_dir(tmp_path_factory: pytest.TempPathFactory) -> P
     return _tiny_deepseek_v3(tmp_path_factory, None, 1618)
 
 
+# --- vision-language releases: the text models above under another prefix, a vision tower beside ------------------
+
+TINY_VISION = {"Qwen3_5MoeForCausalLM": dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                                             out_hidden_size=32),
+               "Llama4ForCausalLM": dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14, projector_input_dim=16,
+                                         projector_output_dim=32, vision_output_dim=16)}
+
+
+def _released_with_vision(text_dir: Path, directory: Path) -> Path:
+    """The text checkpoint in `text_dir` as its family releases it: a `...ForConditionalGeneration` whose language
+    model holds the same weights (`text_config`, its tensors under the release's prefix), and a tiny vision tower."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = AutoModelForCausalLM.from_pretrained(text_dir).eval()
+    vision = TINY_VISION[text.config.architectures[0]]
+    torch.manual_seed(7)
+    if text.config.architectures[0] == "Llama4ForCausalLM":
+        from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+        model = Llama4ForConditionalGeneration(Llama4Config(text_config=text.config.to_dict(), vision_config=vision,
+                                                            image_token_index=TINY_VOCAB - 1)).eval()
+        model.language_model.load_state_dict(text.state_dict())
+    else:
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+        model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text.config.to_dict(),
+                                                                    vision_config=vision)).eval()
+        model.model.language_model.load_state_dict(text.model.state_dict())
+        model.lm_head.load_state_dict(text.lm_head.state_dict())
+    return _save(model, directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_vl_dir(tmp_path_factory: pytest.TempPathFactory, tiny_qwen3_5_moe_dir: Path) -> Path:
+    """`Qwen3_5MoeForConditionalGeneration` around `tiny_qwen3_5_moe_dir`'s weights (`model.language_model.`)."""
+    return _released_with_vision(tiny_qwen3_5_moe_dir, tmp_path_factory.mktemp("tiny_qwen3_5_moe_vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4_vl_dir(tmp_path_factory: pytest.TempPathFactory, tiny_llama4_dir: Path) -> Path:
+    """`Llama4ForConditionalGeneration` around `tiny_llama4_dir`'s weights (`language_model.`)."""
+    return _released_with_vision(tiny_llama4_dir, tmp_path_factory.mktemp("tiny_llama4_vl"))
+
+
 # --- DeepSeek Sparse Attention: DeepSeek-V3.2 and GLM-5 -----------------------------------------------------------
 
 DSA_TOPK = 4  # shorter than three of the four prompts and every continuation: the indexer's choice matters
@@ -522,3 +572,64 @@ def tiny_deepseek_v3_fp8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 def tiny_glm4_moe_fp8(tmp_path_factory: pytest.TempPathFactory, tiny_glm4_moe_dir: Path) -> tuple[Path, Path]:
     """The tiny GLM-4.5 in FP8 blocks of [128, 128] as released (every weight one partial block), one file."""
     return _fp8_pair(tmp_path_factory, tiny_glm4_moe_dir, "glm4_moe", (128, 128), None)
+
+
+# --- DeepSeek-V4: compressed attention, hyper-connections, hash routing --------------------------------------------
+
+V4_TOPK = 2  # pooled entries each query of the compressed sparse attention layer reads: fewer than a long prompt has
+
+
+def deepseek_v4_config(**changes: object):
+    """A tiny `DeepseekV4Config`: 3 layers (compressed sparse attention pooling every 4 tokens with an indexer of 4
+    heads of 12 choosing `V4_TOPK`, heavily compressed attention pooling every 8, sliding window alone), a window of
+    8, 4 heads of 16 of which the last 8 dimensions turn, a 16-wide query bottleneck, 2 output groups of 8, 3 residual
+    streams, 8 experts top-2 (the first layer hash-routed) with a SwiGLU clamped at 0.6 and a shared expert."""
+    from transformers import DeepseekV4Config
+
+    sizes = dict(vocab_size=TINY_VOCAB, hidden_size=32, moe_intermediate_size=24, num_hidden_layers=3,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=16, partial_rotary_factor=0.5,
+                 num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1, routed_scaling_factor=1.5,
+                 layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+                 mlp_layer_types=["hash_moe", "moe", "moe"],
+                 compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, hc_mult=3,
+                 sliding_window=8, o_groups=2, o_lora_rank=8, index_n_heads=4, index_head_dim=12, index_topk=V4_TOPK,
+                 swiglu_limit=0.6, initializer_range=INIT_STD, max_position_embeddings=256, bos_token_id=None,
+                 eos_token_id=3)
+    return DeepseekV4Config(**{**sizes, **changes})
+
+
+def _draw_v4(model, seed: int) -> None:
+    """What transformers leaves at 0 or 1 drawn too: norm weights ~ 1 + N(0, INIT_STD); sinks, position biases and
+    the streams' biases ~ N(0, 0.5); the streams' scales ~ U(0.5, 1.5); correction biases ~ N(0, 0.5); each token
+    id's hash experts two distinct random ones."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            leaf = name.split(".")[-1]
+            if "norm" in name.split(".")[-2]:
+                param.normal_(1.0, INIT_STD)
+            elif leaf in ("sinks", "position_bias", "base", "hc_base"):
+                param.normal_(0.0, 0.5)
+            elif leaf in ("scale", "hc_scale"):
+                param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
+            elif name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                buffer.copy_(torch.stack([torch.randperm(experts, generator=generator)[:buffer.shape[1]]
+                                          for _ in range(buffer.shape[0])]))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`DeepseekV4ForCausalLM` (`deepseek_v4_config`)."""
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(4096)
+    model = DeepseekV4ForCausalLM(deepseek_v4_config()).eval()
+    _draw_v4(model, 4097)
+    return _save(model, tmp_path_factory.mktemp("tiny_deepseek_v4"))

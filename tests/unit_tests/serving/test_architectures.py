@@ -5,11 +5,12 @@ Qwen2-MoE (q/k/v biases, a sigmoid-gated shared expert, a dense layer), OLMoE (q
 projection), DBRX (nested config, clamped fused q/k/v, LayerNorm, p-norm routing, experts fused in one tensor per
 projection), GPT-OSS, GLM-4.5, Qwen3-Next and Qwen3.5-MoE (gated DeltaNet layers beside gated full attention),
 MiniMax-M2 (sigmoid routing with a correction bias, q/k RMSNorm over the projections, partial rotary), Nemotron-H
-(Mamba-2, attention without rope, relu^2 experts) and Llama 4 (chunked attention, NoPE layers, the router score
-scaling the expert's input; its own checks in `test_llama4.py`) on tiny checkpoints written by `transformers` (the
-serving fixtures): greedy tokens equal `generate(do_sample=False)`, fp32 and bf16 prefill logits equal the eager
-model's bit for bit, experts split over parts and the disaggregated engine give the same tokens. Mixtral and
-Qwen3-MoE have the same checks in `test_reference_decode.py` and `test_engine.py`.
+(Mamba-2, attention without rope, relu^2 experts), Llama 4 (chunked attention, NoPE layers, the router score
+scaling the expert's input; its own checks in `test_llama4.py`) and DeepSeek-V4 (compressed attention,
+hyper-connections, hash routing; its own checks in `test_deepseek_v4.py`) on tiny checkpoints written by
+`transformers` (the serving fixtures): greedy tokens equal `generate(do_sample=False)`, fp32 and bf16 prefill logits
+equal the eager model's bit for bit, experts split over parts and the disaggregated engine give the same tokens.
+Mixtral and Qwen3-MoE have the same checks in `test_reference_decode.py` and `test_engine.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ MAX_NEW = 10
 # The reference-model and disaggregated-engine checks of every architecture module but Mixtral and Qwen3-MoE
 # (`test_reference_decode.py`, `test_engine.py`) and DeepSeek-V3 (its own file: two fixtures, two decode paths).
 FAMILIES = ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "qwen3_next", "qwen3_5_moe", "minimax_m2",
-            "nemotron_h", "deepseek_v32", "glm_moe_dsa", "llama4"]
+            "nemotron_h", "deepseek_v32", "glm_moe_dsa", "llama4", "deepseek_v4"]
 SHARDED = ["qwen2_moe", "olmoe", "dbrx", "llama4"]  # the sharded bf16 checkpoints below
 
 

@@ -148,6 +148,20 @@ def partial_rotary_dim(cfg: ConfigFields, default_factor: float) -> int:
     return 0 if dim == head_dim else dim
 
 
+def text_config(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's language model as a flat config: the `text_config` fields over the top level's
+    (the top level keeps `architectures`, `quantization_config` and what the text config leaves out)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise UsageError(f"{path}: field 'text_config' is {text!r}; a {raw.get('architectures')} checkpoint's "
+                         "language model is described there")
+    top = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    flat = {**top, **text}
+    if "tie_word_embeddings" in top:  # the top level's model owns the output head
+        flat["tie_word_embeddings"] = top["tie_word_embeddings"]
+    return flat
+
+
 class Architecture:
     """One `architectures` entry of config.json: its defaults, its semantics and its tensor names.
 
@@ -161,6 +175,8 @@ class Architecture:
         expert_ffn_field: the config field of an expert's FFN width.
         rope_types: the `rope_parameters.rope_type` values it serves (a scaled rope is its `read_config`'s to
             read into `rope_scaling`).
+        tensor_prefixes: (logical prefix, stored prefix) pairs: where the checkpoint keeps the tensors the
+            architecture reads under other names (a vision-language release's `model.language_model.`).
         quantizations: the `quantization_config.quant_method` values whose weights it dequantizes at load
             (any other quantized checkpoint is refused): FP8 block-scaled weights (`fp8`) for every architecture
             that reads its tensors through `Source`s.
@@ -175,6 +191,7 @@ class Architecture:
     expert_ffn_field: ClassVar[str] = "moe_intermediate_size"
     rope_types: ClassVar[tuple[str, ...]] = ("default",)
     quantizations: ClassVar[tuple[str, ...]] = ("fp8",)
+    tensor_prefixes: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     # --- config.json -> spec ------------------------------------------------------------------------
 

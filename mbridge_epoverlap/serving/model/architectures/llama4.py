@@ -17,16 +17,21 @@ Refused before any weight is read: more than one expert per token (`transformers
 reduction the engine's combine does not reproduce; the released models route to one), a rope type other than the
 default or Llama 3's, a partial rotary factor, a `layer_types` entry other than chunked or full attention (or
 chunked without `attention_chunk_size`), and any quantized checkpoint.
+
+The releases themselves (Scout, Maverick) are `Llama4ForConditionalGeneration`: the same text model under
+`language_model.` with a vision model beside it and its config under `text_config`; served as text
+(`Llama4Vision`), the vision model is not read.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model.architectures import base
-from mbridge_epoverlap.serving.model.architectures.base import Architecture, ConfigFields, Source, one
+from mbridge_epoverlap.serving.model.architectures.base import Architecture, ConfigFields, Source, one, text_config
 from mbridge_epoverlap.serving.model.spec import ModelSpec, RopeScaling
 
 _LAYER_TYPES = ("chunked_attention", "full_attention")
@@ -180,3 +185,14 @@ class Llama4(Architecture):
         gate_up = reader.rows(f"{prefix}.gate_up_proj", expert, expert + 1)[0]
         down = reader.rows(f"{prefix}.down_proj", expert, expert + 1)[0]
         return {"w1": gate_up.t(), "w2": down.t()}
+
+
+class Llama4Vision(Llama4):
+    name = "Llama4ForConditionalGeneration"
+    summary = ("the Llama 4 releases: the text model (`text_config`, tensors under `language_model.`) served on text "
+               "prompts; the vision model is not read")
+    tensor_prefixes = (("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
+
+    def flatten_config(self, path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        flat, names = super().flatten_config(path, text_config(path, raw))
+        return flat, {**{k: f"text_config.{k}" for k in raw.get("text_config", {})}, **names}

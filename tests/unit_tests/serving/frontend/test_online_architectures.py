@@ -128,3 +128,26 @@ def test_llama4_prompts_fed_across_attention_chunks_equal_transformers(tiny_llam
                                        extra_body={"ignore_eos": True})
     got = sorted(answer.choices, key=lambda c: c.index)
     assert [c.model_extra["token_ids"] for c in got] == hf_greedy(tiny_llama4_dir, batch, MAX_TOKENS)
+
+
+def test_deepseek_v4_prompts_fed_across_its_pools_equal_transformers(tiny_deepseek_v4_dir, start_server, hf_greedy):
+    """DeepSeek-V4 disaggregated (two expert workers) with a prefill budget of 3 tokens a step, against its pools of 4
+    and 8 tokens and its window of 8: a 40-token prompt is fed in pieces that cut the pools' windows (each continuing
+    from the buffered tokens, overlap and entries the last left), while two short prompts decode beside it; all three
+    equal `transformers`, and no prompt token goes through a prefix cache (the windows and pools are not in it)."""
+    import random
+    import urllib.request
+
+    server = start_server(tiny_deepseek_v4_dir, "--expert-workers", "2", "--max-prefill-tokens", "3", "--timeout",
+                          "60")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
+    rng = random.Random(3)
+    batch = [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (40, 3, 6)]
+    answer = client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    got = sorted(answer.choices, key=lambda c: c.index)
+    assert [c.model_extra["token_ids"] for c in got] == hf_greedy(tiny_deepseek_v4_dir, batch, MAX_TOKENS)
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as reply:
+        lines = reply.read().decode().splitlines()
+    value = {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}
+    assert value["mbe_prefix_cache_queries_total"] == 0

@@ -3,13 +3,18 @@ gated DeltaNet's input projections stored apart and side by side over the heads 
 `in_proj_b`, `in_proj_a`), every layer a MoE layer and the top-k always renormalised (the config has no
 `mlp_only_layers`, `decoder_sparse_step` or `norm_topk_prob`). Its multimodal rotary embedding reduces to the plain
 partial rope for text, whose three position streams are equal.
+
+The releases themselves are `Qwen3_5MoeForConditionalGeneration`: the same language model under
+`model.language_model.` with a vision tower beside it and its config under `text_config`; served as text
+(`Qwen3_5MoeVision`), the vision tower is not read.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source, cat
+from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source, cat, text_config
 from mbridge_epoverlap.serving.model.architectures.qwen.qwen3_next import LINEAR_FIELDS, Qwen3Next
 from mbridge_epoverlap.serving.model.spec import GatedDeltaNet, ModelSpec
 
@@ -42,3 +47,14 @@ class Qwen3_5Moe(Qwen3Next):  # noqa: N801 (the transformers class name)
                 "in_proj_ba.weight": cat((f"{prefix}.in_proj_b.weight", (la.num_value_heads, h)),
                                          (f"{prefix}.in_proj_a.weight", (la.num_value_heads, h)), fields=f),
                 **self.delta_net_common(spec, prefix)}
+
+
+class Qwen3_5MoeVision(Qwen3_5Moe):  # noqa: N801 (the transformers class name)
+    name = "Qwen3_5MoeForConditionalGeneration"
+    summary = ("the Qwen3.5-MoE releases: the language model (`text_config`, tensors under `model.language_model.`) "
+               "served on text prompts; the vision tower is not read")
+    tensor_prefixes = (("model.", "model.language_model."),)
+
+    def flatten_config(self, path: Path, raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        flat, names = super().flatten_config(path, text_config(path, raw))
+        return flat, {**{k: f"text_config.{k}" for k in raw.get("text_config", {})}, **names}
