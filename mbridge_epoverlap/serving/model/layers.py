@@ -14,8 +14,9 @@
   `q_lora_rank` bottleneck, the compressed latent, its per-head up-projection, interleaved rotary); the attention
   over the cached latents is the KV cache's (`LatentKVCache`).
 
-Routing is `moe.router.TopKRouter.softmax_topk` (softmax over all experts, top-k, renormalised or not) and the
-routed experts are `serving.model.parts.ExpertPart`'s. With `separate` (the reference model) every projection
+`routing_for` picks each layer's routing once from the spec (the family's `moe.router` method: softmax then
+top-k, top-k then softmax or sigmoid, grouped sigmoid, a p-norm); the routed experts are
+`serving.model.parts.ExpertPart`'s. With `separate` (the reference model) every projection
 that `transformers` runs as its own GEMM runs as its own GEMM here too (views of the stacked weights, no copy),
 so the products have `transformers`' shapes on every CPU (`docs/numerics.md`); without it (the engine's
 workers) q, k, v and gate, up run as one GEMM each, the same sums rounded differently in the last bits.
@@ -24,6 +25,7 @@ workers) q, k, v and gate, up run as one GEMM each, the same sums rounded differ
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +221,30 @@ class SharedExpert(torch.nn.Module):
         if self.gate is None:
             return out
         return torch.sigmoid(F.linear(x, self.gate.weight)) * out
+
+
+Routing = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def routing_for(spec: ModelSpec, router: torch.nn.Module) -> Routing:
+    """The spec's routing through `router`, chosen once per layer: normalised tokens [T, hidden] -> (expert ids
+    [T, k], combine weights [T, k]) as the family's `transformers` router computes them. DeepSeek-style grouped
+    sigmoid (`spec.grouped_routing`), top-k then softmax (GPT-OSS), top-k then sigmoid (Llama 4), softmax then
+    top-k divided by a p-norm or in the logits' dtype (DBRX, OLMoE), or softmax then top-k, renormalised or not."""
+    if spec.grouped_routing is not None:
+        return lambda tokens: _pair(router.route(tokens))
+    if spec.router_softmax_after_topk:
+        return lambda tokens: _pair(router.topk_softmax(tokens))
+    if spec.router_sigmoid_after_topk:
+        return lambda tokens: _pair(router.topk_sigmoid(tokens))
+    if spec.router_softmax_in_dtype or spec.topk_norm_p is not None:
+        return lambda tokens: softmax_topk_pnorm(router, tokens, spec.top_k, in_dtype=spec.router_softmax_in_dtype,
+                                                 p=spec.topk_norm_p)
+    return lambda tokens: _pair(router.softmax_topk(tokens, normalize=spec.norm_topk_prob))
+
+
+def _pair(routing: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return routing.experts, routing.weights
 
 
 def softmax_topk_pnorm(router: torch.nn.Module, x: torch.Tensor, top_k: int, *, in_dtype: bool,

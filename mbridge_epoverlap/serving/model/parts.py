@@ -51,12 +51,13 @@ from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache, exa
 from mbridge_epoverlap.serving.model.layers import (
     Attention,
     MultiLatentAttention,
+    Routing,
     SharedExpert,
     dense_mlp,
     make_norm,
     relu_squared,
     rotary_for,
-    softmax_topk_pnorm,
+    routing_for,
     temperature_scaled,
     weightless_rms_norm,
 )
@@ -128,6 +129,8 @@ class DecodeLayer(torch.nn.Module):
                                                logits_dtype=dtype if g.logits_in_model_dtype else None)
         elif spec.is_moe(layer):
             self.router = TopKRouter(h, spec.num_experts, spec.top_k, dtype=dtype, bias=spec.router_bias)
+        # the family's routing, chosen here once rather than at every step
+        self.route: Routing | None = routing_for(spec, self.router) if self.router is not None else None
         self.mlp = (dense_mlp(spec, h, spec.dense_ffn, dtype)
                     if not spec.is_moe(layer) and spec.has_ffn(layer) else None)
         self.shared_expert = (SharedExpert(h, spec.shared_expert_ffn, gated=spec.shared_expert_gate, dtype=dtype,
@@ -144,6 +147,7 @@ class DecodeLayer(torch.nn.Module):
                                                      norm_eps=spec.norm_eps) for _ in range(2))
         self.router = ScoreRouter(h, spec.num_experts, spec.top_k, scoring=c.scoring, scaling=c.routed_scaling_factor,
                                   vocab=spec.vocab_size if layer in c.hash_layers else None, dtype=dtype)
+        self.route = None  # its step routes through the ScoreRouter itself (hash layers take the token ids)
         self.mlp = None
         self.shared_expert = LimitedSwiGLU(h, spec.shared_expert_ffn, spec.swiglu_limit, dtype)
 
@@ -286,23 +290,9 @@ class AttentionPart(torch.nn.Module):
         if block.post_norm is None:  # a layer of a mixer alone (Nemotron-H): its MLP step adds nothing
             return AttnOut(resid=resid, tokens=resid, expert_ids=None, gate_weights=None)
         tokens = block.post_norm(resid)
-        if block.router is None:
+        if block.route is None:
             return AttnOut(resid=resid, tokens=tokens, expert_ids=None, gate_weights=None)
-        if self.spec.grouped_routing is not None:
-            routing = block.router.route(tokens)
-            ids, weights = routing.experts, routing.weights
-        elif self.spec.router_softmax_after_topk:
-            routing = block.router.topk_softmax(tokens)
-            ids, weights = routing.experts, routing.weights
-        elif self.spec.router_sigmoid_after_topk:
-            routing = block.router.topk_sigmoid(tokens)
-            ids, weights = routing.experts, routing.weights
-        elif self.spec.router_softmax_in_dtype or self.spec.topk_norm_p is not None:
-            ids, weights = softmax_topk_pnorm(block.router, tokens, self.spec.top_k,
-                                              in_dtype=self.spec.router_softmax_in_dtype, p=self.spec.topk_norm_p)
-        else:
-            routing = block.router.softmax_topk(tokens, normalize=self.spec.norm_topk_prob)
-            ids, weights = routing.experts, routing.weights
+        ids, weights = block.route(tokens)
         if self.spec.router_scales_input:
             # the expert takes its token times the score and its output adds with weight 1: one row per token, so
             # each token has one expert (the architecture refuses more), and every transport sends these rows
