@@ -33,13 +33,15 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
     ("MBRIDGE_EPOVERLAP_PACKED_GEMM", "1 (default) or 0: the serving workers run their expert GEMMs on oneDNN-packed "
      "weights (1) or on the reference model's GEMMs (0; docs/numerics.md says what each promises)"),
     ("MBRIDGE_EPOVERLAP_SMALL_GEMM", "1 (default) or 0: in fp32 the serving workers run the experts with a few rows "
-     "of a narrow step (up to 4 on one thread, up to 64 where the call shares its work among the cores) in one call "
-     "of a tiled GEMM compiled here with the system's C compiler (1), or every expert on oneDNN (0); where no "
-     "compiler builds it, oneDNN"),
+     "of a narrow step (up to MBRIDGE_EPOVERLAP_SMALL_GEMM_ROWS on one thread, up to 128 where the call shares its "
+     "work among the cores) in one call of a tiled GEMM compiled here with the system's C compiler (1), or every "
+     "expert on oneDNN (0); where no compiler builds it, oneDNN"),
     ("MBRIDGE_EPOVERLAP_QUANTIZED_TILES", "1 (default) or 0: the experts of an FP8 block-scaled checkpoint served in "
      "fp32 keep their tiles also as FP8 codes and scales, which a decode step's experts of one row (up to 4 where the "
      "call shares its work among the cores) read instead of the fp32 tiles, with the same bits (1); or fp32 tiles "
      "only (0)"),
+    ("MBRIDGE_EPOVERLAP_SMALL_GEMM_ROWS", "rows (default 4 on a CPU with AVX-512, 16 on one without): the most rows "
+     "an expert may have for the tiled GEMM on one thread; 0 sends every expert to oneDNN"),
     ("MBRIDGE_EPOVERLAP_SMALL_GEMM_SPIN_US", "microseconds (default 300) a helper thread of the tiled GEMM waits "
      "spinning for the next call before it sleeps; lower leaves more of the cores to other processes between steps"),
     ("MBRIDGE_EPOVERLAP_EXACT_ATTENTION", "0 (default) or 1: the serving workers' decode attention runs the whole "

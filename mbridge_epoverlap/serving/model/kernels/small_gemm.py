@@ -5,7 +5,8 @@ each oneDNN call costs ~10 us before any arithmetic: two calls per expert, ~40-6
 runs every small expert of a layer, each tile of its weight read once, front to back. Measured on an AMD EPYC
 (Zen 4, one thread, weights out of cache): [256 -> 512] at 1 row 21-27 against 33-45 us, [512 -> 512] 35-55
 against 46-64 us; at 4 rows a GEMM alone is level, at 8 oneDNN is faster (it computes near the core's peak).
-Whole decode steps, alternated (`PackedExperts` sending experts of up to `SMALL_ROWS` = 4 rows here): the 108M
+Whole decode steps, alternated (`PackedExperts` sending experts of up to `SMALL_ROWS` = 4 rows here; 16 on a CPU
+without AVX-512, where oneDNN's kernels are half as wide: `_small_rows`): the 108M
 Qwen3-MoE (64 experts of [512 -> 512] and [256 -> 512]) at 8 sequences 0.72-0.73x the step's time, at 16
 0.75-0.76x, at 32 0.92x; the 57M Mixtral (8 experts of [512 -> 2,048] and [1,024 -> 512]) at 16 sequences 0.95x.
 Up to 2 rows: the Qwen3-MoE 0.71x at 4 sequences, 0.78-0.81x at 8, 0.83-0.85x at 16, 0.93-0.97x at 32, 0.97x at
@@ -39,11 +40,32 @@ from typing import NamedTuple
 
 import torch
 
+from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model.kernels import build
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 TILE = 32  # outputs per tile, as small_gemm.c's TILE
-SMALL_ROWS = 4  # an expert with this many rows or fewer runs here (the docstring's step timings chose it)
+SMALL_ROWS_ENV = "MBRIDGE_EPOVERLAP_SMALL_GEMM_ROWS"
+
+
+def _small_rows() -> int:
+    """An expert with this many rows or fewer runs here, on one thread: `MBRIDGE_EPOVERLAP_SMALL_GEMM_ROWS`, else by
+    the widest vectors the CPU has. With AVX-512, oneDNN's fp32 GEMMs near the core's peak win from 6-8 rows (the
+    docstring's step timings: 4). With AVX2 only, oneDNN's 8-wide kernels lose to the tiles well past that: decode
+    steps of 64 sequences, one thread, AMD EPYC AVX2-only, alternated, medians of 3, experts' stage at 4 / 16 / 32
+    rows: 108M Qwen3-MoE 75.7 / 45.6 / 47.0 ms (step 102 / 74 / 75), Nemotron-H 48.0 / 30.8 / 27.9, 57M Mixtral
+    39.7 / 36.6 / 34.7: 16."""
+    override = os.environ.get(SMALL_ROWS_ENV)
+    if override is not None:
+        if not override.isdigit():
+            raise UsageError(f"{SMALL_ROWS_ENV}={override!r}: expected a whole number of rows (0: oneDNN only)")
+        return int(override)
+    from mbridge_epoverlap.machine import cpu_flags
+
+    return 4 if "avx512f" in cpu_flags() else 16
+
+
+SMALL_ROWS = _small_rows()
 # ... or this many, where the calls have several threads (`set_threads`): every GEMM of a narrow step, which has
 # fewer tokens (`workers.step_cores.WIDE_TOKENS`). Up to 64 before; at 128 a step of 12 decoding sequences and a
 # 64-token prompt, one process on 2 cores (AMD EPYC, AVX2 only, alternated, medians of 20): Mixtral 44.5 -> 40.7
