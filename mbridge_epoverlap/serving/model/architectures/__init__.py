@@ -7,6 +7,9 @@
   Qwen3.5-MoE): one `Architecture` each: the config defaults, what its config.json means for the `ModelSpec`, and
   its tensor names (a family that extends another inherits from it: MiniMax-M2 from Mixtral, Qwen3-Next from Qwen2-MoE,
   Qwen3.5-MoE from Qwen3-Next, DeepSeek-V3.2 from DeepSeek-V3).
+- `grouped_moe`: DeepSeek-V3's MoE layers as configs state them (grouped sigmoid routing, shared experts, dense
+  first layers), read by GLM-4.5, DeepSeek-V3 and the families built on them.
+- `rope`: the rotary settings every family's config states alike (the rotated part of a head, YaRN's parameters).
 - `formats`: the quantized weight formats checkpoints store (`fp8`: FP8 block-scaled weights; `mxfp4`: GPT-OSS's
   MXFP4 experts), dequantized as they are read.
 

@@ -126,28 +126,6 @@ def checked_routing(cfg: ConfigFields, routing: GroupedRouting) -> GroupedRoutin
     return routing
 
 
-def partial_rotary_dim(cfg: ConfigFields, default_factor: float) -> int:
-    """How many leading dimensions of each attention head the rotary embedding turns (0: all), as `transformers`
-    computes it: int(head_dim * partial_rotary_factor), the factor from `rope_parameters` (5.x), the top level (4.x)
-    or the config class's default."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    field, factor = "partial_rotary_factor", default_factor
-    if isinstance(params, dict) and "partial_rotary_factor" in params:
-        field, factor = "rope_parameters.partial_rotary_factor", params["partial_rotary_factor"]
-    elif cfg.get("partial_rotary_factor") is not None:
-        factor = cfg.get("partial_rotary_factor")
-    heads = cfg.positive_int("num_attention_heads")
-    head_dim = (cfg.positive_int("hidden_size") // heads if cfg.get("head_dim") is None
-                else cfg.positive_int("head_dim"))
-    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
-        raise UsageError(f"{cfg.path}: field {field!r} is {factor!r}; it must be a number in (0, 1]")
-    dim = int(head_dim * factor)
-    if dim < 2 or dim % 2:
-        raise UsageError(f"{cfg.path}: field {field!r} is {factor!r}; the rotated part of a head "
-                         f"(int({head_dim} * {factor}) = {dim}) must be a positive even size")
-    return 0 if dim == head_dim else dim
-
-
 def text_config(path: Path, raw: dict[str, Any]) -> dict[str, Any]:
     """A vision-language config's language model as a flat config: the `text_config` fields over the top level's
     (the top level keeps `architectures`, `quantization_config` and what the text config leaves out)."""

@@ -22,12 +22,12 @@ multiples of its 32-input blocks.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model.architectures import base
 from mbridge_epoverlap.serving.model.architectures.base import Architecture, ConfigFields, Source, one
+from mbridge_epoverlap.serving.model.architectures.rope import yarn_scaling
 from mbridge_epoverlap.serving.model.spec import ModelSpec, RopeScaling
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -90,34 +90,8 @@ class GptOss(Architecture):
 
     @staticmethod
     def _rope_scaling(cfg: ConfigFields) -> RopeScaling | None:
-        """YaRN's parameters as `transformers` completes them (`standardize_rope_params`, then
-        `_compute_yarn_parameters`); None for the default rope. The rope type itself is checked by `checkpoint`."""
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or _YARN
-        field = "rope_scaling" if cfg.get("rope_scaling") and not cfg.get("rope_parameters") else "rope_parameters"
-        if params.get("rope_type", params.get("type", "default")) == "default":
-            return None
-        fields = ConfigFields(cfg.path, {f"{field}.{k}": v for k, v in params.items()})
-        partial = params.get("partial_rotary_factor", 1.0)
-        if partial != 1.0:
-            raise UsageError(f"{cfg.path}: field '{field}.partial_rotary_factor' is {partial!r}; only 1.0 (the "
-                             "whole head rotated) is supported")
-        original = (fields.positive_int(f"{field}.original_max_position_embeddings")
-                    if "original_max_position_embeddings" in params else cfg.positive_int("max_position_embeddings"))
-        factor = (fields.positive_float(f"{field}.factor") if params.get("factor") is not None
-                  else cfg.positive_int("max_position_embeddings") / original)
-        attention_factor = params.get("attention_factor")
-        if attention_factor is None:
-            attention_factor = yarn_attention_factor(factor, params.get("mscale"), params.get("mscale_all_dim"))
-        else:
-            attention_factor = fields.positive_float(f"{field}.attention_factor")
-        truncate = params.get("truncate", True)
-        if not isinstance(truncate, bool):
-            raise fields.bad(f"{field}.truncate", "true or false")
-        beta_fast = fields.positive_float(f"{field}.beta_fast") if params.get("beta_fast") else 32.0
-        beta_slow = fields.positive_float(f"{field}.beta_slow") if params.get("beta_slow") else 1.0
-        return RopeScaling(kind="yarn", factor=factor, beta_fast=beta_fast, beta_slow=beta_slow,
-                           original_max_position_embeddings=original, truncate=truncate,
-                           attention_factor=attention_factor)
+        """YaRN as GPT-OSS states it (`rope.yarn_scaling`; a config without one gets GPT-OSS's YaRN)."""
+        return yarn_scaling(cfg, _YARN)
 
     # --- tensors ------------------------------------------------------------------------------------
 
@@ -189,14 +163,3 @@ def deinterleave(t: Any, *, dim: int) -> Any:
 
     front = t.movedim(dim, 0)
     return torch.cat([front[0::2], front[1::2]]).movedim(0, dim)
-
-
-def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
-    """cos/sin scale YaRN infers when the config gives no `attention_factor`: 0.1 ln(factor) + 1 (1 for
-    factor <= 1), or the ratio of two such terms weighted by `mscale` and `mscale_all_dim` when both are given."""
-    def get_mscale(scale: float, weight: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
-    if mscale and mscale_all_dim:
-        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-    return get_mscale(factor)

@@ -21,9 +21,9 @@ from mbridge_epoverlap.serving.model.architectures.base import (
     Source,
     checked_routing,
     one,
-    partial_rotary_dim,
 )
 from mbridge_epoverlap.serving.model.architectures.mixtral import Mixtral
+from mbridge_epoverlap.serving.model.architectures.rope import partial_rotary_dim
 from mbridge_epoverlap.serving.model.spec import GroupedRouting, ModelSpec
 
 # fields of MiniMax's own config.json that `transformers` ignores: only the values its model computes are served

@@ -1,5 +1,5 @@
 """DeepSeek-V3 (`DeepseekV3ForCausalLM`): multi-head latent attention (`layers.MultiLatentAttention`) and GLM-4.5's MoE
-layers (`glm4_moe.read_grouped_moe`):
+layers (`grouped_moe.read_grouped_moe`):
 
 - queries from `q_proj`, or through a `q_lora_rank` bottleneck (`q_a_proj`, `q_a_layernorm`, `q_b_proj`); keys and
   values from one latent of `kv_lora_rank` values per token (`kv_a_proj_with_mqa`, `kv_a_layernorm`) expanded per
@@ -26,12 +26,12 @@ from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.serving.model.architectures.base import Architecture, ConfigFields, Source, one
-from mbridge_epoverlap.serving.model.architectures.glm4_moe import (
+from mbridge_epoverlap.serving.model.architectures.grouped_moe import (
     flatten_routed_experts,
     grouped_moe_tensors,
     read_grouped_moe,
 )
-from mbridge_epoverlap.serving.model.architectures.gpt_oss import GptOss
+from mbridge_epoverlap.serving.model.architectures.rope import yarn_scaling
 from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec, RopeScaling
 
 _MLA_FIELDS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -97,11 +97,11 @@ class DeepseekV3(Architecture):
 
     @staticmethod
     def _rope_scaling(cfg: ConfigFields) -> RopeScaling | None:
-        """YaRN's parameters (read as GPT-OSS reads them, `mscale` / `mscale_all_dim` included); None when the
-        config states no scaled rope."""
+        """YaRN's parameters (`rope.yarn_scaling`, `mscale` / `mscale_all_dim` included); None when the config states
+        no scaled rope."""
         if not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
             return None
-        return GptOss._rope_scaling(cfg)
+        return yarn_scaling(cfg)
 
     # --- tensors ------------------------------------------------------------------------------------
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source, one, partial_rotary_dim
+from mbridge_epoverlap.serving.model.architectures.base import ConfigFields, Source, one
 from mbridge_epoverlap.serving.model.architectures.qwen.qwen2_moe import Qwen2Moe
+from mbridge_epoverlap.serving.model.architectures.rope import partial_rotary_dim
 from mbridge_epoverlap.serving.model.spec import GatedDeltaNet, ModelSpec
 
 LAYER_KINDS = ("linear_attention", "full_attention")
