@@ -8,8 +8,9 @@ rather than a loop over sequences.
 
 Decode attention is this module's: `KVCache.attend` stores a layer's new keys and values and attends the
 batch's queries to each sequence's history, the decode tokens together (`decode_attention`) and a
-prompt or a lone decode token on its own (`cached_attention`). The model part only projects in and out
-(`serving.model.layers.Attention`) and calls `attend` between the two.
+prompt or a lone decode token on its own (`cached_attention`). The attention module projects in and out
+(`serving.model.layers.Attention.mix`) and calls `attend` between the two; every kind of mixer has that `mix`
+(latent attention over `LatentKVCache`, the state layers over `KVCache.states`), which `AttentionPart` calls alike.
 
 Two decode attentions: `decode_attention` (the default, and the reference model's) is bit for bit each
 sequence's own attention, so it runs one product per sequence; the engine's workers build their caches with

@@ -31,12 +31,23 @@ import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.moe.norm import LayerNorm
-from mbridge_epoverlap.moe.rotary import RotaryEmbedding, llama3_inv_freq, yarn_inv_freq
+from mbridge_epoverlap.moe.rotary import (
+    RotaryEmbedding,
+    apply_pair_rotary,
+    apply_partial_rotary,
+    apply_rotary,
+    llama3_inv_freq,
+    yarn_inv_freq,
+)
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.model.batch import TokenBatch
-from mbridge_epoverlap.serving.model.kv_cache import LatentKVCache
+from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache
 from mbridge_epoverlap.serving.model.latent.indexer import IndexQueries, LightningIndexer, rotate_pairs
 from mbridge_epoverlap.serving.model.spec import LatentAttention, ModelSpec
+
+# A layer's rotary angles (cos, sin [T, rotated dims] fp32) for the batch's positions, computed when first asked
+# (`AttentionPart` computes them once a step for every layer that turns them)
+Angles = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(torch.nn.Module):
@@ -121,6 +132,34 @@ class Attention(torch.nn.Module):
         # oneDNN-packed copies of the fused q/k/v and output weights (`AttentionPart(packed=True)` sets them)
         self.packed_qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.packed_proj: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.spec = spec
+        self.separate = True  # q, k and v as the checkpoint's three GEMMs (the engine's workers: one fused GEMM)
+
+    def mix(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: KVCache, angles: Angles) -> torch.Tensor:
+        """Layer `layer`'s attention for the batch's tokens (x [T, hidden], normalised; their keys and values go
+        into `cache`, whose attention this is) -> [T, hidden]."""
+        q, k, v, gate = self.project_qkv(x, separate=self.separate)
+        q, k = self.positioned(layer, q, k, batch.positions, angles)
+        heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.window_of(layer), sinks=self.sinks,
+                             chunk=self.spec.chunk_of(layer))
+        return self.project_out(heads, gate)
+
+    def positioned(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, angles: Angles
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s queries and keys with their positions in: turned by the rotary embedding (then normalised
+        by `spec.qk_l2_norm`), or, on a layer without rope, the queries scaled by `spec.attn_temperature`.
+        Nemotron-H's attention and Llama 4's NoPE layers have no rope: positions reach them otherwise."""
+        spec = self.spec
+        if spec.rope_of(layer):
+            cos, sin = angles()
+            # Llama 4 turns adjacent pairs; GLM-4.5 and others only the head's first `rotary_dim` dimensions
+            turn = apply_pair_rotary if spec.rope_pairs else apply_partial_rotary if spec.rotary_dim else apply_rotary
+            q, k = turn(q, cos, sin), turn(k, cos, sin)
+            if spec.qk_l2_norm:
+                q, k = weightless_rms_norm(q, spec.norm_eps), weightless_rms_norm(k, spec.norm_eps)
+        elif spec.attn_temperature is not None:
+            q = temperature_scaled(q, positions, *spec.attn_temperature)
+        return q, k
 
     def project_qkv(self, x: torch.Tensor, *, separate: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -346,6 +385,12 @@ class MultiLatentAttention(torch.nn.Module):
     def project_out(self, heads_out: torch.Tensor) -> torch.Tensor:
         """[T, heads * v] attention output -> [T, hidden]."""
         return F.linear(heads_out, self.o_proj.weight, self.o_bias)
+
+    def mix(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: KVCache, angles: Angles) -> torch.Tensor:
+        """`Attention.mix` over a cache of latents (`KVCache.for_spec` makes one for an MLA spec)."""
+        if not isinstance(cache, LatentKVCache):
+            raise TypeError(f"{self.mla} attends over a LatentKVCache (KVCache.for_spec makes one)")
+        return self.project_out(self.attend(layer, x, batch, cache, angles()))
 
     def attend(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: LatentKVCache,
                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from mbridge_epoverlap.errors import UsageError
 from mbridge_epoverlap.moe.experts import GroupedExperts, clamped_swiglu, grouped_expert_swiglu
 from mbridge_epoverlap.moe.model import seeded_normal
-from mbridge_epoverlap.moe.rotary import apply_pair_rotary, apply_partial_rotary, apply_rotary
 from mbridge_epoverlap.moe.router import GroupedSigmoidRouter, TopKRouter
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.decoding.sampling import StopRule, greedy
@@ -47,7 +46,7 @@ from mbridge_epoverlap.serving.model.compressed.hyper import (
 )
 from mbridge_epoverlap.serving.model.compressed.rope import Norm as CompressedNorm
 from mbridge_epoverlap.serving.model.kernels import combine
-from mbridge_epoverlap.serving.model.kv_cache import KVCache, LatentKVCache, exact_attention_asked
+from mbridge_epoverlap.serving.model.kv_cache import KVCache, exact_attention_asked
 from mbridge_epoverlap.serving.model.layers import (
     Attention,
     MultiLatentAttention,
@@ -58,8 +57,6 @@ from mbridge_epoverlap.serving.model.layers import (
     relu_squared,
     rotary_for,
     routing_for,
-    temperature_scaled,
-    weightless_rms_norm,
 )
 from mbridge_epoverlap.serving.model.linear.delta_net import GatedDeltaNetAttention
 from mbridge_epoverlap.serving.model.linear.mamba2 import Mamba2Mixer
@@ -195,6 +192,8 @@ class AttentionPart(torch.nn.Module):
         for block in self.layers:  # the workers' state layers' arithmetic is arranged for speed (`linear`)
             if isinstance(block.attention, GatedDeltaNetAttention | Mamba2Mixer):
                 block.attention.exact = not packed or exact_attention_asked()
+            elif isinstance(block.attention, Attention):
+                block.attention.separate = self._separate
         if pack:
             for block in self.layers:
                 if isinstance(block.attention, Attention):
@@ -237,21 +236,9 @@ class AttentionPart(torch.nn.Module):
             return self._compressed_step(layer, x, batch, cache)
         if block.attention is None or block.input_norm is None:  # a layer of an MLP alone (Nemotron-H)
             return self._after_mixer(layer, x)
-        if isinstance(block.attention, GatedDeltaNetAttention | Mamba2Mixer):  # states live beside the KV cache
-            if cache.states is None:
-                raise TypeError(f"{self.spec.architecture} needs a KVCache with a state cache (KVCache.for_spec)")
-            heads = block.attention.attend(layer, block.input_norm(x), batch, cache.states)
-        elif isinstance(block.attention, MultiLatentAttention):  # DeepSeek-V3: its cache holds latents
-            if not isinstance(cache, LatentKVCache):
-                raise TypeError(f"{self.spec.architecture} attends over a LatentKVCache (KVCache.for_spec makes one)")
-            heads = block.attention.attend(layer, block.input_norm(x), batch, cache, self._cos_sin(batch.positions))
-        else:
-            q, k, v, gate = block.attention.project_qkv(block.input_norm(x), separate=self._separate)
-            q, k = self._positioned(layer, q, k, batch.positions)
-            heads = cache.attend(layer, q, k, v, batch, sliding_window=self.spec.window_of(layer),
-                                 sinks=block.attention.sinks, chunk=self.spec.chunk_of(layer))
-            return self._after_mixer(layer, x + block.attention.project_out(heads, gate))
-        return self._after_mixer(layer, x + block.attention.project_out(heads))
+        # each kind of mixer attends over its own part of the cache (keys and values, latents, states)
+        mixed = block.attention.mix(layer, block.input_norm(x), batch, cache, lambda: self._cos_sin(batch.positions))
+        return self._after_mixer(layer, x + mixed)
 
     def _compressed_step(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: KVCache) -> AttnOut:
         """DeepSeek-V4's layer up to its experts: x [T, hc_mult, hidden] the streams; the attention block between
@@ -266,23 +253,6 @@ class AttentionPart(torch.nn.Module):
         tokens = block.post_norm(collapsed)
         ids, weights = block.router.route(tokens, batch.token_ids)
         return AttnOut(resid=streams, tokens=tokens, expert_ids=ids, gate_weights=weights, streams=(post, comb))
-
-    def _positioned(self, layer: int, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s queries and keys with their positions in: turned by the rotary embedding (then normalised
-        by `spec.qk_l2_norm`), or, on a layer without rope, the queries scaled by `spec.attn_temperature`.
-        Nemotron-H's attention and Llama 4's NoPE layers have no rope: positions reach them otherwise."""
-        spec = self.spec
-        if spec.rope_of(layer):
-            cos, sin = self._cos_sin(positions)
-            # Llama 4 turns adjacent pairs; GLM-4.5 and others only the head's first `rotary_dim` dimensions
-            turn = apply_pair_rotary if spec.rope_pairs else apply_partial_rotary if spec.rotary_dim else apply_rotary
-            q, k = turn(q, cos, sin), turn(k, cos, sin)
-            if spec.qk_l2_norm:
-                q, k = weightless_rms_norm(q, spec.norm_eps), weightless_rms_norm(k, spec.norm_eps)
-        elif spec.attn_temperature is not None:
-            q = temperature_scaled(q, positions, *spec.attn_temperature)
-        return q, k
 
     def _after_mixer(self, layer: int, resid: torch.Tensor) -> AttnOut:
         """The pre-MLP norm and the router of layer `layer` on the residual stream after its mixer."""

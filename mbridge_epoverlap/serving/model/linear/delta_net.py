@@ -20,13 +20,15 @@ place with one batched rank-1 product, on a view of the state cache's rows.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.model.batch import Segment, TokenBatch
 from mbridge_epoverlap.serving.model.linear.conv import prompt_conv, step_conv
-from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
+from mbridge_epoverlap.serving.model.linear.state_cache import StateCache, states_of
 from mbridge_epoverlap.serving.model.spec import GatedDeltaNet, ModelSpec
 
 CHUNK = 64  # the chunked form's block, `transformers`' and FLA's default
@@ -168,6 +170,11 @@ class GatedDeltaNetAttention(torch.nn.Module):
         lead = mixed.shape[:-1]
         keys = (*lead, la.num_key_heads, la.key_head_dim)
         return q.reshape(keys), k.reshape(keys), v.reshape(*lead, la.num_value_heads, la.value_head_dim)
+
+    def mix(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: Any, angles: Any) -> torch.Tensor:
+        """`layers.Attention.mix` for a DeltaNet layer: each sequence continues from its state in the KV cache's state
+        cache (`states_of`); no rotary angles."""
+        return self.project_out(self.attend(layer, x, batch, states_of(cache)))
 
     def attend(self, layer: int, x: torch.Tensor, batch: TokenBatch, states: StateCache) -> torch.Tensor:
         """The layer's linear attention for the batch's tokens (x [T, hidden], normalised), each sequence continuing

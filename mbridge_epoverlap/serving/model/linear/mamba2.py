@@ -16,6 +16,7 @@ decoding sequences' states in place (`_decode_in_place`), equal to rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from mbridge_epoverlap.moe.wgrad import Linear
 from mbridge_epoverlap.serving.model.batch import Segment, TokenBatch
 from mbridge_epoverlap.serving.model.linear.conv import prompt_conv, step_conv
-from mbridge_epoverlap.serving.model.linear.state_cache import StateCache
+from mbridge_epoverlap.serving.model.linear.state_cache import StateCache, states_of
 from mbridge_epoverlap.serving.model.spec import Mamba2, ModelSpec
 
 
@@ -139,6 +140,11 @@ class Mamba2Mixer(torch.nn.Module):
             out = self.packed_in(x)
             return out if self.in_proj_bias is None else out + self.in_proj_bias
         return F.linear(x, self.in_proj.weight, self.in_proj_bias)
+
+    def mix(self, layer: int, x: torch.Tensor, batch: TokenBatch, cache: Any, angles: Any) -> torch.Tensor:
+        """`layers.Attention.mix` for a Mamba-2 layer: each sequence continues from its state in the KV cache's state
+        cache (`states_of`); no rotary angles."""
+        return self.project_out(self.attend(layer, x, batch, states_of(cache)))
 
     def attend(self, layer: int, x: torch.Tensor, batch: TokenBatch, states: StateCache) -> torch.Tensor:
         """The layer's scan for the batch's tokens (x [T, hidden], normalised), each sequence continuing from its

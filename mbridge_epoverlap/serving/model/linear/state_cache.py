@@ -13,7 +13,7 @@ to and freed from both at once, and a micro-batch's `empty_like` cache gets its 
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -180,3 +180,13 @@ def state_bytes_per_sequence(spec: ModelSpec) -> int:
         conv, state = state_shapes(spec, layer)
         total += conv[0] * conv[1] * size + state[0] * state[1] * state[2] * 4
     return total
+
+
+def states_of(cache: Any) -> StateCache:
+    """The state cache a KV cache holds for a model with state layers (`KVCache.states`); TypeError where it holds
+    none (a cache made for another spec)."""
+    states = getattr(cache, "states", None)
+    if states is None:
+        raise TypeError("a model with DeltaNet or Mamba-2 layers needs a KVCache with a state cache "
+                        "(KVCache.for_spec makes one)")
+    return states
