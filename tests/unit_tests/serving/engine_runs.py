@@ -1,5 +1,6 @@
-"""Helpers of the serving tests: requests from prompts, what a run left behind, the reference model's prefill
-logits beside `transformers`', and a checkpoint's config alone, edited, refused before any weight is read."""
+"""Helpers of the serving tests: requests from prompts, the engine's tokens in a layout (and with an expert worker
+lost), what a run left behind, the reference model's prefill logits beside `transformers`', and a checkpoint's
+config alone, edited, refused before any weight is read."""
 
 from __future__ import annotations
 
@@ -14,6 +15,36 @@ from mbridge_epoverlap.serving.workers.requests import Request
 def requests_of(prompts):
     """One request per prompt, ids p0, p1, ..."""
     return [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+
+
+def engine_tokens(directory, prompts, max_new_tokens, **layout):
+    """The disaggregated engine's greedy tokens for `prompts` on the checkpoint in `directory`, in the layout
+    `make_plan` takes as keywords; every completion must end "ok"."""
+    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    plan = make_plan(load_spec(directory), requests_of(prompts), max_new_tokens=max_new_tokens, timeout_s=30,
+                     **layout)
+    completions = run_engine(plan)["completions"]
+    assert all(c["status"] == "ok" for c in completions), [c["status"] for c in completions]
+    return [c["output_ids"] for c in completions]
+
+
+def tokens_after_a_lost_expert_worker(directory, prompts, max_new_tokens, *, kill_step=3):
+    """Elastic serving's greedy tokens with expert worker 0 of 4 (m = 2, 4 redundant experts) SIGKILLed at decode
+    step `kill_step`: the loss must be seen, no request fail, and no process or shared-memory segment be left."""
+    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
+    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+    from mbridge_epoverlap.serving.model.checkpoint import load_spec
+
+    plan = make_plan(load_spec(directory), requests_of(prompts), expert_workers=4, micro_batches=2,
+                     max_new_tokens=max_new_tokens, timeout_s=20)
+    plan = make_elastic(plan, redundant=4, kill=1, kill_step=kill_step)
+    pids: list[int] = []
+    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
+    assert result["elastic"]["lost_workers"] == [0] and result["failed_requests"] == []
+    assert leftovers(pids) == ([], [])
+    return [c["output_ids"] for c in result["completions"]]
 
 
 def leftovers(pids):

@@ -103,7 +103,7 @@ def test_disaggregated_engine_tokens_equal_transformers_greedy(family, request, 
 # colocation; DeepSeek-V4 those and an expert worker lost; DeepSeek-V3.2 and GLM-5 all: `test_dsa.py`), on the
 # 13-token prompt with others; the arithmetic of each is the m = 2 run's above, so these check what the layout adds
 # (micro-batch caches, a process of its own per expert group or none, a failover) on each family's caches.
-_ELASTIC = {"expert_workers": 4, "micro_batches": 2, "elastic": True}
+_ELASTIC = {"elastic": True}  # `tokens_after_a_lost_expert_worker`'s layout
 NEWER_LAYOUTS = [
     *(("minimax_m2", layout) for layout in ({"micro_batches": 1, "expert_workers": 1},
                                              {"micro_batches": 3, "expert_workers": 2},
@@ -134,22 +134,15 @@ def _layout_id(layout: dict) -> str:
                          ids=[f"{f}-{_layout_id(lay)}" for f, lay in NEWER_LAYOUTS])
 def test_every_layout_serves_the_newer_families(family, layout, request, prompts, hf_greedy) -> None:
     """Elastic: an expert worker SIGKILLed at step 2, its experts served by their surviving copies."""
-    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-    from tests.unit_tests.serving.engine_runs import requests_of
+    from tests.unit_tests.serving.engine_runs import engine_tokens, tokens_after_a_lost_expert_worker
 
     directory = request.getfixturevalue(f"tiny_{family}_dir")
     batch, max_new = prompts[:3], 4
-    layout = dict(layout)
-    elastic = layout.pop("elastic", False)
-    plan = make_plan(load_spec(directory), requests_of(batch), max_new_tokens=max_new, timeout_s=30, **layout)
-    if elastic:
-        plan = make_elastic(plan, redundant=4, kill=1, kill_step=2)
-    result = run_engine(plan, run_timeout_s=120)
-    assert all(c["status"] == "ok" for c in result["completions"])
-    if elastic:
-        assert result["elastic"]["lost_workers"] == [0] and result["failed_requests"] == []
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(directory, batch, max_new)
+    if layout.get("elastic"):
+        tokens = tokens_after_a_lost_expert_worker(directory, batch, max_new, kill_step=2)
+    else:
+        tokens = engine_tokens(directory, batch, max_new, **layout)
+    assert tokens == hf_greedy(directory, batch, max_new)
 
 
 # --- what each module reads -------------------------------------------------------------------------

@@ -33,8 +33,9 @@ from tests.unit_tests.serving.conftest import TINY_VOCAB, V4_TOPK
 from tests.unit_tests.serving.engine_runs import (
     assert_refused_before_weights,
     config_only,
+    engine_tokens,
     prefill_logits,
-    requests_of,
+    tokens_after_a_lost_expert_worker,
 )
 
 MAX_NEW = 8
@@ -173,31 +174,16 @@ def test_each_sequence_s_state_lives_in_its_cache(tiny_deepseek_v4_dir) -> None:
     {"attn_workers": 2, "micro_batches": 2, "expert_workers": 1},
 ], ids=["colocated", "two-attention-workers"])
 def test_the_engine_layouts_give_transformers_tokens(tiny_deepseek_v4_dir, layout, long_prompts, hf_greedy) -> None:
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-
-    plan = make_plan(load_spec(tiny_deepseek_v4_dir), requests_of(long_prompts), max_new_tokens=MAX_NEW,
-                     timeout_s=30, **layout)
-    result = run_engine(plan)
-    assert all(c["status"] == "ok" for c in result["completions"])
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_deepseek_v4_dir, long_prompts, MAX_NEW)
+    tokens = engine_tokens(tiny_deepseek_v4_dir, long_prompts, MAX_NEW, **layout)
+    assert tokens == hf_greedy(tiny_deepseek_v4_dir, long_prompts, MAX_NEW)
 
 
 def test_a_lost_expert_worker_leaves_the_hash_routed_tokens_whole(tiny_deepseek_v4_dir, long_prompts,
                                                                   hf_greedy) -> None:
     """Elastic serving: the hash layer's experts come from the table on the attention side and are placed as any
     other; an expert worker SIGKILLed mid-decode, every sequence carries on to `transformers`' tokens."""
-    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-    from tests.unit_tests.serving.engine_runs import leftovers
-
-    plan = make_plan(load_spec(tiny_deepseek_v4_dir), requests_of(long_prompts), expert_workers=4, micro_batches=2,
-                     max_new_tokens=MAX_NEW, timeout_s=20)
-    plan = make_elastic(plan, redundant=4, kill=1, kill_step=3)
-    pids: list[int] = []
-    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
-    assert result["elastic"]["lost_workers"] == [0] and result["failed_requests"] == []
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_deepseek_v4_dir, long_prompts, MAX_NEW)
-    assert leftovers(pids) == ([], [])
+    tokens = tokens_after_a_lost_expert_worker(tiny_deepseek_v4_dir, long_prompts, MAX_NEW)
+    assert tokens == hf_greedy(tiny_deepseek_v4_dir, long_prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize(("changes", "named"), [

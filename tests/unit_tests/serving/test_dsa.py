@@ -27,7 +27,12 @@ from mbridge_epoverlap.serving.model.latent.indexer import exact_selection, padd
 from mbridge_epoverlap.serving.model.parts import LocalModel, generate_reference, load_attention_part, load_expert_part
 from mbridge_epoverlap.serving.model.spec import SparseIndexer
 from tests.unit_tests.serving.conftest import DSA_TOPK, TINY_VOCAB
-from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, config_only, requests_of
+from tests.unit_tests.serving.engine_runs import (
+    assert_refused_before_weights,
+    config_only,
+    engine_tokens,
+    tokens_after_a_lost_expert_worker,
+)
 
 MAX_NEW = 8
 
@@ -141,32 +146,16 @@ def test_indexer_keys_travel_with_prefix_blocks_and_moved_rows() -> None:
 ], ids=["disaggregated-m1", "disaggregated-m3", "two-attention-workers", "colocated", "replicated"])
 def test_every_layout_gives_transformers_tokens(family, layout, request, long_prompts, prompts, hf_greedy) -> None:
     """The workers decode with the batched choice and the absorbed attention over the chosen latents."""
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-
     directory = request.getfixturevalue(f"tiny_{family}_dir")
     batch = long_prompts + prompts
-    max_new = 5
-    plan = make_plan(load_spec(directory), requests_of(batch), max_new_tokens=max_new, timeout_s=30, **layout)
-    result = run_engine(plan)
-    assert all(c["status"] == "ok" for c in result["completions"])
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(directory, batch, max_new)
+    assert engine_tokens(directory, batch, 5, **layout) == hf_greedy(directory, batch, 5)
 
 
 def test_a_lost_expert_worker_leaves_the_caches_whole(tiny_glm_moe_dsa_dir, long_prompts, hf_greedy) -> None:
     """Elastic serving: an expert worker SIGKILLed mid-decode; the latents and indexer keys live on the attention
     worker, so every sequence carries on over the surviving copies of its experts, to `transformers`' tokens."""
-    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-    from tests.unit_tests.serving.engine_runs import leftovers
-
-    plan = make_plan(load_spec(tiny_glm_moe_dsa_dir), requests_of(long_prompts), expert_workers=4, micro_batches=2,
-                     max_new_tokens=MAX_NEW, timeout_s=20)
-    plan = make_elastic(plan, redundant=4, kill=1, kill_step=3)
-    pids: list[int] = []
-    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
-    assert result["elastic"]["lost_workers"] == [0] and result["failed_requests"] == []
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_glm_moe_dsa_dir, long_prompts, MAX_NEW)
-    assert leftovers(pids) == ([], [])
+    tokens = tokens_after_a_lost_expert_worker(tiny_glm_moe_dsa_dir, long_prompts, MAX_NEW)
+    assert tokens == hf_greedy(tiny_glm_moe_dsa_dir, long_prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize(("family", "changes", "named"), [

@@ -32,8 +32,8 @@ from tests.unit_tests.serving.conftest import LLAMA4_CHUNK
 from tests.unit_tests.serving.engine_runs import (
     assert_refused_before_weights,
     config_only,
+    engine_tokens,
     prefill_logits,
-    requests_of,
 )
 
 MAX_NEW = 10
@@ -187,14 +187,7 @@ def test_config_variants_equal_transformers_bit_for_bit(tiny_llama4_dir, prompts
     {"colocated": 2, "micro_batches": 2},
 ], ids=["two-attention-workers", "colocated"])
 def test_every_layout_gives_transformers_tokens(tiny_llama4_dir, prompts, hf_greedy, layout) -> None:
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-
-    max_new = 6
-    plan = make_plan(load_spec(tiny_llama4_dir), requests_of(prompts), max_new_tokens=max_new, timeout_s=30,
-                     **layout)
-    result = run_engine(plan)
-    assert all(c["status"] == "ok" for c in result["completions"])
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_llama4_dir, prompts, max_new)
+    assert engine_tokens(tiny_llama4_dir, prompts, 6, **layout) == hf_greedy(tiny_llama4_dir, prompts, 6)
 
 
 @pytest.mark.parametrize(("changes", "named"), [

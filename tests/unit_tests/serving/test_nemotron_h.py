@@ -28,7 +28,11 @@ from mbridge_epoverlap.serving.model.linear.state_cache import state_bytes_per_s
 from mbridge_epoverlap.serving.model.parts import LocalModel, generate_reference, load_attention_part, load_expert_part
 from mbridge_epoverlap.serving.model.spec import Mamba2
 from tests.unit_tests.serving.conftest import TINY_VOCAB
-from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, config_only, requests_of
+from tests.unit_tests.serving.engine_runs import (
+    assert_refused_before_weights,
+    config_only,
+    engine_tokens,
+)
 
 MAX_NEW = 8
 
@@ -129,15 +133,8 @@ def test_the_chunked_scan_and_the_recurrence_agree() -> None:
 ], ids=["two-attention-workers", "colocated"])
 def test_every_layout_gives_transformers_tokens(tiny_nemotron_h_dir, long_prompts, prompts, hf_greedy,
                                                 layout) -> None:
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-
     batch = long_prompts + prompts
-    max_new = 5
-    plan = make_plan(load_spec(tiny_nemotron_h_dir), requests_of(batch), max_new_tokens=max_new, timeout_s=30,
-                     **layout)
-    result = run_engine(plan)
-    assert all(c["status"] == "ok" for c in result["completions"])
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_nemotron_h_dir, batch, max_new)
+    assert engine_tokens(tiny_nemotron_h_dir, batch, 5, **layout) == hf_greedy(tiny_nemotron_h_dir, batch, 5)
 
 
 def test_the_older_pattern_config_reads_the_same(tiny_nemotron_h_dir, tmp_path) -> None:

@@ -24,7 +24,12 @@ from mbridge_epoverlap.serving.model.linear.state_cache import StateCache, state
 from mbridge_epoverlap.serving.model.parts import LocalModel, generate_reference, load_attention_part, load_expert_part
 from mbridge_epoverlap.serving.model.spec import GatedDeltaNet
 from tests.unit_tests.serving.conftest import TINY_VOCAB
-from tests.unit_tests.serving.engine_runs import assert_refused_before_weights, config_only, requests_of
+from tests.unit_tests.serving.engine_runs import (
+    assert_refused_before_weights,
+    config_only,
+    engine_tokens,
+    tokens_after_a_lost_expert_worker,
+)
 
 MAX_NEW = 8
 
@@ -203,33 +208,16 @@ def test_the_state_cache_keeps_sequences_apart(tiny_qwen3_next_dir) -> None:
 def test_every_layout_gives_transformers_tokens(family, request, long_prompts, prompts, hf_greedy, layout) -> None:
     """The states live on the attention side: each layout (micro-batches with their own caches, several attention
     workers, colocated and replicated experts) decodes long and short prompts together to the same tokens."""
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-
     directory = request.getfixturevalue(f"tiny_{family}_dir")
     batch = long_prompts + prompts
-    max_new = 5
-    plan = make_plan(load_spec(directory), requests_of(batch), max_new_tokens=max_new, timeout_s=30, **layout)
-    result = run_engine(plan)
-    assert all(c["status"] == "ok" for c in result["completions"])
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(directory, batch, max_new)
+    assert engine_tokens(directory, batch, 5, **layout) == hf_greedy(directory, batch, 5)
 
 
 def test_a_lost_expert_worker_leaves_the_states_whole(tiny_qwen3_next_dir, long_prompts, hf_greedy) -> None:
     """Elastic serving: an expert worker SIGKILLed mid-decode; the DeltaNet states live on the attention worker, so
     every sequence carries on from them on the surviving copies of its experts, to `transformers`' tokens."""
-    from mbridge_epoverlap.serving.engine.elastic_plan import make_elastic
-    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
-    from tests.unit_tests.serving.engine_runs import leftovers
-
-    max_new = 8
-    plan = make_plan(load_spec(tiny_qwen3_next_dir), requests_of(long_prompts), expert_workers=4, micro_batches=2,
-                     max_new_tokens=max_new, timeout_s=20)
-    plan = make_elastic(plan, redundant=4, kill=1, kill_step=3)
-    pids: list[int] = []
-    result = run_engine(plan, on_start=pids.extend, run_timeout_s=120)
-    assert result["elastic"]["lost_workers"] == [0] and result["failed_requests"] == []
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_qwen3_next_dir, long_prompts, max_new)
-    assert leftovers(pids) == ([], [])
+    tokens = tokens_after_a_lost_expert_worker(tiny_qwen3_next_dir, long_prompts, 8)
+    assert tokens == hf_greedy(tiny_qwen3_next_dir, long_prompts, 8)
 
 
 def test_serve_reports_the_state_bytes_beside_the_kv_bytes(tiny_qwen3_next_dir, tmp_path, capsys) -> None:

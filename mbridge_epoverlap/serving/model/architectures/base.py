@@ -212,8 +212,8 @@ class Architecture:
         return self.attention_tensors(spec, f"{prefix}.self_attn")
 
     def attention_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
-        """Separate q, k, v (and o) projections, with biases and q/k norms where the spec has them (q's rows
-        doubled where each head also has an output gate)."""
+        """Separate q, k, v (and o) projections, with biases (`qkv_bias`, `attention_out_bias`) and q/k norms where
+        the spec has them (q's rows doubled where each head also has an output gate)."""
         h, d, hq, hkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
         f = ATTENTION_FIELDS
         q_rows = hq * d * (2 if spec.attention_output_gate else 1)
@@ -223,6 +223,8 @@ class Architecture:
         if spec.qkv_bias:
             out["qkv_bias"] = cat((f"{prefix}.q_proj.bias", (q_rows,)), (f"{prefix}.k_proj.bias", (hkv * d,)),
                                   (f"{prefix}.v_proj.bias", (hkv * d,)), fields=f)
+        if spec.attention_out_bias:
+            out["proj_bias"] = one(f"{prefix}.o_proj.bias", h, fields=f)
         if spec.qk_norm:
             q_size, k_size = (d, d) if spec.qk_norm_scope == "head" else (hq * d, hkv * d)
             out["q_norm.weight"] = one(f"{prefix}.q_norm.weight", q_size, fields=f)

@@ -104,12 +104,6 @@ class GptOss(Architecture):
                                              fields=("num_local_experts",))
         return out
 
-    def attention_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
-        out = super().attention_tensors(spec, prefix)
-        if spec.attention_out_bias:
-            out["proj_bias"] = one(f"{prefix}.o_proj.bias", spec.hidden_size, fields=base.ATTENTION_FIELDS)
-        return out
-
     def moe_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
         return {"router.weight": one(f"{prefix}.router.weight", spec.num_experts, spec.hidden_size,
                                      fields=("num_local_experts", "hidden_size"))}

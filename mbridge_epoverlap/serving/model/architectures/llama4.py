@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.errors import UsageError
-from mbridge_epoverlap.serving.model.architectures import base
 from mbridge_epoverlap.serving.model.architectures.base import Architecture, ConfigFields, Source, one, text_config
 from mbridge_epoverlap.serving.model.spec import ModelSpec, RopeScaling
 
@@ -153,12 +152,6 @@ class Llama4(Architecture):
                 dense = self.mlp_tensors(f"model.layers.{i}.{self.moe_block}", spec.dense_ffn, spec.hidden_size,
                                          "intermediate_size_mlp")
                 out.update({f"layers.{i}.mlp.{k}": v for k, v in dense.items()})
-        return out
-
-    def attention_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:
-        out = super().attention_tensors(spec, prefix)
-        if spec.attention_out_bias:
-            out["proj_bias"] = one(f"{prefix}.o_proj.bias", spec.hidden_size, fields=base.ATTENTION_FIELDS)
         return out
 
     def moe_tensors(self, spec: ModelSpec, prefix: str) -> dict[str, Source]:

@@ -42,7 +42,7 @@ def _with_tokenizer(source: Path, directory: Path) -> Path:
     return directory
 
 
-# Qwen3-Next online: `test_a_hybrid_model_fed_in_chunks_beside_others_equals_transformers` below.
+# Qwen3-Next online: `test_prompts_fed_in_chunks_beside_others_equal_transformers` below.
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "dbrx", "gpt_oss", "glm4_moe", "deepseek_v3", "minimax_m2",
                                     "nemotron_h", "glm_moe_dsa", "llama4"])
 def test_text_prompts_equal_transformers_greedy(family, request, tmp_path, start_server, hf_greedy):
@@ -86,68 +86,38 @@ def test_an_fp8_checkpoint_served_online_equals_transformers_on_its_dequantized_
                      else r"weights [\d.]+ [KMG]iB fp32, KV cache", ready) and "peak RSS" in ready, ready
 
 
-def test_a_hybrid_model_fed_in_chunks_beside_others_equals_transformers(tiny_qwen3_next_dir, tmp_path, start_server,
-                                                                         hf_greedy):
-    """Qwen3-Next disaggregated (two expert workers) with a prefill budget of 4 tokens a step: a 100-token prompt is
-    fed in 25 chunks, each continuing the DeltaNet states the last left, while two short prompts decode beside it;
-    all three equal `transformers`. /metrics reports the state bytes per sequence, and no prompt token goes through
-    a prefix cache (a hybrid model keeps none)."""
+# (family, the long prompt's tokens, prefill tokens a step): what the scheduler's chunks cut, with two short prompts
+# decoding beside: Qwen3-Next's DeltaNet states (25 chunks of 4), Llama 4's attention chunks of 4 (pieces of 3 that
+# start inside them: the workers' `prompt_attention` from a later position, masked to the chunks), DeepSeek-V4's
+# pools of 4 and 8 and its window of 8 (each piece continuing from the buffered tokens, overlap and entries).
+CHUNKED = [("qwen3_next", 100, 4), ("llama4", 30, 3), ("deepseek_v4", 40, 3)]
+
+
+@pytest.mark.parametrize(("family", "long", "budget"), CHUNKED, ids=[c[0] for c in CHUNKED])
+def test_prompts_fed_in_chunks_beside_others_equal_transformers(family, long, budget, request, start_server,
+                                                                hf_greedy):
+    """Disaggregated (two expert workers) with a small prefill budget: all three prompts equal `transformers`.
+    /metrics reports each sequence's state bytes, and a model that keeps state beside its KV cache (DeltaNet, the
+    V4 windows and pools) answers no prompt token from a prefix cache."""
     import random
     import urllib.request
 
     from mbridge_epoverlap.serving.model.checkpoint import load_spec
     from mbridge_epoverlap.serving.model.linear.state_cache import state_bytes_per_sequence
 
-    server = start_server(tiny_qwen3_next_dir, "--expert-workers", "2", "--max-prefill-tokens", "4", "--timeout", "60")
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
+    server = start_server(directory, "--expert-workers", "2", "--max-prefill-tokens", str(budget), "--timeout", "60")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
     rng = random.Random(3)
-    batch = [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (100, 3, 6)]
+    batch = [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (long, 3, 6)]
     answer = client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body={"ignore_eos": True})
     got = sorted(answer.choices, key=lambda c: c.index)
-    assert [c.model_extra["token_ids"] for c in got] == hf_greedy(tiny_qwen3_next_dir, batch, MAX_TOKENS)
+    assert [c.model_extra["token_ids"] for c in got] == hf_greedy(directory, batch, MAX_TOKENS)
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as reply:
         lines = reply.read().decode().splitlines()
     value = {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}
-    assert value["mbe_state_cache_bytes_per_sequence"] == state_bytes_per_sequence(load_spec(tiny_qwen3_next_dir))
-    assert value["mbe_prefix_cache_queries_total"] == 0
-
-
-def test_llama4_prompts_fed_across_attention_chunks_equal_transformers(tiny_llama4_dir, start_server, hf_greedy):
-    """Llama 4 disaggregated (two expert workers) with a prefill budget of 3 tokens a step, against its attention
-    chunks of 4: a 30-token prompt is fed in pieces that start inside chunks (the workers' `prompt_attention` from a
-    later position, masked to the chunks), while two short prompts decode beside it; all three equal
-    `transformers`."""
-    import random
-
-    server = start_server(tiny_llama4_dir, "--expert-workers", "2", "--max-prefill-tokens", "3", "--timeout", "60")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
-    rng = random.Random(3)
-    batch = [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (30, 3, 6)]
-    answer = client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"ignore_eos": True})
-    got = sorted(answer.choices, key=lambda c: c.index)
-    assert [c.model_extra["token_ids"] for c in got] == hf_greedy(tiny_llama4_dir, batch, MAX_TOKENS)
-
-
-def test_deepseek_v4_prompts_fed_across_its_pools_equal_transformers(tiny_deepseek_v4_dir, start_server, hf_greedy):
-    """DeepSeek-V4 disaggregated (two expert workers) with a prefill budget of 3 tokens a step, against its pools of 4
-    and 8 tokens and its window of 8: a 40-token prompt is fed in pieces that cut the pools' windows (each continuing
-    from the buffered tokens, overlap and entries the last left), while two short prompts decode beside it; all three
-    equal `transformers`, and no prompt token goes through a prefix cache (the windows and pools are not in it)."""
-    import random
-    import urllib.request
-
-    server = start_server(tiny_deepseek_v4_dir, "--expert-workers", "2", "--max-prefill-tokens", "3", "--timeout",
-                          "60")
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60.0, max_retries=0)
-    rng = random.Random(3)
-    batch = [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (40, 3, 6)]
-    answer = client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"ignore_eos": True})
-    got = sorted(answer.choices, key=lambda c: c.index)
-    assert [c.model_extra["token_ids"] for c in got] == hf_greedy(tiny_deepseek_v4_dir, batch, MAX_TOKENS)
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as reply:
-        lines = reply.read().decode().splitlines()
-    value = {line.split()[0]: float(line.split()[1]) for line in lines if line and not line.startswith("#")}
-    assert value["mbe_prefix_cache_queries_total"] == 0
+    spec = load_spec(directory)
+    assert value["mbe_state_cache_bytes_per_sequence"] == state_bytes_per_sequence(spec)
+    if spec.state_layer_ids or spec.compressed is not None:
+        assert value["mbe_prefix_cache_queries_total"] == 0
