@@ -281,10 +281,11 @@ def _tensor_files(directory: Path, prefixes: Sequence[tuple[str, str]] = ()) -> 
         except Exception as err:  # safetensors raises its own error types for a bad header
             raise UsageError(f"{path} is not a readable safetensors file: {err}") from None
         for name in names:
-            if logical_name(name, prefixes) in files:
-                raise UsageError(f"{path}: tensor {name!r} is also in {files[logical_name(name, prefixes)]}; each "
-                                 "tensor must be in one file")
-            files[logical_name(name, prefixes)] = path.name
+            logical = logical_name(name, prefixes)
+            if logical in files:
+                raise UsageError(f"{path}: tensor {name!r} is also in {files[logical]}; each tensor must be in one "
+                                 "file")
+            files[logical] = path.name
     return files
 
 

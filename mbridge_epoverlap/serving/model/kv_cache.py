@@ -237,18 +237,13 @@ class KVCache:
         v_buf[row_index, :, position] = values
         for seq_id, start in zip(seq_ids, starts, strict=True):
             self._lengths[seq_id][layer] = start + 1
+        order = None
         low = min(rows)
-        if max(rows) - low + 1 == len(rows):  # the rows are a contiguous range (`free` keeps them so): a view
-            span = slice(low, low + len(rows))
-            order = None
-            if rows != list(range(low, low + len(rows))):
-                order = torch.empty(len(rows), dtype=torch.int64)
-                order[row_index - low] = torch.arange(len(rows))
-                position = position[order]
-            return k_buf[span, :, :longest], v_buf[span, :, :longest], position + 1, order
-        # index_select of the filled positions copies whole rows; advanced indexing is about twice as slow here.
-        return (k_buf[:, :, :longest].index_select(0, row_index), v_buf[:, :, :longest].index_select(0, row_index),
-                position + 1, None)
+        if _is_range(rows) and rows != list(range(low, low + len(rows))):  # a view of the rows, in row order
+            order = torch.empty(len(rows), dtype=torch.int64)
+            order[row_index - low] = torch.arange(len(rows))
+            position = position[order]
+        return _history(k_buf, rows, longest), _history(v_buf, rows, longest), position + 1, order
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: TokenBatch, *,
                sliding_window: int | None = None, sinks: torch.Tensor | None = None,
@@ -343,6 +338,20 @@ class KVCache:
                 new = old.new_zeros(rows or old.shape[0], old.shape[1], capacity or old.shape[2], old.shape[3])
                 new[:old.shape[0], :, :old.shape[2]] = old
                 store[index] = new
+
+
+def _is_range(rows: Sequence[int]) -> bool:
+    """Whether the cache rows are one contiguous range (`KVCache.free` keeps the live rows so)."""
+    return max(rows) - min(rows) + 1 == len(rows)
+
+
+def _history(buffer: torch.Tensor, rows: Sequence[int], longest: int) -> torch.Tensor:
+    """The first `longest` positions of the cache rows `rows` of a [rows, heads, capacity, width] buffer: a view in
+    row order where the rows are a range (`append_decode` says that order), else a copy in `rows`' order.
+    index_select of the filled positions copies whole rows; advanced indexing is about twice as slow here."""
+    if _is_range(rows):
+        return buffer[min(rows):min(rows) + len(rows), :, :longest]
+    return buffer[:, :, :longest].index_select(0, torch.tensor(rows, dtype=torch.int64))
 
 
 def _in_order(rows: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -617,6 +626,8 @@ class LatentKVCache(KVCache):
         # The last indexed layer's choice, for the layers that share it (GLM-5): per sequence the [n, m] tokens its
         # queries attend to (None: all), and the decode batch's (positions, usable) of the absorbed decode.
         self._chosen: dict[int, torch.Tensor | None] = {}
+        # kept only where a layer reads them: a long prompt's [n, m] choice is not small
+        self._shares = any(width == 0 for width in self.index_widths or ())
         self._chosen_decode: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -737,7 +748,8 @@ class LatentKVCache(KVCache):
         buffer[row, 0, start:end] = index.keys[rows]
         chosen = exact_selection(index.q[rows], index.weights[rows], buffer[row, 0, :end], q_positions, index.topk,
                                  self.dtype)
-        self._chosen[seq_id] = chosen
+        if self._shares:
+            self._chosen[seq_id] = chosen
         return chosen
 
     def _new_index_keys(self, layer: int, groups: AttentionGroups, index: IndexQueries) -> torch.Tensor:
@@ -746,14 +758,9 @@ class LatentKVCache(KVCache):
         assert index.keys is not None
         seq_ids, starts = groups.decode_seq_ids, groups.decode_starts
         cache_rows = [self._row[s] for s in seq_ids]
-        row_index = torch.tensor(cache_rows, dtype=torch.int64)
         buffer = self._index_keys[layer]
-        buffer[row_index, 0, torch.tensor(starts, dtype=torch.int64)] = index.keys[groups.decode_rows]
-        longest = max(starts) + 1
-        low = min(cache_rows)
-        if max(cache_rows) - low + 1 == len(cache_rows):
-            return buffer[low:low + len(cache_rows), 0, :longest]
-        return buffer[:, 0, :longest].index_select(0, row_index)
+        buffer[torch.tensor(cache_rows), 0, torch.tensor(starts)] = index.keys[groups.decode_rows]
+        return _history(buffer, cache_rows, max(starts) + 1)[:, 0]
 
     def _decode_choices(self, layer: int, groups: AttentionGroups, rows: torch.Tensor, order: torch.Tensor | None,
                         index: IndexQueries | None) -> list[torch.Tensor | None] | None:
@@ -772,7 +779,8 @@ class LatentKVCache(KVCache):
             n = self._lengths[seq_id][layer]
             choice = exact_selection(index.q[rows[i:i + 1]], index.weights[rows[i:i + 1]], keys[i, :n],
                                      torch.tensor([n - 1]), index.topk, self.dtype)
-            self._chosen[seq_id] = choice
+            if self._shares:
+                self._chosen[seq_id] = choice
             choices.append(choice)
         return choices
 

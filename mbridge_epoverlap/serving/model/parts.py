@@ -44,7 +44,7 @@ from mbridge_epoverlap.serving.model.compressed.hyper import (
     limited_swiglu,
     mix,
 )
-from mbridge_epoverlap.serving.model.compressed.rope import Norm as CompressedNorm
+from mbridge_epoverlap.serving.model.compressed.rope import fp32_norm
 from mbridge_epoverlap.serving.model.kernels import combine
 from mbridge_epoverlap.serving.model.kv_cache import KVCache, exact_attention_asked
 from mbridge_epoverlap.serving.model.layers import (
@@ -138,7 +138,7 @@ class DecodeLayer(torch.nn.Module):
         c = spec.compressed
         assert c is not None
         h = spec.hidden_size
-        self.input_norm, self.post_norm = CompressedNorm(h, spec.norm_eps), CompressedNorm(h, spec.norm_eps)
+        self.input_norm, self.post_norm = fp32_norm(h, spec.norm_eps), fp32_norm(h, spec.norm_eps)
         self.attention = CompressedAttention(spec, layer, dtype)
         self.attn_hc, self.ffn_hc = (HyperConnection(c.hc_mult, h, iters=c.hc_sinkhorn_iters, eps=c.hc_eps,
                                                      norm_eps=spec.norm_eps) for _ in range(2))
@@ -173,7 +173,7 @@ class AttentionPart(torch.nn.Module):
         self.embedding = torch.nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype))
         self.layers = torch.nn.ModuleList(DecodeLayer(spec, i, dtype) for i in range(spec.num_layers))
         self.final_norm = (make_norm(spec, spec.hidden_size, dtype) if spec.compressed is None
-                           else CompressedNorm(spec.hidden_size, spec.norm_eps))
+                           else fp32_norm(spec.hidden_size, spec.norm_eps))
         c = spec.compressed
         self.hc_head = None if c is None else HyperHead(c.hc_mult, spec.hidden_size, eps=c.hc_eps,
                                                         norm_eps=spec.norm_eps)
@@ -634,10 +634,7 @@ def _stored_rows(reader: Any, spec: ModelSpec, layer: int, expert: int) -> tuple
     out = []
     for source in expert_sources(spec, layer, expert):
         name = source.parts[0][0]
-        rows = reader.rows(name, expert, expert + 1)[0]
-        as_stored = rows.dtype == spec.torch_dtype() and not reader.is_fp8(name)
-        offset = reader.byte_offset(name, expert) if as_stored else None
-        out.append(_at_file_offset(rows.to(spec.torch_dtype()), offset))
+        out.append(_as_in_file(reader, spec, name, expert, reader.rows(name, expert, expert + 1)[0]))
     return tuple(out)
 
 
@@ -648,10 +645,16 @@ def _stored_expert(reader: Any, spec: ModelSpec, up: Any, down: Any) -> tuple[to
     for source, j in ((up, 0), (up, 1), (down, 0)):
         name, span = source.parts[j][0], source.row_ranges()[j]
         rows = reader.get(name) if span is None else reader.rows(name, *span)
-        as_stored = rows.dtype == spec.torch_dtype() and not reader.is_fp8(name)
-        offset = reader.byte_offset(name, span[0] if span else 0) if as_stored else None
-        out.append(_at_file_offset(rows.to(spec.torch_dtype()), offset))
+        out.append(_as_in_file(reader, spec, name, span[0] if span else 0, rows))
     return tuple(out)
+
+
+def _as_in_file(reader: Any, spec: ModelSpec, name: str, first_row: int, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` of tensor `name` (from row `first_row`) in the model dtype, at the address offset they have in the
+    file when the file stores them in that dtype (else a fresh, aligned conversion)."""
+    as_stored = rows.dtype == spec.torch_dtype() and not reader.is_fp8(name)
+    offset = reader.byte_offset(name, first_row) if as_stored else None
+    return _at_file_offset(rows.to(spec.torch_dtype()), offset)
 
 
 def _std(fan_in: int) -> float:

@@ -188,11 +188,8 @@ class Architecture:
 
     def attention_sources(self, spec: ModelSpec) -> dict[str, Source]:
         """Parameter name of `serving.model.parts.AttentionPart` -> its checkpoint tensors."""
-        h, vocab = spec.hidden_size, ("vocab_size", "hidden_size")
-        out = {"embedding": one("model.embed_tokens.weight", spec.vocab_size, h, fields=vocab),
-               "final_norm.weight": one("model.norm.weight", h)}
-        if not spec.tie_word_embeddings:
-            out["head.weight"] = one("lm_head.weight", spec.vocab_size, h, fields=vocab)
+        h = spec.hidden_size
+        out = self.model_ends(spec, "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
         for i in range(spec.num_layers):
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             out[f"{ours}.input_norm.weight"] = one(f"{hf}.input_layernorm.weight", h)
@@ -204,6 +201,18 @@ class Architecture:
             else:
                 out.update({f"{ours}.mlp.{k}": v for k, v in self.mlp_tensors(f"{hf}.mlp", spec.dense_ffn, h,
                                                                                "intermediate_size").items()})
+        return out
+
+    @staticmethod
+    def model_ends(spec: ModelSpec, embedding: str, final_norm: str, head: str, *,
+                   hidden_field: str = "hidden_size") -> dict[str, Source]:
+        """The embedding, the final norm and (unless the embeddings are tied) the output head, under the names the
+        checkpoint gives them; `hidden_field` names the hidden size in messages."""
+        h, vocab = spec.hidden_size, ("vocab_size", hidden_field)
+        out = {"embedding": one(embedding, spec.vocab_size, h, fields=vocab),
+               "final_norm.weight": one(final_norm, h, fields=(hidden_field,))}
+        if not spec.tie_word_embeddings:
+            out["head.weight"] = one(head, spec.vocab_size, h, fields=vocab)
         return out
 
     def mixer_tensors(self, spec: ModelSpec, layer: int, prefix: str) -> dict[str, Source]:

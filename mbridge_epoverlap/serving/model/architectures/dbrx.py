@@ -81,11 +81,9 @@ class Dbrx(Architecture):
 
     def attention_sources(self, spec: ModelSpec) -> dict[str, Source]:
         h, d, hq, hkv = spec.hidden_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
-        vocab, attn = ("vocab_size", "d_model"), ("d_model", "n_heads", "attn_config.kv_n_heads")
-        out = {"embedding": one("transformer.wte.weight", spec.vocab_size, h, fields=vocab),
-               "final_norm.weight": one("transformer.norm_f.weight", h, fields=("d_model",))}
-        if not spec.tie_word_embeddings:
-            out["head.weight"] = one("lm_head.weight", spec.vocab_size, h, fields=vocab)
+        attn = ("d_model", "n_heads", "attn_config.kv_n_heads")
+        out = self.model_ends(spec, "transformer.wte.weight", "transformer.norm_f.weight", "lm_head.weight",
+                              hidden_field="d_model")
         for i in range(spec.num_layers):
             hf, ours = f"transformer.blocks.{i}", f"layers.{i}"
             block = f"{hf}.norm_attn_norm"

@@ -133,11 +133,8 @@ class NemotronH(Architecture):
     # --- tensors ------------------------------------------------------------------------------------
 
     def attention_sources(self, spec: ModelSpec) -> dict[str, Source]:
-        h, vocab = spec.hidden_size, ("vocab_size", "hidden_size")
-        out = {"embedding": one("backbone.embeddings.weight", spec.vocab_size, h, fields=vocab),
-               "final_norm.weight": one("backbone.norm_f.weight", h)}
-        if not spec.tie_word_embeddings:
-            out["head.weight"] = one("lm_head.weight", spec.vocab_size, h, fields=vocab)
+        h = spec.hidden_size
+        out = self.model_ends(spec, "backbone.embeddings.weight", "backbone.norm_f.weight", "lm_head.weight")
         for i, (mixer, ffn) in enumerate(spec.blocks):
             ours = f"layers.{i}"
             if mixer >= 0:

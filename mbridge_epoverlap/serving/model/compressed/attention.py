@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mbridge_epoverlap.serving.model.batch import TokenBatch
 from mbridge_epoverlap.serving.model.compressed.pool import Pool
-from mbridge_epoverlap.serving.model.compressed.rope import Norm, angles, inv_freq, turn, unit_rms
+from mbridge_epoverlap.serving.model.compressed.rope import angles, fp32_norm, inv_freq, turn, unit_rms
 from mbridge_epoverlap.serving.model.compressed.state import CompressedCache, LayerState, PoolState
 from mbridge_epoverlap.serving.model.spec import ModelSpec
 
@@ -67,10 +67,10 @@ class CompressedAttention(torch.nn.Module):
         self.layer, self.heads, self.head_dim, self.eps = layer, heads, d, spec.norm_eps
         self.window, self.groups = c.sliding_window, c.o_groups
         self.q_a_proj = torch.nn.Linear(h, c.q_lora_rank, bias=False, dtype=dtype)
-        self.q_a_norm = Norm(c.q_lora_rank, spec.norm_eps)
+        self.q_a_norm = fp32_norm(c.q_lora_rank, spec.norm_eps)
         self.q_b_proj = torch.nn.Linear(c.q_lora_rank, heads * d, bias=False, dtype=dtype)
         self.kv_proj = torch.nn.Linear(h, d, bias=False, dtype=dtype)
-        self.kv_norm = Norm(d, spec.norm_eps)
+        self.kv_norm = fp32_norm(d, spec.norm_eps)
         self.o_a_proj = torch.nn.Parameter(torch.empty(c.o_groups * c.o_lora_rank, heads * d // c.o_groups,
                                                        dtype=dtype))
         self.o_b_proj = torch.nn.Linear(c.o_groups * c.o_lora_rank, h, bias=False, dtype=dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mbridge_epoverlap.serving.model.compressed.rope import Norm, angles, turn
+from mbridge_epoverlap.serving.model.compressed.rope import angles, fp32_norm, turn
 from mbridge_epoverlap.serving.model.compressed.state import PoolState
 
 
@@ -27,7 +27,7 @@ class Pool(torch.nn.Module):
         self.kv_proj = torch.nn.Linear(hidden, width, bias=False, dtype=dtype)
         self.gate_proj = torch.nn.Linear(hidden, width, bias=False, dtype=dtype)
         self.position_bias = torch.nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
-        self.kv_norm = Norm(head_dim, eps)
+        self.kv_norm = fp32_norm(head_dim, eps)
 
     def extend(self, kv: torch.Tensor, gate: torch.Tensor, state: PoolState, freqs: torch.Tensor,
                scale: float = 1.0) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mbridge_epoverlap.moe.rotary import yarn_inv_freq
+from mbridge_epoverlap.serving.model.layers import RMSNorm
 from mbridge_epoverlap.serving.model.spec import RopeScaling
 
 
@@ -49,15 +50,7 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-class Norm(torch.nn.Module):
-    """RMSNorm with an fp32 weight: the fp32 normalised input times the weight, rounded once to the input's dtype."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(size, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+def fp32_norm(size: int, eps: float) -> RMSNorm:
+    """V4's RMSNorm: an fp32 weight times the fp32 normalised input, rounded once to the input's dtype
+    (`layers.RMSNorm` with `round_after_weight`)."""
+    return RMSNorm(size, eps=eps, dtype=torch.float32, round_after_weight=True)

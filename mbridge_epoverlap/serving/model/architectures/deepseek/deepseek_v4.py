@@ -149,14 +149,11 @@ class DeepseekV4(Architecture):
         c = spec.compressed
         if c is None:
             raise ValueError(f"{spec.source}: a DeepSeek-V4 spec needs its compressed attention")
-        h, vocab, n = spec.hidden_size, ("vocab_size", "hidden_size"), c.hc_mult
-        out = {"embedding": one("model.embed_tokens.weight", spec.vocab_size, h, fields=vocab),
-               "final_norm.weight": one("model.norm.weight", h),
+        h, n = spec.hidden_size, c.hc_mult
+        out = {**self.model_ends(spec, "model.embed_tokens.weight", "model.norm.weight", "head.weight"),
                "hc_head.fn": one("model.hc_head.hc_fn", n, n * h, fields=("hc_mult", "hidden_size")),
                "hc_head.base": one("model.hc_head.hc_base", n, fields=("hc_mult",)),
                "hc_head.scale": one("model.hc_head.hc_scale", 1, fields=("hc_mult",))}
-        if not spec.tie_word_embeddings:
-            out["head.weight"] = one("head.weight", spec.vocab_size, h, fields=vocab)
         for i in range(spec.num_layers):
             hf, ours = f"model.layers.{i}", f"layers.{i}"
             out[f"{ours}.input_norm.weight"] = one(f"{hf}.attn_norm.weight", h)
