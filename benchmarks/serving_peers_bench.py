@@ -62,6 +62,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "colocated_1": dict(colocated=1, micro_batches=1, order="sequential"),  # threads: every core
     "colocated_1_t1": dict(colocated=1, micro_batches=1, order="sequential", threads=1),
     "colocated_2": dict(colocated=2, micro_batches=1, order="sequential", threads=1),  # EP over two processes
+    # two processes, every expert each: a candidate of the measured choice (`engine.choice.online.candidates`)
+    "colocated_2_replicated": dict(colocated=2, micro_batches=1, order="sequential", threads=1,
+                                   replicated_experts=True),
 }
 
 VLLM_KV_GIB = 2  # VLLM_CPU_KVCACHE_SPACE
@@ -306,10 +309,11 @@ class Engine:
         requests = [Request(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
         layout = self.layout
         if layout is None:
-            from mbridge_epoverlap.serving.engine.choice.layout import choose_layout
+            from mbridge_epoverlap.serving.engine.choice.offline import choose_offline_layout
 
-            if self.choice is None:
-                self.choice = choose_layout(self.spec, requests, max_new_tokens=max_new)
+            if self.choice is None:  # as `serve --prompts` chooses (its trials, or its cached choice)
+                self.choice = choose_offline_layout(self.spec, requests, max_new_tokens=max_new,
+                                                    max_batch=len(prompts), timeout_s=120)
             layout = self.choice["layout"]
         plan = make_plan(self.spec, requests, max_new_tokens=max_new, max_batch=len(prompts), timeout_s=120,
                          dtype=self.dtype, **layout)

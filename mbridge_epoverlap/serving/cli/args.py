@@ -81,7 +81,8 @@ LAYOUT_DEFAULTS = {"attn_workers": 1, "expert_workers": 1, "micro_batches": 2}
 
 def layout_args(parser: argparse.ArgumentParser, *, colocated_flag: bool = False) -> None:
     """The layout flags. Without any of them (and without `--colocated`, `--threads`) the command chooses the
-    layout from a short measurement (`serving.engine.choice.layout`); any one given forces the layout, the
+    layout from a short measurement (`serving.engine.choice`: trial runs for `serve`, probes for `serve-bench`); any
+    one given forces the layout, the
     others then taking their defaults (1 attention worker, 1 expert worker, m=2)."""
     parser.add_argument("--attn-workers", type=positive, default=None, metavar="A",
                         help="attention workers (default 1 when a layout flag is given, else chosen)")
@@ -124,7 +125,8 @@ def fill_layout_defaults(args: argparse.Namespace) -> None:
 
 
 def apply_layout(args: argparse.Namespace, layout: dict[str, Any], *, colocated_as_flag: bool = False) -> None:
-    """Set the layout flags from a chosen layout (`engine.choice.layout.choose_layout`'s "layout")."""
+    """Set the layout flags from a chosen layout ("layout" of `engine.choice.layout.choose_layout` or
+    `engine.choice.offline.choose_offline_layout`)."""
     processes = layout.get("colocated", 0)
     if processes:
         args.attn_workers, args.expert_workers = (processes, 0) if colocated_as_flag else (1, 1)
@@ -133,6 +135,8 @@ def apply_layout(args: argparse.Namespace, layout: dict[str, Any], *, colocated_
     else:
         args.attn_workers, args.expert_workers = layout["attn_workers"], layout["expert_workers"]
     args.micro_batches, args.threads = layout["micro_batches"], layout["threads"]
+    if hasattr(args, "replicate_experts"):
+        args.replicate_experts = bool(layout.get("replicated_experts"))
 
 
 def source_of(args: argparse.Namespace, default: str | None = None) -> str:

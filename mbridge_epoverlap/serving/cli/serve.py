@@ -164,8 +164,8 @@ def handle_serve(args: argparse.Namespace) -> int:
     check_context(requests, args.max_new_tokens, args.max_model_len or context_length(spec))
     choice = None
     # The choice compares layouts on this host; emulated hosts place the workers themselves.
-    if not args.elastic and not args.emulate_hosts and not layout_forced(args):
-        choice = _choose(spec, requests, args.max_new_tokens, args.max_batch)
+    if not args.elastic and not args.emulate_hosts and not layout_forced(args) and not args.replicate_experts:
+        choice = _choose_measured(spec, requests, args)
         apply_layout(args, choice["layout"])
     fill_layout_defaults(args)
     plan = make_plan(spec, requests, attn_workers=args.attn_workers, expert_workers=args.expert_workers,
@@ -289,8 +289,25 @@ def _choose(spec: Any, requests: Any, max_new_tokens: int, max_batch: int) -> di
     return choice
 
 
+def _choose_measured(spec: Any, requests: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """No layout flag on a batch: the layout whose trial run on the batch's prompts predicts the batch done soonest
+    (`engine.choice.offline`, cached per batch shape and machine), said on stderr."""
+    from mbridge_epoverlap.serving.engine.choice.offline import choose_offline_layout
+
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr, flush=True)
+
+    choice = choose_offline_layout(spec, requests, max_new_tokens=args.max_new_tokens, max_batch=args.max_batch,
+                                   backend=args.backend, timeout_s=args.timeout, progress=progress)
+    how = {"measured": "measured", "cached": "measured before on this machine, cached", "only": "the only one"}
+    print(f"  layout ({how[choice['source']]}; no layout flag given, force one with --attn-workers/--expert-workers/"
+          f"--micro-batches/--colocated/--threads): {choice['summary']}", file=sys.stderr, flush=True)
+    return choice
+
+
 def _choice_field(choice: dict[str, Any]) -> dict[str, Any]:
-    return {key: choice[key] for key in ("chosen", "layout", "summary", "cores", "batch", "candidates", "probes")}
+    keys = ("chosen", "layout", "summary", "cores", "batch", "candidates", "probes", "source")
+    return {key: choice[key] for key in keys if key in choice}
 
 
 def _common(result: dict[str, Any]) -> list[tuple[str, str]]:

@@ -17,8 +17,9 @@ it knows processes, the workers below it do not.
   `finish_bench_result`, the one place a bench result is finished.
 - `breakdown`: `step_breakdown`, where a prefill and a decode step's time goes (attention, router, dispatch,
   experts, combine, sampling, overhead), timed in one process.
-- `choice`: what the engine chooses when the user does not say: the batch `serve`'s layout (`choice.layout`,
-  probes), `serve --http`'s (`choice.online`, trial runs) and the compute dtype of `--dtype auto`
+- `choice`: what the engine chooses when the user does not say: the batch `serve`'s layout (`choice.offline`,
+  trial runs on its prompts), `serve-bench`'s (`choice.layout`, probes), `serve --http`'s (`choice.online`, trial
+  runs) and the compute dtype of `--dtype auto`
   (`choice.dtype`).
 - `collect`: merges a cluster job's worker reports into the `serve-bench` result.
 

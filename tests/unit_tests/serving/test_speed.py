@@ -93,25 +93,6 @@ def test_layout_choice_takes_the_faster_prediction_and_says_why(tiny_mixtral_dir
     assert choose_layout(spec, requests, max_new_tokens=4, cores=1)["chosen"] == "colocated_1"
 
 
-def test_serve_without_layout_flags_chooses_and_reports_the_layout(tiny_mixtral_dir, prompts, hf_greedy, tmp_path,
-                                                                  capsys):
-    import json
-
-    from mbridge_epoverlap.cli import main
-
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt_ids": p}) + "\n" for i, p in enumerate(prompts)))
-    assert main(["serve", "--checkpoint", str(tiny_mixtral_dir), "--prompts", str(path), "--max-new-tokens", "3",
-                 "--json"]) == 0
-    captured = capsys.readouterr()
-    result = json.loads(captured.out)
-    choice = result["layout_choice"]
-    assert choice["chosen"] in choice["candidates"] and "layout (no layout flag given" in captured.err
-    assert result["threads_per_process"] == choice["layout"]["threads"]
-    assert result["mode"] == ("colocated" if "colocated" in choice["layout"] else "disaggregated")
-    assert [c["output_ids"] for c in result["completions"]] == hf_greedy(tiny_mixtral_dir, prompts, 3)
-
-
 def test_batched_decode_attention_is_bitwise_each_sequence_alone():
     """Histories of different lengths padded to the longest give every sequence exactly its single-sequence
     attention (padding the keys of the score product changed some scores' last bits, and greedy tokens)."""

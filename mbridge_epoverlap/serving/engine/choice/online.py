@@ -123,9 +123,9 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
     batch = max(1, min(max_batch, TRIAL_MAX_BATCH))
     prompt_len = _trial_prompt_len(max_model_len)
     options = candidates(spec, cores)
-    key = _cache_key(spec, cores, batch, list(options))
-    cache = _cache_path(cache_dir)
-    cached = _read_cache(cache).get(key)
+    key = cache_key(spec, cores, batch, list(options))
+    cache = cache_path(cache_dir)
+    cached = read_cache(cache).get(key)
     if cached is not None and cached.get("chosen") in options:
         return dict(cached, layout=options[cached["chosen"]], source="cached")
     run = _runner(spec, trial, timeout_s=timeout_s, backend=backend)
@@ -145,7 +145,7 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
     choice = {"chosen": best, "layout": options[best], "summary": summary, "cores": cores, "batch": batch,
               "candidates": measured, "source": "measured" if len(options) > 1 else "only"}
     if len(options) > 1:
-        _write_cache(cache, key, {k: v for k, v in choice.items() if k not in ("layout", "source")})
+        write_cache(cache, key, {k: v for k, v in choice.items() if k not in ("layout", "source")})
     return choice
 
 
@@ -180,9 +180,9 @@ def choose_keeping_frontend(spec: Any, *, frontend_cores: int, cores: int | None
                                    "work to the others when the front end runs")
     kept = choose_online_layout(spec, cores=workers, **common)
     names = (f"{every['chosen']} on {cores} cores", f"{kept['chosen']} on {workers} core{'s' if workers > 1 else ''}")
-    cache = _cache_path(cache_dir)
-    key = _cache_key(spec, cores, SMALL_BATCH, [every["chosen"], kept["chosen"], f"front end {frontend_cores}"])
-    rates = _read_cache(cache).get(key)
+    cache = cache_path(cache_dir)
+    key = cache_key(spec, cores, SMALL_BATCH, [every["chosen"], kept["chosen"], f"front end {frontend_cores}"])
+    rates = read_cache(cache).get(key)
     measured = not isinstance(rates, dict) or not {"every", "kept"} <= set(rates)
     if measured:
         run, prompt_len = _runner(spec, trial, timeout_s=timeout_s, backend=backend), _trial_prompt_len(max_model_len)
@@ -192,7 +192,7 @@ def choose_keeping_frontend(spec: Any, *, frontend_cores: int, cores: int | None
                 if progress is not None:
                     progress(f"layout trial at {SMALL_BATCH} sequences ({round_ + 1}/{SMALL_BATCH_RUNS}): {name}")
                 rates[which] = max(rates[which], run(choice["layout"], SMALL_BATCH, prompt_len)["tokens_per_s"])
-        _write_cache(cache, key, rates)
+        write_cache(cache, key, rates)
     keep = rates["every"] < SPARE_MARGIN * rates["kept"]
     chosen = kept if keep else every
     spare = cores - workers
@@ -275,7 +275,7 @@ def _trial_run(spec: Any, layout: dict[str, Any], batch: int, prompt_len: int, *
 
 # --- the cache --------------------------------------------------------------------------------------
 
-def _cache_path(cache_dir: Path | None) -> Path:
+def cache_path(cache_dir: Path | None) -> Path:
     if cache_dir is None:
         from mbridge_epoverlap.machine import cache_dir as machine_cache_dir
 
@@ -283,7 +283,7 @@ def _cache_path(cache_dir: Path | None) -> Path:
     return cache_dir / CACHE_NAME
 
 
-def _cache_key(spec: Any, cores: int, batch: int, names: list[str]) -> str:
+def cache_key(spec: Any, cores: int, batch: int, names: list[str]) -> str:
     from mbridge_epoverlap.machine import cpu_model
 
     if spec.is_checkpoint:
@@ -309,7 +309,7 @@ def engine_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
+def read_cache(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -317,8 +317,8 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
-    data = _read_cache(path)
+def write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
+    data = read_cache(path)
     data[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,136 @@
+"""The layout `serve --prompts` runs when no layout flag is given: short trial runs of the engine on the batch's own
+prompts, then the layout that finishes the batch soonest.
+
+The in-process probes of `choice.layout` time one decode layer per stage and leave out what the engine's processes
+add around it (the exchanges, the step agreement, the prefills, the OS's turns between processes). On the 108M
+Qwen3-MoE (64 prompts, 2-core AMD EPYC) they predicted `colocated_2` at 2,059 decode tokens/s against 1,347 for
+`colocated_1`, and the runs measured 511 against 618. Here each candidate of `choice.online.candidates` runs for real
+instead: the engine's worker processes on the first `batch` prompts of the request file (their own lengths), all
+prefilled at the first step, then `TRIAL_STEPS` decode steps. From each trial come the batch's prefill time (the
+median first-token latency) and its decode step (the median time between tokens), and from those the time the whole
+file takes on that layout:
+
+    rounds * (prefill_s + (max_new_tokens - 1) * step_s),   rounds = ceil(requests / batch)
+
+The layout with the highest predicted tokens/s wins; several OpenMP threads in one process must win by
+`THREADS_MARGIN` where its experts do not run on the tiled GEMMs (`choice.online.handicap`'s rule without the front
+end's margin: offline nothing else takes turns on the cores). The choice is cached beside the online server's, under
+the model's config, dtype, batch, prompt length (to the power of two above), cores, CPU and engine code: the next run
+of a batch of that shape on this machine reuses it and says so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mbridge_epoverlap.serving.engine.choice import online
+from mbridge_epoverlap.serving.engine.choice.layout import THREADS_MARGIN
+from mbridge_epoverlap.serving.engine.plan import available_cores
+from mbridge_epoverlap.serving.workers.requests import Request
+from mbridge_epoverlap.serving.workers.step_cores import experts_tile
+
+TRIAL_STEPS = 8  # decode steps after the prefill: enough for a steady step time, a few seconds a candidate
+TRIAL_MAX_BATCH = 128  # the most sequences a trial decodes, whatever --max-batch says (bounds the start-up)
+
+
+def choose_offline_layout(spec: Any, requests: Sequence[Request], *, max_new_tokens: int, max_batch: int,
+                          timeout_s: float = 60.0, backend: str = "m2n", cores: int | None = None,
+                          cache_dir: Path | None = None, progress: Callable[[str], None] | None = None,
+                          trial: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The layout to run `requests` with: {"layout", "chosen", "summary", "cores", "batch", "candidates", "source"}.
+
+    `source` is "measured" (trial runs now), "cached" (measured before for a batch of this shape on this machine)
+    or "only" (one core). `trial(layout, requests)` -> {"ttft_ms_p50", "tbt_ms_p50"} replaces the engine run
+    (tests).
+    """
+    cores = available_cores() if cores is None else cores
+    batch = max(1, min(len(requests), max_batch, TRIAL_MAX_BATCH))
+    sample = list(requests[:batch])
+    prompt_len = statistics.fmean(len(r.prompt_ids) for r in sample)
+    options = online.candidates(spec, cores)
+    shape = f"offline, prompts ~{_bucket(prompt_len)} tokens, {max_new_tokens} new"
+    key = online.cache_key(spec, cores, batch, [*options, shape])
+    cache = online.cache_path(cache_dir)
+    cached = online.read_cache(cache).get(key)
+    if cached is not None and cached.get("chosen") in options:
+        return dict(cached, layout=options[cached["chosen"]], source="cached")
+    run = trial or (lambda layout, reqs: _trial_run(spec, layout, reqs, timeout_s=timeout_s, backend=backend))
+    rounds = math.ceil(len(requests) / batch)
+    measured: dict[str, dict[str, Any]] = {}
+    for name, layout in options.items():
+        if len(options) == 1:
+            measured[name] = {"layout": layout}
+            break
+        if progress is not None:
+            progress(f"layout trial {len(measured) + 1}/{len(options)}: {name} ({batch} prompts, {TRIAL_STEPS} "
+                     "decode steps)")
+        started = time.perf_counter()
+        measured[name] = dict(predict(run(layout, sample), requests=len(requests), rounds=rounds,
+                                      max_new_tokens=max_new_tokens),
+                              layout=layout, trial_s=round(time.perf_counter() - started, 2))
+    best, passed_over = _best(measured, splits=experts_tile(spec))
+    choice = {"chosen": best, "layout": options[best], "summary": _summary(best, measured, batch, cores, passed_over),
+              "cores": cores, "batch": batch, "candidates": measured,
+              "source": "measured" if len(options) > 1 else "only"}
+    if len(options) > 1:
+        online.write_cache(cache, key, {k: v for k, v in choice.items() if k not in ("layout", "source")})
+    return choice
+
+
+def predict(figures: dict[str, Any], *, requests: int, rounds: int, max_new_tokens: int) -> dict[str, float]:
+    """The batch's time on a layout from its trial: prefill and decode step seconds, the predicted seconds and
+    tokens/s of the whole request file (`rounds` batches of one prefill and `max_new_tokens - 1` decode steps)."""
+    prefill_s = (figures["ttft_ms_p50"] or 0.0) / 1e3
+    step_s = figures["tbt_ms_p50"] / 1e3 if figures.get("tbt_ms_p50") else math.inf  # a sequence's decode step
+    seconds = rounds * (prefill_s + max(0, max_new_tokens - 1) * step_s)
+    tokens_per_s = requests * max_new_tokens / seconds if 0 < seconds < math.inf else 0.0
+    return {"prefill_s": round(prefill_s, 4), "decode_step_ms": round(step_s * 1e3, 3),
+            "predicted_s": round(seconds, 3), "tokens_per_s": round(tokens_per_s, 1)}
+
+
+def _best(measured: dict[str, dict[str, Any]], *, splits: bool) -> tuple[str, str]:
+    """The candidate with the best predicted tokens/s after the threads margin, and why the fastest was not taken."""
+    rated = {n: c["tokens_per_s"] for n, c in measured.items() if "tokens_per_s" in c}
+    if not rated:
+        return next(iter(measured)), ""
+    fastest = max(rated, key=rated.__getitem__)
+    threaded = {n for n in rated if measured[n]["layout"]["threads"] > 1 and not splits}
+    best = max(rated, key=lambda n: rated[n] / (THREADS_MARGIN if n in threaded else 1.0))
+    if best == fastest:
+        return best, ""
+    return best, f"{fastest} not {THREADS_MARGIN:g}x faster: OpenMP threads in one process"
+
+
+def _summary(best: str, measured: dict[str, dict[str, Any]], batch: int, cores: int, passed_over: str) -> str:
+    if "tokens_per_s" not in measured[best]:
+        return f"{best}: the only layout on {cores} core{'s' if cores != 1 else ''}"
+    others = ", ".join(f"{n} {c['tokens_per_s']:,.0f}" for n, c in measured.items() if n != best)
+    return (f"{best}: {measured[best]['tokens_per_s']:,.0f} tokens/s predicted for the batch from a trial of {batch} "
+            f"prompts on {cores} cores; {others}" + (f" ({passed_over})" if passed_over else ""))
+
+
+def _bucket(tokens: float) -> int:
+    """The power of two at or above `tokens`: batches of about the same prompt length share a cached choice."""
+    return 1 << max(0, math.ceil(math.log2(max(1.0, tokens))))
+
+
+def _trial_run(spec: Any, layout: dict[str, Any], sample: Sequence[Request], *, timeout_s: float,
+               backend: str) -> dict[str, Any]:
+    """One short engine run of `layout` on `sample` (one batch): every prompt prefilled, then `TRIAL_STEPS` decode
+    steps (EOS ignored, so every sequence decodes them all)."""
+    from dataclasses import replace
+
+    from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
+
+    requests = [replace(r, max_new_tokens=TRIAL_STEPS + 1, ignore_eos=True) for r in sample]
+    processes = layout.get("colocated") or layout["attn_workers"]
+    plan = make_plan(spec, requests, max_new_tokens=TRIAL_STEPS + 1,
+                     max_batch=max(1, math.ceil(len(requests) / processes)), backend=backend, timeout_s=timeout_s,
+                     dtype=spec.dtype, **layout)
+    result = run_engine(plan)
+    return {key: result[key] for key in ("ttft_ms_p50", "tbt_ms_p50", "tokens_per_s")}
