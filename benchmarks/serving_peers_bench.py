@@ -52,7 +52,7 @@ from mbridge_epoverlap.serving.engine.bench import machine  # noqa: E402
 
 VOCAB = 4096
 MODELS = ("mixtral_57m", "qwen3_moe_108m", "gpt_oss_108m", "deepseek_v3_bf16", "qwen3_next_bf16", "nemotron_h",
-          "deepseek_v32_bf16")
+          "deepseek_v32_bf16", "qwen2_moe_108m", "olmoe_108m", "glm4_moe_108m")
 # The dtype a model is compared in unless --dtype says otherwise: vLLM's CPU MLA and gated DeltaNet refuse float32.
 MODEL_DTYPES = {"deepseek_v3_bf16": "bfloat16", "qwen3_next_bf16": "bfloat16", "deepseek_v32_bf16": "bfloat16"}
 
@@ -109,12 +109,18 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
         DeepseekV3ForCausalLM,
         DeepseekV32Config,
         DeepseekV32ForCausalLM,
+        Glm4MoeConfig,
+        Glm4MoeForCausalLM,
         GptOssConfig,
         GptOssForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
         NemotronHConfig,
         NemotronHForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
         Qwen3NextConfig,
@@ -170,6 +176,21 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
             ssm_state_size=64, n_groups=2, chunk_size=64, n_routed_experts=64, num_experts_per_tok=6,
             moe_intermediate_size=256, moe_shared_expert_intermediate_size=512, n_group=8, topk_group=4,
             routed_scaling_factor=2.5, tie_word_embeddings=False, **dict(common, num_hidden_layers=8))),
+        # Qwen1.5-MoE's structure at this width: 60 experts top-4 without renormalising, a shared expert four experts
+        # wide behind a sigmoid gate, q/k/v biases.
+        "qwen2_moe_108m": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+            intermediate_size=1024, moe_intermediate_size=256, shared_expert_intermediate_size=1024, num_experts=60,
+            num_experts_per_tok=4, norm_topk_prob=False, tie_word_embeddings=False, **common)),
+        # OLMoE's structure at this width: 64 experts top-8 without renormalising, q/k RMSNorm over all heads.
+        "olmoe_108m": (OlmoeForCausalLM, OlmoeConfig(
+            intermediate_size=256, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+            tie_word_embeddings=False, **common)),
+        # GLM-4.5's structure at this width: a dense first layer, 64 experts top-8 with sigmoid scores and the
+        # correction bias, a shared expert, partial rotary, attention biases.
+        "glm4_moe_108m": (Glm4MoeForCausalLM, Glm4MoeConfig(
+            intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=64, num_experts_per_tok=8,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, tie_word_embeddings=False, **common)),
     }
     out = {}
     for name, (cls, config) in configs.items():

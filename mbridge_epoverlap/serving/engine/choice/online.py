@@ -128,6 +128,7 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
     cached = read_cache(cache).get(key)
     if cached is not None and cached.get("chosen") in options:
         return dict(cached, layout=options[cached["chosen"]], source="cached")
+    splits = experts_tile(spec)  # before the trials: it builds the tiled GEMMs' library where none is built yet
     run = _runner(spec, trial, timeout_s=timeout_s, backend=backend)
     measured: dict[str, dict[str, Any]] = {}
     for name, layout in options.items():
@@ -140,7 +141,7 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
         figures = run(layout, batch, prompt_len)
         measured[name] = {"layout": layout, "tokens_per_s": figures["tokens_per_s"],
                           "trial_s": round(time.perf_counter() - started, 2)}
-    best, passed_over = _best(measured, splits=experts_tile(spec))
+    best, passed_over = _best(measured, splits=splits)
     summary = _summary(best, measured, batch, cores, passed_over)
     choice = {"chosen": best, "layout": options[best], "summary": summary, "cores": cores, "batch": batch,
               "candidates": measured, "source": "measured" if len(options) > 1 else "only"}
