@@ -192,6 +192,8 @@ def build_checkpoints(directory: Path, names: list[str] | None = None) -> dict[s
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
             norm_topk_prob=True, tie_word_embeddings=False, **common)),
     }
+    # As GLM-4.5's config.json, which vLLM reads it from (its GLM-4.5 model has no default).
+    configs["glm4_moe_108m"][1].head_dim = common["hidden_size"] // common["num_attention_heads"]
     out = {}
     for name, (cls, config) in configs.items():
         if names is not None and name not in names:
