@@ -5,10 +5,11 @@ The in-process probes of `choice.layout` time one decode layer per stage and lea
 add around it (the exchanges, the step agreement, the prefills, the OS's turns between processes). On the 108M
 Qwen3-MoE (64 prompts, 2-core AMD EPYC) they predicted `colocated_2` at 2,059 decode tokens/s against 1,347 for
 `colocated_1`, and the runs measured 511 against 618. Here each candidate of `choice.online.candidates` runs for real
-instead: the engine's worker processes on the first `batch` prompts of the request file (their own lengths), all
-prefilled at the first step, then `TRIAL_STEPS` decode steps. From each trial come the batch's prefill time (the
-median first-token latency) and its decode step (the median time between tokens), and from those the time the whole
-file takes on that layout:
+instead: the engine's worker processes on the first `batch` prompts of the request file, each continued by half the
+new tokens so that the trial decodes at a run's mean context (`at_mean_context`), all prefilled at the first step,
+then `TRIAL_STEPS` decode steps. From each trial come the batch's prefill time (the median first-token latency,
+scaled to the prompts' own tokens) and its decode step (the median time between tokens), and from those the time
+the whole file takes on that layout:
 
     rounds * (prefill_s + (max_new_tokens - 1) * step_s),   rounds = ceil(requests / batch)
 
@@ -26,6 +27,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +57,10 @@ def choose_offline_layout(spec: Any, requests: Sequence[Request], *, max_new_tok
     """
     cores = available_cores() if cores is None else cores
     batch = max(1, min(len(requests), max_batch, TRIAL_MAX_BATCH))
-    sample = list(requests[:batch])
-    prompt_len = statistics.fmean(len(r.prompt_ids) for r in sample)
+    prompt_len = statistics.fmean(len(r.prompt_ids) for r in requests[:batch])
+    sample = at_mean_context(requests[:batch], max_new_tokens)
+    # The trial prefills the longer prompts: its prefill, scaled to the batch's own prompt tokens.
+    prefill_share = sum(len(r.prompt_ids) for r in requests[:batch]) / sum(len(r.prompt_ids) for r in sample)
     options = online.candidates(spec, cores)
     shape = f"offline, prompts ~{_bucket(prompt_len)} tokens, {max_new_tokens} new"
     key = online.cache_key(spec, cores, batch, [*options, shape])
@@ -76,7 +80,7 @@ def choose_offline_layout(spec: Any, requests: Sequence[Request], *, max_new_tok
             progress(f"layout trial {which}: {name} ({batch} prompts, {TRIAL_STEPS} decode steps)")
         started = time.perf_counter()
         figures = predict(run(options[name], sample), requests=len(requests), rounds=rounds,
-                          max_new_tokens=max_new_tokens)
+                          max_new_tokens=max_new_tokens, prefill_share=prefill_share)
         return dict(figures, layout=options[name], trial_s=round(time.perf_counter() - started, 2))
 
     measured: dict[str, dict[str, Any]] = {}
@@ -98,10 +102,27 @@ def choose_offline_layout(spec: Any, requests: Sequence[Request], *, max_new_tok
     return choice
 
 
-def predict(figures: dict[str, Any], *, requests: int, rounds: int, max_new_tokens: int) -> dict[str, float]:
+def at_mean_context(sample: Sequence[Request], max_new_tokens: int) -> list[Request]:
+    """`sample`'s prompts, each continued by half the new tokens (its own tokens again, cycled) where the context
+    leaves room for the trial's steps: the trial then decodes at the context a run's average step has.
+
+    A decode step's attention grows with the context, and more so on one process whose attention runs on one thread
+    for every sequence: trials at the prompts' own length (108M Qwen3-MoE, 64 prompts of 32-128 tokens, 64 new)
+    predicted `colocated_1` 8-12 % fast and `colocated_2` 2-4 % slow, enough to swap the two."""
+    extra = max(0, min(max_new_tokens // 2, max_new_tokens - TRIAL_STEPS - 1))
+    out = []
+    for request in sample:
+        ids = request.prompt_ids
+        out.append(replace(request, prompt_ids=ids + tuple(ids[i % len(ids)] for i in range(extra)) if ids else ids))
+    return out
+
+
+def predict(figures: dict[str, Any], *, requests: int, rounds: int, max_new_tokens: int,
+            prefill_share: float = 1.0) -> dict[str, float]:
     """The batch's time on a layout from its trial: prefill and decode step seconds, the predicted seconds and
-    tokens/s of the whole request file (`rounds` batches of one prefill and `max_new_tokens - 1` decode steps)."""
-    prefill_s = (figures["ttft_ms_p50"] or 0.0) / 1e3
+    tokens/s of the whole request file (`rounds` batches of one prefill and `max_new_tokens - 1` decode steps).
+    `prefill_share`: the batch's prompt tokens over the trial's (`at_mean_context` lengthens them)."""
+    prefill_s = prefill_share * (figures["ttft_ms_p50"] or 0.0) / 1e3
     step_s = figures["tbt_ms_p50"] / 1e3 if figures.get("tbt_ms_p50") else math.inf  # a sequence's decode step
     seconds = rounds * (prefill_s + max(0, max_new_tokens - 1) * step_s)
     tokens_per_s = requests * max_new_tokens / seconds if 0 < seconds < math.inf else 0.0
@@ -153,8 +174,6 @@ def _trial_run(spec: Any, layout: dict[str, Any], sample: Sequence[Request], *, 
                backend: str) -> dict[str, Any]:
     """One short engine run of `layout` on `sample` (one batch): every prompt prefilled, then `TRIAL_STEPS` decode
     steps (EOS ignored, so every sequence decodes them all)."""
-    from dataclasses import replace
-
     from mbridge_epoverlap.serving.engine.run import make_plan, run_engine
 
     requests = [replace(r, max_new_tokens=TRIAL_STEPS + 1, ignore_eos=True) for r in sample]
