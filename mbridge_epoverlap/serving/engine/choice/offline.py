@@ -94,8 +94,10 @@ def choose_offline_layout(spec: Any, requests: Sequence[Request], *, max_new_tok
             kept = max((measured[name], again), key=lambda figures: figures["tokens_per_s"])
             measured[name] = dict(kept, trials=2)
     best, passed_over = _best(measured, splits=splits)
-    choice = {"chosen": best, "layout": options[best], "summary": _summary(best, measured, batch, cores, passed_over),
-              "cores": cores, "batch": batch, "candidates": measured,
+    line = online.summary_line(best, measured, cores, passed_over,
+                               trial=f"predicted for the batch from a trial of {batch} prompts")
+    choice = {"chosen": best, "layout": options[best], "summary": line, "cores": cores, "batch": batch,
+              "candidates": measured,
               "source": "measured" if len(options) > 1 else "only"}
     if len(options) > 1:
         online.write_cache(cache, key, {k: v for k, v in choice.items() if k not in ("layout", "source")})
@@ -155,14 +157,6 @@ def _best(measured: dict[str, dict[str, Any]], *, splits: bool) -> tuple[str, st
     if best == fastest:
         return best, ""
     return best, f"{fastest} not {THREADS_MARGIN:g}x faster: OpenMP threads in one process"
-
-
-def _summary(best: str, measured: dict[str, dict[str, Any]], batch: int, cores: int, passed_over: str) -> str:
-    if "tokens_per_s" not in measured[best]:
-        return f"{best}: the only layout on {cores} core{'s' if cores != 1 else ''}"
-    others = ", ".join(f"{n} {c['tokens_per_s']:,.0f}" for n, c in measured.items() if n != best)
-    return (f"{best}: {measured[best]['tokens_per_s']:,.0f} tokens/s predicted for the batch from a trial of {batch} "
-            f"prompts on {cores} cores; {others}" + (f" ({passed_over})" if passed_over else ""))
 
 
 def _bucket(tokens: float) -> int:

@@ -142,8 +142,8 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
         measured[name] = {"layout": layout, "tokens_per_s": figures["tokens_per_s"],
                           "trial_s": round(time.perf_counter() - started, 2)}
     best, passed_over = _best(measured, splits=splits)
-    summary = _summary(best, measured, batch, cores, passed_over)
-    choice = {"chosen": best, "layout": options[best], "summary": summary, "cores": cores, "batch": batch,
+    line = summary_line(best, measured, cores, passed_over, trial=f"in a trial of {batch} sequences with joins")
+    choice = {"chosen": best, "layout": options[best], "summary": line, "cores": cores, "batch": batch,
               "candidates": measured, "source": "measured" if len(options) > 1 else "only"}
     if len(options) > 1:
         write_cache(cache, key, {k: v for k, v in choice.items() if k not in ("layout", "source")})
@@ -245,12 +245,14 @@ def _best(measured: dict[str, dict[str, Any]], *, splits: bool) -> tuple[str, st
     return best, f"{fastest} not {margin:g}x faster: {why}"
 
 
-def _summary(best: str, measured: dict[str, dict[str, Any]], batch: int, cores: int, passed_over: str) -> str:
+def summary_line(best: str, measured: dict[str, dict[str, Any]], cores: int, passed_over: str, *, trial: str) -> str:
+    """The line that says which candidate won and what each measured (`trial`: what the figures are, e.g. "in a
+    trial of 64 sequences with joins")."""
     if "tokens_per_s" not in measured[best]:
         return f"{best}: the only layout on {cores} core{'s' if cores != 1 else ''}"
     others = ", ".join(f"{n} {c['tokens_per_s']:,.0f}" for n, c in measured.items() if n != best)
-    return (f"{best}: {measured[best]['tokens_per_s']:,.0f} tokens/s in a trial of {batch} sequences with joins "
-            f"on {cores} cores; {others}" + (f" ({passed_over})" if passed_over else ""))
+    return (f"{best}: {measured[best]['tokens_per_s']:,.0f} tokens/s {trial} on {cores} cores; {others}"
+            + (f" ({passed_over})" if passed_over else ""))
 
 
 def _trial_run(spec: Any, layout: dict[str, Any], batch: int, prompt_len: int, *, timeout_s: float,
