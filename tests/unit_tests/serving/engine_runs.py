@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 from pathlib import Path
 
 from mbridge_epoverlap.serving.workers.requests import Request
@@ -80,6 +81,15 @@ def prefill_logits(directory, prompt: list[int], dtype: str, *, reference=None):
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
     return model.attention.logits(x), expected
+
+
+def config_variant(source: Path, directory: Path, **changes: object) -> Path:
+    """A copy of the checkpoint at `directory` with config.json fields changed (the weights the same)."""
+    shutil.copytree(source, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
 
 
 def config_only(source: Path, tmp_path: Path, **changes: object) -> Path:

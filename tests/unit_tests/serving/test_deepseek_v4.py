@@ -33,6 +33,7 @@ from tests.unit_tests.serving.conftest import TINY_VOCAB, V4_TOPK
 from tests.unit_tests.serving.engine_runs import (
     assert_refused_before_weights,
     config_only,
+    config_variant,
     engine_tokens,
     prefill_logits,
     tokens_after_a_lost_expert_worker,
@@ -46,15 +47,6 @@ def long_prompts() -> list[list[int]]:
     """Lengths inside one pool window, past the sliding window (8) and both pools' (4, 8), and a one-token prompt."""
     rng = random.Random(11)
     return [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (3, 5, 13, 17, 40)] + [[42]]
-
-
-def _variant(source: Path, directory: Path, **changes: object) -> Path:
-    """A copy of the checkpoint with config.json fields changed (the weights the same)."""
-    shutil.copytree(source, directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(changes)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 def test_spec_reads_the_compressed_attention(tiny_deepseek_v4_dir) -> None:
@@ -138,7 +130,7 @@ def test_the_indexer_choice_and_the_hash_table_matter(tiny_deepseek_v4_dir, long
     token-id table, gives other tokens: the checks above would catch either read wrongly."""
     spec = load_spec(tiny_deepseek_v4_dir)
     tokens = generate_reference(spec, long_prompts, MAX_NEW)
-    wide = _variant(tiny_deepseek_v4_dir, tmp_path / "wide", index_topk=64)
+    wide = config_variant(tiny_deepseek_v4_dir, tmp_path / "wide", index_topk=64)
     assert generate_reference(load_spec(wide), long_prompts, MAX_NEW) != tokens
     part = load_attention_part(spec)
     router = part.layers[0].router

@@ -12,10 +12,7 @@ what the engine cannot serve is refused before any weight is read.
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +27,7 @@ from tests.unit_tests.serving.conftest import DSA_TOPK, TINY_VOCAB
 from tests.unit_tests.serving.engine_runs import (
     assert_refused_before_weights,
     config_only,
+    config_variant,
     engine_tokens,
     tokens_after_a_lost_expert_worker,
 )
@@ -42,15 +40,6 @@ def long_prompts() -> list[list[int]]:
     """Lengths around the 4-token choice and several times it, and a one-token prompt."""
     rng = random.Random(11)
     return [[rng.randrange(4, TINY_VOCAB) for _ in range(n)] for n in (4, 5, 17, 40)] + [[42]]
-
-
-def _variant(source: Path, directory: Path, **changes: object) -> Path:
-    """A copy of the checkpoint with config.json fields changed (the weights the same)."""
-    shutil.copytree(source, directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(changes)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 def test_spec_reads_the_indexer(tiny_deepseek_v32_dir, tiny_glm_moe_dsa_dir) -> None:
@@ -68,8 +57,8 @@ def test_spec_reads_the_indexer(tiny_deepseek_v32_dir, tiny_glm_moe_dsa_dir) -> 
 def test_the_choice_matters_and_a_short_context_is_dense(tiny_deepseek_v32_dir, long_prompts, tmp_path) -> None:
     """With `index_topk` past every context the tokens are the dense DeepSeek-V3 model's (the same weights read as
     `DeepseekV3ForCausalLM`); with the fixture's 4 they are not."""
-    wide = _variant(tiny_deepseek_v32_dir, tmp_path / "wide", index_topk=1024)
-    dense = _variant(tiny_deepseek_v32_dir, tmp_path / "dense", architectures=["DeepseekV3ForCausalLM"])
+    wide = config_variant(tiny_deepseek_v32_dir, tmp_path / "wide", index_topk=1024)
+    dense = config_variant(tiny_deepseek_v32_dir, tmp_path / "dense", architectures=["DeepseekV3ForCausalLM"])
     dense_tokens = generate_reference(load_spec(dense), long_prompts, MAX_NEW)
     assert generate_reference(load_spec(wide), long_prompts, MAX_NEW) == dense_tokens
     assert generate_reference(load_spec(tiny_deepseek_v32_dir), long_prompts, MAX_NEW) != dense_tokens

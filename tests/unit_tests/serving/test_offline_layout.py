@@ -9,6 +9,7 @@ import json
 import pytest
 
 from mbridge_epoverlap.serving.engine.choice import offline, online
+from mbridge_epoverlap.serving.engine.choice.layout import THREADS_MARGIN
 from mbridge_epoverlap.serving.engine.choice.offline import choose_offline_layout, predict
 from mbridge_epoverlap.serving.model.checkpoint import load_spec
 from mbridge_epoverlap.serving.workers.requests import Request
@@ -128,7 +129,7 @@ def test_serve_without_layout_flags_runs_the_layout_its_trials_measured_fastest(
     result, choice = json.loads(captured.out), json.loads(captured.out)["layout_choice"]
     assert choice["source"] == "measured" and "layout trial 1/" in captured.err
     assert "layout (measured; no layout flag given" in captured.err
-    rated = {n: c["tokens_per_s"] / (offline.THREADS_MARGIN if c["layout"]["threads"] > 1 and not
+    rated = {n: c["tokens_per_s"] / (THREADS_MARGIN if c["layout"]["threads"] > 1 and not
                                      offline.experts_tile(load_spec(tiny_mixtral_dir)) else 1.0)
              for n, c in choice["candidates"].items()}
     assert choice["chosen"] == max(rated, key=rated.__getitem__) and len(rated) >= 3

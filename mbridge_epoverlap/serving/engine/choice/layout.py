@@ -1,4 +1,5 @@
-"""The layout `serve` and `serve-bench` run when no layout flag is given, chosen from a short measurement.
+"""The layout `serve-bench` runs when no layout flag is given, chosen from a short measurement (`serve --prompts`
+measures its own: `choice.offline`).
 
 Four layouts are candidates on one machine of `cores` cores:
 

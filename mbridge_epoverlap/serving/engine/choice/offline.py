@@ -15,8 +15,8 @@ the whole file takes on that layout:
 
 The layout with the highest predicted tokens/s wins, the two best tried twice where they are within `CONTEST_MARGIN`
 (the faster trial of each kept: a trial on a shared machine only ever reads slow); several OpenMP threads in one
-process must win by `THREADS_MARGIN` where its experts do not run on the tiled GEMMs (`choice.online.handicap`'s
-rule without the front end's margin: offline nothing else takes turns on the cores). The choice is cached beside the
+process must win by `THREADS_MARGIN` where its experts do not run on the tiled GEMMs (`choice.online.handicap`
+without the front end's margin: offline nothing else takes turns on the cores). The choice is cached beside the
 online server's, under the model's config, dtype, batch, prompt length (to the power of two above), cores, CPU and
 engine code: the next run of a batch of that shape on this machine reuses it and says so.
 """
@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from mbridge_epoverlap.serving.engine.choice import online
-from mbridge_epoverlap.serving.engine.choice.layout import THREADS_MARGIN
 from mbridge_epoverlap.serving.engine.plan import available_cores
 from mbridge_epoverlap.serving.workers.requests import Request
 from mbridge_epoverlap.serving.workers.step_cores import experts_tile
@@ -93,12 +92,11 @@ def choose_offline_layout(spec: Any, requests: Sequence[Request], *, max_new_tok
             again = trial_of(name, "again, a close contest")
             kept = max((measured[name], again), key=lambda figures: figures["tokens_per_s"])
             measured[name] = dict(kept, trials=2)
-    best, passed_over = _best(measured, splits=splits)
+    best, passed_over = online.best_of(measured, splits=splits, front_end=False)
     line = online.summary_line(best, measured, cores, passed_over,
                                trial=f"predicted for the batch from a trial of {batch} prompts")
     choice = {"chosen": best, "layout": options[best], "summary": line, "cores": cores, "batch": batch,
-              "candidates": measured,
-              "source": "measured" if len(options) > 1 else "only"}
+              "candidates": measured, "source": "measured" if len(options) > 1 else "only"}
     if len(options) > 1:
         online.write_cache(cache, key, {k: v for k, v in choice.items() if k not in ("layout", "source")})
     return choice
@@ -132,31 +130,15 @@ def predict(figures: dict[str, Any], *, requests: int, rounds: int, max_new_toke
             "predicted_s": round(seconds, 3), "tokens_per_s": round(tokens_per_s, 1)}
 
 
-def _rated(measured: dict[str, dict[str, Any]], *, splits: bool) -> dict[str, float]:
-    """Each measured candidate's predicted tokens/s over its handicap (`THREADS_MARGIN` for OpenMP threads)."""
-    return {n: c["tokens_per_s"] / (THREADS_MARGIN if c["layout"]["threads"] > 1 and not splits else 1.0)
-            for n, c in measured.items() if "tokens_per_s" in c}
-
-
 def _close_contest(measured: dict[str, dict[str, Any]], *, splits: bool) -> list[str]:
-    """The runner-up and the leader, in that order, where the runner-up is within `CONTEST_MARGIN` of the leader;
-    else nothing."""
-    ranked = sorted(_rated(measured, splits=splits).items(), key=lambda item: -item[1])
+    """The runner-up and the leader, in that order, where the runner-up is within `CONTEST_MARGIN` of the leader
+    (each trial over its `online.handicap`); else nothing."""
+    rated = {n: c["tokens_per_s"] / online.handicap(c["layout"], splits=splits, front_end=False)[0]
+             for n, c in measured.items()}
+    ranked = sorted(rated.items(), key=lambda item: -item[1])
     if len(ranked) < 2 or ranked[1][1] * CONTEST_MARGIN < ranked[0][1]:
         return []
     return [ranked[1][0], ranked[0][0]]
-
-
-def _best(measured: dict[str, dict[str, Any]], *, splits: bool) -> tuple[str, str]:
-    """The candidate with the best predicted tokens/s after the threads margin, and why the fastest was not taken."""
-    rated = _rated(measured, splits=splits)
-    if not rated:
-        return next(iter(measured)), ""
-    fastest = max(rated, key=lambda n: measured[n]["tokens_per_s"])
-    best = max(rated, key=rated.__getitem__)
-    if best == fastest:
-        return best, ""
-    return best, f"{fastest} not {THREADS_MARGIN:g}x faster: OpenMP threads in one process"
 
 
 def _bucket(tokens: float) -> int:

@@ -141,7 +141,7 @@ def choose_online_layout(spec: Any, *, max_batch: int, max_model_len: int, timeo
         figures = run(layout, batch, prompt_len)
         measured[name] = {"layout": layout, "tokens_per_s": figures["tokens_per_s"],
                           "trial_s": round(time.perf_counter() - started, 2)}
-    best, passed_over = _best(measured, splits=splits)
+    best, passed_over = best_of(measured, splits=splits)
     line = summary_line(best, measured, cores, passed_over, trial=f"in a trial of {batch} sequences with joins")
     choice = {"chosen": best, "layout": options[best], "summary": line, "cores": cores, "batch": batch,
               "candidates": measured, "source": "measured" if len(options) > 1 else "only"}
@@ -217,27 +217,28 @@ def _runner(spec: Any, trial: Callable[..., dict[str, Any]] | None, *, timeout_s
     return trial or (lambda layout, b, n: _trial_run(spec, layout, b, n, timeout_s=timeout_s, backend=backend))
 
 
-def handicap(layout: dict[str, Any], *, splits: bool) -> tuple[float, str]:
+def handicap(layout: dict[str, Any], *, splits: bool, front_end: bool = True) -> tuple[float, str]:
     """(how much faster a layout's trial must be, why) against a layout of one-thread processes that never wait for
     each other: `THREADS_MARGIN` for several OpenMP threads in one process (not where its steps split the experts'
     tiled GEMMs instead, `workers.step_cores`: a helper the OS does not schedule only leaves its share to the
     others), `EXCHANGE_MARGIN` for processes that exchange tokens at every layer (EP across processes, attention
-    and expert workers); 1 otherwise."""
-    if layout.get("attn_workers") or (layout.get("colocated", 0) > 1 and not layout.get("replicated_experts")):
+    and expert workers) where a front end shares the cores (`front_end`; offline nothing else does); 1 otherwise."""
+    exchanges = layout.get("attn_workers") or (layout.get("colocated", 0) > 1 and not layout.get("replicated_experts"))
+    if front_end and exchanges:
         return EXCHANGE_MARGIN, "its processes wait for each other at every layer"
     if layout["threads"] > 1 and not splits:
         return THREADS_MARGIN, "OpenMP threads in one process"
     return 1.0, ""
 
 
-def _best(measured: dict[str, dict[str, Any]], *, splits: bool) -> tuple[str, str]:
-    """The candidate of the best trial after each one's `handicap`, and why the fastest was not taken ("" where it
-    was)."""
+def best_of(measured: dict[str, dict[str, Any]], *, splits: bool, front_end: bool = True) -> tuple[str, str]:
+    """The candidate of the best trial ("tokens_per_s") after each one's `handicap`, and why the fastest was not
+    taken ("" where it was)."""
     rated = {n: c["tokens_per_s"] for n, c in measured.items() if "tokens_per_s" in c}
     if not rated:
         return next(iter(measured)), ""
     fastest = max(rated, key=rated.__getitem__)
-    margins = {n: handicap(measured[n]["layout"], splits=splits) for n in rated}
+    margins = {n: handicap(measured[n]["layout"], splits=splits, front_end=front_end) for n in rated}
     best = max(rated, key=lambda n: rated[n] / margins[n][0])
     if best == fastest:
         return best, ""
